@@ -1,0 +1,1077 @@
+/* module.c: the CPython binding, zero._C; the only file that includes
+ * Python.h.
+ *
+ * Tensors arrive as DLPack capsules (or objects with __dlpack__) and are
+ * held by a Buffer: the capsule is consumed once, its device, dtype, shape,
+ * strides and alignment are checked once, and later calls pass the Buffer.
+ * Every argument from Python is validated here, with a message that names
+ * it, before the core sees it; the GIL is released around the core call.
+ * Core statuses become exceptions in one place, raise_status().
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+#include <math.h>
+#include <string.h>
+
+#include "dlpack_abi.h"
+#include "zero.h"
+
+typedef struct {
+    PyTypeObject *buffer_type;
+} module_state;
+
+static module_state *get_state(PyObject *module)
+{
+    return (module_state *)PyModule_GetState(module);
+}
+
+/* ---- Buffer ---------------------------------------------------------- */
+
+typedef struct {
+    PyObject_HEAD
+    void *data;            /* first element */
+    int64_t numel;
+    zero_dtype dtype;
+    int readonly;
+    int device_type;
+    dl_managed *legacy;    /* exactly one of these two is set */
+    dl_managed_versioned *versioned;
+} Buffer;
+
+static void Buffer_dealloc(Buffer *self)
+{
+    PyTypeObject *type = Py_TYPE(self);
+    if (self->legacy && self->legacy->deleter) {
+        self->legacy->deleter(self->legacy);
+    }
+    if (self->versioned && self->versioned->deleter) {
+        self->versioned->deleter(self->versioned);
+    }
+    type->tp_free((PyObject *)self);
+    Py_DECREF(type);
+}
+
+static int dtype_from_dl(dl_dtype dt, zero_dtype *out)
+{
+    if (dt.lanes != 1) {
+        return -1;
+    }
+    if (dt.code == DL_CODE_FLOAT && dt.bits == 32) {
+        *out = ZERO_F32;
+    } else if (dt.code == DL_CODE_FLOAT && dt.bits == 16) {
+        *out = ZERO_F16;
+    } else if (dt.code == DL_CODE_BFLOAT && dt.bits == 16) {
+        *out = ZERO_BF16;
+    } else {
+        return -1;
+    }
+    return 0;
+}
+
+static const char *device_name(int device_type)
+{
+    switch (device_type) {
+    case DL_CPU:
+        return "cpu";
+    case DL_CUDA:
+        return "cuda";
+    case DL_CUDA_HOST:
+        return "cuda pinned host";
+    default:
+        return "a non-CPU device";
+    }
+}
+
+/* Fill self from a dl_tensor; on failure raise and return -1 (the caller
+ * still owns the managed tensor and frees it through the Buffer). */
+static int describe_tensor(Buffer *self, const dl_tensor *t, const char *name)
+{
+    self->device_type = t->device.device_type;
+    if (t->device.device_type != DL_CPU &&
+        t->device.device_type != DL_CUDA_HOST) {
+        PyErr_Format(PyExc_ValueError,
+                     "%s is on %s (device type %d); this operation needs a "
+                     "CPU tensor: move it with .cpu()",
+                     name, device_name(t->device.device_type),
+                     (int)t->device.device_type);
+        return -1;
+    }
+    if (dtype_from_dl(t->dtype, &self->dtype) != 0) {
+        PyErr_Format(PyExc_TypeError,
+                     "%s has an unsupported dtype (DLPack code %d, %d bits, "
+                     "%d lanes); expected float32, bfloat16 or float16",
+                     name, (int)t->dtype.code, (int)t->dtype.bits,
+                     (int)t->dtype.lanes);
+        return -1;
+    }
+    if (t->ndim < 0) {
+        PyErr_Format(PyExc_ValueError, "%s has ndim %d", name, (int)t->ndim);
+        return -1;
+    }
+    int64_t numel = 1;
+    for (int d = 0; d < t->ndim; d++) {
+        if (t->shape[d] < 0) {
+            PyErr_Format(PyExc_ValueError, "%s has a negative dimension",
+                         name);
+            return -1;
+        }
+        numel *= t->shape[d];
+    }
+    if (numel > 0 && t->strides) {
+        int64_t expected = 1;
+        for (int d = t->ndim - 1; d >= 0; d--) {
+            if (t->shape[d] != 1 && t->strides[d] != expected) {
+                PyErr_Format(PyExc_ValueError,
+                             "%s is not contiguous (dimension %d has stride "
+                             "%lld, contiguous would be %lld); pass "
+                             "tensor.contiguous()",
+                             name, d, (long long)t->strides[d],
+                             (long long)expected);
+                return -1;
+            }
+            expected *= t->shape[d];
+        }
+    }
+    size_t item = zero_dtype_size(self->dtype);
+    char *data = (char *)t->data + t->byte_offset;
+    if (numel > 0 && ((uintptr_t)data % item) != 0) {
+        PyErr_Format(PyExc_ValueError,
+                     "%s starts at address %p, not aligned to its %zu-byte "
+                     "elements",
+                     name, (void *)data, item);
+        return -1;
+    }
+    self->data = data;
+    self->numel = numel;
+    return 0;
+}
+
+/* Raise `type` with "<name> <message>", chained from the exception being
+ * handled (its cause), as `raise ... from exc` would. */
+static void raise_from_current(PyObject *type, const char *message,
+                               const char *name)
+{
+    PyObject *cause_type, *cause, *cause_tb;
+    PyErr_Fetch(&cause_type, &cause, &cause_tb);
+    PyErr_NormalizeException(&cause_type, &cause, &cause_tb);
+    if (cause_tb) {
+        PyException_SetTraceback(cause, cause_tb);
+    }
+    PyErr_Format(type, "%s %s", name, message);
+    PyObject *new_type, *value, *tb;
+    PyErr_Fetch(&new_type, &value, &tb);
+    PyErr_NormalizeException(&new_type, &value, &tb);
+    if (cause) {
+        PyException_SetContext(value, Py_NewRef(cause));
+        PyException_SetCause(value, cause); /* steals cause */
+    }
+    Py_XDECREF(cause_type);
+    Py_XDECREF(cause_tb);
+    PyErr_Restore(new_type, value, tb);
+}
+
+/* Make a Buffer from a capsule or an object with __dlpack__. */
+static Buffer *buffer_from_object(module_state *st, PyObject *obj,
+                                  const char *name)
+{
+    PyObject *capsule = NULL;
+    if (PyCapsule_CheckExact(obj)) {
+        capsule = Py_NewRef(obj);
+    } else {
+        PyObject *method = PyObject_GetAttrString(obj, "__dlpack__");
+        if (!method) {
+            PyErr_Clear();
+            PyErr_Format(PyExc_TypeError,
+                         "%s must be a tensor (an object with __dlpack__) or "
+                         "a DLPack capsule, not %.100s",
+                         name, Py_TYPE(obj)->tp_name);
+            return NULL;
+        }
+        capsule = PyObject_CallNoArgs(method);
+        Py_DECREF(method);
+        if (!capsule) {
+            raise_from_current(PyExc_TypeError,
+                               "could not be exported through DLPack (for a "
+                               "parameter, pass param.detach())",
+                               name);
+            return NULL;
+        }
+    }
+    Buffer *self = PyObject_New(Buffer, st->buffer_type);
+    if (!self) {
+        Py_DECREF(capsule);
+        return NULL;
+    }
+    self->legacy = NULL;
+    self->versioned = NULL;
+    self->data = NULL;
+    self->numel = 0;
+    self->readonly = 0;
+    const dl_tensor *tensor = NULL;
+    if (PyCapsule_IsValid(capsule, "dltensor")) {
+        self->legacy = PyCapsule_GetPointer(capsule, "dltensor");
+        tensor = &self->legacy->tensor;
+        PyCapsule_SetName(capsule, "used_dltensor");
+    } else if (PyCapsule_IsValid(capsule, "dltensor_versioned")) {
+        self->versioned = PyCapsule_GetPointer(capsule, "dltensor_versioned");
+        if (self->versioned->version.major != 1) {
+            /* Not ours to read: leave the capsule to free it. */
+            unsigned major = self->versioned->version.major;
+            self->versioned = NULL;
+            Py_DECREF(capsule);
+            Py_DECREF(self);
+            PyErr_Format(PyExc_TypeError,
+                         "%s is a DLPack %u.x tensor; only 1.x is supported",
+                         name, major);
+            return NULL;
+        }
+        tensor = &self->versioned->tensor;
+        self->readonly = (self->versioned->flags & DL_FLAG_READ_ONLY) != 0;
+        PyCapsule_SetName(capsule, "used_dltensor_versioned");
+    } else {
+        Py_DECREF(capsule);
+        Py_DECREF(self);
+        PyErr_Format(PyExc_TypeError,
+                     "%s is a capsule that holds no unused DLPack tensor "
+                     "(a DLPack capsule can be consumed only once)",
+                     name);
+        return NULL;
+    }
+    Py_DECREF(capsule);
+    if (describe_tensor(self, tensor, name) != 0) {
+        Py_DECREF(self);
+        return NULL;
+    }
+    return self;
+}
+
+static PyObject *Buffer_new(PyTypeObject *type, PyObject *args,
+                            PyObject *kwargs)
+{
+    static char *keywords[] = {"tensor", NULL};
+    PyObject *obj;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "O:Buffer", keywords,
+                                     &obj)) {
+        return NULL;
+    }
+    module_state *st = PyType_GetModuleState(type);
+    if (!st) {
+        return NULL;
+    }
+    return (PyObject *)buffer_from_object(st, obj, "tensor");
+}
+
+static PyObject *Buffer_get_numel(Buffer *self, void *closure)
+{
+    (void)closure;
+    return PyLong_FromLongLong(self->numel);
+}
+
+static PyObject *Buffer_get_dtype(Buffer *self, void *closure)
+{
+    (void)closure;
+    return PyUnicode_FromString(zero_dtype_name(self->dtype));
+}
+
+static PyObject *Buffer_get_address(Buffer *self, void *closure)
+{
+    (void)closure;
+    return PyLong_FromVoidPtr(self->data);
+}
+
+static PyObject *Buffer_repr(Buffer *self)
+{
+    return PyUnicode_FromFormat("<zero._C.Buffer %s[%lld] at %p>",
+                                zero_dtype_name(self->dtype),
+                                (long long)self->numel, self->data);
+}
+
+static PyGetSetDef Buffer_getset[] = {
+    {"numel", (getter)Buffer_get_numel, NULL, "number of elements", NULL},
+    {"dtype", (getter)Buffer_get_dtype, NULL, "element type name", NULL},
+    {"address", (getter)Buffer_get_address, NULL, "address of element 0",
+     NULL},
+    {NULL},
+};
+
+static PyType_Slot Buffer_slots[] = {
+    {Py_tp_doc, "Buffer(tensor): a flat view of a contiguous CPU tensor, "
+                "checked once and held for later calls."},
+    {Py_tp_new, Buffer_new},
+    {Py_tp_dealloc, Buffer_dealloc},
+    {Py_tp_repr, Buffer_repr},
+    {Py_tp_getset, Buffer_getset},
+    {0, NULL},
+};
+
+static PyType_Spec Buffer_spec = {
+    .name = "zero._C.Buffer",
+    .basicsize = sizeof(Buffer),
+    .flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_IMMUTABLETYPE,
+    .slots = Buffer_slots,
+};
+
+/* ---- argument helpers -------------------------------------------------- */
+
+/* A Buffer for an argument: a new reference (the given Buffer, or one made
+ * from a tensor), or NULL with an exception set. */
+static Buffer *as_buffer(PyObject *module, PyObject *obj, const char *name)
+{
+    module_state *st = get_state(module);
+    if (Py_IS_TYPE(obj, st->buffer_type)) {
+        return (Buffer *)Py_NewRef(obj);
+    }
+    return buffer_from_object(st, obj, name);
+}
+
+typedef struct {
+    const char *name;
+    Buffer *buf;
+    int written;
+} named_buffer;
+
+static int check_dtype(const named_buffer *b, int allow_half)
+{
+    if (b->buf->dtype == ZERO_F32 || allow_half) {
+        return 0;
+    }
+    PyErr_Format(PyExc_TypeError, "%s must be float32, got %s", b->name,
+                 zero_dtype_name(b->buf->dtype));
+    return -1;
+}
+
+/* Sizes equal, written buffers writable, and no two buffers overlapping. */
+static int check_together(const named_buffer *bufs, int count)
+{
+    for (int i = 0; i < count; i++) {
+        const Buffer *a = bufs[i].buf;
+        if (!a) {
+            continue;
+        }
+        if (a->numel != bufs[0].buf->numel) {
+            PyErr_Format(PyExc_ValueError, "%s has %lld elements, %s has %lld",
+                         bufs[i].name, (long long)a->numel, bufs[0].name,
+                         (long long)bufs[0].buf->numel);
+            return -1;
+        }
+        if (bufs[i].written && a->readonly) {
+            PyErr_Format(PyExc_ValueError, "%s is read-only", bufs[i].name);
+            return -1;
+        }
+        const char *a_begin = a->data;
+        const char *a_end = a_begin + a->numel * zero_dtype_size(a->dtype);
+        for (int j = 0; j < i; j++) {
+            const Buffer *b = bufs[j].buf;
+            if (!b || a->numel == 0) {
+                continue;
+            }
+            const char *b_begin = b->data;
+            const char *b_end = b_begin + b->numel * zero_dtype_size(b->dtype);
+            if (a_begin < b_end && b_begin < a_end) {
+                PyErr_Format(PyExc_ValueError,
+                             "%s and %s overlap in memory; each needs its own "
+                             "storage",
+                             bufs[i].name, bufs[j].name);
+                return -1;
+            }
+        }
+    }
+    return 0;
+}
+
+static void release_buffers(named_buffer *bufs, int count)
+{
+    for (int i = 0; i < count; i++) {
+        Py_XDECREF(bufs[i].buf);
+        bufs[i].buf = NULL;
+    }
+}
+
+/* Convert the objects (NULL or None: absent) to Buffers; -1 on error. */
+static int collect_buffers(PyObject *module, named_buffer *bufs,
+                           PyObject **objs, int count)
+{
+    for (int i = 0; i < count; i++) {
+        bufs[i].buf = NULL;
+    }
+    for (int i = 0; i < count; i++) {
+        if (!objs[i] || objs[i] == Py_None) {
+            continue;
+        }
+        bufs[i].buf = as_buffer(module, objs[i], bufs[i].name);
+        if (!bufs[i].buf) {
+            release_buffers(bufs, count);
+            return -1;
+        }
+    }
+    return 0;
+}
+
+static int check_finite(const char *name, double value)
+{
+    if (!isfinite(value)) {
+        PyObject *shown = PyFloat_FromDouble(value);
+        PyErr_Format(PyExc_ValueError, "%s must be finite, got %R", name,
+                     shown);
+        Py_XDECREF(shown);
+        return -1;
+    }
+    return 0;
+}
+
+static int check_nonnegative(const char *name, double value)
+{
+    if (!isfinite(value) || value < 0.0) {
+        PyObject *shown = PyFloat_FromDouble(value);
+        PyErr_Format(PyExc_ValueError, "%s must be a finite number >= 0, got %R",
+                     name, shown);
+        Py_XDECREF(shown);
+        return -1;
+    }
+    return 0;
+}
+
+static int check_beta(const char *name, double value)
+{
+    if (!(value >= 0.0 && value < 1.0)) {
+        PyObject *shown = PyFloat_FromDouble(value);
+        PyErr_Format(PyExc_ValueError, "%s must be in [0, 1), got %R", name,
+                     shown);
+        Py_XDECREF(shown);
+        return -1;
+    }
+    return 0;
+}
+
+/* Resolve [start, stop) against n; stop < 0 means n. */
+static int check_range(int64_t n, long long start, long long *stop)
+{
+    if (*stop < 0) {
+        *stop = n;
+    }
+    if (start < 0 || start > *stop || *stop > n) {
+        PyErr_Format(PyExc_ValueError,
+                     "start=%lld, stop=%lld is not a range within the %lld "
+                     "elements",
+                     start, *stop, (long long)n);
+        return -1;
+    }
+    return 0;
+}
+
+static PyObject *raise_status(zero_status status, const char *what)
+{
+    PyObject *type = PyExc_RuntimeError;
+    if (status == ZERO_ERR_INVALID_ARGUMENT) {
+        type = PyExc_ValueError;
+    } else if (status == ZERO_ERR_UNSUPPORTED_DTYPE) {
+        type = PyExc_TypeError;
+    } else if (status == ZERO_ERR_OUT_OF_MEMORY) {
+        type = PyExc_MemoryError;
+    }
+    PyErr_Format(type, "%s failed: %s", what, zero_status_string(status));
+    return NULL;
+}
+
+/* A zero_flat over [start, stop) of the buffers. */
+static zero_flat flat_range(Buffer *param, Buffer *grad, Buffer *copy_out,
+                            long long start, long long stop)
+{
+    zero_flat f;
+    f.param = (float *)param->data + start;
+    f.grad = (const char *)grad->data + start * zero_dtype_size(grad->dtype);
+    f.grad_dtype = grad->dtype;
+    f.copy_out = copy_out ? (char *)copy_out->data +
+                                start * zero_dtype_size(copy_out->dtype)
+                          : NULL;
+    f.copy_dtype = copy_out ? copy_out->dtype : ZERO_F32;
+    f.n = stop - start;
+    return f;
+}
+
+static float *state_at(Buffer *b, long long start)
+{
+    return b ? (float *)b->data + start : NULL;
+}
+
+/* Validate dtypes and sizes of an optimizer call's buffers: bufs[0] is the
+ * param, bufs[1] the grad, the last the copy-out; the rest are states. */
+static int check_optim_buffers(named_buffer *bufs, int count)
+{
+    for (int i = 0; i < count; i++) {
+        if (!bufs[i].buf) {
+            continue;
+        }
+        int half_ok = i == 1 || i == count - 1;
+        if (check_dtype(&bufs[i], half_ok) != 0) {
+            return -1;
+        }
+    }
+    return check_together(bufs, count);
+}
+
+/* ---- optimizer functions ----------------------------------------------- */
+
+PyDoc_STRVAR(adam_step_doc,
+"adam_step(param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq=None,\n"
+"          copy_out=None, *, lr, beta1, beta2, eps, weight_decay, step,\n"
+"          decoupled=True, amsgrad=False, grad_scale=1.0, start=0, stop=-1)\n"
+"--\n\n"
+"One Adam (decoupled=False) or AdamW step over [start, stop) of flat\n"
+"buffers, in place. grad may be float32, bfloat16 or float16 and is\n"
+"multiplied by grad_scale; copy_out, when given, receives the updated\n"
+"parameters cast with round-to-nearest-even.");
+
+static PyObject *zero_C_adam_step(PyObject *module, PyObject *args,
+                                  PyObject *kwargs)
+{
+    static char *keywords[] = {"param", "grad", "exp_avg", "exp_avg_sq",
+                               "max_exp_avg_sq", "copy_out", "lr", "beta1",
+                               "beta2", "eps", "weight_decay", "step",
+                               "decoupled", "amsgrad", "grad_scale", "start",
+                               "stop", NULL};
+    PyObject *objs[6] = {NULL};
+    double lr, beta1, beta2, eps, weight_decay, grad_scale = 1.0;
+    long long step, start = 0, stop = -1;
+    int decoupled = 1, amsgrad = 0;
+    if (!PyArg_ParseTupleAndKeywords(
+            args, kwargs, "OOOO|OO$dddddLppdLL:adam_step", keywords, &objs[0],
+            &objs[1], &objs[2], &objs[3], &objs[4], &objs[5], &lr, &beta1,
+            &beta2, &eps, &weight_decay, &step, &decoupled, &amsgrad,
+            &grad_scale, &start, &stop)) {
+        return NULL;
+    }
+    if (check_nonnegative("lr", lr) || check_beta("beta1", beta1) ||
+        check_beta("beta2", beta2) || check_nonnegative("eps", eps) ||
+        check_nonnegative("weight_decay", weight_decay) ||
+        check_finite("grad_scale", grad_scale)) {
+        return NULL;
+    }
+    if (step < 1) {
+        PyErr_Format(PyExc_ValueError, "step must be >= 1, got %lld", step);
+        return NULL;
+    }
+    if (amsgrad && (!objs[4] || objs[4] == Py_None)) {
+        PyErr_SetString(PyExc_ValueError,
+                        "amsgrad=True needs the max_exp_avg_sq buffer");
+        return NULL;
+    }
+    named_buffer bufs[6] = {{"param", NULL, 1},      {"grad", NULL, 0},
+                            {"exp_avg", NULL, 1},    {"exp_avg_sq", NULL, 1},
+                            {"max_exp_avg_sq", NULL, 1},
+                            {"copy_out", NULL, 1}};
+    if (collect_buffers(module, bufs, objs, 6) != 0) {
+        return NULL;
+    }
+    PyObject *result = NULL;
+    if (check_optim_buffers(bufs, 6) != 0 ||
+        check_range(bufs[0].buf->numel, start, &stop) != 0) {
+        goto done;
+    }
+    zero_flat flat = flat_range(bufs[0].buf, bufs[1].buf, bufs[5].buf, start,
+                                stop);
+    zero_adam_state state = {state_at(bufs[2].buf, start),
+                             state_at(bufs[3].buf, start),
+                             amsgrad ? state_at(bufs[4].buf, start) : NULL};
+    zero_adam_hparams hp = {lr, beta1, beta2, eps, weight_decay, decoupled,
+                            amsgrad, step, grad_scale};
+    zero_status status;
+    Py_BEGIN_ALLOW_THREADS
+    status = zero_adam_step(&flat, &state, &hp);
+    Py_END_ALLOW_THREADS
+    if (status != ZERO_OK) {
+        raise_status(status, "adam_step");
+        goto done;
+    }
+    result = Py_NewRef(Py_None);
+done:
+    release_buffers(bufs, 6);
+    return result;
+}
+
+PyDoc_STRVAR(sgd_step_doc,
+"sgd_step(param, grad, momentum_buffer=None, copy_out=None, *, lr,\n"
+"         momentum=0.0, dampening=0.0, weight_decay=0.0, nesterov=False,\n"
+"         first_step=False, grad_scale=1.0, start=0, stop=-1)\n"
+"--\n\n"
+"One SGD step in place. With momentum, first_step=True starts the\n"
+"momentum buffer as the gradient, as torch.optim.SGD does.");
+
+static PyObject *zero_C_sgd_step(PyObject *module, PyObject *args,
+                                 PyObject *kwargs)
+{
+    static char *keywords[] = {"param", "grad", "momentum_buffer", "copy_out",
+                               "lr", "momentum", "dampening", "weight_decay",
+                               "nesterov", "first_step", "grad_scale",
+                               "start", "stop", NULL};
+    PyObject *objs[4] = {NULL};
+    double lr, momentum = 0.0, dampening = 0.0, weight_decay = 0.0,
+               grad_scale = 1.0;
+    int nesterov = 0, first_step = 0;
+    long long start = 0, stop = -1;
+    if (!PyArg_ParseTupleAndKeywords(
+            args, kwargs, "OO|OO$ddddppdLL:sgd_step", keywords, &objs[0],
+            &objs[1], &objs[2], &objs[3], &lr, &momentum, &dampening,
+            &weight_decay, &nesterov, &first_step, &grad_scale, &start,
+            &stop)) {
+        return NULL;
+    }
+    if (check_nonnegative("lr", lr) ||
+        check_nonnegative("momentum", momentum) ||
+        check_finite("dampening", dampening) ||
+        check_nonnegative("weight_decay", weight_decay) ||
+        check_finite("grad_scale", grad_scale)) {
+        return NULL;
+    }
+    if (nesterov && (momentum <= 0.0 || dampening != 0.0)) {
+        PyErr_SetString(PyExc_ValueError,
+                        "nesterov=True needs momentum > 0 and dampening 0");
+        return NULL;
+    }
+    if (momentum != 0.0 && (!objs[2] || objs[2] == Py_None)) {
+        PyErr_SetString(PyExc_ValueError,
+                        "momentum != 0 needs the momentum_buffer");
+        return NULL;
+    }
+    named_buffer bufs[4] = {{"param", NULL, 1},
+                            {"grad", NULL, 0},
+                            {"momentum_buffer", NULL, 1},
+                            {"copy_out", NULL, 1}};
+    if (collect_buffers(module, bufs, objs, 4) != 0) {
+        return NULL;
+    }
+    PyObject *result = NULL;
+    if (check_optim_buffers(bufs, 4) != 0 ||
+        check_range(bufs[0].buf->numel, start, &stop) != 0) {
+        goto done;
+    }
+    zero_flat flat = flat_range(bufs[0].buf, bufs[1].buf, bufs[3].buf, start,
+                                stop);
+    zero_sgd_hparams hp = {lr, momentum, dampening, weight_decay, nesterov,
+                           first_step, grad_scale};
+    float *momentum_buffer = state_at(bufs[2].buf, start);
+    zero_status status;
+    Py_BEGIN_ALLOW_THREADS
+    status = zero_sgd_step(&flat, momentum_buffer, &hp);
+    Py_END_ALLOW_THREADS
+    if (status != ZERO_OK) {
+        raise_status(status, "sgd_step");
+        goto done;
+    }
+    result = Py_NewRef(Py_None);
+done:
+    release_buffers(bufs, 4);
+    return result;
+}
+
+PyDoc_STRVAR(lion_step_doc,
+"lion_step(param, grad, exp_avg, copy_out=None, *, lr, beta1, beta2,\n"
+"          weight_decay=0.0, grad_scale=1.0, start=0, stop=-1)\n"
+"--\n\n"
+"One Lion step in place (Chen et al. 2023, decoupled weight decay).");
+
+static PyObject *zero_C_lion_step(PyObject *module, PyObject *args,
+                                  PyObject *kwargs)
+{
+    static char *keywords[] = {"param", "grad", "exp_avg", "copy_out", "lr",
+                               "beta1", "beta2", "weight_decay",
+                               "grad_scale", "start", "stop", NULL};
+    PyObject *objs[4] = {NULL};
+    double lr, beta1, beta2, weight_decay = 0.0, grad_scale = 1.0;
+    long long start = 0, stop = -1;
+    if (!PyArg_ParseTupleAndKeywords(
+            args, kwargs, "OOO|O$ddddLL:lion_step", keywords, &objs[0],
+            &objs[1], &objs[2], &objs[3], &lr, &beta1, &beta2, &weight_decay,
+            &grad_scale, &start, &stop)) {
+        return NULL;
+    }
+    if (check_nonnegative("lr", lr) || check_beta("beta1", beta1) ||
+        check_beta("beta2", beta2) ||
+        check_nonnegative("weight_decay", weight_decay) ||
+        check_finite("grad_scale", grad_scale)) {
+        return NULL;
+    }
+    named_buffer bufs[4] = {{"param", NULL, 1},
+                            {"grad", NULL, 0},
+                            {"exp_avg", NULL, 1},
+                            {"copy_out", NULL, 1}};
+    if (collect_buffers(module, bufs, objs, 4) != 0) {
+        return NULL;
+    }
+    PyObject *result = NULL;
+    if (check_optim_buffers(bufs, 4) != 0 ||
+        check_range(bufs[0].buf->numel, start, &stop) != 0) {
+        goto done;
+    }
+    zero_flat flat = flat_range(bufs[0].buf, bufs[1].buf, bufs[3].buf, start,
+                                stop);
+    zero_lion_hparams hp = {lr, beta1, beta2, weight_decay, grad_scale};
+    float *exp_avg = state_at(bufs[2].buf, start);
+    zero_status status;
+    Py_BEGIN_ALLOW_THREADS
+    status = zero_lion_step(&flat, exp_avg, &hp);
+    Py_END_ALLOW_THREADS
+    if (status != ZERO_OK) {
+        raise_status(status, "lion_step");
+        goto done;
+    }
+    result = Py_NewRef(Py_None);
+done:
+    release_buffers(bufs, 4);
+    return result;
+}
+
+PyDoc_STRVAR(adagrad_step_doc,
+"adagrad_step(param, grad, state_sum, copy_out=None, *, lr, lr_decay=0.0,\n"
+"             weight_decay=0.0, eps=1e-10, step, grad_scale=1.0, start=0,\n"
+"             stop=-1)\n"
+"--\n\n"
+"One Adagrad step in place, as torch.optim.Adagrad.");
+
+static PyObject *zero_C_adagrad_step(PyObject *module, PyObject *args,
+                                     PyObject *kwargs)
+{
+    static char *keywords[] = {"param", "grad", "state_sum", "copy_out",
+                               "lr", "lr_decay", "weight_decay", "eps",
+                               "step", "grad_scale", "start", "stop", NULL};
+    PyObject *objs[4] = {NULL};
+    double lr, lr_decay = 0.0, weight_decay = 0.0, eps = 1e-10,
+               grad_scale = 1.0;
+    long long step, start = 0, stop = -1;
+    if (!PyArg_ParseTupleAndKeywords(
+            args, kwargs, "OOO|O$ddddLdLL:adagrad_step", keywords, &objs[0],
+            &objs[1], &objs[2], &objs[3], &lr, &lr_decay, &weight_decay, &eps,
+            &step, &grad_scale, &start, &stop)) {
+        return NULL;
+    }
+    if (check_nonnegative("lr", lr) ||
+        check_nonnegative("lr_decay", lr_decay) ||
+        check_nonnegative("weight_decay", weight_decay) ||
+        check_nonnegative("eps", eps) ||
+        check_finite("grad_scale", grad_scale)) {
+        return NULL;
+    }
+    if (step < 1) {
+        PyErr_Format(PyExc_ValueError, "step must be >= 1, got %lld", step);
+        return NULL;
+    }
+    named_buffer bufs[4] = {{"param", NULL, 1},
+                            {"grad", NULL, 0},
+                            {"state_sum", NULL, 1},
+                            {"copy_out", NULL, 1}};
+    if (collect_buffers(module, bufs, objs, 4) != 0) {
+        return NULL;
+    }
+    PyObject *result = NULL;
+    if (check_optim_buffers(bufs, 4) != 0 ||
+        check_range(bufs[0].buf->numel, start, &stop) != 0) {
+        goto done;
+    }
+    zero_flat flat = flat_range(bufs[0].buf, bufs[1].buf, bufs[3].buf, start,
+                                stop);
+    zero_adagrad_hparams hp = {lr, lr_decay, weight_decay, eps, step,
+                               grad_scale};
+    float *state_sum = state_at(bufs[2].buf, start);
+    zero_status status;
+    Py_BEGIN_ALLOW_THREADS
+    status = zero_adagrad_step(&flat, state_sum, &hp);
+    Py_END_ALLOW_THREADS
+    if (status != ZERO_OK) {
+        raise_status(status, "adagrad_step");
+        goto done;
+    }
+    result = Py_NewRef(Py_None);
+done:
+    release_buffers(bufs, 4);
+    return result;
+}
+
+/* ---- reductions and conversions ---------------------------------------- */
+
+PyDoc_STRVAR(sum_squares_doc,
+"sum_squares(tensor) -> float\n--\n\n"
+"Sum of squares of all elements, accumulated in double precision over\n"
+"fixed blocks (the same result for any thread count). inf or nan when the\n"
+"data holds one.");
+
+static PyObject *zero_C_sum_squares(PyObject *module, PyObject *arg)
+{
+    Buffer *b = as_buffer(module, arg, "tensor");
+    if (!b) {
+        return NULL;
+    }
+    double sum = 0.0;
+    zero_status status;
+    Py_BEGIN_ALLOW_THREADS
+    status = zero_sum_squares(b->data, b->dtype, b->numel, &sum);
+    Py_END_ALLOW_THREADS
+    Py_DECREF(b);
+    if (status != ZERO_OK) {
+        return raise_status(status, "sum_squares");
+    }
+    return PyFloat_FromDouble(sum);
+}
+
+PyDoc_STRVAR(all_finite_doc,
+"all_finite(tensor) -> bool\n--\n\n"
+"True when no element is inf or nan.");
+
+static PyObject *zero_C_all_finite(PyObject *module, PyObject *arg)
+{
+    Buffer *b = as_buffer(module, arg, "tensor");
+    if (!b) {
+        return NULL;
+    }
+    int finite = 1;
+    zero_status status;
+    Py_BEGIN_ALLOW_THREADS
+    status = zero_check_finite(b->data, b->dtype, b->numel, &finite);
+    Py_END_ALLOW_THREADS
+    Py_DECREF(b);
+    if (status != ZERO_OK) {
+        return raise_status(status, "all_finite");
+    }
+    return PyBool_FromLong(finite);
+}
+
+PyDoc_STRVAR(convert_doc,
+"convert(dst, src)\n--\n\n"
+"dst[i] = src[i] cast to dst's dtype (float32, bfloat16, float16);\n"
+"narrowing rounds to nearest even.");
+
+static PyObject *zero_C_convert(PyObject *module, PyObject *args)
+{
+    PyObject *objs[2];
+    if (!PyArg_ParseTuple(args, "OO:convert", &objs[0], &objs[1])) {
+        return NULL;
+    }
+    named_buffer bufs[2] = {{"dst", NULL, 1}, {"src", NULL, 0}};
+    if (collect_buffers(module, bufs, objs, 2) != 0) {
+        return NULL;
+    }
+    PyObject *result = NULL;
+    if (check_together(bufs, 2) == 0) {
+        Buffer *dst = bufs[0].buf, *src = bufs[1].buf;
+        zero_status status;
+        Py_BEGIN_ALLOW_THREADS
+        status = zero_convert(dst->data, dst->dtype, src->data, src->dtype,
+                              dst->numel);
+        Py_END_ALLOW_THREADS
+        result = status == ZERO_OK ? Py_NewRef(Py_None)
+                                   : raise_status(status, "convert");
+    }
+    release_buffers(bufs, 2);
+    return result;
+}
+
+PyDoc_STRVAR(stream_triad_doc,
+"stream_triad(a, b, c, scalar)\n--\n\n"
+"a[i] = b[i] + scalar * c[i] over float32 buffers: the memory-bandwidth\n"
+"ceiling the benchmarks measure against.");
+
+static PyObject *zero_C_stream_triad(PyObject *module, PyObject *args)
+{
+    PyObject *objs[3];
+    double scalar;
+    if (!PyArg_ParseTuple(args, "OOOd:stream_triad", &objs[0], &objs[1],
+                          &objs[2], &scalar)) {
+        return NULL;
+    }
+    named_buffer bufs[3] = {{"a", NULL, 1}, {"b", NULL, 0}, {"c", NULL, 0}};
+    if (collect_buffers(module, bufs, objs, 3) != 0) {
+        return NULL;
+    }
+    PyObject *result = NULL;
+    if (check_dtype(&bufs[0], 0) == 0 && check_dtype(&bufs[1], 0) == 0 &&
+        check_dtype(&bufs[2], 0) == 0 && check_together(bufs, 3) == 0) {
+        zero_status status;
+        Py_BEGIN_ALLOW_THREADS
+        status = zero_stream_triad(bufs[0].buf->data, bufs[1].buf->data,
+                                   bufs[2].buf->data, (float)scalar,
+                                   bufs[0].buf->numel);
+        Py_END_ALLOW_THREADS
+        result = status == ZERO_OK ? Py_NewRef(Py_None)
+                                   : raise_status(status, "stream_triad");
+    }
+    release_buffers(bufs, 3);
+    return result;
+}
+
+/* ---- CPU and threads --------------------------------------------------- */
+
+static PyObject *zero_C_cpu_info(PyObject *module, PyObject *unused)
+{
+    (void)module;
+    (void)unused;
+    PyObject *available = PyList_New(0);
+    if (!available) {
+        return NULL;
+    }
+    for (int i = 0; i < ZERO_ISA_COUNT; i++) {
+        if (zero_isa_supported((zero_isa)i)) {
+            PyObject *name = PyUnicode_FromString(zero_isa_name((zero_isa)i));
+            if (!name || PyList_Append(available, name) != 0) {
+                Py_XDECREF(name);
+                Py_DECREF(available);
+                return NULL;
+            }
+            Py_DECREF(name);
+        }
+    }
+    const char *env = getenv(ZERO_SIMD_ENV);
+    return Py_BuildValue("{s:s,s:s,s:s,s:N,s:i,s:s,s:z}", "features",
+                         zero_cpu_features(), "simd",
+                         zero_isa_name(zero_isa_active()), "best",
+                         zero_isa_name(zero_isa_best()), "available",
+                         available, "threads", zero_threads_get(),
+                         "simd_env_var", ZERO_SIMD_ENV, "simd_env", env);
+}
+
+PyDoc_STRVAR(set_simd_doc,
+"set_simd(name) -> str\n--\n\n"
+"Use the SIMD path `name` ('scalar', 'avx2', 'avx512') from now on;\n"
+"returns the previous one. The ZERO_SIMD environment variable does the\n"
+"same at import.");
+
+static PyObject *zero_C_set_simd(PyObject *module, PyObject *arg)
+{
+    (void)module;
+    const char *name = PyUnicode_AsUTF8(arg);
+    if (!name) {
+        return NULL;
+    }
+    zero_isa isa;
+    if (zero_isa_from_name(name, &isa) != 0) {
+        PyErr_Format(PyExc_ValueError,
+                     "name must be 'scalar', 'avx2' or 'avx512', got %R", arg);
+        return NULL;
+    }
+    zero_isa previous = zero_isa_active();
+    if (zero_isa_set(isa) != ZERO_OK) {
+        PyErr_Format(PyExc_ValueError,
+                     "this CPU cannot run the %s path (features: %s)", name,
+                     zero_cpu_features());
+        return NULL;
+    }
+    return PyUnicode_FromString(zero_isa_name(previous));
+}
+
+static PyObject *zero_C_set_num_threads(PyObject *module, PyObject *arg)
+{
+    (void)module;
+    long n = PyLong_AsLong(arg);
+    if (n == -1 && PyErr_Occurred()) {
+        return NULL;
+    }
+    if (n < 0 || n > 4096) {
+        PyErr_Format(PyExc_ValueError,
+                     "nthreads must be between 0 (all CPUs this process may "
+                     "use) and 4096, got %ld",
+                     n);
+        return NULL;
+    }
+    zero_status status;
+    Py_BEGIN_ALLOW_THREADS
+    status = zero_threads_set((int)n);
+    Py_END_ALLOW_THREADS
+    if (status != ZERO_OK) {
+        return raise_status(status, "set_num_threads");
+    }
+    Py_RETURN_NONE;
+}
+
+static PyObject *zero_C_get_num_threads(PyObject *module, PyObject *unused)
+{
+    (void)module;
+    (void)unused;
+    return PyLong_FromLong(zero_threads_get());
+}
+
+static PyMethodDef zero_C_methods[] = {
+    {"adam_step", (PyCFunction)(void (*)(void))zero_C_adam_step,
+     METH_VARARGS | METH_KEYWORDS, adam_step_doc},
+    {"sgd_step", (PyCFunction)(void (*)(void))zero_C_sgd_step,
+     METH_VARARGS | METH_KEYWORDS, sgd_step_doc},
+    {"lion_step", (PyCFunction)(void (*)(void))zero_C_lion_step,
+     METH_VARARGS | METH_KEYWORDS, lion_step_doc},
+    {"adagrad_step", (PyCFunction)(void (*)(void))zero_C_adagrad_step,
+     METH_VARARGS | METH_KEYWORDS, adagrad_step_doc},
+    {"sum_squares", zero_C_sum_squares, METH_O, sum_squares_doc},
+    {"all_finite", zero_C_all_finite, METH_O, all_finite_doc},
+    {"convert", zero_C_convert, METH_VARARGS, convert_doc},
+    {"stream_triad", zero_C_stream_triad, METH_VARARGS, stream_triad_doc},
+    {"cpu_info", zero_C_cpu_info, METH_NOARGS,
+     "cpu_info() -> dict\n--\n\nDetected CPU features and the SIMD path in "
+     "use."},
+    {"set_simd", zero_C_set_simd, METH_O, set_simd_doc},
+    {"set_num_threads", zero_C_set_num_threads, METH_O,
+     "set_num_threads(n)\n--\n\nThreads the core uses, the caller included; "
+     "0 means every CPU this process may use."},
+    {"get_num_threads", zero_C_get_num_threads, METH_NOARGS,
+     "get_num_threads() -> int\n--\n\nThreads the core uses."},
+    {NULL, NULL, 0, NULL},
+};
+
+static int zero_C_exec(PyObject *module)
+{
+    module_state *st = get_state(module);
+    st->buffer_type = (PyTypeObject *)PyType_FromModuleAndSpec(
+        module, &Buffer_spec, NULL);
+    if (!st->buffer_type) {
+        return -1;
+    }
+    if (PyModule_AddType(module, st->buffer_type) != 0) {
+        return -1;
+    }
+    const char *bad_env = zero_isa_env_error();
+    if (bad_env) {
+        if (PyErr_WarnFormat(PyExc_RuntimeWarning, 1,
+                             "%s=%s is not a SIMD path this CPU can run "
+                             "(choose scalar, avx2 or avx512); using %s",
+                             ZERO_SIMD_ENV, bad_env,
+                             zero_isa_name(zero_isa_active())) != 0) {
+            return -1;
+        }
+    }
+    return 0;
+}
+
+static int zero_C_traverse(PyObject *module, visitproc visit, void *arg)
+{
+    Py_VISIT(get_state(module)->buffer_type);
+    return 0;
+}
+
+static int zero_C_clear(PyObject *module)
+{
+    Py_CLEAR(get_state(module)->buffer_type);
+    return 0;
+}
+
+static void zero_C_free(void *module)
+{
+    zero_C_clear((PyObject *)module);
+}
+
+static PyModuleDef_Slot zero_C_slots[] = {
+    {Py_mod_exec, zero_C_exec},
+    {0, NULL},
+};
+
+static struct PyModuleDef zero_C_module = {
+    PyModuleDef_HEAD_INIT,
+    .m_name = "zero._C",
+    .m_doc = "zero's C core: CPU optimizers, reductions, conversions.",
+    .m_size = sizeof(module_state),
+    .m_methods = zero_C_methods,
+    .m_slots = zero_C_slots,
+    .m_traverse = zero_C_traverse,
+    .m_clear = zero_C_clear,
+    .m_free = zero_C_free,
+};
+
+PyMODINIT_FUNC PyInit__C(void)
+{
+    return PyModuleDef_Init(&zero_C_module);
+}

@@ -1,0 +1,169 @@
+/* zero.h: the public API of zero's plain-C core.
+ *
+ * Everything here works on flat, contiguous host buffers. The core never
+ * prints, exits or aborts: every entry point returns a zero_status, and the
+ * Python binding (module.c) turns a status into an exception. Callers (the
+ * binding, tests/c) validate pointers, sizes and hyperparameters before they
+ * get here; the core re-checks only what would otherwise crash.
+ */
+#ifndef ZERO_H
+#define ZERO_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+typedef enum {
+    ZERO_OK = 0,
+    ZERO_ERR_INVALID_ARGUMENT = 1, /* a null pointer, a negative size... */
+    ZERO_ERR_UNSUPPORTED_DTYPE = 2,
+    ZERO_ERR_UNSUPPORTED_ISA = 3,  /* asked for a SIMD path this CPU lacks */
+    ZERO_ERR_OUT_OF_MEMORY = 4,
+    ZERO_ERR_THREADS = 5           /* pthread_create failed */
+} zero_status;
+
+const char *zero_status_string(zero_status status);
+
+/* Element types of the buffers the core reads and writes. */
+typedef enum {
+    ZERO_F32 = 0,
+    ZERO_BF16 = 1,
+    ZERO_F16 = 2
+} zero_dtype;
+
+size_t zero_dtype_size(zero_dtype dtype);
+const char *zero_dtype_name(zero_dtype dtype);
+
+/* ---- CPU features and SIMD dispatch (cpu_features.c) ---------------- */
+
+typedef enum {
+    ZERO_ISA_SCALAR = 0,
+    ZERO_ISA_AVX2 = 1,   /* AVX2 + FMA + F16C */
+    ZERO_ISA_AVX512 = 2, /* AVX-512 F + BW + VL */
+    ZERO_ISA_COUNT = 3
+} zero_isa;
+
+/* Environment variable read once, on first use, to force a path:
+ * "scalar", "avx2" or "avx512". An unsupported or unknown value falls back to
+ * the best path and is reported by zero_isa_env_error(). */
+#define ZERO_SIMD_ENV "ZERO_SIMD"
+
+const char *zero_isa_name(zero_isa isa);
+int zero_isa_from_name(const char *name, zero_isa *isa); /* 0 on success */
+int zero_isa_supported(zero_isa isa);
+zero_isa zero_isa_best(void);
+zero_isa zero_isa_active(void);
+zero_status zero_isa_set(zero_isa isa);
+/* The value of ZERO_SIMD that could not be honoured, or NULL. */
+const char *zero_isa_env_error(void);
+/* Space-separated names of the detected features ("avx2 fma f16c ..."). */
+const char *zero_cpu_features(void);
+
+/* ---- thread pool (threadpool.c) ------------------------------------- */
+
+/* Threads used by the core, the calling thread included. Defaults to the
+ * CPUs this process may run on (sched_getaffinity). */
+int zero_threads_get(void);
+zero_status zero_threads_set(int nthreads);
+
+/* ---- optimizers over flat fp32 buffers (optim.c) -------------------- */
+
+/* Buffers shared by every optimizer. All hold n elements. The gradient is
+ * read as grad_dtype and multiplied by grad_scale before use (loss-scale
+ * unscaling, clipping and `maximize` fold into that one factor). When
+ * copy_out is not NULL, the updated parameter is also written there, cast to
+ * copy_dtype with round-to-nearest-even. */
+typedef struct {
+    float *param;          /* [n] fp32 master parameters, updated in place */
+    const void *grad;      /* [n] gradients, grad_dtype */
+    zero_dtype grad_dtype;
+    void *copy_out;        /* [n] or NULL: updated params, copy_dtype */
+    zero_dtype copy_dtype;
+    int64_t n;
+} zero_flat;
+
+typedef struct {
+    double lr;
+    double beta1, beta2;
+    double eps;
+    double weight_decay;
+    int decoupled;         /* 1: AdamW (decay the weights), 0: Adam (L2) */
+    int amsgrad;
+    int64_t step;          /* 1 on the first update; sets bias correction */
+    double grad_scale;
+} zero_adam_hparams;
+
+typedef struct {
+    float *exp_avg;        /* [n] first moment */
+    float *exp_avg_sq;     /* [n] second moment */
+    float *max_exp_avg_sq; /* [n] running max of exp_avg_sq; amsgrad only */
+} zero_adam_state;
+
+zero_status zero_adam_step(const zero_flat *buf, const zero_adam_state *state,
+                           const zero_adam_hparams *hp);
+
+typedef struct {
+    double lr;
+    double momentum;
+    double dampening;
+    double weight_decay;
+    int nesterov;
+    int first_step;        /* the momentum buffer starts as the gradient */
+    double grad_scale;
+} zero_sgd_hparams;
+
+/* momentum_buffer: [n], may be NULL when momentum == 0. */
+zero_status zero_sgd_step(const zero_flat *buf, float *momentum_buffer,
+                          const zero_sgd_hparams *hp);
+
+typedef struct {
+    double lr;
+    double beta1, beta2;
+    double weight_decay;   /* decoupled, as in the Lion paper */
+    double grad_scale;
+} zero_lion_hparams;
+
+zero_status zero_lion_step(const zero_flat *buf, float *exp_avg,
+                           const zero_lion_hparams *hp);
+
+typedef struct {
+    double lr;
+    double lr_decay;
+    double weight_decay;
+    double eps;
+    int64_t step;          /* 1 on the first update */
+    double grad_scale;
+} zero_adagrad_hparams;
+
+zero_status zero_adagrad_step(const zero_flat *buf, float *state_sum,
+                              const zero_adagrad_hparams *hp);
+
+/* ---- reductions and conversions (reduce.c) -------------------------- */
+
+/* Sum of squares of n elements, accumulated in fixed-size blocks whose
+ * partial sums are added in order, so the result does not depend on the
+ * thread count. Infinite or NaN when the data holds an inf or NaN. */
+zero_status zero_sum_squares(const void *data, zero_dtype dtype, int64_t n,
+                             double *out);
+
+/* *all_finite = 1 when no element is inf or NaN. */
+zero_status zero_check_finite(const void *data, zero_dtype dtype, int64_t n,
+                              int *all_finite);
+
+/* dst[i] = (dst_dtype) src[i]; narrowing rounds to nearest even. */
+zero_status zero_convert(void *dst, zero_dtype dst_dtype, const void *src,
+                         zero_dtype src_dtype, int64_t n);
+
+/* a[i] = b[i] + scalar * c[i]: the STREAM triad, the bandwidth ceiling the
+ * benchmarks compare against. */
+zero_status zero_stream_triad(float *a, const float *b, const float *c,
+                              float scalar, int64_t n);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* ZERO_H */
