@@ -11,6 +11,8 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 
+#include <float.h>
+#include <limits.h>
 #include <math.h>
 #include <string.h>
 
@@ -460,6 +462,22 @@ static int check_range(int64_t n, long long start, long long *stop)
     return 0;
 }
 
+/* Keyword-only arguments without a default start as MISSING: the
+ * PyArg_Parse format has no "required keyword-only" mark. */
+#define MISSING (-DBL_MAX)
+#define MISSING_INT LLONG_MIN
+
+static int require(const char *function, const char *name, int missing)
+{
+    if (missing) {
+        PyErr_Format(PyExc_TypeError,
+                     "%s() missing required keyword argument '%s'", function,
+                     name);
+        return -1;
+    }
+    return 0;
+}
+
 static PyObject *raise_status(zero_status status, const char *what)
 {
     PyObject *type = PyExc_RuntimeError;
@@ -532,14 +550,23 @@ static PyObject *zero_C_adam_step(PyObject *module, PyObject *args,
                                "decoupled", "amsgrad", "grad_scale", "start",
                                "stop", NULL};
     PyObject *objs[6] = {NULL};
-    double lr, beta1, beta2, eps, weight_decay, grad_scale = 1.0;
-    long long step, start = 0, stop = -1;
+    double lr = MISSING, beta1 = MISSING, beta2 = MISSING, eps = MISSING,
+           weight_decay = MISSING, grad_scale = 1.0;
+    long long step = MISSING_INT, start = 0, stop = -1;
     int decoupled = 1, amsgrad = 0;
     if (!PyArg_ParseTupleAndKeywords(
             args, kwargs, "OOOO|OO$dddddLppdLL:adam_step", keywords, &objs[0],
             &objs[1], &objs[2], &objs[3], &objs[4], &objs[5], &lr, &beta1,
             &beta2, &eps, &weight_decay, &step, &decoupled, &amsgrad,
             &grad_scale, &start, &stop)) {
+        return NULL;
+    }
+    if (require("adam_step", "lr", lr == MISSING) ||
+        require("adam_step", "beta1", beta1 == MISSING) ||
+        require("adam_step", "beta2", beta2 == MISSING) ||
+        require("adam_step", "eps", eps == MISSING) ||
+        require("adam_step", "weight_decay", weight_decay == MISSING) ||
+        require("adam_step", "step", step == MISSING_INT)) {
         return NULL;
     }
     if (check_nonnegative("lr", lr) || check_beta("beta1", beta1) ||
@@ -606,8 +633,8 @@ static PyObject *zero_C_sgd_step(PyObject *module, PyObject *args,
                                "nesterov", "first_step", "grad_scale",
                                "start", "stop", NULL};
     PyObject *objs[4] = {NULL};
-    double lr, momentum = 0.0, dampening = 0.0, weight_decay = 0.0,
-               grad_scale = 1.0;
+    double lr = MISSING, momentum = 0.0, dampening = 0.0,
+           weight_decay = 0.0, grad_scale = 1.0;
     int nesterov = 0, first_step = 0;
     long long start = 0, stop = -1;
     if (!PyArg_ParseTupleAndKeywords(
@@ -615,6 +642,9 @@ static PyObject *zero_C_sgd_step(PyObject *module, PyObject *args,
             &objs[1], &objs[2], &objs[3], &lr, &momentum, &dampening,
             &weight_decay, &nesterov, &first_step, &grad_scale, &start,
             &stop)) {
+        return NULL;
+    }
+    if (require("sgd_step", "lr", lr == MISSING)) {
         return NULL;
     }
     if (check_nonnegative("lr", lr) ||
@@ -678,12 +708,18 @@ static PyObject *zero_C_lion_step(PyObject *module, PyObject *args,
                                "beta1", "beta2", "weight_decay",
                                "grad_scale", "start", "stop", NULL};
     PyObject *objs[4] = {NULL};
-    double lr, beta1, beta2, weight_decay = 0.0, grad_scale = 1.0;
+    double lr = MISSING, beta1 = MISSING, beta2 = MISSING,
+           weight_decay = 0.0, grad_scale = 1.0;
     long long start = 0, stop = -1;
     if (!PyArg_ParseTupleAndKeywords(
-            args, kwargs, "OOO|O$ddddLL:lion_step", keywords, &objs[0],
+            args, kwargs, "OOO|O$dddddLL:lion_step", keywords, &objs[0],
             &objs[1], &objs[2], &objs[3], &lr, &beta1, &beta2, &weight_decay,
             &grad_scale, &start, &stop)) {
+        return NULL;
+    }
+    if (require("lion_step", "lr", lr == MISSING) ||
+        require("lion_step", "beta1", beta1 == MISSING) ||
+        require("lion_step", "beta2", beta2 == MISSING)) {
         return NULL;
     }
     if (check_nonnegative("lr", lr) || check_beta("beta1", beta1) ||
@@ -736,13 +772,17 @@ static PyObject *zero_C_adagrad_step(PyObject *module, PyObject *args,
                                "lr", "lr_decay", "weight_decay", "eps",
                                "step", "grad_scale", "start", "stop", NULL};
     PyObject *objs[4] = {NULL};
-    double lr, lr_decay = 0.0, weight_decay = 0.0, eps = 1e-10,
-               grad_scale = 1.0;
-    long long step, start = 0, stop = -1;
+    double lr = MISSING, lr_decay = 0.0, weight_decay = 0.0, eps = 1e-10,
+           grad_scale = 1.0;
+    long long step = MISSING_INT, start = 0, stop = -1;
     if (!PyArg_ParseTupleAndKeywords(
             args, kwargs, "OOO|O$ddddLdLL:adagrad_step", keywords, &objs[0],
             &objs[1], &objs[2], &objs[3], &lr, &lr_decay, &weight_decay, &eps,
             &step, &grad_scale, &start, &stop)) {
+        return NULL;
+    }
+    if (require("adagrad_step", "lr", lr == MISSING) ||
+        require("adagrad_step", "step", step == MISSING_INT)) {
         return NULL;
     }
     if (check_nonnegative("lr", lr) ||
