@@ -175,15 +175,11 @@ class FlatOptimizer(torch.optim.Optimizer):
                 present.append(False)
                 continue
             view = seg.view(seg.grad_flat, i)
-            if g.data_ptr() != grad_ptr + seg.offsets[i] * item or g.dtype != p.dtype \
-                    or g.shape != p.shape:
+            # torch guarantees a gradient has its parameter's shape and dtype
+            if g.data_ptr() != grad_ptr + seg.offsets[i] * item:
                 if g.is_sparse:
                     raise TypeError(f"parameter {i} of param group {group_index} has a "
                                     "sparse gradient; zero.optim needs dense gradients")
-                if g.shape != p.shape:
-                    raise ValueError(
-                        f"parameter {i} of param group {group_index} has shape "
-                        f"{tuple(p.shape)} but its gradient has shape {tuple(g.shape)}")
                 view.copy_(g)
                 p.grad = view
             present.append(True)

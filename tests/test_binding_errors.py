@@ -1,0 +1,197 @@
+"""Bad input to zero._C raises an exception that names the argument and the
+wrong value; it never crashes and never changes a buffer."""
+import ctypes
+import math
+
+import pytest
+import torch
+
+import zero
+from zero import _C
+
+
+def bufs(n=64, dtype=torch.float32):
+    g = torch.Generator().manual_seed(0)
+    return [torch.randn(n, generator=g).to(dtype) for _ in range(4)]
+
+
+KW = dict(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0, step=1)
+
+
+def assert_unchanged(tensors, before):
+    for t, b in zip(tensors, before):
+        assert torch.equal(t, b)
+
+
+@pytest.mark.parametrize("arg,value,message", [
+    ("lr", float("nan"), "lr must be a finite number >= 0, got nan"),
+    ("lr", -1.0, "lr must be a finite number >= 0, got -1.0"),
+    ("beta1", 1.0, r"beta1 must be in \[0, 1\), got 1.0"),
+    ("beta2", -0.1, r"beta2 must be in \[0, 1\), got -0.1"),
+    ("eps", float("inf"), "eps must be a finite number >= 0"),
+    ("weight_decay", -0.5, "weight_decay must be"),
+    ("step", 0, "step must be >= 1, got 0"),
+])
+def test_bad_hyperparameters(arg, value, message):
+    p, g, m, v = bufs()
+    before = [t.clone() for t in (p, m, v)]
+    with pytest.raises(ValueError, match=message):
+        _C.adam_step(p, g, m, v, **{**KW, arg: value})
+    assert_unchanged((p, m, v), before)
+
+
+def test_missing_keyword_is_named():
+    p, g, m, v = bufs()
+    kw = dict(KW)
+    del kw["lr"]
+    with pytest.raises(TypeError, match="missing required keyword argument 'lr'"):
+        _C.adam_step(p, g, m, v, **kw)
+
+
+def test_size_mismatch_names_both():
+    p, g, m, v = bufs()
+    with pytest.raises(ValueError, match="grad has 63 elements, param has 64"):
+        _C.adam_step(p, g[:63], m, v, **KW)
+
+
+def test_wrong_dtype():
+    p, g, m, v = bufs()
+    with pytest.raises(TypeError, match="exp_avg must be float32, got bfloat16"):
+        _C.adam_step(p, g, m.bfloat16(), v, **KW)
+    with pytest.raises(TypeError, match="unsupported dtype"):
+        _C.adam_step(p, g.double(), m, v, **KW)
+    with pytest.raises(TypeError, match="unsupported dtype"):
+        _C.adam_step(p, torch.ones(64, dtype=torch.int32), m, v, **KW)
+
+
+def test_non_contiguous():
+    p, g, m, v = bufs(128)
+    with pytest.raises(ValueError, match="grad is not contiguous"):
+        _C.adam_step(p[:64], g[::2], m[:64], v[:64], **KW)
+    square = torch.randn(8, 8)
+    with pytest.raises(ValueError, match="param is not contiguous"):
+        _C.adam_step(square.t(), g[:64].view(8, 8), m[:64], v[:64], **KW)
+
+
+def test_overlapping_buffers():
+    p, g, m, v = bufs(128)
+    with pytest.raises(ValueError, match="exp_avg and param overlap"):
+        _C.adam_step(p[:64], g[:64], p[32:96], v[:64], **KW)
+    with pytest.raises(ValueError, match="exp_avg_sq and exp_avg overlap"):
+        _C.adam_step(p[:64], g[:64], m[:64], m[:64], **KW)
+
+
+def test_bad_range():
+    p, g, m, v = bufs()
+    with pytest.raises(ValueError, match="start=10, stop=5"):
+        _C.adam_step(p, g, m, v, start=10, stop=5, **KW)
+    with pytest.raises(ValueError, match="stop=65"):
+        _C.adam_step(p, g, m, v, start=0, stop=65, **KW)
+
+
+def test_not_a_tensor():
+    p, g, m, v = bufs()
+    with pytest.raises(TypeError, match="grad must be a tensor .* not list"):
+        _C.adam_step(p, [1.0] * 64, m, v, **KW)
+
+
+def test_tensor_requiring_grad_is_explained():
+    p = torch.nn.Parameter(torch.randn(64))
+    _, g, m, v = bufs()
+    with pytest.raises(TypeError, match=r"param could not be exported through DLPack"):
+        _C.adam_step(p, g, m, v, **KW)
+
+
+def test_consumed_capsule():
+    t = torch.randn(8)
+    cap = t.__dlpack__()
+    _C.Buffer(cap)
+    with pytest.raises(TypeError, match="consumed only once"):
+        _C.Buffer(cap)
+
+
+def test_sgd_and_others_validate_too():
+    p, g, m, _ = bufs()
+    with pytest.raises(ValueError, match="nesterov=True needs momentum > 0"):
+        _C.sgd_step(p, g, m, lr=0.1, momentum=0.0, nesterov=True)
+    with pytest.raises(ValueError, match="momentum != 0 needs the momentum_buffer"):
+        _C.sgd_step(p, g, lr=0.1, momentum=0.9)
+    with pytest.raises(ValueError, match=r"beta2 must be in \[0, 1\)"):
+        _C.lion_step(p, g, m, lr=1e-4, beta1=0.9, beta2=1.5)
+    with pytest.raises(ValueError, match="lr_decay must be"):
+        _C.adagrad_step(p, g, m, lr=0.1, lr_decay=-1.0, step=1)
+    with pytest.raises(ValueError, match="grad_scale must be finite"):
+        _C.lion_step(p, g, m, lr=1e-4, beta1=0.9, beta2=0.99, grad_scale=math.inf)
+
+
+def test_amsgrad_needs_its_buffer():
+    p, g, m, v = bufs()
+    with pytest.raises(ValueError, match="amsgrad=True needs the max_exp_avg_sq"):
+        _C.adam_step(p, g, m, v, amsgrad=True, **KW)
+
+
+class _DLDevice(ctypes.Structure):
+    _fields_ = [("device_type", ctypes.c_int32), ("device_id", ctypes.c_int32)]
+
+
+class _DLDataType(ctypes.Structure):
+    _fields_ = [("code", ctypes.c_uint8), ("bits", ctypes.c_uint8), ("lanes", ctypes.c_uint16)]
+
+
+class _DLTensor(ctypes.Structure):
+    _fields_ = [("data", ctypes.c_void_p), ("device", _DLDevice), ("ndim", ctypes.c_int32),
+                ("dtype", _DLDataType), ("shape", ctypes.POINTER(ctypes.c_int64)),
+                ("strides", ctypes.POINTER(ctypes.c_int64)), ("byte_offset", ctypes.c_uint64)]
+
+
+class _DLManaged(ctypes.Structure):
+    _fields_ = [("dl_tensor", _DLTensor), ("manager_ctx", ctypes.c_void_p),
+                ("deleter", ctypes.c_void_p)]
+
+
+def fake_capsule(device_type, keep):
+    """A DLPack capsule describing memory on another device (as a CUDA
+    tensor's would), built by hand: this machine has no GPU."""
+    shape = (ctypes.c_int64 * 1)(16)
+    managed = _DLManaged()
+    managed.dl_tensor.data = 0x10000
+    managed.dl_tensor.device = _DLDevice(device_type, 0)
+    managed.dl_tensor.ndim = 1
+    managed.dl_tensor.dtype = _DLDataType(2, 32, 1)
+    managed.dl_tensor.shape = shape
+    keep += [shape, managed]
+    new = ctypes.pythonapi.PyCapsule_New
+    new.restype = ctypes.py_object
+    new.argtypes = [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_void_p]
+    return new(ctypes.addressof(managed), b"dltensor", None)
+
+
+def test_cuda_tensor_where_cpu_is_needed():
+    keep = []
+    cap = fake_capsule(2, keep)
+    _, g, m, v = bufs(16)
+    with pytest.raises(ValueError, match="param is on cuda .* needs a CPU tensor"):
+        _C.adam_step(cap, g, m, v, **KW)
+
+
+def test_set_simd_and_threads_errors():
+    with pytest.raises(ValueError, match="name must be 'scalar', 'avx2' or 'avx512'"):
+        _C.set_simd("sse9")
+    with pytest.raises(ValueError, match="nthreads must be between 0"):
+        zero.set_num_threads(-2)
+
+
+def test_python_optimizers_validate():
+    p = [torch.nn.Parameter(torch.randn(3))]
+    with pytest.raises(ValueError, match="lr must be a finite number >= 0, got -1"):
+        zero.optim.AdamW(p, lr=-1)
+    with pytest.raises(ValueError, match=r"beta1 must be in \[0, 1\), got 1.2"):
+        zero.optim.Adam(p, betas=(1.2, 0.9))
+    with pytest.raises(ValueError, match="capturable=True"):
+        zero.optim.AdamW(p, capturable=True)
+    with pytest.raises(TypeError, match="parameter 0 of param group 0 has dtype torch.float64"):
+        zero.optim.SGD([torch.nn.Parameter(torch.randn(3, dtype=torch.float64))])
+    q = torch.nn.Parameter(torch.randn(4))
+    with pytest.warns(UserWarning, match="duplicate"):  # torch's own warning first
+        with pytest.raises(ValueError, match="lists a parameter twice"):
+            zero.optim.SGD([q, q])
