@@ -18,6 +18,7 @@ typedef __m256 vec;
 
 #define vload(p) _mm256_loadu_ps(p)
 #define vstore(p, v) _mm256_storeu_ps((p), (v))
+#define vstream(p, v) _mm256_stream_ps((p), (v))
 #define vset1(x) _mm256_set1_ps(x)
 #define vadd(a, b) _mm256_add_ps((a), (b))
 #define vsub(a, b) _mm256_sub_ps((a), (b))

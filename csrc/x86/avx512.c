@@ -19,6 +19,7 @@ typedef __m512 vec;
 
 #define vload(p) _mm512_loadu_ps(p)
 #define vstore(p, v) _mm512_storeu_ps((p), (v))
+#define vstream(p, v) _mm512_stream_ps((p), (v))
 #define vset1(x) _mm512_set1_ps(x)
 #define vadd(a, b) _mm512_add_ps((a), (b))
 #define vsub(a, b) _mm512_sub_ps((a), (b))

@@ -1,0 +1,32 @@
+# Makefile: the project's commands. `make test` is what CI runs (.ci/run).
+PYTHON ?= python3
+CC ?= gcc
+SANITIZE = -fsanitize=address,undefined -fno-sanitize-recover=all
+CORE_SOURCES = $(filter-out csrc/module.c,$(wildcard csrc/*.c)) $(wildcard csrc/x86/*.c)
+
+.PHONY: deps install test test-c test-py bench clean
+
+# The pinned CPU build of torch and the test tools.
+deps:
+	$(PYTHON) -m pip install -q -r requirements-test.txt
+
+install: deps
+	$(PYTHON) -m pip install -q --no-build-isolation -e .
+
+# C core alone, no Python, under AddressSanitizer and UBSan.
+test-c:
+	mkdir -p tests/c/build
+	$(CC) -std=c11 -O1 -g -Wall -Wextra -Werror $(SANITIZE) -o tests/c/build/test_core \
+		tests/c/test_core.c $(CORE_SOURCES) -lm -lpthread
+	ASAN_OPTIONS=detect_leaks=1 UBSAN_OPTIONS=print_stacktrace=1 tests/c/build/test_core
+
+test-py:
+	$(PYTHON) -m pytest -q tests
+
+test: install test-c test-py
+
+bench: install
+	$(PYTHON) bench/optim_cpu.py
+
+clean:
+	rm -rf build tests/c/build python/zero/*.so *.egg-info python/*.egg-info
