@@ -41,26 +41,30 @@ def parse_size(text: str) -> int:
     return int(float(text.rstrip("KMG")) * scale)
 
 
-def time_it(fn, repeats: int) -> float:
-    """Median seconds of fn() after one warm-up call."""
-    fn()
-    samples = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        samples.append(time.perf_counter() - start)
-    return statistics.median(samples)
-
-
 def repeats_for(n: int) -> int:
-    return max(3, min(30, int(2e8 // max(n, 1))))
+    return max(5, min(30, int(4e8 // max(n, 1))))
 
 
-def triad_bandwidth(n: int) -> float:
-    """Bytes per second of the triad, STREAM's count (12 bytes per element)."""
+def time_interleaved(steps: dict, repeats: int) -> dict:
+    """Median seconds of each step, run round-robin (one of each per round)
+    after a warm-up round, so that the machine's slow moments (it is shared)
+    fall on every runner alike."""
+    samples = {name: [] for name in steps}
+    for round_index in range(repeats + 1):
+        for name, step in steps.items():
+            start = time.perf_counter()
+            step()
+            if round_index:
+                samples[name].append(time.perf_counter() - start)
+    return {name: statistics.median(s) for name, s in samples.items()}
+
+
+def triad_setup(n: int):
     a, b, c = torch.empty(n), torch.rand(n), torch.rand(n)
-    seconds = time_it(lambda: zero._C.stream_triad(a, b, c, 3.0), repeats_for(n))
-    return 12 * n / seconds
+    return lambda: zero._C.stream_triad(a, b, c, 3.0)
+
+
+TRIAD = "STREAM triad (ceiling)"
 
 
 # ---- workload a: fp32 AdamW ------------------------------------------------
@@ -164,15 +168,25 @@ def deepspeed_status() -> tuple[bool, str]:
         return False, f"DeepSpeedCPUAdam unavailable: {type(exc).__name__}: {exc}"
 
 
-def measure(runners: dict, n: int) -> dict:
-    rates = {}
-    for name, setup in runners.items():
-        step = setup()
-        seconds = time_it(step, repeats_for(n))
-        rates[name] = n / seconds
-        del step
-        gc.collect()
-    return rates
+def measure(runners: dict, n: int, interleave: bool) -> tuple[float, dict]:
+    """(triad bytes/s, {runner: params/s}). Interleaved when all runners fit
+    in memory at once; else one runner at a time, each beside the triad."""
+    repeats = repeats_for(n)
+    if interleave:
+        steps = {TRIAD: triad_setup(n), **{k: setup() for k, setup in runners.items()}}
+        seconds = time_interleaved(steps, repeats)
+        del steps
+    else:
+        seconds, triad_times = {}, []
+        for name, setup in runners.items():
+            pair = time_interleaved({TRIAD: triad_setup(n), name: setup()}, repeats)
+            seconds[name] = pair[name]
+            triad_times.append(pair[TRIAD])
+            gc.collect()
+        seconds[TRIAD] = statistics.median(triad_times)
+    gc.collect()
+    triad = 12 * n / seconds.pop(TRIAD)
+    return triad, {name: n / s for name, s in seconds.items()}
 
 
 def fmt_rate(x: float) -> str:
@@ -186,6 +200,8 @@ def main(argv=None) -> int:
     ap.add_argument("--half", default="bfloat16", choices=["bfloat16", "float16"])
     ap.add_argument("--json", help="write the results here too")
     ap.add_argument("--no-deepspeed", action="store_true")
+    ap.add_argument("--interleave-limit-gb", type=float, default=10.0,
+                    help="run all runners round-robin when they fit in this much memory")
     args = ap.parse_args(argv)
     sizes = [parse_size(s) for s in args.sizes.split(",")]
     threads = [int(t) for t in args.threads.split(",")]
@@ -207,11 +223,12 @@ def main(argv=None) -> int:
         for t in threads:
             zero.set_num_threads(t)
             torch.set_num_threads(t)
-            bw = triad_bandwidth(n)
-            ceiling = bw / BYTES_PER_PARAM
             for workload, runners in (("a fp32", adamw_fp32_runners(n, use_ds)),
                                       (f"b {args.half[:4]}", mixed_runners(n, half, use_ds))):
-                rates = measure(runners, n)
+                # each runner holds about 20 bytes a parameter
+                interleave = n * 20 * (len(runners) + 1) < args.interleave_limit_gb * 2**30
+                bw, rates = measure(runners, n, interleave)
+                ceiling = bw / BYTES_PER_PARAM
                 ours = rates["zero.optim.AdamW"]
                 for name, rate in rates.items():
                     print(f"{workload:<9} {n >> 20:>5}M {t:>3} {bw / 1e9:>10.1f} {name:<46} "
