@@ -19,6 +19,10 @@ test-c:
 	$(CC) -std=c11 -O1 -g -Wall -Wextra -Werror $(SANITIZE) -o tests/c/build/test_core \
 		tests/c/test_core.c $(CORE_SOURCES) -lm -lpthread
 	ASAN_OPTIONS=detect_leaks=1 UBSAN_OPTIONS=print_stacktrace=1 tests/c/build/test_core
+	# the thread pool again, under ThreadSanitizer
+	$(CC) -std=c11 -O1 -g -Wall -Wextra -Werror -fsanitize=thread -o tests/c/build/test_core_tsan \
+		tests/c/test_core.c $(CORE_SOURCES) -lm -lpthread
+	tests/c/build/test_core_tsan
 
 test-py:
 	$(PYTHON) -m pytest -q tests

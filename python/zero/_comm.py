@@ -1,0 +1,126 @@
+"""The engine's only door to torch.distributed: joining or creating the
+process group, and the collectives it uses, each logged for comm_summary().
+
+On gloo, ReduceOp.AVG is never passed (DESIGN.md): every reduction is a
+SUM, and the engine divides by the world size inside the optimizer pass.
+"""
+from __future__ import annotations
+
+import os
+from collections import defaultdict
+
+import torch
+import torch.distributed as dist
+
+_LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+_owned = {"count": 0}  # process groups this module created, by engine
+
+
+def join_process_group(backend: str) -> bool:
+    """Make sure a default process group exists; True if we created it.
+
+    An existing group is reused. Under torchrun (RANK etc. set) the group is
+    made from env://. With no launcher at all (a notebook, a plain script)
+    a one-process group is made in memory, so the same code runs everywhere.
+    """
+    if dist.is_initialized():
+        return False
+    if all(v in os.environ for v in _LAUNCHER_VARS):
+        dist.init_process_group(backend, init_method="env://")
+    else:
+        missing = [v for v in _LAUNCHER_VARS if v in os.environ]
+        if missing and os.environ.get("WORLD_SIZE", "1") != "1":
+            raise RuntimeError(
+                f"some launcher variables are set ({', '.join(missing)}) but not all of "
+                f"{', '.join(_LAUNCHER_VARS)}; start with torchrun or unset them")
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    _owned["count"] += 1
+    return True
+
+
+def leave_process_group(created: bool):
+    if created and dist.is_initialized():
+        _owned["count"] -= 1
+        if _owned["count"] == 0:
+            dist.destroy_process_group()
+
+
+class CommLog:
+    """Elements and bytes per collective since the last reset().
+
+    `moved_elements` counts what each collective carries in the ZeRO paper's
+    accounting: a reduce, reduce-scatter, all-gather or broadcast of n
+    elements moves n; an all-reduce moves 2n (a reduce-scatter plus an
+    all-gather).
+    """
+
+    WEIGHT = {"all_reduce": 2}
+
+    def __init__(self):
+        self.reset()
+
+    def reset(self):
+        self.calls = defaultdict(int)
+        self.elements = defaultdict(int)
+        self.bytes = defaultdict(int)
+
+    def record(self, op: str, tensor: torch.Tensor, elements: int | None = None):
+        n = tensor.numel() if elements is None else elements
+        self.calls[op] += 1
+        self.elements[op] += n
+        self.bytes[op] += n * tensor.element_size()
+
+    def summary(self) -> dict:
+        ops = {op: {"calls": self.calls[op], "elements": self.elements[op],
+                    "bytes": self.bytes[op]} for op in self.calls}
+        moved = sum(self.WEIGHT.get(op, 1) * e for op, e in self.elements.items())
+        return {"ops": ops, "moved_elements": moved,
+                "moved_bytes": sum(self.WEIGHT.get(op, 1) * b for op, b in self.bytes.items())}
+
+
+class Comm:
+    """Collectives over the default group, logged."""
+
+    def __init__(self):
+        self.rank = dist.get_rank()
+        self.world = dist.get_world_size()
+        self.log = CommLog()
+
+    def all_reduce_sum(self, tensor, async_op=False):
+        self.log.record("all_reduce", tensor)
+        if self.world == 1:
+            return None
+        return dist.all_reduce(tensor, op=dist.ReduceOp.SUM, async_op=async_op)
+
+    def reduce_sum(self, tensor, dst: int, async_op=False):
+        self.log.record("reduce", tensor)
+        if self.world == 1:
+            return None
+        return dist.reduce(tensor, dst=dst, op=dist.ReduceOp.SUM, async_op=async_op)
+
+    def all_gather_into(self, output, shard, async_op=False):
+        self.log.record("all_gather", output)
+        if self.world == 1:
+            if output.data_ptr() != shard.data_ptr():
+                output.copy_(shard)
+            return None
+        return dist.all_gather_into_tensor(output, shard, async_op=async_op)
+
+    def broadcast(self, tensor, src=0):
+        if self.world > 1:
+            dist.broadcast(tensor, src=src)
+
+    def max_flag(self, flag: bool) -> bool:
+        """True on every rank if any rank passed True (not logged: 1 element)."""
+        if self.world == 1:
+            return flag
+        t = torch.tensor([1.0 if flag else 0.0])
+        dist.all_reduce(t, op=dist.ReduceOp.SUM)
+        return bool(t.item() > 0)
+
+    def sum_scalar(self, value: float) -> float:
+        if self.world == 1:
+            return value
+        t = torch.tensor([value], dtype=torch.float64)
+        dist.all_reduce(t, op=dist.ReduceOp.SUM)
+        return float(t.item())

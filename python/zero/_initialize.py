@@ -1,0 +1,75 @@
+"""zero.initialize: one call from a plain torch model to a ZeRO engine."""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from zero._comm import Comm, join_process_group, leave_process_group
+from zero._optimizer_bridge import optimizer_from_config
+from zero._schedulers import scheduler_from_config
+from zero.config import Config
+from zero.engine import Engine
+
+
+def initialize(model: nn.Module, *, optimizer=None, stage=None, precision=None,
+               config=None, lr_scheduler=None, **options) -> Engine:
+    """Wrap `model` in place and return the Engine that trains it.
+
+    optimizer: a torch.optim (AdamW, Adam, SGD, Adagrad) or zero.optim
+        optimizer built on model.parameters(), or None for the config's
+        optimizer block (default AdamW, lr 1e-3).
+    stage: 0 (DDP), 1 (optimizer states partitioned), 2 (+ gradients).
+    precision: "fp32", "bf16" or "fp16" (dynamic loss scaling).
+    config: a zero.Config, or a DeepSpeed-style dict or JSON path.
+    lr_scheduler: a scheduler on `optimizer`, or a callable
+        optimizer -> scheduler; stepped by the engine on every update that
+        is not skipped.
+    options: any other zero.Config field (gradient_accumulation_steps,
+        gradient_clipping, reduce_bucket_size, ...).
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    if config is None:
+        cfg = Config()
+    elif isinstance(config, Config):
+        cfg = config
+    else:
+        cfg = Config.from_deepspeed(config)
+    if stage is not None:
+        options["stage"] = stage
+    if precision is not None:
+        options["precision"] = precision
+    cfg = cfg.replace(**options) if options else cfg
+    if cfg.stage == 3:
+        raise NotImplementedError("stage 3 (partitioned parameters) is not implemented yet; "
+                                  "use stage 0, 1 or 2")
+    if not any(True for _ in model.parameters()):
+        raise ValueError("the model has no parameters; nothing to train")
+    devices = {p.device.type for p in model.parameters()}
+    if devices != {"cpu"}:
+        raise NotImplementedError(f"the model has parameters on {sorted(devices)}; this "
+                                  "version trains on the CPU only (the CUDA path is not built "
+                                  "yet): move the model with .cpu()")
+    if optimizer is None:
+        optimizer = optimizer_from_config(cfg.optimizer or {"type": "AdamW",
+                                                            "params": {"lr": 1e-3}},
+                                          model.parameters())
+    created = join_process_group("gloo")
+    try:
+        comm = Comm()
+        if cfg.train_batch_size is not None and cfg.train_micro_batch_size_per_gpu:
+            expected = cfg.train_micro_batch_size_per_gpu * cfg.gradient_accumulation_steps \
+                * comm.world
+            if expected != cfg.train_batch_size:
+                raise ValueError(
+                    f"train_batch_size {cfg.train_batch_size} != micro batch "
+                    f"{cfg.train_micro_batch_size_per_gpu} x accumulation "
+                    f"{cfg.gradient_accumulation_steps} x world size {comm.world}")
+        if lr_scheduler is None and cfg.scheduler:
+            lr_scheduler = scheduler_from_config(cfg.scheduler, optimizer)
+        elif callable(lr_scheduler) and not hasattr(lr_scheduler, "step"):
+            lr_scheduler = lr_scheduler(optimizer)
+        return Engine(model, optimizer, cfg, comm, created, lr_scheduler)
+    except BaseException:
+        leave_process_group(created)
+        raise

@@ -1,0 +1,99 @@
+"""Which C update runs for a user's optimizer, and with which of its
+hyperparameters. The user's optimizer object stays the owner of the
+hyperparameters (an LR scheduler edits its param_groups); the engine keeps
+the states, partitioned, and runs the C core on its own partition."""
+from __future__ import annotations
+
+import torch
+
+from zero import _C
+from zero import optim as zero_optim
+
+SUPPORTED = "torch.optim.AdamW, Adam, SGD, Adagrad and zero.optim's AdamW, Adam, SGD, Lion, Adagrad"
+
+
+def optimizer_kind(optimizer) -> str:
+    # zero.optim's Adam/AdamW subclass FlatOptimizer; torch's do not subclass
+    # each other, so exact checks against both families are enough.
+    if isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW, zero_optim.Adam)):
+        return "adam"
+    if isinstance(optimizer, (torch.optim.SGD, zero_optim.SGD)):
+        return "sgd"
+    if isinstance(optimizer, (torch.optim.Adagrad, zero_optim.Adagrad)):
+        return "adagrad"
+    if isinstance(optimizer, zero_optim.Lion):
+        return "lion"
+    raise TypeError(f"optimizer of type {type(optimizer).__module__}.{type(optimizer).__name__} "
+                    f"cannot be partitioned by zero; supported: {SUPPORTED}")
+
+
+def states_for(kind: str, group: dict) -> dict:
+    """State name -> initial value, for one param group's settings."""
+    if kind == "adam":
+        names = {"exp_avg": 0.0, "exp_avg_sq": 0.0}
+        if group.get("amsgrad"):
+            names["max_exp_avg_sq"] = 0.0
+        return names
+    if kind == "sgd":
+        return {"momentum_buffer": 0.0} if group.get("momentum", 0) else {}
+    if kind == "adagrad":
+        return {"sum": float(group.get("initial_accumulator_value", 0.0))}
+    return {"exp_avg": 0.0}
+
+
+def decoupled(optimizer, group) -> bool:
+    if isinstance(optimizer, (torch.optim.AdamW,)):
+        return True
+    return bool(group.get("decoupled_weight_decay", False))
+
+
+def run_update(kind, optimizer, group, flat_group, grad_scale):
+    """One update of flat_group's partition with `group`'s hyperparameters."""
+    b = flat_group.buffers
+    step = flat_group.step_count
+    if group.get("maximize", False):
+        grad_scale = -grad_scale
+    lr = float(group["lr"])
+    if kind == "adam":
+        beta1, beta2 = (float(x) for x in group["betas"])
+        _C.adam_step(b["master"], b["grad"], b["exp_avg"], b["exp_avg_sq"],
+                     b.get("max_exp_avg_sq"), b["copy_out"], lr=lr, beta1=beta1, beta2=beta2,
+                     eps=float(group["eps"]), weight_decay=float(group["weight_decay"]),
+                     step=step, decoupled=decoupled(optimizer, group),
+                     amsgrad=bool(group.get("amsgrad", False)), grad_scale=grad_scale)
+    elif kind == "sgd":
+        momentum = float(group.get("momentum", 0.0))
+        _C.sgd_step(b["master"], b["grad"], b.get("momentum_buffer") if momentum else None,
+                    b["copy_out"], lr=lr, momentum=momentum,
+                    dampening=float(group.get("dampening", 0.0)),
+                    weight_decay=float(group.get("weight_decay", 0.0)),
+                    nesterov=bool(group.get("nesterov", False)), first_step=step == 1,
+                    grad_scale=grad_scale)
+    elif kind == "adagrad":
+        _C.adagrad_step(b["master"], b["grad"], b["sum"], b["copy_out"], lr=lr,
+                        lr_decay=float(group.get("lr_decay", 0.0)),
+                        weight_decay=float(group.get("weight_decay", 0.0)),
+                        eps=float(group.get("eps", 1e-10)), step=step, grad_scale=grad_scale)
+    else:
+        beta1, beta2 = (float(x) for x in group["betas"])
+        _C.lion_step(b["master"], b["grad"], b["exp_avg"], b["copy_out"], lr=lr, beta1=beta1,
+                     beta2=beta2, weight_decay=float(group.get("weight_decay", 0.0)),
+                     grad_scale=grad_scale)
+
+
+def optimizer_from_config(spec: dict, params):
+    """Build the optimizer a DeepSpeed config's "optimizer" block names."""
+    kind = spec.get("type", "AdamW")
+    kwargs = dict(spec.get("params", {}))
+    if "betas" in kwargs:
+        kwargs["betas"] = tuple(kwargs["betas"])
+    classes = {"adamw": torch.optim.AdamW, "adam": torch.optim.Adam, "sgd": torch.optim.SGD,
+               "adagrad": torch.optim.Adagrad, "lion": zero_optim.Lion}
+    cls = classes.get(kind.lower())
+    if cls is None:
+        raise ValueError(f"optimizer.type {kind!r} is not supported; choose one of "
+                         f"{sorted(classes)}")
+    if kind.lower() == "adam" and kwargs.pop("adam_w_mode", True):
+        cls = torch.optim.AdamW  # DeepSpeed's "Adam" is AdamW unless adam_w_mode is false
+    kwargs.pop("torch_adam", None)
+    return cls(params, **kwargs)

@@ -1,0 +1,146 @@
+"""zero.Config: the engine's settings as one frozen dataclass, and the reader
+of DeepSpeed-style JSON configs (Config.from_deepspeed), so DeepSpeed users
+can bring theirs. Unknown keys are reported by their full dotted name."""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+PRECISIONS = ("fp32", "bf16", "fp16")
+
+# 500M elements is DeepSpeed's default bucket; on the CPU/gloo path a bucket
+# of 25M elements (50 MB in bf16) already amortises the per-call cost of a
+# collective (tens of microseconds) over milliseconds of transfer, while
+# keeping the transient bucket memory small beside a 2-14 bytes/param budget.
+DEFAULT_BUCKET_ELEMENTS = 25_000_000
+
+
+@dataclass(frozen=True)
+class LossScaling:
+    """fp16 dynamic loss scaling (DeepSpeed's defaults and semantics)."""
+
+    initial_scale_power: int = 16     # initial scale 2**16
+    loss_scale_window: int = 1000     # steps without overflow before doubling
+    hysteresis: int = 2               # overflows tolerated before halving
+    min_loss_scale: float = 1.0
+    static_loss_scale: float = 0.0    # > 0: a fixed scale, no dynamic changes
+
+
+@dataclass(frozen=True)
+class Config:
+    stage: int = 2
+    precision: str = "fp32"
+    gradient_accumulation_steps: int = 1
+    gradient_clipping: float = 0.0
+    reduce_bucket_size: int = DEFAULT_BUCKET_ELEMENTS
+    overlap_comm: bool = True
+    contiguous_gradients: bool = True
+    train_micro_batch_size_per_gpu: Optional[int] = None
+    train_batch_size: Optional[int] = None  # checked against micro * accumulation * world
+    loss_scaling: LossScaling = field(default_factory=LossScaling)
+    optimizer: Optional[dict] = None  # {"type": "AdamW", "params": {...}}
+    scheduler: Optional[dict] = None  # {"type": "WarmupLR", "params": {...}}
+
+    def __post_init__(self):
+        if self.stage not in (0, 1, 2, 3):
+            raise ValueError(f"stage must be 0, 1, 2 or 3, got {self.stage!r}")
+        if self.precision not in PRECISIONS:
+            raise ValueError(f"precision must be one of {PRECISIONS}, got {self.precision!r}")
+        if not isinstance(self.gradient_accumulation_steps, int) or \
+                self.gradient_accumulation_steps < 1:
+            raise ValueError("gradient_accumulation_steps must be an integer >= 1, got "
+                             f"{self.gradient_accumulation_steps!r}")
+        if not self.gradient_clipping >= 0:
+            raise ValueError(f"gradient_clipping must be >= 0, got {self.gradient_clipping!r}")
+        if not isinstance(self.reduce_bucket_size, int) or self.reduce_bucket_size < 1:
+            raise ValueError(f"reduce_bucket_size must be a positive integer, got "
+                             f"{self.reduce_bucket_size!r}")
+
+    def replace(self, **changes) -> "Config":
+        unknown = set(changes) - {f.name for f in dataclasses.fields(self)}
+        if unknown:
+            raise TypeError(f"unknown option(s) {sorted(unknown)}; known: "
+                            f"{sorted(f.name for f in dataclasses.fields(self))}")
+        return dataclasses.replace(self, **changes)
+
+    @classmethod
+    def from_deepspeed(cls, config: "dict | str | os.PathLike") -> "Config":
+        """Read a DeepSpeed JSON config (a dict or a path to a JSON file)."""
+        if not isinstance(config, dict):
+            with open(config) as f:
+                config = json.load(f)
+        return cls(**_translate(config))
+
+
+# DeepSpeed keys that are accepted and have no effect here, with the reason
+# kept for the docs (docs/engine.md).
+_IGNORED = {
+    "steps_per_print", "wall_clock_breakdown", "dump_state", "prescale_gradients",
+    "gradient_predivide_factor", "zero_allow_untested_optimizer",
+    "zero_force_ds_cpu_optimizer",
+}
+_ZERO_IGNORED = {
+    "allgather_partitions", "allgather_bucket_size", "reduce_scatter", "round_robin_gradients",
+    "load_from_fp32_weights", "elastic_checkpoint", "sub_group_size",
+}
+
+
+def _take(block: dict, prefix: str, known: dict, ignored=frozenset()) -> dict:
+    """Map block's keys through `known` (DeepSpeed name -> our name, or None
+    to drop); raise on any key neither known nor ignored."""
+    out, unknown = {}, []
+    for key, value in block.items():
+        if key in known:
+            if known[key] is not None:
+                out[known[key]] = value
+        elif key not in ignored:
+            unknown.append(f"{prefix}{key}")
+    if unknown:
+        raise ValueError(f"unknown DeepSpeed config key(s): {', '.join(unknown)}")
+    return out
+
+
+def _translate(ds: dict) -> dict:
+    top = dict(ds)
+    options: dict[str, Any] = {}
+    zero_block = top.pop("zero_optimization", {}) or {}
+    fp16 = top.pop("fp16", None) or {}
+    bf16 = top.pop("bf16", None) or {}
+    options.update(_take(top, "", {
+        "train_micro_batch_size_per_gpu": "train_micro_batch_size_per_gpu",
+        "train_batch_size": "train_batch_size",
+        "gradient_accumulation_steps": "gradient_accumulation_steps",
+        "gradient_clipping": "gradient_clipping",
+        "optimizer": "optimizer",
+        "scheduler": "scheduler",
+    }, _IGNORED))
+    zero_opts = _take(zero_block, "zero_optimization.", {
+        "stage": "stage", "reduce_bucket_size": "reduce_bucket_size",
+        "overlap_comm": "overlap_comm", "contiguous_gradients": "contiguous_gradients",
+        "offload_optimizer": None, "offload_param": None,
+    }, _ZERO_IGNORED)
+    for key in ("offload_optimizer", "offload_param"):
+        block = zero_block.get(key)
+        if block and block.get("device", "none") != "none":
+            raise ValueError(f"zero_optimization.{key}.device={block['device']!r} is not "
+                             "supported yet: offload is not implemented in this version")
+    if "reduce_bucket_size" in zero_opts:
+        zero_opts["reduce_bucket_size"] = int(zero_opts["reduce_bucket_size"])
+    options.update(zero_opts)
+    if fp16.get("enabled") and bf16.get("enabled"):
+        raise ValueError("fp16.enabled and bf16.enabled are both true; choose one")
+    if bf16.get("enabled"):
+        _take(bf16, "bf16.", {"enabled": None}, {"immediate_grad_update", "check_grad_overflow"})
+        options["precision"] = "bf16"
+    elif fp16.get("enabled"):
+        scaling = _take(fp16, "fp16.", {
+            "enabled": None, "initial_scale_power": "initial_scale_power",
+            "loss_scale_window": "loss_scale_window", "hysteresis": "hysteresis",
+            "min_loss_scale": "min_loss_scale", "loss_scale": "static_loss_scale",
+        }, {"auto_cast", "consecutive_hysteresis", "fp16_master_weights_and_grads"})
+        options["precision"] = "fp16"
+        options["loss_scaling"] = LossScaling(**scaling)
+    return options

@@ -1,0 +1,315 @@
+"""zero.Engine: the training engine that zero.initialize returns.
+
+It wraps the user's module in place: trainable parameters become views into
+flat, partitioned buffers (_flat_group.FlatGroup), gradients are reduced
+over ranks with SUM, and the update runs the C core on this rank's partition
+with every scale folded into one factor:
+
+    grad_scale = clip_coefficient / (loss_scale * world_size * accumulation_steps)
+
+[Note: boundary step] engine.step() is called after every micro-batch; it
+acts only at the accumulation boundary: (1) reduce the gradients (stages
+0-1; stage 2 reduced them during backward), (2) one sum of squares over this
+rank's gradient partition, summed over ranks, gives the global norm and the
+fp16 overflow check at once, (3) skip on overflow (fp16) or update, (4)
+all-gather the updated parameters (stages 1-2), (5) zero the gradients and
+step the LR scheduler (not on a skipped step).
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+
+import torch
+from torch import nn
+
+from zero import _C
+from zero._comm import Comm, leave_process_group
+from zero._flat_group import FlatGroup
+from zero._loss_scaler import DynamicLossScaler
+from zero._optimizer_bridge import optimizer_kind, run_update, states_for
+from zero.config import Config
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+class MemorySummary(dict):
+    """This rank's bytes by kind; str() is a table beside the ZeRO formula."""
+
+    def __str__(self):
+        rows = [f"{'':<18}{'bytes':>16}{'MiB':>10}"]
+        for key in ("params", "grads", "optimizer_states", "model_states", "buckets",
+                    "frozen_params"):
+            rows.append(f"{key:<18}{self[key]:>16,}{self[key] / 2**20:>10.2f}")
+        rows.append(f"{'formula':<18}{self['formula_bytes']:>16,}"
+                    f"{self['formula_bytes'] / 2**20:>10.2f}   {self['formula']}")
+        return "\n".join(rows)
+
+
+class Engine(nn.Module):
+    def __init__(self, module: nn.Module, optimizer, config: Config, comm: Comm,
+                 owns_group: bool, lr_scheduler=None):
+        super().__init__()
+        self.module = module
+        self.optimizer = optimizer
+        self.config = config
+        self.lr_scheduler = lr_scheduler
+        self._comm = comm
+        self._owns_group = owns_group
+        self._kind = optimizer_kind(optimizer)
+        self.compute_dtype = DTYPES[config.precision]
+        self.stage = config.stage
+        self.micro_steps = 0
+        self.global_steps = 0
+        self.step_was_skipped = False
+        self._in_no_sync = False
+        self._prepared = None  # (sumsq, norm) once the boundary's reduction ran
+        self._clip_norm = None
+        self._hooks = []
+        self._last_comm = comm.log.summary()
+        self._closed = False
+        self.loss_scaler = DynamicLossScaler(config.loss_scaling) \
+            if config.precision == "fp16" else None
+
+        groups = self._match_param_groups(module, optimizer)
+        module.to(self.compute_dtype)
+        for buf in module.buffers():
+            comm.broadcast(buf, src=0)
+        self.groups: list[FlatGroup] = []
+        for index, (params, names) in enumerate(groups):
+            if not params:
+                continue
+            fg = FlatGroup(index, params, names, self.compute_dtype, comm, config.stage,
+                           config.reduce_bucket_size)
+            for name, fill in states_for(self._kind, optimizer.param_groups[index]).items():
+                fg.add_state(name, fill)
+            self.groups.append(fg)
+        if not self.groups:
+            raise ValueError("the model has no trainable parameters (every parameter has "
+                             "requires_grad=False); nothing to train")
+        if config.stage == 2:
+            self._register_stage2_hooks()
+        self._guard_optimizer()
+
+    # ---- construction helpers ----------------------------------------------
+
+    @staticmethod
+    def _match_param_groups(module, optimizer):
+        """The optimizer's groups as (params, names), trainable params only,
+        each once; every trainable parameter must be in a group."""
+        names = {}
+        for name, p in module.named_parameters():
+            names.setdefault(id(p), name)
+        seen = set()
+        groups = []
+        for gi, group in enumerate(optimizer.param_groups):
+            params, pnames = [], []
+            for p in group["params"]:
+                if id(p) not in names:
+                    raise ValueError(f"param group {gi} of the optimizer holds a parameter of "
+                                     f"shape {tuple(p.shape)} that is not in the model")
+                if id(p) in seen or not p.requires_grad:
+                    continue
+                seen.add(id(p))
+                params.append(p)
+                pnames.append(names[id(p)])
+            groups.append((params, pnames))
+        for name, p in module.named_parameters():
+            if p.requires_grad and id(p) not in seen:
+                raise ValueError(f"parameter '{name}' requires grad but is in none of the "
+                                 "optimizer's param groups; add it, or set requires_grad=False")
+        return groups
+
+    def _register_stage2_hooks(self):
+        for fg in self.groups:
+            for i, p in enumerate(fg.params):
+                self._hooks.append(p.register_post_accumulate_grad_hook(
+                    self._make_hook(fg, i)))
+
+    def _make_hook(self, fg, i):
+        def hook(_param):
+            if not fg.backward_started:
+                # first gradient of this backward: finish the buckets when
+                # the autograd engine is done with the whole graph
+                torch.autograd.Variable._execution_engine.queue_callback(fg.finish_backward)
+            fg.on_grad_ready(i)
+        return hook
+
+    def _guard_optimizer(self):
+        def refuse(*_args, **_kwargs):
+            raise RuntimeError("this optimizer is driven by a zero Engine: call engine.step(), "
+                               "not optimizer.step()")
+        self._hooks.append(self.optimizer.register_step_pre_hook(refuse))
+        release = getattr(self.optimizer, "_release_buffers", None)
+        if release is not None:
+            release()
+
+    # ---- training API ---------------------------------------------------------
+
+    def forward(self, *args, **kwargs):
+        cast = lambda x: x.to(self.compute_dtype) if torch.is_tensor(x) and \
+            x.is_floating_point() else x  # noqa: E731
+        args = tuple(cast(a) for a in args)
+        kwargs = {k: cast(v) for k, v in kwargs.items()}
+        return self.module(*args, **kwargs)
+
+    @property
+    def loss_scale(self) -> float:
+        return self.loss_scaler.scale if self.loss_scaler else 1.0
+
+    def backward(self, loss: torch.Tensor):
+        """loss.backward(), with the fp16 loss scale applied. With bf16 and
+        fp32, plain loss.backward() is the same."""
+        (loss * self.loss_scale if self.loss_scaler else loss).backward()
+
+    @property
+    def is_accumulation_boundary(self) -> bool:
+        return (self.micro_steps + 1) % self.config.gradient_accumulation_steps == 0
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Micro-steps inside do not count toward the accumulation boundary:
+        gradients accumulate locally and engine.step() does nothing. Stage 2
+        reduces every backward, so it refuses (as DeepSpeed does)."""
+        if self.stage >= 2:
+            raise RuntimeError(f"no_sync() cannot be used with stage {self.stage}: its "
+                               "gradients are reduced during every backward")
+        self._in_no_sync = True
+        try:
+            yield
+        finally:
+            self._in_no_sync = False
+
+    def _prepare_boundary(self):
+        """Reduce the gradients and take the global squared norm (once)."""
+        if self._prepared is not None:
+            return self._prepared
+        for fg in self.groups:
+            if fg.stage <= 1:
+                fg.gather_stray_grads()
+                fg.reduce_full()
+            elif not fg.reduced_since_step:
+                # No backward reached this rank's hooks since the last step:
+                # still issue the collectives the other ranks issue (this
+                # covers one backward per step; see docs/engine.md).
+                fg.finish_backward()
+            fg.reduced_since_step = False
+        local = sum(_C.sum_squares(fg.grad_part) for fg in self.groups)
+        sumsq = local if self.stage == 0 else self._comm.sum_scalar(local)
+        base = 1.0 / (self.loss_scale * self._comm.world *
+                      self.config.gradient_accumulation_steps)
+        norm = math.sqrt(sumsq) * base if math.isfinite(sumsq) else float("inf")
+        self._prepared = (sumsq, norm, base)
+        return self._prepared
+
+    def clip_grad_norm_(self, max_norm: float) -> float:
+        """Clip the coming update to max_norm (global L2 norm over all shards)
+        and return the norm before clipping. Call after the backward of the
+        boundary micro-batch, before step()."""
+        if not max_norm > 0:
+            raise ValueError(f"max_norm must be > 0, got {max_norm}")
+        self._clip_norm = float(max_norm)
+        return self._prepare_boundary()[1]
+
+    def step(self):
+        if self._in_no_sync:
+            return
+        boundary = self.is_accumulation_boundary
+        self.micro_steps += 1
+        if not boundary:
+            return
+        sumsq, norm, base = self._prepare_boundary()
+        max_norm = self._clip_norm or self.config.gradient_clipping
+        self._prepared, self._clip_norm = None, None
+        overflow = not math.isfinite(sumsq)
+        self.step_was_skipped = bool(overflow and self.loss_scaler)
+        if self.step_was_skipped:
+            self.loss_scaler.update(True)
+        else:
+            if self.loss_scaler:
+                self.loss_scaler.update(False)
+            coef = min(1.0, max_norm / (norm + 1e-6)) if max_norm else 1.0
+            for fg in self.groups:
+                fg.step_count += 1
+                run_update(self._kind, self.optimizer, self.optimizer.param_groups[fg.index],
+                           fg, base * coef)
+                fg.all_gather_params()
+            self.global_steps += 1
+            if self.lr_scheduler is not None:
+                self.lr_scheduler.step()
+        self._global_grad_norm = norm
+        self.zero_grad()
+        self._last_comm = self._comm.log.summary()
+        self._comm.log.reset()
+
+    def zero_grad(self, set_to_none: bool = True):
+        """Zero the gradients (they stay views of the flat buffers)."""
+        for fg in self.groups:
+            fg.zero_grads()
+            if fg.grad_flat is not None:
+                fg.point_grads_at_flat()
+
+    def get_global_grad_norm(self) -> float:
+        return getattr(self, "_global_grad_norm", None)
+
+    # ---- reporting --------------------------------------------------------------
+
+    def memory_summary(self) -> MemorySummary:
+        totals = {"params": 0, "grads": 0, "optimizer_states": 0, "buckets": 0}
+        for fg in self.groups:
+            for k, v in fg.nbytes().items():
+                totals[k] += v
+        trainable = {id(p) for fg in self.groups for p in fg.params}
+        frozen = sum(p.nbytes for p in self.module.parameters() if id(p) not in trainable)
+        totals["model_states"] = totals["params"] + totals["grads"] + totals["optimizer_states"]
+        totals["frozen_params"] = frozen
+        formula, expected = self._formula()
+        return MemorySummary(totals, formula=formula, formula_bytes=expected,
+                             world_size=self._comm.world, stage=self.stage,
+                             trainable_params=sum(fg.numel for fg in self.groups))
+
+    def _formula(self):
+        psi = sum(fg.numel for fg in self.groups)
+        n = self._comm.world
+        pb = torch.empty(0, dtype=self.compute_dtype).element_size()
+        master = 4 if self.compute_dtype != torch.float32 else 0
+        state_bytes = 4 * len(self.groups[0].states)
+        k = master + state_bytes
+        if self.stage == 0:
+            text, value = f"({pb}+{pb}+{k})Ψ", (2 * pb + k) * psi
+        elif self.stage == 1:
+            text, value = f"{2 * pb}Ψ + {k}Ψ/N", 2 * pb * psi + k * psi / n
+        else:
+            text, value = f"{pb}Ψ + {pb + k}Ψ/N", pb * psi + (pb + k) * psi / n
+        return f"stage {self.stage}: {text}, Ψ={psi:,}, N={n}", int(value)
+
+    def comm_summary(self) -> dict:
+        """Elements and bytes per collective in the last optimizer step."""
+        return self._last_comm
+
+    def full_state_dict(self) -> dict:
+        """The whole model's state dict, trainable parameters in fp32 from
+        the master copies (gathered from every rank), on every rank."""
+        full = {}
+        by_id = {}
+        for fg in self.groups:
+            master = fg.gather_master()
+            for i, p in enumerate(fg.params):
+                by_id[id(p)] = fg.view(master, i).clone()
+        for name, t in self.module.state_dict(keep_vars=True).items():
+            if id(t) in by_id:
+                full[name] = by_id[id(t)]
+            else:
+                t = t.detach()
+                full[name] = t.float().clone() if t.is_floating_point() else t.clone()
+        return full
+
+    def close(self):
+        """Remove the engine's hooks and leave a process group it created."""
+        if self._closed:
+            return
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+        leave_process_group(self._owns_group)
+        self._closed = True

@@ -1,0 +1,59 @@
+"""Run a function in `world` real processes on gloo and collect what each
+rank returns. Tests spawn once per module and run all their scenarios in
+that one launch: starting a process that imports torch costs seconds here."""
+from __future__ import annotations
+
+import os
+import pickle
+import socket
+import tempfile
+import traceback
+
+import torch.multiprocessing as mp
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _entry(rank, world, port, out_dir, fn, args):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
+    import torch
+    torch.set_num_threads(1)
+    try:
+        result = fn(rank, world, *args)
+        error = None
+    except BaseException:
+        result, error = None, traceback.format_exc()
+    with open(os.path.join(out_dir, f"rank{rank}.pkl"), "wb") as f:
+        pickle.dump((result, error), f)
+    if error:
+        raise SystemExit(1)
+
+
+def run(world: int, fn, *args, timeout: float = 600):
+    """[rank0 result, rank1 result, ...]; raises with the worker's traceback."""
+    with tempfile.TemporaryDirectory() as out_dir:
+        ctx = mp.start_processes(_entry, args=(world, free_port(), out_dir, fn, args),
+                                 nprocs=world, join=False, start_method="spawn")
+        try:
+            while not ctx.join(timeout=timeout):
+                pass
+        except Exception:
+            errors = []
+            for r in range(world):
+                path = os.path.join(out_dir, f"rank{r}.pkl")
+                if os.path.exists(path):
+                    with open(path, "rb") as f:
+                        _, err = pickle.load(f)
+                    if err:
+                        errors.append(f"rank {r}:\n{err}")
+            raise RuntimeError("\n".join(errors) or "a worker failed") from None
+        results = []
+        for r in range(world):
+            with open(os.path.join(out_dir, f"rank{r}.pkl"), "rb") as f:
+                results.append(pickle.load(f)[0])
+        return results

@@ -1,0 +1,118 @@
+"""The model, data and training loops shared by the distributed tests and
+their single-process references."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+VOCAB, DIM, BATCH, SEQ = 37, 13, 12, 5
+
+
+class Net(nn.Module):
+    """Every case the engine must get right: tied weights (embedding and
+    head), a module called twice, a frozen layer, a branch used on even steps
+    only, a buffer, sizes no world size divides."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, DIM)
+        self.block = nn.Linear(DIM, DIM)
+        self.frozen = nn.Linear(DIM, DIM)
+        self.frozen.requires_grad_(False)
+        self.branch = nn.Linear(DIM, DIM)
+        self.head = nn.Linear(DIM, VOCAB)
+        self.head.weight = self.embed.weight
+        self.register_buffer("mix", torch.tensor(0.5))
+
+    def forward(self, ids, use_branch: bool):
+        h = self.embed(ids).mean(1)
+        h = torch.tanh(self.block(h))
+        h = torch.tanh(self.block(h))
+        h = h + self.frozen(h) * self.mix
+        if use_branch:
+            h = h + self.branch(h)
+        return self.head(h)
+
+
+def make_model(seed=0):
+    torch.manual_seed(seed)
+    return Net()
+
+
+def param_groups(model, lr=1e-2):
+    first = [model.embed.weight, model.block.weight, model.block.bias]
+    rest = [p for p in model.parameters() if all(p is not q for q in first)]
+    return [{"params": first, "weight_decay": 0.01},
+            {"params": rest, "lr": lr / 2, "weight_decay": 0.0}]
+
+
+def batch(step, seed=1):
+    g = torch.Generator().manual_seed(seed * 1000 + step)
+    ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=g)
+    labels = torch.randint(0, VOCAB, (BATCH,), generator=g)
+    return ids, labels
+
+
+def shard(t, rank, world):
+    per = t.shape[0] // world
+    return t[rank * per:(rank + 1) * per]
+
+
+def make_optimizer(name, model, lr):
+    if name == "sgd":  # scale-sensitive, unlike Adam: catches a wrong 1/N
+        return torch.optim.SGD(param_groups(model, lr), lr=lr, momentum=0.9)
+    return torch.optim.AdamW(param_groups(model, lr), lr=lr)
+
+
+def reference_run(steps, accumulation=1, clip=0.0, lr=1e-2, seed=0, opt="adamw"):
+    """Single process, full batch, torch.optim.AdamW. zero_grad keeps zeros
+    (set_to_none=False): a parameter unused on a step then takes part with a
+    zero gradient, as it does under the engine (and under DeepSpeed)."""
+    model = make_model(seed)
+    opt = make_optimizer(opt, model, lr)
+    losses = []
+    for step in range(steps):
+        ids, labels = batch(step)
+        opt.zero_grad(set_to_none=False)
+        total = 0.0
+        for ids_m, labels_m in zip(ids.chunk(accumulation), labels.chunk(accumulation)):
+            loss = F.cross_entropy(model(ids_m, use_branch=step % 2 == 0), labels_m)
+            (loss / accumulation).backward()
+            total += loss.item() / accumulation
+        if clip:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        opt.step()
+        losses.append(total)
+    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def engine_run(rank, world, steps, stage, precision="fp32", accumulation=1, clip=0.0,
+               lr=1e-2, seed=0, opt="adamw", **options):
+    """The same training under zero.initialize on this rank's shard of each
+    batch; returns (global losses, full fp32 state dict, extra facts)."""
+    import zero
+    import torch.distributed as dist
+    model = make_model(seed)
+    engine = zero.initialize(model, optimizer=make_optimizer(opt, model, lr), stage=stage, precision=precision,
+                             gradient_accumulation_steps=accumulation,
+                             gradient_clipping=clip, **options)
+    losses, skipped = [], []
+    for step in range(steps):
+        ids, labels = batch(step)
+        ids, labels = shard(ids, rank, world), shard(labels, rank, world)
+        total = 0.0
+        for ids_m, labels_m in zip(ids.chunk(accumulation), labels.chunk(accumulation)):
+            loss = F.cross_entropy(engine(ids_m, use_branch=step % 2 == 0).float(), labels_m)
+            engine.backward(loss)
+            engine.step()
+            total += loss.item() / accumulation
+        t = torch.tensor([total])
+        dist.all_reduce(t)
+        losses.append(t.item() / world)
+        skipped.append(engine.step_was_skipped)
+    state = engine.full_state_dict()
+    facts = dict(memory=dict(engine.memory_summary()), comm=engine.comm_summary(),
+                 skipped=skipped)
+    engine.close()
+    return losses, state, facts
