@@ -25,6 +25,9 @@ import torch
 from zero import _C
 
 ALIGN = 16  # partition sizes are multiples of 16 elements (64-byte rows)
+# Buckets whose reduction may still be running while backward fills the
+# next: two let communication overlap computation without holding more.
+MAX_IN_FLIGHT = 2
 
 
 class FlatGroup:
@@ -170,8 +173,10 @@ class FlatGroup:
             s, e = max(lo, bs), min(lo + p.numel(), be)
             self._staging(b)[s - bs:e - bs].copy_(g[s - lo:e - lo])
             self.pending[b] -= 1
+            # launch as soon as a bucket fills, so a parameter spanning many
+            # buckets never holds them all at once
+            self._launch_ready(force=False)
         p.grad = None
-        self._launch_ready(force=False)
 
     def _launch_ready(self, force):
         while self.next_bucket < len(self.buckets) and \
@@ -193,19 +198,25 @@ class FlatGroup:
             r += 1
         self.staging[b] = None
         self.in_flight.append((works, staging, mine))
+        self._retire(keep=MAX_IN_FLIGHT)
 
-    def finish_backward(self):
-        """End of a backward: reduce what is left, in order, and add this
-        rank's reduced portions into its gradient partition."""
-        self._launch_ready(force=True)
-        for works, _staging, mine in self.in_flight:
+    def _retire(self, keep):
+        """Wait for all but the newest `keep` buckets in flight and add this
+        rank's reduced portions into its gradient partition; their staging
+        memory is then free."""
+        while len(self.in_flight) > keep:
+            works, _staging, mine = self.in_flight.pop(0)
             for w in works:
                 if w is not None:
                     w.wait()
             if mine is not None:
                 portion, off = mine
                 self.grad_part[off:off + portion.numel()].add_(portion)
-        self.in_flight = []
+
+    def finish_backward(self):
+        """End of a backward: reduce what is left, in order, and collect."""
+        self._launch_ready(force=True)
+        self._retire(keep=0)
         self.reset_buckets()
         self.reduced_since_step = True
 

@@ -1,7 +1,8 @@
 """zero.initialize: one call from a plain torch model to a ZeRO engine."""
 from __future__ import annotations
 
-import torch
+import weakref
+
 from torch import nn
 
 from zero._comm import Comm, join_process_group, leave_process_group
@@ -29,6 +30,10 @@ def initialize(model: nn.Module, *, optimizer=None, stage=None, precision=None,
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    previous = getattr(model, "_zero_engine", None)
+    if previous is not None and previous() is not None:
+        # a re-run notebook cell: the old engine's hooks must not fire twice
+        previous().close()
     if config is None:
         cfg = Config()
     elif isinstance(config, Config):
@@ -69,7 +74,9 @@ def initialize(model: nn.Module, *, optimizer=None, stage=None, precision=None,
             lr_scheduler = scheduler_from_config(cfg.scheduler, optimizer)
         elif callable(lr_scheduler) and not hasattr(lr_scheduler, "step"):
             lr_scheduler = lr_scheduler(optimizer)
-        return Engine(model, optimizer, cfg, comm, created, lr_scheduler)
+        engine = Engine(model, optimizer, cfg, comm, created, lr_scheduler)
+        model._zero_engine = weakref.ref(engine)
+        return engine
     except BaseException:
         leave_process_group(created)
         raise

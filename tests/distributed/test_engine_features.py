@@ -1,0 +1,167 @@
+"""Mixed precision, fp16 overflow skipping, memory and communication figures,
+no_sync and the LR scheduler, on 2 and 3 gloo ranks."""
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import harness
+import scenarios
+from conftest import max_rel_error
+
+WORLDS = [2, 3]
+
+
+def mlp(seed=0):
+    """~200k parameters with odd sizes: padding is negligible beside Ψ."""
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(301, 257), nn.GELU(), nn.Linear(257, 389), nn.GELU(),
+                         nn.Linear(389, 97))
+
+
+def figures(rank, world):
+    """memory_summary and comm_summary for each stage, bf16, one step."""
+    import zero
+    out = {}
+    for stage in (0, 1, 2):
+        model = mlp()
+        engine = zero.initialize(model, optimizer=torch.optim.AdamW(model.parameters()),
+                                 stage=stage, precision="bf16", reduce_bucket_size=20_000)
+        x = torch.randn(8, 301)
+        engine.backward(engine(x).float().square().mean())
+        engine.step()
+        out[stage] = (dict(engine.memory_summary()), engine.comm_summary())
+        engine.close()
+    return out
+
+
+def overflow(rank, world, hysteresis):
+    """fp16, 6 steps; at step 3 rank 0's gradients hold an inf."""
+    import zero
+    model = mlp()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    engine = zero.initialize(model, optimizer=opt, stage=2, precision="fp16",
+                             lr_scheduler=sched,
+                             loss_scaling=zero.LossScaling(hysteresis=hysteresis))
+    g = torch.Generator().manual_seed(rank)
+    record = []
+    for step in range(6):
+        before = engine.full_state_dict()
+        loss = engine(torch.randn(4, 301, generator=g)).float().square().mean()
+        if step == 3 and rank == 0:
+            loss = loss * float("inf")
+        scale = engine.loss_scale
+        engine.backward(loss)
+        engine.step()
+        after = engine.full_state_dict()
+        changed = any(not torch.equal(before[k], after[k]) for k in after)
+        record.append(dict(skipped=engine.step_was_skipped, changed=changed, scale=scale,
+                           scale_after=engine.loss_scale, lr=opt.param_groups[0]["lr"],
+                           global_steps=engine.global_steps))
+    engine.close()
+    return record
+
+
+def bf16_run(rank, world):
+    return {stage: scenarios.engine_run(rank, world, 20, stage, precision="bf16")
+            for stage in (0, 1, 2)}
+
+
+def no_sync_run(rank, world):
+    """Stage 1: two micro-batches, the first under no_sync; one update."""
+    import zero
+    model = scenarios.make_model()
+    opt = torch.optim.SGD(scenarios.param_groups(model, 0.1), lr=0.1)
+    engine = zero.initialize(model, optimizer=opt, stage=1)
+    ids, labels = scenarios.batch(0)
+    ids, labels = scenarios.shard(ids, rank, world), scenarios.shard(labels, rank, world)
+    halves = list(zip(ids.chunk(2), labels.chunk(2)))
+    with engine.no_sync():
+        engine.backward(F.cross_entropy(engine(halves[0][0], use_branch=True), halves[0][1]))
+        engine.step()
+        steps_inside = engine.global_steps
+    engine.backward(F.cross_entropy(engine(halves[1][0], use_branch=True), halves[1][1]))
+    engine.step()
+    state = engine.full_state_dict()
+    engine.close()
+    return steps_inside, state
+
+
+def all_features(rank, world):
+    return dict(figures=figures(rank, world), overflow2=overflow(rank, world, 2),
+                overflow1=overflow(rank, world, 1), bf16=bf16_run(rank, world),
+                no_sync=no_sync_run(rank, world))
+
+
+@pytest.fixture(scope="module", params=WORLDS, ids=[f"world{w}" for w in WORLDS])
+def runs(request):
+    return request.param, harness.run(request.param, all_features)
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2])
+def test_memory_matches_formula(runs, stage):
+    world, results = runs
+    for memory, _ in (r["figures"][stage] for r in results):
+        assert abs(memory["model_states"] - memory["formula_bytes"]) <= \
+            0.05 * memory["formula_bytes"], memory
+        assert memory["world_size"] == world
+        if stage == 2:
+            assert 0 < memory["buckets"] <= 4 * 20_000 * 2  # a few live bf16 buckets
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2])
+def test_comm_is_two_psi(runs, stage):
+    _, results = runs
+    memory, comm = results[0]["figures"][stage]
+    psi = memory["trainable_params"]
+    assert abs(comm["moved_elements"] - 2 * psi) <= 0.05 * 2 * psi, comm
+
+
+def test_fp16_overflow_skips_exactly_that_step(runs):
+    _, results = runs
+    for record in (r["overflow2"] for r in results):
+        assert [s["skipped"] for s in record] == [False, False, False, True, False, False]
+        assert [s["changed"] for s in record] == [True, True, True, False, True, True]
+        # hysteresis 2: the first overflow does not lower the scale
+        assert record[3]["scale_after"] == record[3]["scale"] == 2.0 ** 16
+        # the scheduler is not stepped on the skipped step
+        assert [s["lr"] for s in record] == [1e-3 * 0.5 ** k for k in (1, 2, 3, 3, 4, 5)]
+        assert record[-1]["global_steps"] == 5
+
+
+def test_fp16_overflow_lowers_scale_without_hysteresis(runs):
+    _, results = runs
+    record = results[0]["overflow1"]
+    assert record[3]["skipped"] and record[3]["scale_after"] == record[3]["scale"] / 2
+
+
+def test_bf16_tracks_fp32_reference(runs):
+    """bf16 compute rounds activations and gradients to 8 bits of mantissa
+    (relative 2^-9 per rounding); with fp32 masters and AdamW's normalised
+    update the parameters drift from the fp32 run by about lr * steps * a
+    few 1e-3 relative. Bound: 2e-2 normwise; the loss must fall."""
+    world, results = runs
+    ref_losses, ref_state = scenarios.reference_run(20)
+    for stage, (losses, state, _) in results[0]["bf16"].items():
+        assert sum(losses[-5:]) < sum(losses[:5]), (stage, losses)
+        errors = {k: max_rel_error(state[k], v) for k, v in ref_state.items()
+                  if v.is_floating_point()}
+        assert max(errors.values()) <= 2e-2, (stage, errors)
+
+
+def test_no_sync_accumulates_then_updates_once(runs):
+    world, results = runs
+    model = scenarios.make_model()
+    opt = torch.optim.SGD(scenarios.param_groups(model, 0.1), lr=0.1)
+    ids, labels = scenarios.batch(0)
+    # the engine averages over ranks and sums over the micro-batches
+    for r in range(world):
+        ids_r, labels_r = scenarios.shard(ids, r, world), scenarios.shard(labels, r, world)
+        for ids_m, labels_m in zip(ids_r.chunk(2), labels_r.chunk(2)):
+            (F.cross_entropy(model(ids_m, use_branch=True), labels_m) / world).backward()
+    opt.step()
+    steps_inside, state = results[0]["no_sync"]
+    assert steps_inside == 0
+    for k, v in model.state_dict().items():
+        assert max_rel_error(state[k], v) <= 1e-5, k

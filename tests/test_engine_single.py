@@ -1,0 +1,180 @@
+"""The engine in one process with no launcher and no environment variables
+(a notebook): API, configs, bad input, re-initialisation."""
+import json
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import zero
+from conftest import max_rel_error
+
+
+def model(seed=0):
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(6, 9), nn.Tanh(), nn.Linear(9, 3))
+
+
+@pytest.fixture(autouse=True)
+def no_launcher(monkeypatch):
+    for var in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK"):
+        monkeypatch.delenv(var, raising=False)
+    yield
+    assert not dist.is_initialized(), "an engine left its process group behind"
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2])
+def test_world_one_matches_torch_with_plain_backward(stage):
+    m, ref = model(), model()
+    engine = zero.initialize(m, optimizer=torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9),
+                             stage=stage)
+    opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    g = torch.Generator().manual_seed(1)
+    for _ in range(10):
+        x = torch.randn(4, 6, generator=g)
+        engine(x).square().mean().backward()  # plain backward works too
+        engine.step()
+        opt.zero_grad()
+        ref(x).square().mean().backward()
+        opt.step()
+    full = engine.full_state_dict()
+    assert list(full) == list(ref.state_dict())
+    for k, v in ref.state_dict().items():
+        assert max_rel_error(full[k], v) <= 1e-5
+    engine.close()
+
+
+def test_memory_summary_prints_beside_formula():
+    m = model()
+    engine = zero.initialize(m, optimizer=torch.optim.AdamW(m.parameters()), stage=2,
+                             precision="bf16")
+    summary = engine.memory_summary()
+    text = str(summary)
+    assert "formula" in text and "stage 2: 2Ψ + 14Ψ/N" in text
+    # 93 parameters, padded to 96 (a multiple of 16): bf16 params and
+    # gradient partition, fp32 master + exp_avg + exp_avg_sq
+    assert summary["trainable_params"] == 93
+    assert (summary["params"], summary["grads"], summary["optimizer_states"]) == \
+        (96 * 2, 96 * 2, 96 * 12)
+    engine.close()
+
+
+def test_reinitialize_like_a_rerun_notebook_cell():
+    m = model()
+    first = zero.initialize(m, optimizer=torch.optim.AdamW(m.parameters()), stage=2)
+    second = zero.initialize(m, optimizer=torch.optim.AdamW(m.parameters()), stage=2)
+    assert first._closed  # the old engine let go of its hooks and group
+    loss = second(torch.randn(2, 6)).sum()
+    second.backward(loss)
+    second.step()
+    second.close()
+
+
+def test_optimizer_step_is_refused():
+    m = model()
+    opt = torch.optim.AdamW(m.parameters())
+    engine = zero.initialize(m, optimizer=opt, stage=1)
+    with pytest.raises(RuntimeError, match="call engine.step"):
+        opt.step()
+    engine.close()
+
+
+def test_deepspeed_config_dict_and_file(tmp_path):
+    ds = {
+        "train_micro_batch_size_per_gpu": 4,
+        "gradient_accumulation_steps": 2,
+        "gradient_clipping": 1.0,
+        "bf16": {"enabled": True},
+        "zero_optimization": {"stage": 1, "reduce_bucket_size": 5e5, "overlap_comm": True,
+                              "contiguous_gradients": True},
+        "optimizer": {"type": "AdamW", "params": {"lr": 3e-4, "betas": [0.9, 0.95],
+                                                  "weight_decay": 0.1}},
+        "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": 0, "warmup_max_lr": 3e-4,
+                                                     "warmup_num_steps": 10}},
+    }
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps(ds))
+    for source in (ds, str(path)):
+        cfg = zero.Config.from_deepspeed(source)
+        assert (cfg.stage, cfg.precision, cfg.gradient_accumulation_steps,
+                cfg.reduce_bucket_size) == (1, "bf16", 2, 500000)
+    m = model()
+    engine = zero.initialize(m, config=ds)
+    assert engine.stage == 1 and engine.compute_dtype == torch.bfloat16
+    assert isinstance(engine.optimizer, torch.optim.AdamW)
+    assert engine.optimizer.param_groups[0]["betas"] == (0.9, 0.95)
+    lr0 = engine.optimizer.param_groups[0]["lr"]
+    for _ in range(2):  # one boundary
+        engine.backward(engine(torch.randn(4, 6)).float().sum())
+        engine.step()
+    assert engine.optimizer.param_groups[0]["lr"] > lr0  # warming up
+    engine.close()
+
+
+# ---- bad input: a clear error, nothing half-initialised ----------------------
+
+def untouched(m, before):
+    return all(p.data_ptr() == ptr and p.dtype == torch.float32
+               for p, ptr in zip(m.parameters(), before))
+
+
+def test_unknown_config_key_is_named():
+    with pytest.raises(ValueError, match="zero_optimization.stagee"):
+        zero.Config.from_deepspeed({"zero_optimization": {"stagee": 2}})
+    with pytest.raises(ValueError, match="unknown DeepSpeed config key.*: trian_batch_size"):
+        zero.Config.from_deepspeed({"trian_batch_size": 8})
+    m = model()
+    before = [p.data_ptr() for p in m.parameters()]
+    with pytest.raises(TypeError, match="unknown option"):
+        zero.initialize(m, bucket_size=3)
+    assert untouched(m, before)
+
+
+@pytest.mark.parametrize("stage", [-1, 4, "2"])
+def test_stage_outside_range(stage):
+    m = model()
+    before = [p.data_ptr() for p in m.parameters()]
+    with pytest.raises(ValueError, match="stage must be 0, 1, 2 or 3"):
+        zero.initialize(m, stage=stage)
+    assert untouched(m, before)
+
+
+def test_model_without_parameters():
+    with pytest.raises(ValueError, match="no parameters"):
+        zero.initialize(nn.ReLU())
+    frozen = model()
+    frozen.requires_grad_(False)
+    with pytest.raises(ValueError, match="no trainable parameters"):
+        zero.initialize(frozen, optimizer=torch.optim.SGD(frozen.parameters(), lr=0.1))
+
+
+def test_optimizer_that_cannot_be_partitioned():
+    m = model()
+    before = [p.data_ptr() for p in m.parameters()]
+    with pytest.raises(TypeError, match="RMSprop cannot be partitioned by zero"):
+        zero.initialize(m, optimizer=torch.optim.RMSprop(m.parameters()))
+    assert untouched(m, before)
+
+
+def test_parameter_missing_from_optimizer_is_named():
+    m = model()
+    with pytest.raises(ValueError, match="parameter '2.weight' requires grad but is in none"):
+        zero.initialize(m, optimizer=torch.optim.SGD([m[0].weight, m[0].bias, m[2].bias],
+                                                     lr=0.1))
+
+
+def test_no_sync_refused_at_stage_2():
+    m = model()
+    engine = zero.initialize(m, optimizer=torch.optim.SGD(m.parameters(), lr=0.1), stage=2)
+    with pytest.raises(RuntimeError, match="no_sync.. cannot be used with stage 2"):
+        with engine.no_sync():
+            pass
+    engine.close()
+
+
+def test_stage3_and_cuda_are_refused_clearly():
+    m = model()
+    with pytest.raises(NotImplementedError, match="stage 3"):
+        zero.initialize(m, stage=3)
