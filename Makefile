@@ -4,7 +4,7 @@ CC ?= gcc
 SANITIZE = -fsanitize=address,undefined -fno-sanitize-recover=all
 CORE_SOURCES = $(filter-out csrc/module.c,$(wildcard csrc/*.c)) $(wildcard csrc/x86/*.c)
 
-.PHONY: deps install test test-c test-py bench clean
+.PHONY: deps install train test test-c test-py bench bench-train clean
 
 # The pinned CPU build of torch and the test tools.
 deps:
@@ -24,6 +24,10 @@ test-c:
 		tests/c/test_core.c $(CORE_SOURCES) -lm -lpthread
 	tests/c/build/test_core_tsan
 
+# The main job: a small GPT trained with zero on 2 processes of this machine.
+train: install
+	$(PYTHON) -m torch.distributed.run --nproc_per_node 2 examples/train_gpt.py
+
 test-py:
 	$(PYTHON) -m pytest -q tests
 
@@ -31,6 +35,9 @@ test: install test-c test-py
 
 bench: install
 	$(PYTHON) bench/optim_cpu.py
+
+bench-train: install
+	$(PYTHON) bench/train.py
 
 clean:
 	rm -rf build tests/c/build python/zero/*.so *.egg-info python/*.egg-info
