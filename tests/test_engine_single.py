@@ -46,6 +46,27 @@ def test_world_one_matches_torch_with_plain_backward(stage):
     engine.close()
 
 
+@pytest.mark.parametrize("name", ["AdamW", "Lion"])
+def test_zero_optim_optimizers_drive_the_engine(name):
+    m, ref = model(), model()
+    opt = getattr(zero.optim, name)(m.parameters(), lr=1e-2)
+    engine = zero.initialize(m, optimizer=opt, stage=2)
+    assert opt._segments == [[]] and not opt.state  # its own buffers were freed
+    ref_opt = getattr(zero.optim, name)(ref.parameters(), lr=1e-2)
+    g = torch.Generator().manual_seed(2)
+    for _ in range(5):
+        x = torch.randn(4, 6, generator=g)
+        engine.backward(engine(x).square().mean())
+        engine.step()
+        ref_opt.zero_grad()
+        ref(x).square().mean().backward()
+        ref_opt.step()
+    full = engine.full_state_dict()
+    for k, v in ref.state_dict().items():
+        assert max_rel_error(full[k], v) <= 1e-5, k
+    engine.close()
+
+
 def test_memory_summary_prints_beside_formula():
     m = model()
     engine = zero.initialize(m, optimizer=torch.optim.AdamW(m.parameters()), stage=2,
@@ -53,11 +74,12 @@ def test_memory_summary_prints_beside_formula():
     summary = engine.memory_summary()
     text = str(summary)
     assert "formula" in text and "stage 2: 2Ψ + 14Ψ/N" in text
-    # 93 parameters, padded to 96 (a multiple of 16): bf16 params and
-    # gradient partition, fp32 master + exp_avg + exp_avg_sq
+    # 93 parameters in 4 tensors, each starting at a multiple of 64
+    # elements: 0, 64, 128, 192, ending at 195, padded to 208 (a multiple of
+    # 16): bf16 params and gradient partition, fp32 master, exp_avg, exp_avg_sq
     assert summary["trainable_params"] == 93
     assert (summary["params"], summary["grads"], summary["optimizer_states"]) == \
-        (96 * 2, 96 * 2, 96 * 12)
+        (208 * 2, 208 * 2, 208 * 12)
     engine.close()
 
 
@@ -178,3 +200,23 @@ def test_stage3_and_cuda_are_refused_clearly():
     m = model()
     with pytest.raises(NotImplementedError, match="stage 3"):
         zero.initialize(m, stage=3)
+
+
+def test_clip_grad_norm_returns_the_global_norm_and_clips():
+    m, ref = model(), model()
+    engine = zero.initialize(m, optimizer=torch.optim.SGD(m.parameters(), lr=0.1), stage=2)
+    opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    x = torch.randn(4, 6, generator=torch.Generator().manual_seed(3))
+    engine.backward(engine(x).square().sum())
+    norm = engine.clip_grad_norm_(0.01)
+    ref(x).square().sum().backward()
+    ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.01)
+    assert abs(norm - ref_norm.item()) <= 1e-5 * ref_norm.item()
+    engine.step()
+    opt.step()
+    full = engine.full_state_dict()
+    for k, v in ref.state_dict().items():
+        assert max_rel_error(full[k], v) <= 1e-5, k
+    with pytest.raises(ValueError, match="max_norm must be > 0"):
+        engine.clip_grad_norm_(0.0)
+    engine.close()

@@ -25,6 +25,9 @@ import torch
 from zero import _C
 
 ALIGN = 16  # partition sizes are multiples of 16 elements (64-byte rows)
+# Each parameter starts at a multiple of 64 elements: GEMM libraries run
+# slower on operands that start mid-cache-line.
+PARAM_ALIGN = 64
 # Buckets whose reduction may still be running while backward fills the
 # next: two let communication overlap computation without holding more.
 MAX_IN_FLIGHT = 2
@@ -38,15 +41,17 @@ class FlatGroup:
         self.comm = comm
         self.stage = stage
         self.num_partitions = 1 if stage == 0 else comm.world
-        self.numel = sum(p.numel() for p in params)
-        per = -(-self.numel // self.num_partitions)
-        self.part_size = -(-per // ALIGN) * ALIGN
-        self.total = self.part_size * self.num_partitions
+        self.numel = sum(p.numel() for p in params)  # Ψ of this group
         self.offsets = []
         start = 0
         for p in params:
+            start = -(-start // PARAM_ALIGN) * PARAM_ALIGN
             self.offsets.append(start)
             start += p.numel()
+        self.span = start  # laid-out elements, alignment gaps included
+        per = -(-self.span // self.num_partitions)
+        self.part_size = -(-per // ALIGN) * ALIGN
+        self.total = self.part_size * self.num_partitions
         owner = 0 if stage == 0 else comm.rank
         self.part_start = owner * self.part_size
         self.part_end = self.part_start + self.part_size
@@ -129,7 +134,7 @@ class FlatGroup:
 
     def _plan_buckets(self, bucket_elements):
         self.buckets = []  # (start, end) in flat, bucket 0 at the end
-        end = self.numel
+        end = self.span
         while end > 0:
             start = max(0, end - bucket_elements)
             self.buckets.append((start, end))

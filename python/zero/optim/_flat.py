@@ -150,6 +150,12 @@ class FlatOptimizer(torch.optim.Optimizer):
                 entry["master_param"] = seg.view(seg.master, i)
             self.state[p] = entry
 
+    def _release_buffers(self):
+        """Called by a zero Engine that takes this optimizer over: the
+        engine keeps its own partitioned states, so ours are freed."""
+        self._segments = [[] for _ in self.param_groups]
+        self.state.clear()
+
     # ---- hooks for subclasses -------------------------------------------
 
     def _states_in_use(self, group) -> tuple:
