@@ -1,0 +1,22 @@
+"""The public surface is frozen: a change to it must change this test too,
+on purpose (and README/docs with it)."""
+import zero
+
+
+def test_top_level_names():
+    assert sorted(zero.__all__) == sorted([
+        "initialize", "Engine", "Config", "LossScaling", "optim", "cpu_info",
+        "get_num_threads", "set_num_threads"])
+    for name in zero.__all__:
+        assert hasattr(zero, name)
+
+
+def test_optimizer_names():
+    assert sorted(zero.optim.__all__) == ["Adagrad", "Adam", "AdamW", "Lion", "SGD"]
+
+
+def test_core_functions():
+    expected = {"Buffer", "adam_step", "sgd_step", "lion_step", "adagrad_step", "sum_squares",
+                "all_finite", "convert", "stream_triad", "cpu_info", "set_simd",
+                "set_num_threads", "get_num_threads"}
+    assert expected <= set(dir(zero._C))
