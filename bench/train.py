@@ -1,10 +1,13 @@
 """Training-step time and per-rank memory of a ~30M-parameter GPT on 2 CPU
 ranks (gloo): zero stages 0-2 beside torch DDP, FSDP2 and DeepSpeed.
 
-Each runner trains in fresh processes (so peak RSS is its own) for a few
-warm-up steps and then a timed run; the table gives the median step time,
-its ratio to DDP's, the model-state bytes per rank (where the runner can say)
-and the peak resident memory per rank.
+Each runner trains in fresh processes for a few warm-up steps and then a
+timed run; the table gives the median step time, its ratio to DDP's, the
+model-state bytes per rank (where the runner can say) and the training peak
+of resident memory per rank above a baseline taken after imports and process
+group set-up, before the model is built (VmHWM - baseline; the peak is reset
+after wrapping, and glibc's adaptive mmap threshold is pinned with
+MALLOC_MMAP_THRESHOLD_ so freed buffers are returned and not counted).
 
 Usage: python bench/train.py [--steps 6] [--warmup 2] [--precision bf16]
        [--runners zero0,zero1,zero2,ddp,fsdp2,ds1,ds2] [--json out.json] [--small]
@@ -14,7 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
+import gc
 import statistics
 import sys
 import time
@@ -125,8 +128,10 @@ def run_deepspeed(stage, precision, small):
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     import deepspeed
     model, cfg = build(small)
+    # zero's default bucket (25M elements) for DeepSpeed's buckets too
     config = {"train_micro_batch_size_per_gpu": BATCH, "gradient_accumulation_steps": 1,
-              "zero_optimization": {"stage": stage},
+              "zero_optimization": {"stage": stage, "reduce_bucket_size": 25_000_000,
+                                    "allgather_bucket_size": 25_000_000},
               "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}},
               "zero_allow_untested_optimizer": True}
     if precision == "bf16":
@@ -151,14 +156,36 @@ RUNNERS = {
 }
 
 
+def proc_status_kib(field):
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    raise KeyError(field)
+
+
+def reset_peak_rss():
+    gc.collect()
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # resets VmHWM to the current VmRSS
+
+
 def worker(rank, world, key, precision, small, warmup, steps):
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     if not dist.is_initialized():
         dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:  # the same imports in every runner, so the baselines compare
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+        import deepspeed  # noqa: F401
+    except Exception:
+        pass
+    gc.collect()
+    baseline = proc_status_kib("VmRSS") * 1024
     step, nbytes, cfg = RUNNERS[key][1](precision, small)
+    reset_peak_rss()
     times = timed_loop(step, cfg, rank, warmup, steps)
-    peak_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    return dict(median_s=statistics.median(times), state_bytes=nbytes(), peak_rss=peak_rss,
+    peak = proc_status_kib("VmHWM") * 1024 - baseline
+    return dict(median_s=statistics.median(times), state_bytes=nbytes(), peak_rss=peak,
                 params=sum(p.numel() for p in build(small)[0].parameters()))
 
 
@@ -172,6 +199,7 @@ def main(argv=None):
     ap.add_argument("--small", action="store_true", help="a tiny model, for a smoke run")
     ap.add_argument("--json")
     args = ap.parse_args(argv)
+    os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", "65536")  # inherited by the workers
     rows = {}
     for key in args.runners.split(","):
         name = RUNNERS[key][0]
@@ -193,6 +221,7 @@ def main(argv=None):
           f"{BATCH} sequences per rank per step, median of {args.steps} steps")
     header = f"{'runner':<36} {'step s':>8} {'/DDP':>6} {'model states MiB':>17} " \
              f"{'peak RSS MiB':>13}"
+    print("peak RSS: training peak of resident memory above the pre-model baseline, per rank")
     print(header + "\n" + "-" * len(header))
     for row in rows.values():
         if not row["ok"]:
