@@ -907,8 +907,9 @@ static PyObject *zero_C_convert(PyObject *module, PyObject *args)
 
 PyDoc_STRVAR(stream_triad_doc,
 "stream_triad(a, b, c, scalar)\n--\n\n"
-"a[i] = b[i] + scalar * c[i] over float32 buffers: the memory-bandwidth\n"
-"ceiling the benchmarks measure against.");
+"a[i] = b[i] + scalar * c[i] over float32 buffers (non-temporal stores),\n"
+"or in place, a[i] = a[i] + scalar * c[i], when b is None: the memory-\n"
+"bandwidth ceilings the benchmarks measure against.");
 
 static PyObject *zero_C_stream_triad(PyObject *module, PyObject *args)
 {
@@ -923,16 +924,22 @@ static PyObject *zero_C_stream_triad(PyObject *module, PyObject *args)
         return NULL;
     }
     PyObject *result = NULL;
-    if (check_dtype(&bufs[0], 0) == 0 && check_dtype(&bufs[1], 0) == 0 &&
-        check_dtype(&bufs[2], 0) == 0 && check_together(bufs, 3) == 0) {
+    int ok = 1;
+    for (int i = 0; i < 3 && ok; i++) {
+        ok = !bufs[i].buf || check_dtype(&bufs[i], 0) == 0;
+    }
+    /* check_together skips an absent b; a and c are always there */
+    if (ok && bufs[0].buf && bufs[2].buf && check_together(bufs, 3) == 0) {
+        const float *b = bufs[1].buf ? bufs[1].buf->data : NULL;
         zero_status status;
         Py_BEGIN_ALLOW_THREADS
-        status = zero_stream_triad(bufs[0].buf->data, bufs[1].buf->data,
-                                   bufs[2].buf->data, (float)scalar,
-                                   bufs[0].buf->numel);
+        status = zero_stream_triad(bufs[0].buf->data, b, bufs[2].buf->data,
+                                   (float)scalar, bufs[0].buf->numel);
         Py_END_ALLOW_THREADS
         result = status == ZERO_OK ? Py_NewRef(Py_None)
                                    : raise_status(status, "stream_triad");
+    } else if (ok) {
+        PyErr_SetString(PyExc_TypeError, "a and c are required");
     }
     release_buffers(bufs, 3);
     return result;

@@ -151,7 +151,7 @@ static void triad_range(void *ctx, int64_t begin, int64_t end)
 zero_status zero_stream_triad(float *a, const float *b, const float *c,
                               float scalar, int64_t n)
 {
-    if (n < 0 || (n > 0 && (!a || !b || !c))) {
+    if (n < 0 || (n > 0 && (!a || !c))) {
         return ZERO_ERR_INVALID_ARGUMENT;
     }
     triad_job job = {active_kernels(), a, b, c, scalar};

@@ -147,7 +147,7 @@ static void triad_scalar(float *a, const float *b, const float *c, float s,
                          int64_t begin, int64_t end)
 {
     for (int64_t i = begin; i < end; i++) {
-        a[i] = b[i] + s * c[i];
+        a[i] = (b ? b[i] : a[i]) + s * c[i];
     }
 }
 

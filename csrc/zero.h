@@ -158,7 +158,8 @@ zero_status zero_convert(void *dst, zero_dtype dst_dtype, const void *src,
                          zero_dtype src_dtype, int64_t n);
 
 /* a[i] = b[i] + scalar * c[i]: the STREAM triad, the bandwidth ceiling the
- * benchmarks compare against. */
+ * benchmarks compare against. With b == NULL it runs in place,
+ * a[i] = a[i] + scalar * c[i] (read a and c, write a). */
 zero_status zero_stream_triad(float *a, const float *b, const float *c,
                               float scalar, int64_t n);
 

@@ -323,6 +323,15 @@ static ISA_TARGET void triad_simd(float *a, const float *b, const float *c,
 {
     const vec scalar = vset1(s);
     int64_t i = begin;
+    if (!b) {
+        /* in place, a = a + s * c: every written line was just read, as in
+         * an optimizer step, so plain stores cost no extra traffic */
+        for (; i + W <= end; i += W) {
+            vstore(a + i, vfmadd(scalar, vload(c + i), vload(a + i)));
+        }
+        scalar_kernels.triad(a, b, c, s, i, end);
+        return;
+    }
     while (i < end && ((uintptr_t)(a + i) % sizeof(vec)) != 0) {
         i++;
     }

@@ -208,6 +208,11 @@ class Engine(nn.Module):
         boundary micro-batch, before step()."""
         if not max_norm > 0:
             raise ValueError(f"max_norm must be > 0, got {max_norm}")
+        if not self.is_accumulation_boundary:
+            raise RuntimeError(
+                "clip_grad_norm_ reduces the gradients: call it only after the backward of "
+                f"the last micro-batch of an accumulation boundary (micro-step "
+                f"{self.micro_steps + 1} of {self.config.gradient_accumulation_steps})")
         self._clip_norm = float(max_norm)
         return self._prepare_boundary()[1]
 

@@ -364,6 +364,14 @@ static void test_reductions(zero_isa isa)
         bad += !close_enough(a[i], x[i] + 3.0f * c[i], 1e-6f, 1e-6f);
     }
     CHECK(bad == 0, "%s triad: %lld off", zero_isa_name(isa), (long long)bad);
+    /* in place: a = a + 3c, starting from the triad's result */
+    zero_stream_triad(a, NULL, c, 3.0f, n);
+    bad = 0;
+    for (int64_t i = 0; i < n; i++) {
+        bad += !close_enough(a[i], x[i] + 6.0f * c[i], 1e-5f, 1e-5f);
+    }
+    CHECK(bad == 0, "%s in-place triad: %lld off", zero_isa_name(isa),
+          (long long)bad);
     free(a);
     free(c);
     free(x);
