@@ -43,7 +43,12 @@ def parse_size(text: str) -> int:
     return int(float(text.rstrip("KMG")) * scale)
 
 
+REPEATS = {"value": None}  # --repeats overrides the size-based default
+
+
 def repeats_for(n: int) -> int:
+    if REPEATS["value"]:
+        return REPEATS["value"]
     return max(5, min(30, int(4e8 // max(n, 1))))
 
 
@@ -206,9 +211,11 @@ def main(argv=None) -> int:
     ap.add_argument("--half", default="bfloat16", choices=["bfloat16", "float16"])
     ap.add_argument("--json", help="write the results here too")
     ap.add_argument("--no-deepspeed", action="store_true")
+    ap.add_argument("--repeats", type=int, help="timed rounds per size (default: by size)")
     ap.add_argument("--interleave-limit-gb", type=float, default=10.0,
                     help="run all runners round-robin when they fit in this much memory")
     args = ap.parse_args(argv)
+    REPEATS["value"] = args.repeats
     sizes = [parse_size(s) for s in args.sizes.split(",")]
     threads = [int(t) for t in args.threads.split(",")]
     half = getattr(torch, args.half)
