@@ -64,6 +64,11 @@ extern const isa_kernels avx2_kernels;
 extern const isa_kernels avx512_kernels;
 #endif
 
+static inline int dtype_valid(zero_dtype dtype)
+{
+    return dtype == ZERO_F32 || dtype == ZERO_BF16 || dtype == ZERO_F16;
+}
+
 /* The kernels of the active ISA (cpu_features.c). */
 const isa_kernels *active_kernels(void);
 

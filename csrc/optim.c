@@ -24,18 +24,13 @@ static void run_optim_range(void *ctx, int64_t begin, int64_t end)
     job->kernel(&job->args, begin, end);
 }
 
-static int valid_dtype(zero_dtype dtype)
-{
-    return dtype == ZERO_F32 || dtype == ZERO_BF16 || dtype == ZERO_F16;
-}
-
 static zero_status check_flat(const zero_flat *buf)
 {
     if (!buf || buf->n < 0) {
         return ZERO_ERR_INVALID_ARGUMENT;
     }
-    if (!valid_dtype(buf->grad_dtype) ||
-        (buf->copy_out && !valid_dtype(buf->copy_dtype))) {
+    if (!dtype_valid(buf->grad_dtype) ||
+        (buf->copy_out && !dtype_valid(buf->copy_dtype))) {
         return ZERO_ERR_UNSUPPORTED_DTYPE;
     }
     if (buf->n > 0 && (!buf->param || !buf->grad)) {

@@ -11,11 +11,6 @@
 #define NORM_BLOCK 32768
 #define GRAIN 64
 
-static int valid_dtype(zero_dtype dtype)
-{
-    return dtype == ZERO_F32 || dtype == ZERO_BF16 || dtype == ZERO_F16;
-}
-
 typedef struct {
     const isa_kernels *kernels;
     const void *data;
@@ -42,7 +37,7 @@ zero_status zero_sum_squares(const void *data, zero_dtype dtype, int64_t n,
     if (!out || n < 0 || (n > 0 && !data)) {
         return ZERO_ERR_INVALID_ARGUMENT;
     }
-    if (!valid_dtype(dtype)) {
+    if (!dtype_valid(dtype)) {
         return ZERO_ERR_UNSUPPORTED_DTYPE;
     }
     int64_t blocks = (n + NORM_BLOCK - 1) / NORM_BLOCK;
@@ -96,7 +91,7 @@ zero_status zero_check_finite(const void *data, zero_dtype dtype, int64_t n,
     if (!all_finite || n < 0 || (n > 0 && !data)) {
         return ZERO_ERR_INVALID_ARGUMENT;
     }
-    if (!valid_dtype(dtype)) {
+    if (!dtype_valid(dtype)) {
         return ZERO_ERR_UNSUPPORTED_DTYPE;
     }
     finite_job job = {.kernels = active_kernels(), .data = data,
@@ -128,7 +123,7 @@ zero_status zero_convert(void *dst, zero_dtype dst_dtype, const void *src,
     if (n < 0 || (n > 0 && (!dst || !src))) {
         return ZERO_ERR_INVALID_ARGUMENT;
     }
-    if (!valid_dtype(dst_dtype) || !valid_dtype(src_dtype)) {
+    if (!dtype_valid(dst_dtype) || !dtype_valid(src_dtype)) {
         return ZERO_ERR_UNSUPPORTED_DTYPE;
     }
     convert_job job = {active_kernels(), dst, dst_dtype, src, src_dtype};

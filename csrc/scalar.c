@@ -20,6 +20,15 @@ static inline float lerp(float start, float end, float weight)
     return end - (end - start) * (1.0f - weight);
 }
 
+/* The updated parameter, and its copy-out cast when there is one. */
+static inline void store_param(const optim_args *a, int64_t i, float p)
+{
+    a->param[i] = p;
+    if (a->copy_out) {
+        store_from_f32(a->copy_out, a->copy_dtype, i, p);
+    }
+}
+
 static void adam_scalar(const optim_args *a, int64_t begin, int64_t end)
 {
     const optim_consts *k = &a->k;
@@ -38,10 +47,7 @@ static void adam_scalar(const optim_args *a, int64_t begin, int64_t end)
         }
         float denom = sqrtf(v) / k->bias_correction2_sqrt + k->eps;
         p = p - k->step_size * (m / denom);
-        a->param[i] = p;
-        if (a->copy_out) {
-            store_from_f32(a->copy_out, a->copy_dtype, i, p);
-        }
+        store_param(a, i, p);
     }
 }
 
@@ -61,10 +67,7 @@ static void sgd_scalar(const optim_args *a, int64_t begin, int64_t end)
             g = k->nesterov ? g + k->momentum * buf : buf;
         }
         p = p - k->step_size * g;
-        a->param[i] = p;
-        if (a->copy_out) {
-            store_from_f32(a->copy_out, a->copy_dtype, i, p);
-        }
+        store_param(a, i, p);
     }
 }
 
@@ -83,10 +86,7 @@ static void lion_scalar(const optim_args *a, int64_t begin, int64_t end)
         float direction = lerp(m, g, k->one_minus_beta1);
         p = p * k->weight_factor - k->step_size * sign_of(direction);
         a->state1[i] = lerp(m, g, k->one_minus_beta2);
-        a->param[i] = p;
-        if (a->copy_out) {
-            store_from_f32(a->copy_out, a->copy_dtype, i, p);
-        }
+        store_param(a, i, p);
     }
 }
 
@@ -100,10 +100,7 @@ static void adagrad_scalar(const optim_args *a, int64_t begin, int64_t end)
         float sum = a->state1[i] + g * g;
         a->state1[i] = sum;
         p = p - k->step_size * (g / (sqrtf(sum) + k->eps));
-        a->param[i] = p;
-        if (a->copy_out) {
-            store_from_f32(a->copy_out, a->copy_dtype, i, p);
-        }
+        store_param(a, i, p);
     }
 }
 

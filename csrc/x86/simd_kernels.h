@@ -58,6 +58,17 @@ static ISA_TARGET ALWAYS_INLINE vec vlerp(vec start, vec end, vec weight,
 /* The copy-out modes the bodies are specialised for. */
 #define COPY_NONE (-1)
 
+/* The updated parameter, and its copy-out cast when there is one. */
+static ISA_TARGET ALWAYS_INLINE void store_param(const optim_args *a,
+                                                 int64_t i, vec p,
+                                                 int copy_mode)
+{
+    vstore(a->param + i, p);
+    if (copy_mode != COPY_NONE) {
+        store_vec(a->copy_out, (zero_dtype)copy_mode, i, p);
+    }
+}
+
 #define DISPATCH_DTYPES(body, a, begin, end)                                \
     do {                                                                    \
         int copy_mode = (a)->copy_out ? (int)(a)->copy_dtype : COPY_NONE;   \
@@ -109,10 +120,7 @@ static ISA_TARGET ALWAYS_INLINE void adam_body(const optim_args *a,
         }
         vec denom = vadd(vdiv(vsqrt(v), bias_correction2_sqrt), eps);
         p = vfnmadd(step_size, vdiv(m, denom), p);
-        vstore(a->param + i, p);
-        if (copy_mode != COPY_NONE) {
-            store_vec(a->copy_out, (zero_dtype)copy_mode, i, p);
-        }
+        store_param(a, i, p, copy_mode);
     }
     scalar_kernels.adam(a, i, end);
 }
@@ -147,10 +155,7 @@ static ISA_TARGET ALWAYS_INLINE void sgd_body(const optim_args *a,
             g = k->nesterov ? vfmadd(momentum, buf, g) : buf;
         }
         p = vfnmadd(lr, g, p);
-        vstore(a->param + i, p);
-        if (copy_mode != COPY_NONE) {
-            store_vec(a->copy_out, (zero_dtype)copy_mode, i, p);
-        }
+        store_param(a, i, p, copy_mode);
     }
     scalar_kernels.sgd(a, i, end);
 }
@@ -183,10 +188,7 @@ static ISA_TARGET ALWAYS_INLINE void lion_body(const optim_args *a,
         vec direction = vlerp(m, g, one_minus_beta1, beta1, small1);
         p = vfnmadd(lr, vsign(direction), vmul(p, weight_factor));
         vstore(a->state1 + i, vlerp(m, g, one_minus_beta2, beta2, small2));
-        vstore(a->param + i, p);
-        if (copy_mode != COPY_NONE) {
-            store_vec(a->copy_out, (zero_dtype)copy_mode, i, p);
-        }
+        store_param(a, i, p, copy_mode);
     }
     scalar_kernels.lion(a, i, end);
 }
@@ -213,10 +215,7 @@ static ISA_TARGET ALWAYS_INLINE void adagrad_body(const optim_args *a,
         vec sum = vfmadd(g, g, vload(a->state1 + i));
         vstore(a->state1 + i, sum);
         p = vfnmadd(clr, vdiv(g, vadd(vsqrt(sum), eps)), p);
-        vstore(a->param + i, p);
-        if (copy_mode != COPY_NONE) {
-            store_vec(a->copy_out, (zero_dtype)copy_mode, i, p);
-        }
+        store_param(a, i, p, copy_mode);
     }
     scalar_kernels.adagrad(a, i, end);
 }

@@ -6,6 +6,7 @@ SUM, and the engine divides by the world size inside the optimizer pass.
 """
 from __future__ import annotations
 
+import atexit
 import os
 from collections import defaultdict
 
@@ -17,16 +18,22 @@ _owned = {"count": 0}  # process groups this module created, by engine
 
 
 def join_process_group(backend: str) -> bool:
-    """Make sure a default process group exists; True if we created it.
+    """Make sure a default process group exists; True if the caller owns it
+    and should destroy it when done.
 
     An existing group is reused. Under torchrun (RANK etc. set) the group is
-    made from env://. With no launcher at all (a notebook, a plain script)
-    a one-process group is made in memory, so the same code runs everywhere.
+    made from env:// and kept for the life of the process (destroyed at
+    exit): a second rendezvous on the same port in one process can meet the
+    first one's store still listening and wait forever, so a later engine
+    reuses the group instead. With no launcher at all (a notebook, a plain
+    script) a one-process group is made in memory and owned by the engine.
     """
     if dist.is_initialized():
         return False
     if all(v in os.environ for v in _LAUNCHER_VARS):
         dist.init_process_group(backend, init_method="env://")
+        atexit.register(_destroy_at_exit)
+        return False
     else:
         missing = [v for v in _LAUNCHER_VARS if v in os.environ]
         if missing and os.environ.get("WORLD_SIZE", "1") != "1":
@@ -36,6 +43,11 @@ def join_process_group(backend: str) -> bool:
         dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     _owned["count"] += 1
     return True
+
+
+def _destroy_at_exit():
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def leave_process_group(created: bool):

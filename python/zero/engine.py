@@ -310,7 +310,9 @@ class Engine(nn.Module):
         return full
 
     def close(self):
-        """Remove the engine's hooks and leave a process group it created."""
+        """Remove the engine's hooks and destroy the in-memory process group
+        it made for a launcher-less run (an env:// group stays for the next
+        engine in this process; see _comm.join_process_group)."""
         if self._closed:
             return
         for h in self._hooks:

@@ -7,6 +7,7 @@ import os
 import pickle
 import socket
 import tempfile
+import time
 import traceback
 
 import torch.multiprocessing as mp
@@ -34,14 +35,30 @@ def _entry(rank, world, port, out_dir, fn, args):
         raise SystemExit(1)
 
 
-def run(world: int, fn, *args, timeout: float = 600):
-    """[rank0 result, rank1 result, ...]; raises with the worker's traceback."""
+def _join_all(ctx, timeout):
+    """True once every worker has ended; False at the deadline. join()
+    returns as each process ends, so it is called until all have."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if ctx.join(timeout=max(0.1, deadline - time.monotonic())):
+            return True
+    return False
+
+
+def run(world: int, fn, *args, timeout: float = 300):
+    """[rank0 result, rank1 result, ...]; raises with the worker's traceback,
+    or when the workers are not done within `timeout` seconds (a hang must
+    fail the test, not stall the suite)."""
     with tempfile.TemporaryDirectory() as out_dir:
         ctx = mp.start_processes(_entry, args=(world, free_port(), out_dir, fn, args),
                                  nprocs=world, join=False, start_method="spawn")
         try:
-            while not ctx.join(timeout=timeout):
-                pass
+            if not _join_all(ctx, timeout):
+                for p in ctx.processes:
+                    p.kill()
+                raise TimeoutError(f"{world} workers still running after {timeout} s")
+        except TimeoutError:
+            raise
         except Exception:
             errors = []
             for r in range(world):
