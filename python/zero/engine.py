@@ -240,6 +240,9 @@ class Engine(nn.Module):
                            fg, base * coef)
                 fg.all_gather_params()
             self.global_steps += 1
+            # The engine stepped on the optimizer's behalf; torch's schedulers
+            # read this flag to warn about stepping before the optimizer.
+            self.optimizer._opt_called = True
             if self.lr_scheduler is not None:
                 self.lr_scheduler.step()
         self._global_grad_norm = norm
