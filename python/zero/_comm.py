@@ -122,14 +122,6 @@ class Comm:
         if self.world > 1:
             dist.broadcast(tensor, src=src)
 
-    def max_flag(self, flag: bool) -> bool:
-        """True on every rank if any rank passed True (not logged: 1 element)."""
-        if self.world == 1:
-            return flag
-        t = torch.tensor([1.0 if flag else 0.0])
-        dist.all_reduce(t, op=dist.ReduceOp.SUM)
-        return bool(t.item() > 0)
-
     def sum_scalar(self, value: float) -> float:
         if self.world == 1:
             return value
