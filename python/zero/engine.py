@@ -281,8 +281,10 @@ class Engine(nn.Module):
         n = self._comm.world
         pb = torch.empty(0, dtype=self.compute_dtype).element_size()
         master = 4 if self.compute_dtype != torch.float32 else 0
-        state_bytes = 4 * len(self.groups[0].states)
-        k = master + state_bytes
+        # K, optimizer bytes per parameter: the master plus 4 per fp32 state;
+        # groups may hold different states (amsgrad, momentum), so weight them
+        k = master + sum(4 * len(fg.states) * fg.numel for fg in self.groups) / psi
+        k = int(k) if k == int(k) else round(k, 2)
         if self.stage == 0:
             text, value = f"({pb}+{pb}+{k})Ψ", (2 * pb + k) * psi
         elif self.stage == 1:
