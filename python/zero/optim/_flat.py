@@ -180,12 +180,12 @@ class FlatOptimizer(torch.optim.Optimizer):
             if g is None:
                 present.append(False)
                 continue
-            view = seg.view(seg.grad_flat, i)
             # torch guarantees a gradient has its parameter's shape and dtype
             if g.data_ptr() != grad_ptr + seg.offsets[i] * item:
                 if g.is_sparse:
                     raise TypeError(f"parameter {i} of param group {group_index} has a "
                                     "sparse gradient; zero.optim needs dense gradients")
+                view = seg.view(seg.grad_flat, i)
                 view.copy_(g)
                 p.grad = view
             present.append(True)
