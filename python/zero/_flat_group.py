@@ -1,100 +1,143 @@
-"""One param group's trainable parameters, laid out flat and partitioned
-over the data-parallel ranks: the single sharding mechanism of every stage.
+"""One param group's parameters, laid out flat and partitioned over the
+data-parallel ranks: the single sharding mechanism of every stage.
 
 [Note: flat group layout]
-- `flat` holds every parameter of the group in the compute dtype, padded to
-  num_partitions * P elements; the module's parameters are views into it.
-- Rank r owns elements [r*P, (r+1)*P) (stage 0: one partition, the whole
-  buffer, on every rank). It keeps the fp32 master and optimizer states of
-  that range only; in fp32 the master is the flat range itself.
+- The group's parameters are split into units (_units.Unit): the whole group
+  is one unit at stages 0-2; at stage 3 each module's own parameters form a
+  unit. A unit's `full` buffer holds its parameters in the compute dtype,
+  padded to num_partitions * unit.part elements; the parameters are views
+  into it while the unit is gathered.
+- Rank r owns chunk r of every unit. The rank's partition (`shard`,
+  `master`, the optimizer states and `grad_part`) is the concatenation of
+  its chunks, unit by unit, so the C optimizer runs over one contiguous
+  range per group. Stage 0 has one partition: the whole buffer.
+- At stages 0-2 the single unit stays gathered and `shard` is a view of its
+  `full` buffer, so the optimizer's copy-out lands in the parameters
+  directly. At stage 3 `shard` is its own buffer and units are gathered
+  from it on demand (_stage3.py) and released after use.
 - Gradients: stages 0-1 keep a full flat gradient buffer that backward
   accumulates into in place (.grad are views of it), reduced at the
-  accumulation boundary; stage 2 keeps only the owned range (`grad_part`)
-  and reduces fixed buckets of the flat range from post-accumulate-grad
-  hooks while backward runs.
-- Buckets are fixed ranges of the flat buffer, numbered from its end (the
+  accumulation boundary; stages 2-3 keep only the owned chunks (`grad_part`)
+  and reduce fixed buckets from post-accumulate-grad hooks while backward
+  runs.
+- Buckets are fixed ranges of units, numbered from the last unit's end (the
   order backward produces gradients) and always reduced in that order, so
   every rank issues the same collectives in the same order even when some
   parameters get no gradient on some rank (their part of a bucket is zero).
-- Stage 3 releases `flat` after use; the layout is the same.
 """
 from __future__ import annotations
 
 import torch
 
 from zero import _C
+from zero._units import Unit
 
-ALIGN = 16  # partition sizes are multiples of 16 elements (64-byte rows)
-# Each parameter starts at a multiple of 64 elements: GEMM libraries run
-# slower on operands that start mid-cache-line.
-PARAM_ALIGN = 64
 # Buckets whose reduction may still be running while backward fills the
 # next: two let communication overlap computation without holding more.
 MAX_IN_FLIGHT = 2
 
 
 class FlatGroup:
-    def __init__(self, index, params, names, compute_dtype, comm, stage, bucket_elements):
+    def __init__(self, index, params, names, compute_dtype, comm, stage, bucket_elements,
+                 units=None, trainable=True):
+        """units: lists of indices into params, one list per unit (stage 3);
+        None makes the whole group one unit. The params are reordered unit
+        by unit. trainable=False (stage 3's frozen parameters) keeps no
+        master, gradients or optimizer states."""
+        if units is None:
+            units = [list(range(len(params)))]
+        order = [i for members in units for i in members]
         self.index = index
-        self.params = params
-        self.names = names
+        self.params = [params[i] for i in order]
+        self.names = [names[i] for i in order]
         self.comm = comm
         self.stage = stage
+        self.trainable = trainable
+        self.compute_dtype = compute_dtype
         self.num_partitions = 1 if stage == 0 else comm.world
-        self.numel = sum(p.numel() for p in params)  # Ψ of this group
-        self.offsets = []
-        start = 0
-        for p in params:
-            start = -(-start // PARAM_ALIGN) * PARAM_ALIGN
-            self.offsets.append(start)
-            start += p.numel()
-        self.span = start  # laid-out elements, alignment gaps included
-        per = -(-self.span // self.num_partitions)
-        self.part_size = -(-per // ALIGN) * ALIGN
-        self.total = self.part_size * self.num_partitions
-        owner = 0 if stage == 0 else comm.rank
-        self.part_start = owner * self.part_size
-        self.part_end = self.part_start + self.part_size
-
-        # fp32 values, identical on every rank (rank 0's), to seed both the
-        # compute copy and the master partition.
-        full32 = torch.zeros(self.total, dtype=torch.float32)
-        for p, off in zip(params, self.offsets):
-            full32[off:off + p.numel()].copy_(p.detach().reshape(-1))
-        comm.broadcast(full32, src=0)
-        self.flat = full32 if compute_dtype == torch.float32 else full32.to(compute_dtype)
-        if compute_dtype == torch.float32:
-            self.master = self.flat[self.part_start:self.part_end]
-        else:
-            self.master = full32[self.part_start:self.part_end].clone()
-        del full32
-        for i, p in enumerate(params):
-            p.data = self.view(self.flat, i)
-        self.buffers = {
-            "master": _C.Buffer(self.master),
-            "copy_out": None if compute_dtype == torch.float32
-            else _C.Buffer(self.flat[self.part_start:self.part_end]),
-        }
+        self.numel = sum(p.numel() for p in self.params)  # Ψ of this group
+        self.owner = 0 if stage == 0 else comm.rank
+        self.units: list[Unit] = []
+        self.unit_of = []      # param index -> its unit
+        self.layout_start = []  # param index -> offset in the unsharded layout
+        first, shard_at, layout_at = 0, 0, 0
+        for members in units:
+            unit = Unit(len(self.units), range(first, first + len(members)),
+                        [self.params[i] for i in range(first, first + len(members))],
+                        self.num_partitions, shard_at, layout_at)
+            for j, i in enumerate(unit.members):
+                self.unit_of.append(unit)
+                self.layout_start.append(layout_at + unit.offsets[j])
+            self.units.append(unit)
+            first += len(members)
+            shard_at += unit.part
+            layout_at += unit.total
+        self.part_size = shard_at    # elements of this rank's partition
+        self.layout_size = layout_at  # elements of the unsharded layout
+        self._build_buffers(compute_dtype)
         self.states: dict[str, torch.Tensor] = {}
-
+        self.step_count = 0
+        self.reduced_since_step = False
+        if not trainable:
+            return
         if stage <= 1:
-            self.grad_flat = torch.zeros(self.total, dtype=compute_dtype)
-            self.grad_part = self.grad_flat[self.part_start:self.part_end]
+            self.grad_flat = torch.zeros(self.units[0].total, dtype=compute_dtype)
+            lo = self.owner * self.units[0].part
+            self.grad_part = self.grad_flat[lo:lo + self.part_size]
             self.point_grads_at_flat()
         else:
             self.grad_flat = None
             self.grad_part = torch.zeros(self.part_size, dtype=compute_dtype)
             self._plan_buckets(bucket_elements)
         self.buffers["grad"] = _C.Buffer(self.grad_part)
-        self.step_count = 0
-        self.reduced_since_step = False
+
+    def _build_buffers(self, compute_dtype):
+        """Seed the shard (and fp32 master) from the parameters' values on
+        rank 0, one unit at a time, so no rank holds more than the model
+        itself plus one unit in fp32."""
+        fp32 = compute_dtype == torch.float32
+        releasing = self.stage == 3
+        if releasing:
+            self.shard = torch.empty(self.part_size, dtype=compute_dtype)
+            self.master = None
+            if self.trainable:
+                self.master = self.shard if fp32 else \
+                    torch.empty(self.part_size, dtype=torch.float32)
+        for unit in self.units:
+            full32 = torch.zeros(unit.total, dtype=torch.float32)
+            for j, p in enumerate(unit.params):
+                full32[unit.offsets[j]:unit.offsets[j] + p.numel()].copy_(
+                    p.detach().reshape(-1))
+            self.comm.broadcast(full32, src=0)
+            mine = unit.chunk(full32, self.owner)
+            if releasing:
+                self.shard[unit.shard_slice].copy_(mine)
+                if self.master is not None and not fp32:
+                    self.master[unit.shard_slice].copy_(mine)
+                unit.full = torch.empty(unit.total, dtype=compute_dtype)
+                unit.release()
+            else:
+                # stages 0-2: the single unit stays gathered for good
+                unit.full = full32 if fp32 else full32.to(compute_dtype)
+                self.shard = unit.chunk(unit.full, self.owner)
+                self.master = self.shard if fp32 else mine.clone()
+                unit.gathered = unit.persistent = True
+                unit.point_params()
+            del full32, mine
+        self.buffers = {}
+        if self.trainable:
+            self.buffers["master"] = _C.Buffer(self.master)
+            self.buffers["copy_out"] = None if self.master is self.shard \
+                else _C.Buffer(self.shard)
 
     # ---- layout helpers --------------------------------------------------
 
-    def view(self, flat, i):
-        p = self.params[i]
-        off = self.offsets[i]
-        return flat[off:off + p.numel()].view_as(p)
+    def view(self, layout, i):
+        """Parameter i's elements in a tensor of the unsharded layout."""
+        unit = self.unit_of[i]
+        j = i - unit.members.start
+        off = self.layout_start[i]
+        return layout[off:off + unit.numels[j]].view(unit.shapes[j])
 
     def add_state(self, name, fill=0.0):
         if name not in self.states:
@@ -117,7 +160,7 @@ class FlatGroup:
             g = p.grad
             if g is None:
                 self.view(self.grad_flat, i).zero_()
-            elif g.data_ptr() != base + self.offsets[i] * item:
+            elif g.data_ptr() != base + self.layout_start[i] * item:
                 self.view(self.grad_flat, i).copy_(g)
             p.grad = self.view(self.grad_flat, i)
 
@@ -126,41 +169,45 @@ class FlatGroup:
         if self.stage == 0:
             self.comm.all_reduce_sum(self.grad_flat)
         else:
+            unit = self.units[0]
             for r in range(self.num_partitions):
-                lo = r * self.part_size
-                self.comm.reduce_sum(self.grad_flat[lo:lo + self.part_size], dst=r)
+                self.comm.reduce_sum(unit.chunk(self.grad_flat, r), dst=r)
 
-    # ---- stage 2: bucketed reduction from hooks ------------------------------
+    # ---- stages 2-3: bucketed reduction from hooks ----------------------------
 
     def _plan_buckets(self, bucket_elements):
-        self.buckets = []  # (start, end) in flat, bucket 0 at the end
-        end = self.span
-        while end > 0:
-            start = max(0, end - bucket_elements)
-            self.buckets.append((start, end))
-            end = start
+        self.buckets = []  # (unit, start, end) in unit coordinates; 0 = last
+        for unit in reversed(self.units):
+            end = unit.span
+            while end > 0:
+                start = max(0, end - bucket_elements)
+                self.buckets.append((unit, start, end))
+                end = start
         # which buckets each parameter touches
         self.param_buckets = [[] for _ in self.params]
         self.bucket_params = [0] * len(self.buckets)
-        for i, p in enumerate(self.params):
-            lo, hi = self.offsets[i], self.offsets[i] + p.numel()
-            for b, (bs, be) in enumerate(self.buckets):
-                if lo < be and bs < hi:
+        for b, (unit, bs, be) in enumerate(self.buckets):
+            for j, i in enumerate(unit.members):
+                lo = unit.offsets[j]
+                if lo < be and bs < lo + unit.numels[j]:
                     self.param_buckets[i].append(b)
                     self.bucket_params[b] += 1
+        self.on_unit_grads_done = None  # stage 3 releases the unit then
         self.reset_buckets()
         self.in_flight = []
         self.peak_bucket_bytes = 0
-        self.reduced_since_step = False
 
     def reset_buckets(self):
         self.pending = list(self.bucket_params)
+        self.unit_pending = [len(u.members) for u in self.units]
         self.staging = [None] * len(self.buckets)
         self.next_bucket = 0
+        self.fired = bytearray(len(self.params))  # got a gradient this backward
+        self.late = {}  # bucket -> gradients that came after it was launched
 
     def _staging(self, b):
         if self.staging[b] is None:
-            bs, be = self.buckets[b]
+            _unit, bs, be = self.buckets[b]
             self.staging[b] = torch.zeros(be - bs, dtype=self.grad_part.dtype)
             live = sum(s.numel() for s in self.staging if s is not None) + \
                 sum(f[1].numel() for f in self.in_flight)
@@ -169,19 +216,37 @@ class FlatGroup:
         return self.staging[b]
 
     def on_grad_ready(self, i):
-        """Post-accumulate-grad hook body for parameter i (stage 2)."""
+        """Post-accumulate-grad hook body for parameter i (stages 2-3)."""
         p = self.params[i]
         g = p.grad.reshape(-1)
-        lo = self.offsets[i]
+        unit = self.unit_of[i]
+        lo = unit.offsets[i - unit.members.start]
+        # A parameter's gradient can be accumulated more than once in one
+        # backward (reentrant activation checkpointing runs a nested backward
+        # per checkpointed call): later parts add into the bucket, or, once
+        # the bucket has left, into a late bucket reduced at the end.
+        first = not self.fired[i]
+        self.fired[i] = 1
         for b in self.param_buckets[i]:
-            bs, be = self.buckets[b]
-            s, e = max(lo, bs), min(lo + p.numel(), be)
-            self._staging(b)[s - bs:e - bs].copy_(g[s - lo:e - lo])
-            self.pending[b] -= 1
-            # launch as soon as a bucket fills, so a parameter spanning many
-            # buckets never holds them all at once
-            self._launch_ready(force=False)
+            _unit, bs, be = self.buckets[b]
+            s, e = max(lo, bs), min(lo + g.numel(), be)
+            if b < self.next_bucket:
+                target = self.late.get(b)
+                if target is None:
+                    target = self.late[b] = torch.zeros(be - bs, dtype=self.grad_part.dtype)
+            else:
+                target = self._staging(b)
+            target[s - bs:e - bs].add_(g[s - lo:e - lo])
+            if first:
+                self.pending[b] -= 1
+                # launch as soon as a bucket fills, so a parameter spanning
+                # many buckets never holds them all at once
+                self._launch_ready(force=False)
         p.grad = None
+        if first:
+            self.unit_pending[unit.index] -= 1
+            if self.unit_pending[unit.index] == 0 and self.on_unit_grads_done is not None:
+                self.on_unit_grads_done(unit)
 
     def _launch_ready(self, force):
         while self.next_bucket < len(self.buckets) and \
@@ -189,19 +254,20 @@ class FlatGroup:
             self._launch(self.next_bucket)
             self.next_bucket += 1
 
-    def _launch(self, b):
-        bs, be = self.buckets[b]
-        staging = self._staging(b)
+    def _launch(self, b, late=None):
+        unit, bs, be = self.buckets[b]
+        staging = self._staging(b) if late is None else late
         works, mine = [], None
-        r = bs // self.part_size
-        while r * self.part_size < be:
-            lo, hi = max(bs, r * self.part_size), min(be, (r + 1) * self.part_size)
+        r = bs // unit.part
+        while r * unit.part < be:
+            lo, hi = max(bs, r * unit.part), min(be, (r + 1) * unit.part)
             portion = staging[lo - bs:hi - bs]
             works.append(self.comm.reduce_sum(portion, dst=r, async_op=True))
             if r == self.comm.rank:
-                mine = (portion, lo - self.part_start)
+                mine = (portion, unit.shard_offset + lo - r * unit.part)
             r += 1
-        self.staging[b] = None
+        if late is None:
+            self.staging[b] = None
         self.in_flight.append((works, staging, mine))
         self._retire(keep=MAX_IN_FLIGHT)
 
@@ -221,6 +287,8 @@ class FlatGroup:
     def finish_backward(self):
         """End of a backward: reduce what is left, in order, and collect."""
         self._launch_ready(force=True)
+        for b in sorted(self.late):
+            self._launch(b, self.late[b])
         self._retire(keep=0)
         self.reset_buckets()
         self.reduced_since_step = True
@@ -233,10 +301,16 @@ class FlatGroup:
     # ---- after the step ------------------------------------------------------
 
     def all_gather_params(self):
-        if self.num_partitions == 1:
+        """Refresh the gathered units from the updated shard (stages 1-2:
+        the whole group; stage 3: the persistent units)."""
+        if self.num_partitions == 1 and self.stage != 3:
             return
-        shard = self.flat[self.part_start:self.part_end].clone()
-        self.comm.all_gather_into(self.flat, shard)
+        for unit in self.units:
+            if unit.gathered:
+                mine = self.shard[unit.shard_slice]
+                if self.stage != 3:
+                    mine = mine.clone()  # it aliases unit.full
+                self.comm.all_gather_into(unit.full, mine)
 
     def zero_grads(self):
         if self.grad_flat is not None:
@@ -245,18 +319,33 @@ class FlatGroup:
             self.grad_part.zero_()
 
     def gather_master(self) -> torch.Tensor:
-        """The full fp32 master, on every rank."""
-        if self.num_partitions == 1:
-            return self.master.detach().clone()
-        full = torch.empty(self.total, dtype=torch.float32)
-        self.comm.all_gather_into(full, self.master.detach().clone())
+        """The full fp32 master in the unsharded layout, on every rank."""
+        full = torch.empty(self.layout_size, dtype=torch.float32)
+        source = self.master if self.trainable else self.shard
+        for unit in self.units:
+            out = full[unit.layout_offset:unit.layout_offset + unit.total]
+            mine = source[unit.shard_slice].detach().float()
+            if self.num_partitions == 1:
+                out.copy_(mine)
+            else:
+                self.comm.all_gather_into(out, mine.clone())
         return full
 
     def nbytes(self) -> dict:
-        master = 0 if self.buffers["copy_out"] is None else self.master.nbytes
+        item = self.shard.element_size()
+        gathered = sum(u.total for u in self.units if u.gathered and u.persistent) * item
+        if self.stage != 3:
+            params = gathered
+        else:
+            params = self.shard.nbytes + gathered
+        if not self.trainable:
+            return {"params": params, "grads": 0, "optimizer_states": 0, "buckets": 0,
+                    "persistent": gathered if self.stage == 3 else 0}
+        master = 0 if self.master is self.shard else self.master.nbytes
         return {
-            "params": self.flat.nbytes,
+            "params": params,
             "grads": (self.grad_flat if self.grad_flat is not None else self.grad_part).nbytes,
             "optimizer_states": master + sum(t.nbytes for t in self.states.values()),
             "buckets": getattr(self, "peak_bucket_bytes", 0),
+            "persistent": gathered if self.stage == 3 else 0,
         }

@@ -19,7 +19,8 @@ def initialize(model: nn.Module, *, optimizer=None, stage=None, precision=None,
     optimizer: a torch.optim (AdamW, Adam, SGD, Adagrad) or zero.optim
         optimizer built on model.parameters(), or None for the config's
         optimizer block (default AdamW, lr 1e-3).
-    stage: 0 (DDP), 1 (optimizer states partitioned), 2 (+ gradients).
+    stage: 0 (DDP), 1 (optimizer states partitioned), 2 (+ gradients),
+        3 (+ parameters, gathered per module just in time).
     precision: "fp32", "bf16" or "fp16" (dynamic loss scaling).
     config: a zero.Config, or a DeepSpeed-style dict or JSON path.
     lr_scheduler: a scheduler on `optimizer`, or a callable
@@ -45,9 +46,6 @@ def initialize(model: nn.Module, *, optimizer=None, stage=None, precision=None,
     if precision is not None:
         options["precision"] = precision
     cfg = cfg.replace(**options) if options else cfg
-    if cfg.stage == 3:
-        raise NotImplementedError("stage 3 (partitioned parameters) is not implemented yet; "
-                                  "use stage 0, 1 or 2")
     if not any(True for _ in model.parameters()):
         raise ValueError("the model has no parameters; nothing to train")
     devices = {p.device.type for p in model.parameters()}

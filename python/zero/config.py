@@ -17,6 +17,15 @@ PRECISIONS = ("fp32", "bf16", "fp16")
 # keeping the transient bucket memory small beside a 2-14 bytes/param budget.
 DEFAULT_BUCKET_ELEMENTS = 25_000_000
 
+# Stage 3 defaults, in elements, with DeepSpeed's names and meanings. A unit
+# (one module's parameters) at or below the persistence threshold stays
+# gathered: re-gathering a LayerNorm costs more in latency than its bytes.
+# Prefetch gathers ahead of use while the units gathered ahead fit in the
+# prefetch bucket and every live gathered unit fits in max_live.
+DEFAULT_PERSISTENCE_THRESHOLD = 100_000
+DEFAULT_PREFETCH_ELEMENTS = 50_000_000
+DEFAULT_MAX_LIVE_ELEMENTS = 1_000_000_000
+
 
 @dataclass(frozen=True)
 class LossScaling:
@@ -38,6 +47,9 @@ class Config:
     reduce_bucket_size: int = DEFAULT_BUCKET_ELEMENTS
     overlap_comm: bool = True
     contiguous_gradients: bool = True
+    stage3_param_persistence_threshold: int = DEFAULT_PERSISTENCE_THRESHOLD
+    stage3_prefetch_bucket_size: int = DEFAULT_PREFETCH_ELEMENTS
+    stage3_max_live_parameters: int = DEFAULT_MAX_LIVE_ELEMENTS
     train_micro_batch_size_per_gpu: Optional[int] = None
     train_batch_size: Optional[int] = None  # checked against micro * accumulation * world
     loss_scaling: LossScaling = field(default_factory=LossScaling)
@@ -58,6 +70,11 @@ class Config:
         if not isinstance(self.reduce_bucket_size, int) or self.reduce_bucket_size < 1:
             raise ValueError(f"reduce_bucket_size must be a positive integer, got "
                              f"{self.reduce_bucket_size!r}")
+        for name in ("stage3_param_persistence_threshold", "stage3_prefetch_bucket_size",
+                     "stage3_max_live_parameters"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"{name} must be an integer >= 0 (elements), got {value!r}")
 
     def replace(self, **changes) -> "Config":
         unknown = set(changes) - {f.name for f in dataclasses.fields(self)}
@@ -85,6 +102,9 @@ _IGNORED = {
 _ZERO_IGNORED = {
     "allgather_partitions", "allgather_bucket_size", "reduce_scatter", "round_robin_gradients",
     "load_from_fp32_weights", "elastic_checkpoint", "sub_group_size",
+    # stage 3: units are released right after use, so there is no reuse
+    # window to tune; the checkpoint format is not settled yet
+    "stage3_max_reuse_distance", "stage3_gather_16bit_weights_on_model_save",
 }
 
 
@@ -121,14 +141,19 @@ def _translate(ds: dict) -> dict:
         "stage": "stage", "reduce_bucket_size": "reduce_bucket_size",
         "overlap_comm": "overlap_comm", "contiguous_gradients": "contiguous_gradients",
         "offload_optimizer": None, "offload_param": None,
+        "stage3_param_persistence_threshold": "stage3_param_persistence_threshold",
+        "stage3_prefetch_bucket_size": "stage3_prefetch_bucket_size",
+        "stage3_max_live_parameters": "stage3_max_live_parameters",
     }, _ZERO_IGNORED)
     for key in ("offload_optimizer", "offload_param"):
         block = zero_block.get(key)
         if block and block.get("device", "none") != "none":
             raise ValueError(f"zero_optimization.{key}.device={block['device']!r} is not "
                              "supported yet: offload is not implemented in this version")
-    if "reduce_bucket_size" in zero_opts:
-        zero_opts["reduce_bucket_size"] = int(zero_opts["reduce_bucket_size"])
+    for key in ("reduce_bucket_size", "stage3_param_persistence_threshold",
+                "stage3_prefetch_bucket_size", "stage3_max_live_parameters"):
+        if key in zero_opts:  # DeepSpeed configs often write 5e7
+            zero_opts[key] = int(zero_opts[key])
     options.update(zero_opts)
     if fp16.get("enabled") and bf16.get("enabled"):
         raise ValueError("fp16.enabled and bf16.enabled are both true; choose one")

@@ -28,6 +28,7 @@ from zero._comm import Comm, leave_process_group
 from zero._flat_group import FlatGroup
 from zero._loss_scaler import DynamicLossScaler
 from zero._optimizer_bridge import optimizer_kind, run_update, states_for
+from zero._stage3 import Stage3Schedule
 from zero.config import Config
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -75,23 +76,73 @@ class Engine(nn.Module):
         module.to(self.compute_dtype)
         for buf in module.buffers():
             comm.broadcast(buf, src=0)
+        owners = self._owners(module) if config.stage == 3 else None
         self.groups: list[FlatGroup] = []
         for index, (params, names) in enumerate(groups):
             if not params:
                 continue
             fg = FlatGroup(index, params, names, self.compute_dtype, comm, config.stage,
-                           config.reduce_bucket_size)
+                           config.reduce_bucket_size, units=self._units(params, owners))
             for name, fill in states_for(self._kind, optimizer.param_groups[index]).items():
                 fg.add_state(name, fill)
             self.groups.append(fg)
         if not self.groups:
             raise ValueError("the model has no trainable parameters (every parameter has "
                              "requires_grad=False); nothing to train")
+        self.frozen_group = None
+        self._schedule = None
+        if config.stage == 3:
+            frozen = [(n, p) for n, p in module.named_parameters() if not p.requires_grad]
+            if frozen:
+                self.frozen_group = FlatGroup(
+                    -1, [p for _, p in frozen], [n for n, _ in frozen], self.compute_dtype,
+                    comm, 3, config.reduce_bucket_size,
+                    units=self._units([p for _, p in frozen], owners), trainable=False)
+            self._schedule = Stage3Schedule(module, self.all_groups, comm, config)
+        for fg in self.all_groups:
+            for unit in fg.units:
+                for p in unit.params:
+                    p._zero_place = (fg, unit, self._schedule)
         if config.stage == 2:
             self._register_stage2_hooks()
+        elif config.stage == 3:
+            for fg in self.groups:
+                for i, p in enumerate(fg.params):
+                    self._hooks.append(p.register_post_accumulate_grad_hook(
+                        lambda _p, fg=fg, i=i: fg.on_grad_ready(i)))
         self._guard_optimizer()
 
+    @property
+    def all_groups(self) -> list[FlatGroup]:
+        """The trainable groups, and stage 3's group of frozen parameters."""
+        return self.groups + ([self.frozen_group] if self.frozen_group else [])
+
     # ---- construction helpers ----------------------------------------------
+
+    @staticmethod
+    def _owners(module):
+        """Parameter id -> (index of the first module that registers it, its
+        place there): stage 3 makes one unit of each module's parameters."""
+        owners = {}
+        for m_index, m in enumerate(module.modules()):
+            for p_index, p in enumerate(m._parameters.values()):
+                if p is not None and id(p) not in owners:
+                    owners[id(p)] = (m_index, p_index)
+        return owners
+
+    @staticmethod
+    def _units(params, owners):
+        """Index lists of params, one per owning module, in module order."""
+        if owners is None:
+            return None
+        order = sorted(range(len(params)), key=lambda i: owners[id(params[i])])
+        units = []
+        for i in order:
+            if units and owners[id(params[units[-1][0]])][0] == owners[id(params[i])][0]:
+                units[-1].append(i)
+            else:
+                units.append([i])
+        return units
 
     @staticmethod
     def _match_param_groups(module, optimizer):
@@ -263,20 +314,30 @@ class Engine(nn.Module):
     # ---- reporting --------------------------------------------------------------
 
     def memory_summary(self) -> MemorySummary:
-        totals = {"params": 0, "grads": 0, "optimizer_states": 0, "buckets": 0}
+        """This rank's model-state bytes. At stage 3, `params` is the shard
+        plus the persistent units, and `gathered_peak` the most bytes of
+        released units gathered at once (current module plus prefetch)."""
+        totals = {"params": 0, "grads": 0, "optimizer_states": 0, "buckets": 0,
+                  "persistent": 0}
         for fg in self.groups:
             for k, v in fg.nbytes().items():
                 totals[k] += v
+        item = torch.empty(0, dtype=self.compute_dtype).element_size()
+        totals["gathered_peak"] = self._schedule.peak_live * item if self._schedule else 0
         trainable = {id(p) for fg in self.groups for p in fg.params}
-        frozen = sum(p.nbytes for p in self.module.parameters() if id(p) not in trainable)
-        totals["model_states"] = totals["params"] + totals["grads"] + totals["optimizer_states"]
+        if self.frozen_group is not None:
+            frozen = self.frozen_group.nbytes()["params"]
+        else:
+            frozen = sum(p.nbytes for p in self.module.parameters() if id(p) not in trainable)
+        totals["model_states"] = totals["params"] + totals["grads"] + \
+            totals["optimizer_states"] + totals["gathered_peak"]
         totals["frozen_params"] = frozen
-        formula, expected = self._formula()
+        formula, expected = self._formula(totals)
         return MemorySummary(totals, formula=formula, formula_bytes=expected,
                              world_size=self._comm.world, stage=self.stage,
                              trainable_params=sum(fg.numel for fg in self.groups))
 
-    def _formula(self):
+    def _formula(self, totals):
         psi = sum(fg.numel for fg in self.groups)
         n = self._comm.world
         pb = torch.empty(0, dtype=self.compute_dtype).element_size()
@@ -289,8 +350,12 @@ class Engine(nn.Module):
             text, value = f"({pb}+{pb}+{k})Ψ", (2 * pb + k) * psi
         elif self.stage == 1:
             text, value = f"{2 * pb}Ψ + {k}Ψ/N", 2 * pb * psi + k * psi / n
-        else:
+        elif self.stage == 2:
             text, value = f"{pb}Ψ + {pb + k}Ψ/N", pb * psi + (pb + k) * psi / n
+        else:
+            live = totals["persistent"] + totals["gathered_peak"]
+            text = f"({pb}+{pb}+{k})Ψ/N + gathered {live:,} B"
+            value = (2 * pb + k) * psi / n + live
         return f"stage {self.stage}: {text}, Ψ={psi:,}, N={n}", int(value)
 
     def comm_summary(self) -> dict:
@@ -299,10 +364,11 @@ class Engine(nn.Module):
 
     def full_state_dict(self) -> dict:
         """The whole model's state dict, trainable parameters in fp32 from
-        the master copies (gathered from every rank), on every rank."""
+        the master copies (gathered from every rank), on every rank. A
+        collective: every rank must call it."""
         full = {}
         by_id = {}
-        for fg in self.groups:
+        for fg in self.all_groups:
             master = fg.gather_master()
             for i, p in enumerate(fg.params):
                 by_id[id(p)] = fg.view(master, i).clone()
@@ -314,6 +380,19 @@ class Engine(nn.Module):
                 full[name] = t.float().clone() if t.is_floating_point() else t.clone()
         return full
 
+    def _restore_params(self):
+        """Stage 3: give every parameter its full values again, in plain
+        tensors of its own, so the model works without the engine (a
+        collective)."""
+        for fg in self.all_groups:
+            for unit in fg.units:
+                self._schedule.ensure(fg, unit)
+                for p, off, n, shape in zip(unit.params, unit.offsets, unit.numels,
+                                            unit.shapes):
+                    p.data = unit.full[off:off + n].view(shape).clone()
+                unit.gathered = False
+                unit.full = None
+
     def close(self):
         """Remove the engine's hooks and destroy the in-memory process group
         it made for a launcher-less run (an env:// group stays for the next
@@ -323,5 +402,11 @@ class Engine(nn.Module):
         for h in self._hooks:
             h.remove()
         self._hooks = []
+        if self._schedule is not None:
+            self._schedule.remove()
+            self._restore_params()
+        for fg in self.all_groups:
+            for p in fg.params:
+                p.__dict__.pop("_zero_place", None)
         leave_process_group(self._owns_group)
         self._closed = True

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 VOCAB, DIM, BATCH, SEQ = 37, 13, 12, 5
 
@@ -12,10 +13,12 @@ VOCAB, DIM, BATCH, SEQ = 37, 13, 12, 5
 class Net(nn.Module):
     """Every case the engine must get right: tied weights (embedding and
     head), a module called twice, a frozen layer, a branch used on even steps
-    only, a buffer, sizes no world size divides."""
+    only, a buffer, sizes no world size divides; optionally the block under
+    activation checkpointing ("reentrant" or "non_reentrant")."""
 
-    def __init__(self):
+    def __init__(self, checkpointing=None):
         super().__init__()
+        self.checkpointing = checkpointing
         self.embed = nn.Embedding(VOCAB, DIM)
         self.block = nn.Linear(DIM, DIM)
         self.frozen = nn.Linear(DIM, DIM)
@@ -27,17 +30,27 @@ class Net(nn.Module):
 
     def forward(self, ids, use_branch: bool):
         h = self.embed(ids).mean(1)
-        h = torch.tanh(self.block(h))
-        h = torch.tanh(self.block(h))
+        h = torch.tanh(self._block(h))
+        h = torch.tanh(self._block(h))
         h = h + self.frozen(h) * self.mix
         if use_branch:
             h = h + self.branch(h)
         return self.head(h)
 
+    def _block(self, h):
+        if self.checkpointing is None:
+            return self.block(h)
+        return checkpoint(self.block, h, use_reentrant=self.checkpointing == "reentrant")
 
-def make_model(seed=0):
+
+def make_model(seed=0, checkpointing=None):
     torch.manual_seed(seed)
-    return Net()
+    return Net(checkpointing)
+
+
+def eval_batch(step):
+    g = torch.Generator().manual_seed(77 + step)
+    return torch.randint(0, VOCAB, (3, SEQ), generator=g)
 
 
 def param_groups(model, lr=1e-2):
@@ -65,14 +78,24 @@ def make_optimizer(name, model, lr):
     return torch.optim.AdamW(param_groups(model, lr), lr=lr)
 
 
-def reference_run(steps, accumulation=1, clip=0.0, lr=1e-2, seed=0, opt="adamw"):
+def reference_run(steps, accumulation=1, clip=0.0, lr=1e-2, seed=0, opt="adamw",
+                  with_eval=False, modify_at=None):
     """Single process, full batch, torch.optim.AdamW. zero_grad keeps zeros
     (set_to_none=False): a parameter unused on a step then takes part with a
-    zero gradient, as it does under the engine (and under DeepSpeed)."""
+    zero gradient, as it does under the engine (and under DeepSpeed).
+    with_eval: a no_grad forward on another batch before each step, its
+    output sum appended to the losses. modify_at: before that step, halve
+    row 0 of the embedding (the engine does it in GatheredParameters)."""
     model = make_model(seed)
     opt = make_optimizer(opt, model, lr)
     losses = []
     for step in range(steps):
+        if with_eval:
+            with torch.no_grad():
+                losses.append(model(eval_batch(step), use_branch=True).sum().item())
+        if step == modify_at:
+            with torch.no_grad():
+                model.embed.weight[0].mul_(0.5)
         ids, labels = batch(step)
         opt.zero_grad(set_to_none=False)
         total = 0.0
@@ -88,17 +111,26 @@ def reference_run(steps, accumulation=1, clip=0.0, lr=1e-2, seed=0, opt="adamw")
 
 
 def engine_run(rank, world, steps, stage, precision="fp32", accumulation=1, clip=0.0,
-               lr=1e-2, seed=0, opt="adamw", **options):
+               lr=1e-2, seed=0, opt="adamw", checkpointing=None, with_eval=False,
+               modify_at=None, **options):
     """The same training under zero.initialize on this rank's shard of each
     batch; returns (global losses, full fp32 state dict, extra facts)."""
     import zero
     import torch.distributed as dist
-    model = make_model(seed)
+    model = make_model(seed, checkpointing)
     engine = zero.initialize(model, optimizer=make_optimizer(opt, model, lr), stage=stage, precision=precision,
                              gradient_accumulation_steps=accumulation,
                              gradient_clipping=clip, **options)
     losses, skipped = [], []
     for step in range(steps):
+        if with_eval:
+            with torch.no_grad():
+                losses.append(engine(eval_batch(step), use_branch=True).float().sum().item())
+        if step == modify_at:
+            with zero.GatheredParameters([model.embed.weight], modifier_rank=0):
+                with torch.no_grad():
+                    # only rank 0's change may survive
+                    model.embed.weight[0].mul_(0.5 if rank == 0 else 7.0)
         ids, labels = batch(step)
         ids, labels = shard(ids, rank, world), shard(labels, rank, world)
         total = 0.0
@@ -112,7 +144,10 @@ def engine_run(rank, world, steps, stage, precision="fp32", accumulation=1, clip
         losses.append(t.item() / world)
         skipped.append(engine.step_was_skipped)
     state = engine.full_state_dict()
+    with zero.GatheredParameters(list(model.block.parameters())):
+        gathered = {"block." + n: p.detach().float().clone()
+                    for n, p in model.block.named_parameters()}
     facts = dict(memory=dict(engine.memory_summary()), comm=engine.comm_summary(),
-                 skipped=skipped)
+                 skipped=skipped, gathered=gathered)
     engine.close()
     return losses, state, facts

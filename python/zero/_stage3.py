@@ -1,0 +1,216 @@
+"""Stage 3's schedule: gather each module's parameters just before it runs,
+release them after, gather again for its backward, and prefetch ahead along
+the order recorded on earlier passes.
+
+[Note: stage 3 hooks]
+- forward: a module's pre-forward hook gathers the units of the parameters
+  registered on it (tied parameters included), its forward hook releases
+  them (unless persistent, or another running forward still needs them)
+  and puts a grad hook on its outputs that gathers them again when the
+  backward reaches the module.
+- backward: the root module's output grad hook marks the start of a
+  backward and queues the end-of-backward callback on that (outer) graph
+  task; a unit is released as soon as all its parameters' gradients are
+  accumulated (each gradient has then been copied into its reduction
+  bucket), and the callback releases whatever is left.
+- Inside a backward, forward hooks do not release: that is activation
+  checkpointing recomputing, and its backward comes right after.
+- Collective order: every gather is issued from these hooks, in program
+  order, and prefetch decisions depend only on the recorded order and the
+  unit sizes, so ranks that run the same modules issue the same
+  collectives. A pass whose order differs from the recording stops
+  prefetching at the first difference (gathers on demand from there) and
+  becomes the new recording.
+"""
+from __future__ import annotations
+
+import torch
+from torch.autograd.graph import register_multi_grad_hook
+from torch.utils._pytree import tree_flatten
+
+
+class Stage3Schedule:
+    def __init__(self, root, groups, comm, config):
+        self.comm = comm
+        self.groups = groups
+        self.max_prefetch = int(config.stage3_prefetch_bucket_size)
+        self.max_live = int(config.stage3_max_live_parameters)
+        self.live = 0        # elements of non-persistent units gathered or in flight
+        self.peak_live = 0
+        self.in_backward = False
+        self.phase = None
+        self.recorded = {"forward": None, "backward": None}
+        self.current, self.pos, self.diverged = [], 0, True
+        self.hooks = []
+
+        place = {}
+        for fg in groups:
+            for unit in fg.units:
+                for p in unit.params:
+                    place[id(p)] = (fg, unit)
+                if unit.total <= config.stage3_param_persistence_threshold:
+                    unit.persistent = True
+                    self._gather(fg, unit, async_op=False)
+            if fg.trainable:
+                fg.on_unit_grads_done = self._grads_done
+        self.modules = []
+        self.units_of = {}
+        for module in root.modules():
+            needed, seen = [], set()
+            for p in module._parameters.values():
+                if p is not None and id(p) in place and id(place[id(p)][1]) not in seen:
+                    seen.add(id(place[id(p)][1]))
+                    needed.append(place[id(p)])
+            if needed or module is root:
+                self.units_of[module] = needed
+                index = len(self.modules)
+                self.modules.append(module)
+                self.hooks.append(module.register_forward_pre_hook(
+                    self._hook_pre_forward(index)))
+                self.hooks.append(module.register_forward_hook(
+                    self._hook_post_forward(index, module is root), always_call=True))
+
+    # ---- gathering and releasing -------------------------------------------------
+
+    def _gather(self, fg, unit, async_op):
+        unit.reserve()
+        work = self.comm.all_gather_into(unit.full, fg.shard[unit.shard_slice],
+                                         async_op=async_op)
+        if not unit.persistent:
+            self.live += unit.total
+            self.peak_live = max(self.peak_live, self.live)
+        if work is None:
+            unit.point_params()
+            unit.gathered = True
+        else:
+            unit.work = work
+
+    def ensure(self, fg, unit):
+        if unit.gathered:
+            return
+        if unit.work is None:
+            self._gather(fg, unit, async_op=False)
+            return
+        unit.work.wait()
+        unit.work = None
+        unit.point_params()
+        unit.gathered = True
+
+    def release(self, unit):
+        if unit.persistent or unit.active > 0:
+            return
+        if unit.work is not None:
+            unit.work.wait()
+            unit.work = None
+            unit.gathered = True
+        if unit.gathered:
+            unit.release()
+            self.live -= unit.total
+
+    def release_all(self):
+        for fg in self.groups:
+            for unit in fg.units:
+                self.release(unit)
+
+    def _grads_done(self, unit):
+        self.release(unit)
+
+    # ---- order recording and prefetch ------------------------------------------
+
+    def _start_pass(self, phase):
+        self.phase = phase
+        self.current = []
+        self.pos = 0
+        self.diverged = self.recorded[phase] is None
+
+    def _end_pass(self):
+        if self.recorded[self.phase] != self.current:
+            self.recorded[self.phase] = self.current
+        self.phase = None
+
+    def _advance(self, index):
+        if self.phase is None:
+            return
+        self.current.append(index)
+        recorded = self.recorded[self.phase]
+        if self.diverged:
+            return
+        if self.pos < len(recorded) and recorded[self.pos] == index:
+            self.pos += 1
+            self._prefetch(recorded)
+        else:
+            self.diverged = True
+
+    def _prefetch(self, recorded):
+        """Issue the gathers of the modules that come next, while the
+        elements gathered ahead of use fit in max_prefetch and all live
+        elements in max_live."""
+        ahead = 0
+        for j in range(self.pos, len(recorded)):
+            for fg, unit in self.units_of[self.modules[recorded[j]]]:
+                if unit.persistent:
+                    continue
+                if unit.gathered or unit.work is not None:
+                    if unit.active == 0:
+                        ahead += unit.total
+                    continue
+                if ahead + unit.total > self.max_prefetch or \
+                        self.live + unit.total > self.max_live:
+                    return
+                self._gather(fg, unit, async_op=True)
+                ahead += unit.total
+
+    # ---- hooks ------------------------------------------------------------------
+
+    def _hook_pre_forward(self, index):
+        def pre_forward(module, _args):
+            if module is self.modules[0] and not self.in_backward:
+                self._start_pass("forward")
+            self._advance(index)
+            for fg, unit in self.units_of[module]:
+                unit.active += 1
+                self.ensure(fg, unit)
+        return pre_forward
+
+    def _hook_post_forward(self, index, is_root):
+        def post_forward(module, _args, output):
+            for _fg, unit in self.units_of[module]:
+                unit.active -= 1
+            if not self.in_backward:
+                for _fg, unit in self.units_of[module]:
+                    self.release(unit)
+            if torch.is_grad_enabled():
+                tensors = [t for t in tree_flatten(output)[0]
+                           if torch.is_tensor(t) and t.requires_grad]
+                if tensors:
+                    register_multi_grad_hook(tensors, self._hook_pre_backward(index, is_root),
+                                             mode="any")
+            if is_root and not self.in_backward:
+                self.release_all()  # prefetched and never used
+                self._end_pass()
+        return post_forward
+
+    def _hook_pre_backward(self, index, is_root):
+        def pre_backward(_grad):
+            if not self.in_backward:
+                self.in_backward = True
+                self._start_pass("backward")
+                torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
+            self._advance(index)
+            module = self.modules[index]
+            for fg, unit in self.units_of[module]:
+                self.ensure(fg, unit)
+        return pre_backward
+
+    def _finish_backward(self):
+        for fg in self.groups:
+            if fg.trainable:
+                fg.finish_backward()
+        self.release_all()
+        self.in_backward = False
+        self._end_pass()
+
+    def remove(self):
+        for h in self.hooks:
+            h.remove()
+        self.hooks = []

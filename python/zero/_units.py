@@ -1,0 +1,76 @@
+"""A unit: parameters laid out together and partitioned as one piece.
+
+At stages 0-2 a whole param group is one unit that stays gathered. At
+stage 3 each module's own parameters form a unit that is all-gathered just
+before use and released after (_stage3.py). See [Note: flat group layout]
+in _flat_group.py.
+
+[Note: released parameters] A released unit's parameters point at an empty
+placeholder (shape (0,)), as under DeepSpeed's stage 3, so code that reads
+them by mistake fails on a shape mismatch instead of reading freed memory.
+The `full` buffer's storage is resized to zero bytes rather than dropped:
+autograd may hold views of it (mm saves weight.t()), and those views see
+the data again once the unit is re-gathered into the same storage before
+the module's backward. Version counters are untouched: the parameters are
+re-pointed with .data, and the gather writes through `full`, a different
+tensor from the views autograd saved.
+"""
+from __future__ import annotations
+
+import torch
+
+ALIGN = 16  # chunk sizes are multiples of 16 elements (64-byte rows)
+# Each parameter starts at a multiple of 64 elements: GEMM libraries run
+# slower on operands that start mid-cache-line.
+PARAM_ALIGN = 64
+
+
+class Unit:
+    def __init__(self, index, members, params, num_partitions, shard_offset, layout_offset):
+        self.index = index
+        self.members = members            # range of param indices in the group
+        self.params = list(params)
+        self.shapes = [p.shape for p in self.params]
+        self.numels = [p.numel() for p in self.params]
+        self.offsets = []
+        start = 0
+        for n in self.numels:
+            start = -(-start // PARAM_ALIGN) * PARAM_ALIGN
+            self.offsets.append(start)
+            start += n
+        self.span = start                 # laid-out elements, gaps included
+        per = -(-self.span // num_partitions)
+        self.part = -(-per // ALIGN) * ALIGN  # elements of one rank's chunk
+        self.total = self.part * num_partitions
+        self.numel = sum(self.numels)
+        self.shard_offset = shard_offset  # this unit's chunk in the rank's partition
+        self.shard_slice = slice(shard_offset, shard_offset + self.part)
+        self.layout_offset = layout_offset  # this unit in the unsharded layout
+        self.full = None                  # [total] compute dtype
+        self.gathered = False
+        self.persistent = False
+        self.work = None                  # an all-gather in flight
+        self.active = 0                   # forwards running that need it
+        self._placeholder = None
+
+    def chunk(self, t, r):
+        return t[r * self.part:(r + 1) * self.part]
+
+    def point_params(self):
+        for p, off, n, shape in zip(self.params, self.offsets, self.numels, self.shapes):
+            p.data = self.full[off:off + n].view(shape)
+
+    def release(self):
+        """Free the gathered values (see [Note: released parameters])."""
+        if self._placeholder is None:
+            self._placeholder = torch.empty(0, dtype=self.full.dtype)
+        for p in self.params:
+            p.data = self._placeholder
+        self.full.untyped_storage().resize_(0)
+        self.gathered = False
+
+    def reserve(self):
+        """Storage for a gather into `full` (the same storage object)."""
+        nbytes = self.total * self.full.element_size()
+        if self.full.untyped_storage().nbytes() != nbytes:
+            self.full.untyped_storage().resize_(nbytes)
