@@ -9,9 +9,10 @@ from zero import _C, optim
 from zero._C import cpu_info, get_num_threads, set_num_threads
 from zero._gathered import GatheredParameters
 from zero._initialize import initialize
+from zero._partitioned_init import partitioned_init
 from zero.config import Config, LossScaling
 from zero.engine import Engine
 
-__all__ = ["initialize", "Engine", "Config", "LossScaling", "GatheredParameters", "optim",
-           "cpu_info", "get_num_threads", "set_num_threads"]
+__all__ = ["initialize", "Engine", "Config", "LossScaling", "GatheredParameters",
+           "partitioned_init", "optim", "cpu_info", "get_num_threads", "set_num_threads"]
 __version__ = "0.1.0"

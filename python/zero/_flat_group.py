@@ -30,6 +30,7 @@ from __future__ import annotations
 import torch
 
 from zero import _C
+from zero._partitioned_init import take_values
 from zero._units import Unit
 
 # Buckets whose reduction may still be running while backward fills the
@@ -106,8 +107,10 @@ class FlatGroup:
         for unit in self.units:
             full32 = torch.zeros(unit.total, dtype=torch.float32)
             for j, p in enumerate(unit.params):
-                full32[unit.offsets[j]:unit.offsets[j] + p.numel()].copy_(
-                    p.detach().reshape(-1))
+                # a partitioned_init placeholder is gathered here, one
+                # parameter at a time, and its chunk freed
+                full32[unit.offsets[j]:unit.offsets[j] + unit.numels[j]].copy_(
+                    take_values(p).reshape(-1))
             self.comm.broadcast(full32, src=0)
             mine = unit.chunk(full32, self.owner)
             if releasing:

@@ -28,6 +28,7 @@ from zero._comm import Comm, leave_process_group
 from zero._flat_group import FlatGroup
 from zero._loss_scaler import DynamicLossScaler
 from zero._optimizer_bridge import optimizer_kind, run_update, states_for
+from zero._partitioned_init import sharded_record, take_values
 from zero._stage3 import Stage3Schedule
 from zero.config import Config
 
@@ -73,7 +74,7 @@ class Engine(nn.Module):
             if config.precision == "fp16" else None
 
         groups = self._match_param_groups(module, optimizer)
-        module.to(self.compute_dtype)
+        self._cast(module, config.stage)
         for buf in module.buffers():
             comm.broadcast(buf, src=0)
         owners = self._owners(module) if config.stage == 3 else None
@@ -118,6 +119,21 @@ class Engine(nn.Module):
         return self.groups + ([self.frozen_group] if self.frozen_group else [])
 
     # ---- construction helpers ----------------------------------------------
+
+    def _cast(self, module, stage):
+        """module.to(compute dtype), leaving partitioned_init placeholders
+        for the flat groups to gather one at a time (casting one would
+        allocate it in full). At stages 0-2 frozen parameters are not in a
+        flat group, so a frozen placeholder is gathered here."""
+        dtype = self.compute_dtype
+
+        def cast(t):
+            if sharded_record(t) is not None:
+                if stage == 3 or t.requires_grad:
+                    return t
+                return take_values(t).to(dtype)
+            return t.to(dtype) if t.is_floating_point() else t
+        module._apply(cast)
 
     @staticmethod
     def _owners(module):

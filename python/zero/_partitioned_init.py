@@ -1,0 +1,250 @@
+"""zero.partitioned_init(): build a model too large for one rank.
+
+    with zero.partitioned_init():
+        model = GPT(config)          # each rank keeps 1/N of every parameter
+    engine = zero.initialize(model, stage=3, ...)
+
+[Note: partitioned construction]
+- When a module registers a parameter (torch's global parameter-registration
+  hook, a documented hook, not a patch), the parameter's values are cut to
+  this rank's chunk and the module gets a placeholder parameter of the right
+  shape and dtype whose storage is one element (stride 0).
+- A TorchDispatchMode sees every op while the context is open. An op that
+  touches a placeholder runs for real on the parameter's full values: they
+  are all-gathered from the chunks (or, when the op overwrites the whole
+  parameter, such as normal_ or zero_, just allocated), the op runs, and the
+  chunk is cut again when another parameter is touched. So the model's own
+  init code (module constructors, `self.apply(_init_weights)`, rejection
+  sampling in trunc_normal_) runs the same ops in the same order on the same
+  random stream as without the engine, and the values are bit-identical,
+  while a rank holds its chunks plus one full parameter at a time.
+- View ops on a placeholder (w[0], w.data, w.t()) return a placeholder of
+  the view's shape that remembers how it was made, and is resolved against
+  the full values when an op uses it.
+- Every rank must run the same construction code with the same seed (as
+  any torchrun job does for identical initial weights); this is checked on
+  entry. Gathers are collectives, issued in program order.
+- No torch global is replaced. Outside the context, reading a placeholder
+  gives zeros and writing it raises; zero.initialize() turns the chunks into
+  the engine's partitions one parameter at a time.
+"""
+from __future__ import annotations
+
+import hashlib
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_map
+from torch.utils.weak import WeakIdKeyDictionary
+
+from zero._comm import join_process_group
+
+_CHUNK_ALIGN = 16
+# ops that overwrite every element of their target, so the old values need
+# not be gathered first
+_OVERWRITES = {
+    torch.ops.aten.normal_.default, torch.ops.aten.uniform_.default,
+    torch.ops.aten.zero_.default, torch.ops.aten.fill_.Scalar,
+    torch.ops.aten.random_.default, getattr(torch.ops.aten.random_, "from"),
+    torch.ops.aten.random_.to, torch.ops.aten.bernoulli_.float,
+    torch.ops.aten.exponential_.default, torch.ops.aten.log_normal_.default,
+    torch.ops.aten.cauchy_.default, torch.ops.aten.geometric_.default,
+}
+
+# placeholder parameter -> its _Sharded record, for zero.initialize
+_registry = WeakIdKeyDictionary()
+
+
+class _Sharded:
+    """One parameter's chunk on this rank, and the cached full values."""
+
+    def __init__(self, full: torch.Tensor, rank: int, world: int):
+        self.shape, self.dtype = full.shape, full.dtype
+        self.numel = full.numel()
+        per = -(-self.numel // world)
+        self.part = -(-per // _CHUNK_ALIGN) * _CHUNK_ALIGN
+        self.rank, self.world = rank, world
+        self.chunk = torch.zeros(self.part, dtype=self.dtype)
+        flat = full.detach().reshape(-1)
+        lo = min(rank * self.part, self.numel)
+        hi = min(lo + self.part, self.numel)
+        self.chunk[:hi - lo].copy_(flat[lo:hi])
+
+    def gather(self) -> torch.Tensor:
+        """The full values (a collective)."""
+        out = torch.empty(self.part * self.world, dtype=self.dtype)
+        if self.world == 1:
+            out.copy_(self.chunk)
+        else:
+            dist.all_gather_into_tensor(out, self.chunk)
+        return out[:self.numel].view(self.shape)
+
+    def store(self, full: torch.Tensor):
+        flat = full.reshape(-1)
+        lo = min(self.rank * self.part, self.numel)
+        hi = min(lo + self.part, self.numel)
+        self.chunk[:hi - lo].copy_(flat[lo:hi])
+
+
+def _placeholder(shape, dtype, requires_grad=None):
+    t = torch.zeros((), dtype=dtype).expand(shape)
+    return nn.Parameter(t, requires_grad=requires_grad) if requires_grad is not None else t
+
+
+class _LazyView:
+    def __init__(self, base, chain):
+        self.base = base      # the placeholder parameter
+        self.chain = chain    # [(view op, args after the tensor, kwargs)]
+
+
+def _storage_key(t):
+    try:
+        return t.untyped_storage()._cdata
+    except (RuntimeError, NotImplementedError):
+        return None  # a tensor without storage: never a placeholder
+
+
+class partitioned_init(TorchDispatchMode):
+    """Context manager: parameters created inside live as 1/N chunks."""
+
+    def __init__(self):
+        super().__init__()
+        # storage of a placeholder (or of its .data alias) -> (its owner, _LazyView);
+        # the owner is held so the storage key stays unique while open
+        self._by_storage = {}
+        self._replaced = WeakIdKeyDictionary()  # original parameter -> placeholder
+        self._cached = None    # (placeholder param, full values)
+        self._hook = None
+
+    # ---- entering and leaving ------------------------------------------------
+
+    def __enter__(self):
+        self._owns_group = join_process_group("gloo")
+        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        self._check_same_seed()
+        self._hook = nn.modules.module.register_module_parameter_registration_hook(
+            self._on_register)
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        try:
+            self._evict()
+        finally:
+            self._hook.remove()
+            self._by_storage.clear()
+            super().__exit__(*exc)
+        return False
+
+    def _check_same_seed(self):
+        if self.world == 1:
+            return
+        digest = hashlib.sha256(torch.random.get_rng_state().numpy().tobytes()).digest()[:8]
+        mine = torch.tensor([int.from_bytes(digest, "little") & (2**62 - 1)],
+                            dtype=torch.int64)
+        every = [torch.zeros_like(mine) for _ in range(self.world)]
+        dist.all_gather(every, mine)
+        if any(int(t) != int(mine) for t in every):
+            raise RuntimeError(
+                "zero.partitioned_init() needs the same random state on every rank (the "
+                "ranks build the parameters together): call torch.manual_seed(seed) with "
+                "the same seed on every rank before entering it")
+
+    # ---- parameter registration ------------------------------------------------
+
+    def _on_register(self, module, name, param):
+        if param is None or param in _registry:
+            return None  # tied or re-registered: already a placeholder
+        if param in self._replaced:
+            return self._replaced[param]  # the same parameter given to a second module
+        with torch.no_grad():
+            record = _Sharded(param.detach(), self.rank, self.world)
+        ph = _placeholder(param.shape, param.dtype, param.requires_grad)
+        _registry[ph] = record
+        self._replaced[param] = ph
+        self._by_storage[_storage_key(ph)] = (ph, _LazyView(ph, []))
+        return ph
+
+    # ---- resolving placeholders ---------------------------------------------------
+
+    def _full(self, param, overwrite=False):
+        """The full values of a placeholder parameter, cached until another
+        parameter is touched."""
+        if self._cached is not None and self._cached[0] is param:
+            return self._cached[1]
+        self._evict()
+        record = _registry[param]
+        full = torch.empty(record.shape, dtype=record.dtype) if overwrite else record.gather()
+        self._cached = (param, full)
+        return full
+
+    def _evict(self):
+        if self._cached is not None:
+            param, full = self._cached
+            _registry[param].store(full)
+            self._cached = None
+
+    def _tracked(self, t):
+        """(owner, _LazyView) when t is a placeholder, a view made from one,
+        or an alias of either (w.data shares the placeholder's storage)."""
+        if not isinstance(t, torch.Tensor) or t.device.type != "cpu":
+            return None
+        return self._by_storage.get(_storage_key(t))
+
+    def _resolve(self, t, overwrite=False):
+        found = self._tracked(t)
+        if found is None:
+            return t
+        _, view = found
+        real = self._full(view.base, overwrite and not view.chain)
+        for op, args, kwargs in view.chain:
+            real = op(real, *args, **kwargs)
+        return real
+
+    # ---- the dispatch hook ----------------------------------------------------------
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        tensors = [a for a in list(args) + list(kwargs.values()) if isinstance(a, torch.Tensor)]
+        if not any(self._tracked(t) is not None for t in tensors):
+            return func(*args, **kwargs)
+        if func.is_view and args and self._tracked(args[0]) is not None:
+            return self._view(func, args, kwargs)
+        target = args[0] if args else None
+        found = self._tracked(target)
+        overwrite = func in _OVERWRITES and found is not None and not found[1].chain
+        real_args = tree_map(lambda a: self._resolve(a, overwrite and a is target), args)
+        real_kwargs = tree_map(self._resolve, kwargs)
+        out = func(*real_args, **real_kwargs)
+        if func._schema.returns and func._schema.returns[0].alias_info is not None \
+                and func._schema.returns[0].alias_info.is_write:
+            return target  # an in-place op returns its (placeholder) target
+        return out
+
+    def _view(self, func, args, kwargs):
+        _owner, view = self._tracked(args[0])
+        chain = view.chain + [(func, tuple(args[1:]), dict(kwargs))]
+        # the view's shape, found on the meta device without touching data
+        probe = torch.empty(_registry[view.base].shape, dtype=args[0].dtype, device="meta")
+        for op, a, k in chain:
+            probe = op(probe, *a, **k)
+        ph = _placeholder(probe.shape, probe.dtype)
+        self._by_storage[_storage_key(ph)] = (ph, _LazyView(view.base, chain))
+        return ph
+
+
+def sharded_record(param):
+    """The _Sharded record of a placeholder made by partitioned_init, or None."""
+    return _registry.get(param)
+
+
+def take_values(param):
+    """The full values of a placeholder (a collective), after which the
+    record is dropped; any other tensor is returned as it is."""
+    record = _registry.get(param)
+    if record is None:
+        return param.detach()
+    values = record.gather()
+    del _registry[param]
+    return values

@@ -1,0 +1,82 @@
+"""zero.partitioned_init in one process: the model's own init code (module
+constructors, trunc_normal_'s rejection sampling, orthogonal_, .data
+writes, a padding row, a parameter scaled by another's sum, tied weights)
+gives bit-identical parameters and leaves the random stream where a plain
+construction leaves it; then zero.initialize trains it at stage 3."""
+import pytest
+import torch
+from torch import nn
+
+import zero
+
+
+class Odd(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(11, 7, padding_idx=3)
+        self.lin = nn.Linear(7, 9)
+        self.orth = nn.Linear(9, 9, bias=False)
+        self.raw = nn.Parameter(torch.randn(5))
+        self.ln = nn.LayerNorm(9)
+        self.head = nn.Linear(7, 11, bias=False)
+        self.head.weight = self.emb.weight
+        self.register_buffer("mask", torch.tril(torch.ones(4, 4)))
+        nn.init.trunc_normal_(self.lin.weight, std=0.5, a=-0.4, b=0.4)
+        nn.init.orthogonal_(self.orth.weight)
+        self.lin.bias.data.normal_(mean=1.0, std=0.1)
+        self.lin.weight.data[0].zero_()
+        with torch.no_grad():
+            self.raw.mul_(self.lin.weight.sum())
+
+    def forward(self, ids):
+        h = self.ln(self.orth(self.lin(self.emb(ids))))
+        return self.head(h[..., :7] * self.raw[:1])
+
+
+def build(partitioned):
+    torch.manual_seed(5)
+    if partitioned:
+        with zero.partitioned_init():
+            model = Odd()
+    else:
+        model = Odd()
+    return model, torch.rand(3)
+
+
+def test_values_and_random_stream_match_plain_construction():
+    ref, after_ref = build(False)
+    model, after = build(True)
+    assert torch.equal(after, after_ref)
+    assert model.head.weight is model.emb.weight
+    engine = zero.initialize(model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                             stage=3)
+    state = engine.full_state_dict()
+    for name, value in ref.state_dict().items():
+        assert torch.equal(state[name], value.float()), name
+    engine.close()
+
+
+def test_trains_like_the_plain_model():
+    ref, _ = build(False)
+    model, _ = build(True)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    engine = zero.initialize(model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                             stage=3, stage3_param_persistence_threshold=0)
+    ids = torch.randint(0, 11, (4, 6), generator=torch.Generator().manual_seed(0))
+    for _ in range(3):
+        ref_opt.zero_grad()
+        ref(ids).square().mean().backward()
+        ref_opt.step()
+        engine.backward(engine(ids).square().mean())
+        engine.step()
+    state = engine.full_state_dict()
+    for name, value in ref.state_dict().items():
+        torch.testing.assert_close(state[name], value.float(), rtol=1e-6, atol=1e-7)
+    engine.close()
+
+
+def test_placeholder_outside_the_context_refuses_writes():
+    model, _ = build(True)
+    with pytest.raises(RuntimeError):
+        with torch.no_grad():
+            model.lin.weight.add_(1.0)
