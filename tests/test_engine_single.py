@@ -25,7 +25,7 @@ def no_launcher(monkeypatch):
     assert not dist.is_initialized(), "an engine left its process group behind"
 
 
-@pytest.mark.parametrize("stage", [0, 1, 2])
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_world_one_matches_torch_with_plain_backward(stage):
     m, ref = model(), model()
     engine = zero.initialize(m, optimizer=torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9),
@@ -213,4 +213,50 @@ def test_clip_grad_norm_returns_the_global_norm_and_clips():
         assert max_rel_error(full[k], v) <= 1e-5, k
     with pytest.raises(ValueError, match="max_norm must be > 0"):
         engine.clip_grad_norm_(0.0)
+    engine.close()
+
+
+def test_stage3_releases_parameters_and_close_restores_them():
+    m, ref = model(), model()
+    engine = zero.initialize(m, optimizer=torch.optim.SGD(m.parameters(), lr=0.1), stage=3,
+                             stage3_param_persistence_threshold=0)
+    # outside forward a released parameter is an empty placeholder
+    assert m[0].weight.shape == (0,)
+    with zero.GatheredParameters(m[0].weight):
+        assert torch.equal(m[0].weight, ref[0].weight)
+    assert m[0].weight.shape == (0,)
+    engine.close()
+    for p, q in zip(m.parameters(), ref.parameters()):
+        assert torch.equal(p, q)
+
+
+def test_stage3_reinitialize_like_a_rerun_notebook_cell():
+    m = model()
+    first = zero.initialize(m, optimizer=torch.optim.SGD(m.parameters(), lr=0.1), stage=3,
+                            stage3_param_persistence_threshold=0)
+    first.backward(first(torch.randn(2, 6)).sum())
+    first.step()
+    trained = first.full_state_dict()
+    second = zero.initialize(m, optimizer=torch.optim.SGD(m.parameters(), lr=0.1), stage=3)
+    again = second.full_state_dict()
+    assert all(torch.equal(trained[k], again[k]) for k in trained)
+    second.close()
+
+
+@pytest.mark.parametrize("key,value", [("stage3_param_persistence_threshold", -1),
+                                       ("stage3_prefetch_bucket_size", 1.5),
+                                       ("stage3_max_live_parameters", True)])
+def test_stage3_options_are_checked(key, value):
+    with pytest.raises(ValueError, match=key):
+        zero.Config(**{key: value})
+
+
+def test_gathered_parameters_bad_modifier_rank():
+    m = model()
+    engine = zero.initialize(m, optimizer=torch.optim.SGD(m.parameters(), lr=0.1), stage=3)
+    with pytest.raises(ValueError, match="modifier_rank 1"):
+        with zero.GatheredParameters(m[0].weight, modifier_rank=1):
+            pass
+    with pytest.raises(TypeError, match="modifier_rank"):
+        zero.GatheredParameters(m[0].weight, modifier_rank="0")
     engine.close()

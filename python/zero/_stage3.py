@@ -37,6 +37,7 @@ class Stage3Schedule:
         self.max_live = int(config.stage3_max_live_parameters)
         self.live = 0        # elements of non-persistent units gathered or in flight
         self.peak_live = 0
+        self.counts = {"prefetched": 0, "on_demand": 0}  # gathers since the last step
         self.in_backward = False
         self.phase = None
         self.recorded = {"forward": None, "backward": None}
@@ -89,6 +90,7 @@ class Stage3Schedule:
         if unit.gathered:
             return
         if unit.work is None:
+            self.counts["on_demand"] += 1
             self._gather(fg, unit, async_op=False)
             return
         unit.work.wait()
@@ -157,6 +159,7 @@ class Stage3Schedule:
                 if ahead + unit.total > self.max_prefetch or \
                         self.live + unit.total > self.max_live:
                     return
+                self.counts["prefetched"] += 1
                 self._gather(fg, unit, async_op=True)
                 ahead += unit.total
 
@@ -209,6 +212,10 @@ class Stage3Schedule:
         self.release_all()
         self.in_backward = False
         self._end_pass()
+
+    def take_counts(self) -> dict:
+        counts, self.counts = self.counts, {"prefetched": 0, "on_demand": 0}
+        return counts
 
     def remove(self):
         for h in self.hooks:

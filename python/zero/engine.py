@@ -315,6 +315,8 @@ class Engine(nn.Module):
         self._global_grad_norm = norm
         self.zero_grad()
         self._last_comm = self._comm.log.summary()
+        if self._schedule is not None:
+            self._last_comm["stage3_gathers"] = self._schedule.take_counts()
         self._comm.log.reset()
 
     def zero_grad(self, set_to_none: bool = True):
@@ -375,7 +377,9 @@ class Engine(nn.Module):
         return f"stage {self.stage}: {text}, Ψ={psi:,}, N={n}", int(value)
 
     def comm_summary(self) -> dict:
-        """Elements and bytes per collective in the last optimizer step."""
+        """Elements and bytes per collective in the last optimizer step; at
+        stage 3 also how many unit gathers were prefetched and how many
+        waited on demand ("stage3_gathers")."""
         return self._last_comm
 
     def full_state_dict(self) -> dict:

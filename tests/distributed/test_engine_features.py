@@ -41,13 +41,13 @@ def figures(rank, world):
     return out
 
 
-def overflow(rank, world, hysteresis):
+def overflow(rank, world, hysteresis, stage=2):
     """fp16, 6 steps; at step 3 rank 0's gradients hold an inf."""
     import zero
     model = mlp()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
-    engine = zero.initialize(model, optimizer=opt, stage=2, precision="fp16",
+    engine = zero.initialize(model, optimizer=opt, stage=stage, precision="fp16",
                              lr_scheduler=sched,
                              loss_scaling=zero.LossScaling(hysteresis=hysteresis))
     g = torch.Generator().manual_seed(rank)
@@ -105,8 +105,25 @@ def no_sync_run(rank, world):
     return steps_inside, state
 
 
+def prefetch_counts(rank, world):
+    import zero
+    model = mlp()
+    engine = zero.initialize(model, optimizer=torch.optim.AdamW(model.parameters()), stage=3,
+                             stage3_param_persistence_threshold=0)
+    counts = []
+    for step in range(3):
+        engine.backward(engine(torch.randn(8, 301)).square().mean())
+        engine.step()
+        if step > 0:
+            counts.append(engine.comm_summary()["stage3_gathers"])
+    engine.close()
+    return counts
+
+
 def all_features(rank, world):
-    return dict(figures=figures(rank, world), overflow2=overflow(rank, world, 2),
+    return dict(figures=figures(rank, world), prefetch_counts=prefetch_counts(rank, world),
+                overflow2=overflow(rank, world, 2),
+                overflow2_stage3=overflow(rank, world, 2, stage=3),
                 overflow1=overflow(rank, world, 1), half=half_run(rank, world),
                 no_sync=no_sync_run(rank, world))
 
@@ -142,11 +159,26 @@ def test_comm_is_two_psi_or_three_at_stage3(runs, stage):
     psi = memory["trainable_params"]
     moved = (3 if stage == 3 else 2) * psi
     assert abs(comm["moved_elements"] - moved) <= 0.05 * moved, comm
+    if stage == 3:
+        # a prefetch bound (60k) below the middle unit (100k) stops prefetch
+        # there: only the last unit can be gathered ahead in the forward
+        assert comm["stage3_gathers"] == {"prefetched": 1, "on_demand": 5}, comm
 
 
-def test_fp16_overflow_skips_exactly_that_step(runs):
+def test_stage3_prefetches_along_the_recorded_order(runs):
+    """Default bounds, the same module order every step: from the second
+    step on, only the forward's first unit waits; the other two are
+    issued ahead, and all three of the backward's are issued from the
+    root's output hook, before the last module's backward starts."""
     _, results = runs
-    for record in (r["overflow2"] for r in results):
+    for counts in results[0]["prefetch_counts"]:
+        assert counts == {"prefetched": 5, "on_demand": 1}, counts
+
+
+@pytest.mark.parametrize("case", ["overflow2", "overflow2_stage3"])
+def test_fp16_overflow_skips_exactly_that_step(runs, case):
+    _, results = runs
+    for record in (r[case] for r in results):
         assert [s["skipped"] for s in record] == [False, False, False, True, False, False]
         assert [s["changed"] for s in record] == [True, True, True, False, True, True]
         # hysteresis 2: the first overflow does not lower the scale

@@ -1,0 +1,52 @@
+"""HuggingFace generate() under stage 3 on 2 gloo ranks, with ranks that
+stop at different steps (rank 0 wants 3 new tokens, rank 1 wants 9).
+
+Every forward gathers parameters with collectives, so a rank that stops
+early would leave the others waiting in a gather forever. generate(...,
+synced_gpus=True) keeps a finished rank running dummy forward passes until
+every rank is done: that is what the user (or an integration) must pass;
+transformers turns it on by itself only for DeepSpeed ZeRO-3 and FSDP
+(docs/engine.md). The tokens must equal a plain model's greedy output."""
+import pytest
+import torch
+
+import harness
+
+pytest.importorskip("transformers")
+
+NEW_TOKENS = [3, 9]
+
+
+def tiny_gpt2():
+    from transformers import GPT2Config, GPT2LMHeadModel
+    cfg = GPT2Config(n_layer=2, n_embd=32, n_head=4, vocab_size=64, n_positions=32,
+                     eos_token_id=None, bos_token_id=None, pad_token_id=0)
+    torch.manual_seed(0)
+    return GPT2LMHeadModel(cfg).eval()
+
+
+def prompt(rank):
+    return torch.randint(1, 64, (2, 5), generator=torch.Generator().manual_seed(rank))
+
+
+def generate(rank, world):
+    import zero
+    model = tiny_gpt2()
+    engine = zero.initialize(model, optimizer=torch.optim.AdamW(model.parameters()), stage=3,
+                             stage3_param_persistence_threshold=0)
+    with torch.no_grad():
+        out = engine.module.generate(prompt(rank), max_new_tokens=NEW_TOKENS[rank],
+                                     do_sample=False, synced_gpus=True)
+    engine.close()
+    return out
+
+
+def test_generation_with_ranks_finishing_apart():
+    results = harness.run(2, generate, timeout=180)
+    model = tiny_gpt2()
+    for rank, out in enumerate(results):
+        with torch.no_grad():
+            expected = model.generate(prompt(rank), max_new_tokens=NEW_TOKENS[rank],
+                                      do_sample=False)
+        assert out.shape[1] == 5 + NEW_TOKENS[rank]
+        assert torch.equal(out, expected), rank
