@@ -14,7 +14,9 @@ class Net(nn.Module):
     """Every case the engine must get right: tied weights (embedding and
     head), a module called twice, a frozen layer, a branch used on even steps
     only, a buffer, sizes no world size divides; optionally the block under
-    activation checkpointing ("reentrant" or "non_reentrant")."""
+    activation checkpointing ("reentrant" or "non_reentrant"), or the block
+    and the head under reentrant checkpointing ("reentrant_all": the first
+    gradients of a backward then arrive in a nested backward)."""
 
     def __init__(self, checkpointing=None):
         super().__init__()
@@ -35,12 +37,14 @@ class Net(nn.Module):
         h = h + self.frozen(h) * self.mix
         if use_branch:
             h = h + self.branch(h)
+        if self.checkpointing == "reentrant_all":  # the first gradients, nested
+            return checkpoint(self.head, h, use_reentrant=True)
         return self.head(h)
 
     def _block(self, h):
         if self.checkpointing is None:
             return self.block(h)
-        return checkpoint(self.block, h, use_reentrant=self.checkpointing == "reentrant")
+        return checkpoint(self.block, h, use_reentrant=self.checkpointing != "non_reentrant")
 
 
 def make_model(seed=0, checkpointing=None):

@@ -29,6 +29,11 @@ def _all_cases(rank, world):
         # a tiny bucket, so stage 2 reduces many buckets during backward
         out[("small buckets", stage)] = scenarios.engine_run(rank, world, 6, stage,
                                                              reduce_bucket_size=50)
+        # reentrant checkpointing around the block and the head: gradients
+        # arrive in nested backwards, some parameters' in several parts
+        out[("checkpoint", stage)] = scenarios.engine_run(rank, world, 6, stage,
+                                                          checkpointing="reentrant_all",
+                                                          reduce_bucket_size=50)
     return out
 
 
@@ -46,6 +51,7 @@ def references():
         "accumulate": scenarios.reference_run(8, accumulation=2, opt="sgd", lr=0.1),
         "clip": scenarios.reference_run(8, clip=0.05),
         "small buckets": scenarios.reference_run(6),
+        "checkpoint": scenarios.reference_run(6),
     }
 
 
@@ -57,7 +63,8 @@ def check(case, losses, state, reference):
         assert err <= 1e-5, f"{case}: {name} off by {err:.2e}"
 
 
-@pytest.mark.parametrize("case", ["plain", "sgd", "accumulate", "clip", "small buckets"])
+@pytest.mark.parametrize("case", ["plain", "sgd", "accumulate", "clip", "small buckets",
+                                  "checkpoint"])
 @pytest.mark.parametrize("stage", STAGES)
 def test_matches_single_process(runs, references, case, stage):
     world, results = runs

@@ -35,6 +35,8 @@ CASES = {
     "no prefetch": (dict(RELEASED, stage3_prefetch_bucket_size=0), {}),
     "checkpoint": (dict(RELEASED, checkpointing="non_reentrant"), {}),
     "checkpoint reentrant": (dict(RELEASED, checkpointing="reentrant"), {}),
+    # the head too: a backward's first gradients then come in a nested one
+    "checkpoint reentrant all": (dict(RELEASED, checkpointing="reentrant_all"), {}),
     "eval and modify": (dict(RELEASED, with_eval=True, modify_at=3),
                         dict(with_eval=True, modify_at=3)),
 }
