@@ -2,6 +2,7 @@
 
     torchrun --nproc_per_node 2 examples/train_gpt.py            # 2 ranks
     python examples/train_gpt.py                                 # 1 process
+    torchrun --nproc_per_node 2 examples/train_gpt.py --stage 3 --partitioned-init
 
 Each rank trains on its own batches of a synthetic Markov language; the
 script prints the loss as it falls and, at the end, each rank's memory
@@ -29,19 +30,25 @@ def main():
     ap.add_argument("--steps", type=int, default=60)
     ap.add_argument("--batch", type=int, default=16, help="sequences per rank per step")
     ap.add_argument("--lr", type=float, default=3e-3)
+    ap.add_argument("--partitioned-init", action="store_true",
+                    help="build the model with zero.partitioned_init (each rank holds 1/N)")
     args = ap.parse_args()
 
     torch.manual_seed(0)
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("WORLD_SIZE", 1))))
     cfg = GPTConfig()
-    model = GPT(cfg)
+    if args.partitioned_init:
+        with zero.partitioned_init():
+            model = GPT(cfg)
+    else:
+        model = GPT(cfg)
+    n = sum(p.numel() for p in model.parameters())  # before stage 3 releases them
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
     engine = zero.initialize(model, optimizer=optimizer, stage=args.stage,
                              precision=args.precision, gradient_clipping=1.0)
     rank, world = dist.get_rank(), dist.get_world_size()
     data = MarkovText(cfg.vocab, cfg.seq)
     if rank == 0:
-        n = sum(p.numel() for p in model.parameters())
         print(f"zero {zero.__version__}: GPT of {n / 1e6:.1f}M parameters, stage {args.stage}, "
               f"{args.precision}, {world} rank(s), SIMD {zero.cpu_info()['simd']}", flush=True)
     start = time.perf_counter()

@@ -40,8 +40,11 @@ class MemorySummary(dict):
 
     def __str__(self):
         rows = [f"{'':<18}{'bytes':>16}{'MiB':>10}"]
-        for key in ("params", "grads", "optimizer_states", "model_states", "buckets",
-                    "frozen_params"):
+        keys = ["params", "grads", "optimizer_states", "model_states", "buckets",
+                "frozen_params"]
+        if self.get("stage") == 3:
+            keys[3:3] = ["persistent", "gathered_peak"]
+        for key in keys:
             rows.append(f"{key:<18}{self[key]:>16,}{self[key] / 2**20:>10.2f}")
         rows.append(f"{'formula':<18}{self['formula_bytes']:>16,}"
                     f"{self['formula_bytes'] / 2**20:>10.2f}   {self['formula']}")
