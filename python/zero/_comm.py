@@ -14,6 +14,9 @@ import torch
 import torch.distributed as dist
 
 _LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+# torch 2.13 renamed all_gather_into_tensor (now deprecated, with a warning
+# on every call) to all_gather_single; older releases have only the former.
+all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _owned = {"count": 0}  # process groups this module created, by engine
 
 
@@ -116,7 +119,7 @@ class Comm:
             if output.data_ptr() != shard.data_ptr():
                 output.copy_(shard)
             return None
-        return dist.all_gather_into_tensor(output, shard, async_op=async_op)
+        return all_gather_single(output, shard, async_op=async_op)
 
     def broadcast(self, tensor, src=0):
         if self.world > 1:

@@ -39,7 +39,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_map
 from torch.utils.weak import WeakIdKeyDictionary
 
-from zero._comm import join_process_group
+from zero._comm import all_gather_single, join_process_group
 
 _CHUNK_ALIGN = 16
 # ops that overwrite every element of their target, so the old values need
@@ -78,7 +78,7 @@ class _Sharded:
         if self.world == 1:
             out.copy_(self.chunk)
         else:
-            dist.all_gather_into_tensor(out, self.chunk)
+            all_gather_single(out, self.chunk)
         return out[:self.numel].view(self.shape)
 
     def store(self, full: torch.Tensor):
