@@ -43,9 +43,12 @@ def tensor(draw, n):
     return base[:n].clone()
 
 
-@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+# derandomize: the same 300 examples on every run, so the count of accepted
+# calls (about 1 in 10 pass every check) cannot fall short by chance
+@settings(max_examples=300, deadline=None, derandomize=True, database=None,
+          suppress_health_check=[HealthCheck.too_slow])
 @given(data=st.data(), n=st.integers(0, 300))
-def test_adam_step_fuzz(data, n):
+def fuzz_adam_step(data, n):
     sizes = [n if i == 0 or data.draw(st.integers(0, 9)) else data.draw(st.integers(0, 300))
              for i in range(4)]
     p, g, m, v = (data.draw(tensor(s)) for s in sizes)
@@ -56,7 +59,7 @@ def test_adam_step_fuzz(data, n):
     beta2 = data.draw(st.sampled_from([0.999] * 6 + [0.5, -0.1]))
     eps = data.draw(st.sampled_from([1e-8, 0.0]))
     wd = data.draw(st.sampled_from([0.0, 0.01]))
-    step = data.draw(st.sampled_from([1, 2, 5, 0, -3]))
+    step = data.draw(st.sampled_from([1, 2, 5] * 3 + [0, -3]))
     scale = data.draw(st.sampled_from([1.0] * 6 + [0.5, float("inf")]))
     before = [t.clone() for t in (p, g, m, v)]
     try:
@@ -81,6 +84,9 @@ def test_adam_step_fuzz(data, n):
         assert close.all(), (got - want).abs().max()
 
 
-def test_fuzz_exercised_both_outcomes():
-    """Runs after the fuzz test (file order): both branches were taken."""
+def test_adam_step_fuzz_takes_both_outcomes():
+    """The fuzz run, then a check that both branches were taken (in one
+    test, so that pytest-xdist cannot split the run from the count)."""
+    OUTCOMES.update(accepted=0, rejected=0)
+    fuzz_adam_step()
     assert OUTCOMES["accepted"] >= 10 and OUTCOMES["rejected"] >= 10, OUTCOMES
