@@ -2,7 +2,7 @@
 PYTHON ?= python3
 CC ?= gcc
 SANITIZE = -fsanitize=address,undefined -fno-sanitize-recover=all
-CORE_SOURCES = $(filter-out csrc/module.c,$(wildcard csrc/*.c)) $(wildcard csrc/x86/*.c)
+CORE_SOURCES = $(filter-out csrc/module%.c,$(wildcard csrc/*.c)) $(wildcard csrc/x86/*.c)
 
 .PHONY: deps install train test test-c test-py bench bench-train clean
 
