@@ -4,7 +4,10 @@ CC ?= gcc
 SANITIZE = -fsanitize=address,undefined -fno-sanitize-recover=all
 CORE_SOURCES = $(filter-out csrc/module%.c,$(wildcard csrc/*.c)) $(wildcard csrc/x86/*.c)
 
-.PHONY: deps install train test test-c test-py bench bench-train clean
+# nvcc, when it is on PATH or in $$CUDA_HOME/bin (empty otherwise).
+NVCC := $(shell $(PYTHON) kernels/nvcc_build.py --which 2>/dev/null)
+
+.PHONY: deps install train test test-c test-cuda-build test-py bench bench-train clean
 
 # The pinned CPU build of torch and the test tools.
 deps:
@@ -13,16 +16,26 @@ deps:
 install: deps
 	$(PYTHON) -m pip install -q --no-build-isolation -e .
 
-# C core alone, no Python, under AddressSanitizer and UBSan.
+# C core alone, no Python, under AddressSanitizer and UBSan; the CUDA host
+# code too (its loader's failure paths need no GPU).
 test-c:
 	mkdir -p tests/c/build
 	$(CC) -std=c11 -O1 -g -Wall -Wextra -Werror $(SANITIZE) -o tests/c/build/test_core \
-		tests/c/test_core.c $(CORE_SOURCES) -lm -lpthread
+		tests/c/test_core.c $(CORE_SOURCES) -lm -lpthread -ldl
 	ASAN_OPTIONS=detect_leaks=1 UBSAN_OPTIONS=print_stacktrace=1 tests/c/build/test_core
+	$(CC) -std=c11 -O1 -g -Wall -Wextra -Werror $(SANITIZE) -o tests/c/build/test_cuda \
+		tests/c/test_cuda.c $(CORE_SOURCES) -lm -lpthread -ldl
+	ASAN_OPTIONS=detect_leaks=1 UBSAN_OPTIONS=print_stacktrace=1 tests/c/build/test_cuda
 	# the thread pool again, under ThreadSanitizer
 	$(CC) -std=c11 -O1 -g -Wall -Wextra -Werror -fsanitize=thread -o tests/c/build/test_core_tsan \
-		tests/c/test_core.c $(CORE_SOURCES) -lm -lpthread
+		tests/c/test_core.c $(CORE_SOURCES) -lm -lpthread -ldl
 	tests/c/build/test_core_tsan
+
+# The CUDA kernels through nvcc with every warning an error (no GPU needed);
+# `make test` runs it wherever nvcc is found.
+test-cuda-build:
+	mkdir -p tests/c/build
+	$(PYTHON) kernels/nvcc_build.py tests/c/build/zero_kernels.fatbin
 
 # The main job: a small GPT trained with zero on 2 processes of this machine.
 train: install
@@ -31,7 +44,7 @@ train: install
 test-py:
 	$(PYTHON) -m pytest -q tests
 
-test: install test-c test-py
+test: install test-c $(if $(NVCC),test-cuda-build) test-py
 
 bench: install
 	$(PYTHON) bench/optim_cpu.py

@@ -25,7 +25,7 @@ extension = Extension(
     include_dirs=["csrc"],
     extra_compile_args=["-std=c11", "-O3", "-fvisibility=hidden", "-Wall", "-Wextra",
                         "-Wno-missing-field-initializers", "-Wno-cast-function-type"],
-    libraries=["m"],
+    libraries=["m", "dl"],
     extra_link_args=["-pthread"],
 )
 
