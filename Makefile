@@ -7,7 +7,12 @@ CORE_SOURCES = $(filter-out csrc/module%.c,$(wildcard csrc/*.c)) $(wildcard csrc
 # nvcc, when it is on PATH or in $$CUDA_HOME/bin (empty otherwise).
 NVCC := $(shell $(PYTHON) kernels/nvcc_build.py --which 2>/dev/null)
 
-.PHONY: deps install train test test-c test-cuda-build test-py bench bench-train clean
+CXX ?= g++
+# An emulated CUDA driver that runs the kernels' source on the CPU, for
+# tests on machines without a GPU (tests/emulated_cuda, docs/cuda.md).
+EMULATED_CUDA = tests/c/build/libzero_fake_cuda.so
+
+.PHONY: deps install train test test-c test-cuda-build emulated-cuda test-py bench bench-train clean
 
 # The pinned CPU build of torch and the test tools.
 deps:
@@ -40,6 +45,14 @@ test-cuda-build:
 # The main job: a small GPT trained with zero on 2 processes of this machine.
 train: install
 	$(PYTHON) -m torch.distributed.run --nproc_per_node 2 examples/train_gpt.py
+
+emulated-cuda: $(EMULATED_CUDA)
+
+$(EMULATED_CUDA): $(wildcard tests/emulated_cuda/*) $(wildcard kernels/*.cu*) kernels/kernels.h \
+		csrc/optim_math.h csrc/half.h csrc/zero.h
+	mkdir -p tests/c/build
+	$(CXX) -std=c++17 -O2 -g -fPIC -shared -Wall -Wextra -Werror -Wno-unknown-pragmas \
+		-Itests/emulated_cuda -o $@ tests/emulated_cuda/fake_cuda.cpp
 
 test-py:
 	$(PYTHON) -m pytest -q tests

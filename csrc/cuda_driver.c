@@ -17,11 +17,15 @@
 #include <stdarg.h>
 #include <stddef.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "cuda_internal.h"
 
 #define DEFAULT_LIBRARY "libcuda.so.1"
+/* Names another driver library (a CUDA compat libcuda, or the emulated one
+ * the tests use), read when the driver is first loaded. */
+#define DRIVER_ENV "ZERO_CUDA_DRIVER"
 #define MAX_DEVICES 64
 #define MESSAGE_SIZE 768
 
@@ -99,7 +103,7 @@ static const char *const kernel_names[KERNEL_COUNT] = {
  * takes the lock first, which orders those reads after the writes). */
 static pthread_mutex_t lock = PTHREAD_MUTEX_INITIALIZER;
 static zero_cuda_image image = {NULL, 0, "", "no kernels were embedded"};
-static char library[256] = DEFAULT_LIBRARY;
+static char library[256];        /* set by zero_cuda_set_library, or "" */
 static int loaded;
 static char load_failure[MESSAGE_SIZE]; /* why loading failed; empty: none */
 static driver_api api;
@@ -157,8 +161,7 @@ zero_status zero_cuda_set_library(const char *name)
     zero_status status = ZERO_OK;
     if (loaded) {
         status = cuda_fail(ZERO_ERR_INVALID_ARGUMENT,
-                           "the CUDA driver is already loaded from %s",
-                           library);
+                           "the CUDA driver is already loaded");
     } else {
         strcpy(library, name);
         load_failure[0] = '\0';
@@ -175,6 +178,16 @@ static zero_status remember_failure(void)
     return ZERO_ERR_CUDA_UNAVAILABLE;
 }
 
+/* Under lock: the library to dlopen. */
+static const char *library_name(void)
+{
+    if (library[0]) {
+        return library;
+    }
+    const char *env = getenv(DRIVER_ENV);
+    return env && env[0] ? env : DEFAULT_LIBRARY;
+}
+
 /* Under lock: dlopen the driver, find its functions, cuInit, count the
  * devices. */
 static zero_status load_driver(void)
@@ -185,13 +198,14 @@ static zero_status load_driver(void)
     if (load_failure[0]) {
         return cuda_fail(ZERO_ERR_CUDA_UNAVAILABLE, "%s", load_failure);
     }
-    void *handle = dlopen(library, RTLD_NOW | RTLD_LOCAL);
+    const char *name = library_name();
+    void *handle = dlopen(name, RTLD_NOW | RTLD_LOCAL);
     if (!handle) {
         const char *why = dlerror();
         cuda_fail(ZERO_ERR_CUDA_UNAVAILABLE,
                   "%s could not be loaded, so no NVIDIA driver is usable "
                   "here (%s)",
-                  library, why ? why : "dlopen failed");
+                  name, why ? why : "dlopen failed");
         return remember_failure();
     }
     driver_api found;
@@ -201,7 +215,7 @@ static zero_status load_driver(void)
         if (!symbol) {
             cuda_fail(ZERO_ERR_CUDA_UNAVAILABLE,
                       "%s has no %s: not a CUDA driver, or one too old",
-                      library, driver_symbols[i].symbol);
+                      name, driver_symbols[i].symbol);
             dlclose(handle);
             return remember_failure();
         }

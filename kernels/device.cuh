@@ -48,6 +48,19 @@ static __device__ __forceinline__ void store_elem(void *data, int dtype,
     }
 }
 
+/* x as the dtype stores it (an fp16 overflow becomes inf). */
+static __device__ __forceinline__ float round_to(int dtype, float x)
+{
+    switch (dtype) {
+    case ZERO_BF16:
+        return __bfloat162float(__float2bfloat16_rn(x));
+    case ZERO_F16:
+        return __half2float(__float2half_rn(x));
+    default:
+        return x;
+    }
+}
+
 /* Four consecutive elements from i (a multiple of 4, on a 4-element
  * boundary of an aligned buffer) in one access. */
 static __device__ __forceinline__ void load4(const void *data, int dtype,

@@ -1,6 +1,8 @@
 /* unscale.cuh: multiply gradients by the inverse loss scale in place and
  * flag an inf or NaN in device memory, for the Adam kernel to read (see
  * [Note: device-side skip] in adam.cuh). With scale 1 it only checks.
+ * The value is judged as it is stored: x * scale may be finite in fp32
+ * and still overflow fp16.
  */
 #include "device.cuh"
 
@@ -13,7 +15,7 @@ extern "C" __global__ void __launch_bounds__(ZERO_K_THREADS)
     bool bad = false;
     float scale = a.scale;
     for_each_loaded(data, dtype, w.begin, w.end, [&](int64_t i, float x) {
-        float y = x * scale;
+        float y = round_to(dtype, x * scale);
         bad = bad || !isfinite(y);
         if (scale != 1.0f) {
             store_elem(data, dtype, i, y);

@@ -74,3 +74,18 @@ def fake_capsule(device_type, keep):
     fakes = Fakes()
     keep.append(fakes)
     return fakes(16, device_type=device_type)
+
+
+_capsule_pointer = ctypes.pythonapi.PyCapsule_GetPointer
+_capsule_pointer.restype = ctypes.c_void_p
+_capsule_pointer.argtypes = [ctypes.py_object, ctypes.c_char_p]
+
+
+def as_cuda_capsule(tensor, device_id=0):
+    """torch's own DLPack capsule of a CPU tensor, relabelled as memory of
+    CUDA device `device_id`: for the emulated driver, whose "device memory"
+    is host memory. torch's deleter still owns the tensor's lifetime."""
+    capsule = tensor.__dlpack__()
+    managed = ctypes.cast(_capsule_pointer(capsule, b"dltensor"), ctypes.POINTER(_DLManaged))
+    managed.contents.dl_tensor.device = _DLDevice(CUDA, device_id)
+    return capsule

@@ -35,7 +35,8 @@ def _stream_for(tensor: torch.Tensor, name: str) -> int:
 
 
 def _plain(tensor: Optional[torch.Tensor]):
-    # DLPack refuses tensors that require grad; the kernels write .data.
+    # What the binding takes: DLPack refuses tensors that require grad, and
+    # the kernels write .data. (The emulated-driver tests replace this.)
     return None if tensor is None else tensor.detach()
 
 
@@ -54,9 +55,10 @@ def adam_step(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor,
     found_inf skips the step on the device."""
     stream = _stream_for(param, "param")
     _C.cuda_adam_step(_plain(param), _plain(grad), _plain(exp_avg), _plain(exp_avg_sq),
-                      _plain(copy_out), step=step, found_inf=found_inf, lr=lr,
-                      beta1=betas[0], beta2=betas[1], eps=eps, weight_decay=weight_decay,
-                      decoupled=decoupled, grad_scale=grad_scale, stream=stream)
+                      _plain(copy_out), step=_plain(step), found_inf=_plain(found_inf),
+                      lr=lr, beta1=betas[0], beta2=betas[1], eps=eps,
+                      weight_decay=weight_decay, decoupled=decoupled, grad_scale=grad_scale,
+                      stream=stream)
 
 
 def multi_tensor_adam(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor],
@@ -70,9 +72,9 @@ def multi_tensor_adam(params: Sequence[torch.Tensor], grads: Sequence[torch.Tens
     stream = _stream_for(step, "step")
     _C.cuda_multi_tensor_adam(
         _plain_list(params), _plain_list(grads), _plain_list(exp_avgs),
-        _plain_list(exp_avg_sqs), _plain_list(copy_outs), step=step, found_inf=found_inf,
-        lr=lr, beta1=betas[0], beta2=betas[1], eps=eps, weight_decay=weight_decay,
-        decoupled=decoupled, grad_scale=grad_scale, stream=stream)
+        _plain_list(exp_avg_sqs), _plain_list(copy_outs), step=_plain(step),
+        found_inf=_plain(found_inf), lr=lr, beta1=betas[0], beta2=betas[1], eps=eps,
+        weight_decay=weight_decay, decoupled=decoupled, grad_scale=grad_scale, stream=stream)
 
 
 def l2_norm(tensors: Sequence[torch.Tensor], *, squared: bool = False) -> torch.Tensor:
@@ -85,7 +87,8 @@ def l2_norm(tensors: Sequence[torch.Tensor], *, squared: bool = False) -> torch.
     partials = torch.empty(_C.cuda_norm_partials([t.numel() for t in tensors]),
                            dtype=torch.float32, device=device)
     out = torch.empty(1, dtype=torch.float32, device=device)
-    _C.cuda_l2_norm(_plain_list(tensors), out, partials, squared=squared, stream=stream)
+    _C.cuda_l2_norm(_plain_list(tensors), _plain(out), _plain(partials), squared=squared,
+                    stream=stream)
     return out[0]
 
 
@@ -93,7 +96,7 @@ def unscale_(tensors: Sequence[torch.Tensor], found_inf: torch.Tensor, scale: fl
     """tensors *= scale in place; found_inf[0] = 1.0 where a result is inf or
     nan (it is never cleared: zero it before the first call of a step)."""
     stream = _stream_for(found_inf, "found_inf")
-    _C.cuda_unscale_check(_plain_list(tensors), found_inf, scale=scale, stream=stream)
+    _C.cuda_unscale_check(_plain_list(tensors), _plain(found_inf), scale=scale, stream=stream)
 
 
 def pack(tensors: Sequence[torch.Tensor], bucket: torch.Tensor,
