@@ -23,14 +23,14 @@ install: deps
 
 # C core alone, no Python, under AddressSanitizer and UBSan; the CUDA host
 # code too (its loader's failure paths need no GPU).
-test-c:
+test-c: $(EMULATED_CUDA)
 	mkdir -p tests/c/build
 	$(CC) -std=c11 -O1 -g -Wall -Wextra -Werror $(SANITIZE) -o tests/c/build/test_core \
 		tests/c/test_core.c $(CORE_SOURCES) -lm -lpthread -ldl
 	ASAN_OPTIONS=detect_leaks=1 UBSAN_OPTIONS=print_stacktrace=1 tests/c/build/test_core
 	$(CC) -std=c11 -O1 -g -Wall -Wextra -Werror $(SANITIZE) -o tests/c/build/test_cuda \
 		tests/c/test_cuda.c $(CORE_SOURCES) -lm -lpthread -ldl
-	ASAN_OPTIONS=detect_leaks=1 UBSAN_OPTIONS=print_stacktrace=1 tests/c/build/test_cuda
+	ASAN_OPTIONS=detect_leaks=1 UBSAN_OPTIONS=print_stacktrace=1 tests/c/build/test_cuda $(EMULATED_CUDA)
 	# the thread pool again, under ThreadSanitizer
 	$(CC) -std=c11 -O1 -g -Wall -Wextra -Werror -fsanitize=thread -o tests/c/build/test_core_tsan \
 		tests/c/test_core.c $(CORE_SOURCES) -lm -lpthread -ldl

@@ -3,11 +3,19 @@
  * launches, argument checks, and the driver loader's failure paths (a
  * missing library, a library that is not a driver, no embedded kernels),
  * each of which must end in a status and a message, never a crash.
+ *
+ * Given the emulated driver's path (tests/emulated_cuda) as its argument,
+ * it then launches through it: every argument block the launcher packs
+ * runs the kernels' source on host memory, checked against the CPU core.
  */
+#include <dlfcn.h>
+#include <math.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "../../csrc/cuda_internal.h"
+#include "../../csrc/half.h"
 #include "check.h"
 
 static int error_mentions(const char *text)
@@ -207,13 +215,178 @@ static void test_loader_failures(void)
     CHECK(zero_cuda_set_library(NULL) == ZERO_ERR_INVALID_ARGUMENT, "NULL");
 }
 
-int main(void)
+/* ---- launches through the emulated driver ----------------------------- */
+
+#define TENSORS 60
+
+static float *random_floats(int64_t n, unsigned seed, int positive)
+{
+    float *x = malloc((size_t)(n > 0 ? n : 1) * sizeof *x);
+    for (int64_t i = 0; i < n; i++) {
+        seed = seed * 1664525u + 1013904223u;
+        float u = (float)(seed >> 8) * 0x1p-24f * 2.0f - 1.0f;
+        x[i] = positive ? fabsf(u) * 0.01f : u;
+    }
+    return x;
+}
+
+/* 60 tensors (two launches), two steps, against zero_adam_step on the
+ * scalar path: the same formula, so the same bits. */
+static void test_emulated_adam(void)
+{
+    zero_cuda_where where = {1, 0};
+    zero_cuda_adam_tensor t[TENSORS];
+    float *reference[TENSORS][3];
+    uint16_t *reference_copy[TENSORS];
+    float step = 0.0f;
+    zero_adam_hparams hp = adam_hparams();
+    zero_isa_set(ZERO_ISA_SCALAR);
+    for (int i = 0; i < TENSORS; i++) {
+        int64_t n = i == 7 ? 0 : 1 + (int64_t)i * 7919 % 40000;
+        t[i] = (zero_cuda_adam_tensor){
+            random_floats(n, i, 0), random_floats(n, 100 + i, 0),
+            random_floats(n, 200 + i, 0), random_floats(n, 300 + i, 1),
+            i % 2 ? calloc((size_t)n + 1, 2) : NULL, ZERO_F32,
+            i % 4 == 1 ? ZERO_F16 : ZERO_BF16, n};
+        reference_copy[i] = i % 2 ? calloc((size_t)n + 1, 2) : NULL;
+        for (int k = 0; k < 3; k++) {
+            reference[i][k] = malloc((size_t)(n + 1) * sizeof(float));
+        }
+        memcpy(reference[i][0], t[i].param, (size_t)n * sizeof(float));
+        memcpy(reference[i][1], t[i].exp_avg, (size_t)n * sizeof(float));
+        memcpy(reference[i][2], t[i].exp_avg_sq, (size_t)n * sizeof(float));
+    }
+    for (int s = 1; s <= 2; s++) {
+        zero_status status =
+            zero_cuda_adam_step(&where, t, TENSORS, &hp, &step, NULL);
+        CHECK(status == ZERO_OK, "emulated adam: %s", zero_cuda_error());
+        for (int i = 0; i < TENSORS; i++) {
+            zero_flat flat = {reference[i][0], t[i].grad, ZERO_F32,
+                              reference_copy[i], t[i].copy_dtype, t[i].n};
+            zero_adam_state state = {reference[i][1], reference[i][2], NULL};
+            hp.step = s;
+            zero_adam_step(&flat, &state, &hp);
+        }
+    }
+    CHECK(step == 2.0f, "step %g", (double)step);
+    for (int i = 0; i < TENSORS; i++) {
+        size_t bytes = (size_t)t[i].n * sizeof(float);
+        CHECK(!memcmp(t[i].param, reference[i][0], bytes) &&
+                  !memcmp(t[i].exp_avg, reference[i][1], bytes) &&
+                  !memcmp(t[i].exp_avg_sq, reference[i][2], bytes),
+              "tensor %d differs from the CPU step", i);
+        CHECK(!t[i].copy_out ||
+                  !memcmp(t[i].copy_out, reference_copy[i], bytes / 2),
+              "tensor %d copy-out", i);
+        free(t[i].param);
+        free((void *)t[i].grad);
+        free(t[i].exp_avg);
+        free(t[i].exp_avg_sq);
+        free(t[i].copy_out);
+        free(reference_copy[i]);
+        for (int k = 0; k < 3; k++) {
+            free(reference[i][k]);
+        }
+    }
+}
+
+static void test_emulated_norm_unscale_cast(void)
+{
+    zero_cuda_where where = {0, 0};
+    zero_cuda_span spans[TENSORS];
+    int64_t numel[TENSORS];
+    double want = 0.0;
+    for (int i = 0; i < TENSORS; i++) {
+        numel[i] = 1 + (int64_t)i * 104729 % 30000;
+        spans[i] = (zero_cuda_span){random_floats(numel[i], 7 * i, 0),
+                                    ZERO_F32, numel[i]};
+        for (int64_t j = 0; j < numel[i]; j++) {
+            double x = ((float *)spans[i].data)[j];
+            want += x * x;
+        }
+    }
+    int64_t chunks = zero_cuda_norm_partials(numel, TENSORS);
+    float *partials = malloc((size_t)chunks * sizeof *partials);
+    float norm = 0.0f, found_inf = 0.0f;
+    CHECK(zero_cuda_l2_norm(&where, spans, TENSORS, partials, &norm, 0) ==
+              ZERO_OK,
+          "norm: %s", zero_cuda_error());
+    CHECK(fabs(norm - sqrt(want)) <= 1e-6 * sqrt(want), "norm %g vs %g",
+          (double)norm, sqrt(want));
+    float *last = spans[TENSORS - 1].data;
+    float kept = last[3];
+    CHECK(zero_cuda_unscale_check(&where, spans, TENSORS, 0.5f, &found_inf) ==
+                  ZERO_OK &&
+              found_inf == 0.0f && last[3] == kept * 0.5f,
+          "unscale");
+    last[3] = INFINITY;
+    zero_cuda_unscale_check(&where, spans, TENSORS, 1.0f, &found_inf);
+    CHECK(found_inf == 1.0f, "inf found");
+    uint16_t *bucket = calloc(64, 2);
+    zero_cuda_copy copy = {bucket + 5, last, ZERO_BF16, ZERO_F32, 3};
+    CHECK(zero_cuda_cast_copy(&where, &copy, 1, 2.0f) == ZERO_OK &&
+              bucket[4] == 0 && bucket[5] == f32_to_bf16(last[0] * 2.0f) &&
+              bucket[8] == 0,
+          "cast into a bucket slice");
+    free(bucket);
+    free(partials);
+    for (int i = 0; i < TENSORS; i++) {
+        free(spans[i].data);
+    }
+}
+
+static void test_emulated_driver(const char *path)
+{
+    zero_cuda_image fake = {not_a_fatbin, sizeof not_a_fatbin, "sm_80",
+                            "test image"};
+    zero_cuda_set_image(&fake);
+    CHECK(zero_cuda_set_library(path) == ZERO_OK, "set library");
+    CHECK(zero_cuda_probe() == ZERO_OK, "probe: %s", zero_cuda_error());
+    CHECK(zero_cuda_driver_version() == 13000, "driver version");
+    test_emulated_adam();
+    test_emulated_norm_unscale_cast();
+
+    /* a stream of another device, a device that does not exist */
+    zero_cuda_span span = {fake_device_memory, ZERO_F32, 4};
+    zero_cuda_where bad_stream = {0, 0xbad0}, no_device = {5, 0};
+    CHECK(zero_cuda_unscale_check(&bad_stream, &span, 1, 1.0f,
+                                  fake_device_memory + 8) ==
+                  ZERO_ERR_INVALID_ARGUMENT &&
+              error_mentions("belongs to another context"),
+          "stream check: %s", zero_cuda_error());
+    CHECK(zero_cuda_unscale_check(&no_device, &span, 1, 1.0f,
+                                  fake_device_memory + 8) ==
+                  ZERO_ERR_INVALID_ARGUMENT &&
+              error_mentions("CUDA device 5 does not exist"),
+          "device check: %s", zero_cuda_error());
+    CHECK(zero_cuda_set_library("other.so") == ZERO_ERR_INVALID_ARGUMENT,
+          "the loaded driver stays");
+
+    /* every call popped what it pushed; each device retained once */
+    void *driver = dlopen(path, RTLD_NOW | RTLD_NOLOAD);
+    CHECK(driver != NULL, "the emulated driver is loaded");
+    if (driver) {
+        int (*depth)(void), (*retained)(int);
+        void *symbol = dlsym(driver, "fake_cuda_context_depth");
+        memcpy(&depth, &symbol, sizeof symbol);
+        symbol = dlsym(driver, "fake_cuda_retained");
+        memcpy(&retained, &symbol, sizeof symbol);
+        CHECK(depth() == 0, "contexts left pushed");
+        CHECK(retained(0) == 1 && retained(1) == 1, "retains");
+        dlclose(driver);
+    }
+}
+
+int main(int argc, char **argv)
 {
     test_map_fills_and_maps_blocks();
     test_map_refuses_a_grid_too_large();
     test_norm_partials_count_chunks();
     test_bad_arguments_are_refused_first();
     test_loader_failures();
+    if (argc > 1) {
+        test_emulated_driver(argv[1]);
+    }
     printf("test_cuda: %d passed, %d failed\n", passed, failed);
     return failed ? 1 : 0;
 }
