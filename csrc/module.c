@@ -1,7 +1,7 @@
 /* module.c: the CPython binding of the CPU core, zero._C, and the module
- * itself. With module_buffer.c (Buffer, argument checks) and module_cuda.c
- * (the CUDA kernels) it is one of the binding files, the only files that
- * include Python.h.
+ * itself. With module_buffer.c (Buffer, argument checks) and
+ * module_cuda*.c (the CUDA kernels) it is one of the binding files, the only
+ * files that include Python.h.
  *
  * Tensors arrive as DLPack capsules (or objects with __dlpack__) and are
  * held by a Buffer (module.h). Every argument from Python is validated here,

@@ -96,8 +96,8 @@ zero_status zero_cuda_l2_norm(const zero_cuda_where *where,
                               const zero_cuda_span *tensors, int count,
                               float *partials, float *out, int squared);
 
-/* Each element *= scale in place; found_inf[0] = 1 when any result is inf
- * or NaN (never cleared here). */
+/* Each element *= scale in place; found_inf[0] = 1 when any result, as
+ * stored in the tensor's dtype, is inf or NaN (never cleared here). */
 zero_status zero_cuda_unscale_check(const zero_cuda_where *where,
                                     const zero_cuda_span *tensors, int count,
                                     float scale, float *found_inf);
