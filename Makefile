@@ -2,9 +2,17 @@
 PYTHON ?= python3
 CC ?= gcc
 SANITIZE = -fsanitize=address,undefined -fno-sanitize-recover=all
-CORE_SOURCES = $(filter-out csrc/module.c,$(wildcard csrc/*.c)) $(wildcard csrc/x86/*.c)
+CORE_SOURCES = $(filter-out csrc/module%.c,$(wildcard csrc/*.c)) $(wildcard csrc/x86/*.c)
 
-.PHONY: deps install train test test-c test-py bench bench-train clean
+# nvcc, when it is on PATH or in $$CUDA_HOME/bin (empty otherwise).
+NVCC := $(shell $(PYTHON) kernels/nvcc_build.py --which 2>/dev/null)
+
+CXX ?= g++
+# An emulated CUDA driver that runs the kernels' source on the CPU, for
+# tests on machines without a GPU (tests/emulated_cuda, docs/cuda.md).
+EMULATED_CUDA = tests/c/build/libzero_fake_cuda.so
+
+.PHONY: deps install train test test-c test-cuda-build emulated-cuda test-py bench bench-train clean
 
 # The pinned CPU build of torch and the test tools.
 deps:
@@ -13,25 +21,43 @@ deps:
 install: deps
 	$(PYTHON) -m pip install -q --no-build-isolation -e .
 
-# C core alone, no Python, under AddressSanitizer and UBSan.
-test-c:
+# C core alone, no Python, under AddressSanitizer and UBSan; the CUDA host
+# code too (its loader's failure paths need no GPU).
+test-c: $(EMULATED_CUDA)
 	mkdir -p tests/c/build
 	$(CC) -std=c11 -O1 -g -Wall -Wextra -Werror $(SANITIZE) -o tests/c/build/test_core \
-		tests/c/test_core.c $(CORE_SOURCES) -lm -lpthread
+		tests/c/test_core.c $(CORE_SOURCES) -lm -lpthread -ldl
 	ASAN_OPTIONS=detect_leaks=1 UBSAN_OPTIONS=print_stacktrace=1 tests/c/build/test_core
+	$(CC) -std=c11 -O1 -g -Wall -Wextra -Werror $(SANITIZE) -o tests/c/build/test_cuda \
+		tests/c/test_cuda.c $(CORE_SOURCES) -lm -lpthread -ldl
+	ASAN_OPTIONS=detect_leaks=1 UBSAN_OPTIONS=print_stacktrace=1 tests/c/build/test_cuda $(EMULATED_CUDA)
 	# the thread pool again, under ThreadSanitizer
 	$(CC) -std=c11 -O1 -g -Wall -Wextra -Werror -fsanitize=thread -o tests/c/build/test_core_tsan \
-		tests/c/test_core.c $(CORE_SOURCES) -lm -lpthread
+		tests/c/test_core.c $(CORE_SOURCES) -lm -lpthread -ldl
 	tests/c/build/test_core_tsan
+
+# The CUDA kernels through nvcc with every warning an error (no GPU needed);
+# `make test` runs it wherever nvcc is found.
+test-cuda-build:
+	mkdir -p tests/c/build
+	$(PYTHON) kernels/nvcc_build.py tests/c/build/zero_kernels.fatbin
 
 # The main job: a small GPT trained with zero on 2 processes of this machine.
 train: install
 	$(PYTHON) -m torch.distributed.run --nproc_per_node 2 examples/train_gpt.py
 
+emulated-cuda: $(EMULATED_CUDA)
+
+$(EMULATED_CUDA): $(wildcard tests/emulated_cuda/*) $(wildcard kernels/*.cu*) kernels/kernels.h \
+		csrc/optim_math.h csrc/half.h csrc/zero.h
+	mkdir -p tests/c/build
+	$(CXX) -std=c++17 -O2 -g -fPIC -shared -Wall -Wextra -Werror -Wno-unknown-pragmas \
+		-Itests/emulated_cuda -o $@ tests/emulated_cuda/fake_cuda.cpp
+
 test-py:
 	$(PYTHON) -m pytest -q tests
 
-test: install test-c test-py
+test: install test-c $(if $(NVCC),test-cuda-build) test-py
 
 bench: install
 	$(PYTHON) bench/optim_cpu.py

@@ -10,23 +10,8 @@
 #ifndef ZERO_INTERNAL_H
 #define ZERO_INTERNAL_H
 
+#include "optim_math.h"
 #include "zero.h"
-
-/* Constants of one optimizer step, computed once in double precision the way
- * torch.optim computes them, then rounded to float for the kernels. */
-typedef struct {
-    float weight_factor;   /* 1 - lr * weight_decay (AdamW, Lion), else 1 */
-    float l2;              /* weight_decay added to the gradient (Adam, SGD,
-                              Adagrad), else 0 */
-    float beta1, beta2;
-    float one_minus_beta1, one_minus_beta2;
-    float step_size;       /* Adam: lr / (1 - beta1^t); SGD, Lion: lr;
-                              Adagrad: lr / (1 + (t - 1) * lr_decay) */
-    float bias_correction2_sqrt; /* Adam: sqrt(1 - beta2^t) */
-    float eps;
-    float momentum, one_minus_dampening; /* SGD */
-    int amsgrad, nesterov, first_step;
-} optim_consts;
 
 typedef struct {
     float *param;          /* [n] */
@@ -63,6 +48,10 @@ extern const isa_kernels scalar_kernels;
 extern const isa_kernels avx2_kernels;
 extern const isa_kernels avx512_kernels;
 #endif
+
+/* Adam's constants for hp (optim.c): the same for the CPU step and the
+ * CUDA launcher, which recomputes the step-dependent two on the device. */
+void adam_consts(const zero_adam_hparams *hp, optim_consts *k);
 
 static inline int dtype_valid(zero_dtype dtype)
 {

@@ -53,6 +53,21 @@ static zero_status run_job(optim_job *job, int64_t n)
     return parallel_for(n, GRAIN, run_optim_range, job);
 }
 
+void adam_consts(const zero_adam_hparams *hp, optim_consts *k)
+{
+    k->weight_factor = hp->decoupled ? (float)(1.0 - hp->lr * hp->weight_decay)
+                                     : 1.0f;
+    k->l2 = hp->decoupled ? 0.0f : (float)hp->weight_decay;
+    k->beta1 = (float)hp->beta1;
+    k->beta2 = (float)hp->beta2;
+    k->one_minus_beta1 = (float)(1.0 - hp->beta1);
+    k->one_minus_beta2 = (float)(1.0 - hp->beta2);
+    adam_bias_corrections(hp->lr, hp->beta1, hp->beta2, (double)hp->step,
+                          &k->step_size, &k->bias_correction2_sqrt);
+    k->eps = (float)hp->eps;
+    k->amsgrad = hp->amsgrad != 0;
+}
+
 zero_status zero_adam_step(const zero_flat *buf, const zero_adam_state *state,
                            const zero_adam_hparams *hp)
 {
@@ -74,19 +89,7 @@ zero_status zero_adam_step(const zero_flat *buf, const zero_adam_state *state,
     a->state2 = state->exp_avg_sq;
     a->state3 = state->max_exp_avg_sq;
     a->grad_scale = (float)hp->grad_scale;
-    optim_consts *k = &a->k;
-    k->weight_factor = hp->decoupled ? (float)(1.0 - hp->lr * hp->weight_decay)
-                                     : 1.0f;
-    k->l2 = hp->decoupled ? 0.0f : (float)hp->weight_decay;
-    k->beta1 = (float)hp->beta1;
-    k->beta2 = (float)hp->beta2;
-    k->one_minus_beta1 = (float)(1.0 - hp->beta1);
-    k->one_minus_beta2 = (float)(1.0 - hp->beta2);
-    double t = (double)hp->step;
-    k->step_size = (float)(hp->lr / (1.0 - pow(hp->beta1, t)));
-    k->bias_correction2_sqrt = (float)sqrt(1.0 - pow(hp->beta2, t));
-    k->eps = (float)hp->eps;
-    k->amsgrad = hp->amsgrad != 0;
+    adam_consts(hp, &a->k);
     return run_job(&job, buf->n);
 }
 

@@ -4,21 +4,13 @@
  * hands its tail elements to them. The update formulas follow torch.optim's
  * single-tensor implementations operation by operation (lerp for the first
  * moment, division by the bias-corrected root), so a run matches torch to a
- * few ulps per step. See [Note: kernel ranges] in internal.h.
+ * few ulps per step; Adam's element formula lives in optim_math.h, which
+ * the CUDA kernels share. See [Note: kernel ranges] in internal.h.
  */
 #include <math.h>
 
 #include "half.h"
 #include "internal.h"
-
-/* torch's lerp: exact at both ends, stable for weights on either side. */
-static inline float lerp(float start, float end, float weight)
-{
-    if (weight < 0.5f) {
-        return start + weight * (end - start);
-    }
-    return end - (end - start) * (1.0f - weight);
-}
 
 /* The updated parameter, and its copy-out cast when there is one. */
 static inline void store_param(const optim_args *a, int64_t i, float p)
@@ -31,22 +23,11 @@ static inline void store_param(const optim_args *a, int64_t i, float p)
 
 static void adam_scalar(const optim_args *a, int64_t begin, int64_t end)
 {
-    const optim_consts *k = &a->k;
     for (int64_t i = begin; i < end; i++) {
-        float p = a->param[i];
         float g = load_as_f32(a->grad, a->grad_dtype, i) * a->grad_scale;
-        g = g + k->l2 * p;
-        p = p * k->weight_factor;
-        float m = lerp(a->state1[i], g, k->one_minus_beta1);
-        float v = a->state2[i] * k->beta2 + k->one_minus_beta2 * g * g;
-        a->state1[i] = m;
-        a->state2[i] = v;
-        if (k->amsgrad) {
-            v = fmaxf(a->state3[i], v);
-            a->state3[i] = v;
-        }
-        float denom = sqrtf(v) / k->bias_correction2_sqrt + k->eps;
-        p = p - k->step_size * (m / denom);
+        float *max_v = a->k.amsgrad ? &a->state3[i] : NULL;
+        float p = adam_update(&a->k, a->param[i], g, &a->state1[i],
+                              &a->state2[i], max_v);
         store_param(a, i, p);
     }
 }

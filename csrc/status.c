@@ -16,6 +16,10 @@ const char *zero_status_string(zero_status status)
         return "out of memory";
     case ZERO_ERR_THREADS:
         return "could not start a worker thread";
+    case ZERO_ERR_CUDA_UNAVAILABLE:
+        return "the CUDA path is not available";
+    case ZERO_ERR_CUDA:
+        return "a CUDA call failed";
     }
     return "unknown status";
 }

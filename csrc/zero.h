@@ -22,7 +22,9 @@ typedef enum {
     ZERO_ERR_UNSUPPORTED_DTYPE = 2,
     ZERO_ERR_UNSUPPORTED_ISA = 3,  /* asked for a SIMD path this CPU lacks */
     ZERO_ERR_OUT_OF_MEMORY = 4,
-    ZERO_ERR_THREADS = 5           /* pthread_create failed */
+    ZERO_ERR_THREADS = 5,          /* pthread_create failed */
+    ZERO_ERR_CUDA_UNAVAILABLE = 6, /* no kernels, driver or device here */
+    ZERO_ERR_CUDA = 7              /* a CUDA driver call failed */
 } zero_status;
 
 const char *zero_status_string(zero_status status);

@@ -1,12 +1,12 @@
 """Bad input to zero._C raises an exception that names the argument and the
 wrong value; it never crashes and never changes a buffer."""
-import ctypes
 import math
 
 import pytest
 import torch
 
 import zero
+from dlpack_fakes import fake_capsule
 from zero import _C
 
 
@@ -128,42 +128,6 @@ def test_amsgrad_needs_its_buffer():
     p, g, m, v = bufs()
     with pytest.raises(ValueError, match="amsgrad=True needs the max_exp_avg_sq"):
         _C.adam_step(p, g, m, v, amsgrad=True, **KW)
-
-
-class _DLDevice(ctypes.Structure):
-    _fields_ = [("device_type", ctypes.c_int32), ("device_id", ctypes.c_int32)]
-
-
-class _DLDataType(ctypes.Structure):
-    _fields_ = [("code", ctypes.c_uint8), ("bits", ctypes.c_uint8), ("lanes", ctypes.c_uint16)]
-
-
-class _DLTensor(ctypes.Structure):
-    _fields_ = [("data", ctypes.c_void_p), ("device", _DLDevice), ("ndim", ctypes.c_int32),
-                ("dtype", _DLDataType), ("shape", ctypes.POINTER(ctypes.c_int64)),
-                ("strides", ctypes.POINTER(ctypes.c_int64)), ("byte_offset", ctypes.c_uint64)]
-
-
-class _DLManaged(ctypes.Structure):
-    _fields_ = [("dl_tensor", _DLTensor), ("manager_ctx", ctypes.c_void_p),
-                ("deleter", ctypes.c_void_p)]
-
-
-def fake_capsule(device_type, keep):
-    """A DLPack capsule describing memory on another device (as a CUDA
-    tensor's would), built by hand: this machine has no GPU."""
-    shape = (ctypes.c_int64 * 1)(16)
-    managed = _DLManaged()
-    managed.dl_tensor.data = 0x10000
-    managed.dl_tensor.device = _DLDevice(device_type, 0)
-    managed.dl_tensor.ndim = 1
-    managed.dl_tensor.dtype = _DLDataType(2, 32, 1)
-    managed.dl_tensor.shape = shape
-    keep += [shape, managed]
-    new = ctypes.pythonapi.PyCapsule_New
-    new.restype = ctypes.py_object
-    new.argtypes = [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_void_p]
-    return new(ctypes.addressof(managed), b"dltensor", None)
 
 
 def test_cuda_tensor_where_cpu_is_needed():

@@ -5,8 +5,8 @@ import zero
 
 def test_top_level_names():
     assert sorted(zero.__all__) == sorted([
-        "initialize", "Engine", "Config", "LossScaling", "GatheredParameters", "partitioned_init", "optim", "cpu_info",
-        "get_num_threads", "set_num_threads"])
+        "initialize", "Engine", "Config", "LossScaling", "GatheredParameters",
+        "partitioned_init", "optim", "cpu_info", "get_num_threads", "set_num_threads"])
     for name in zero.__all__:
         assert hasattr(zero, name)
 
@@ -18,5 +18,7 @@ def test_optimizer_names():
 def test_core_functions():
     expected = {"Buffer", "adam_step", "sgd_step", "lion_step", "adagrad_step", "sum_squares",
                 "all_finite", "convert", "stream_triad", "cpu_info", "set_simd",
-                "set_num_threads", "get_num_threads"}
+                "set_num_threads", "get_num_threads", "cuda_available", "cuda_info",
+                "cuda_adam_step", "cuda_multi_tensor_adam", "cuda_norm_partials",
+                "cuda_l2_norm", "cuda_unscale_check", "cuda_pack", "cuda_unpack"}
     assert expected <= set(dir(zero._C))

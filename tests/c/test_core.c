@@ -14,20 +14,7 @@
 
 #include "../../csrc/half.h"
 #include "../../csrc/zero.h"
-
-static int passed, failed;
-
-#define CHECK(cond, ...)                                                     \
-    do {                                                                     \
-        if (cond) {                                                          \
-            passed++;                                                        \
-        } else {                                                             \
-            failed++;                                                        \
-            fprintf(stderr, "FAIL %s:%d: ", __FILE__, __LINE__);             \
-            fprintf(stderr, __VA_ARGS__);                                    \
-            fprintf(stderr, "\n");                                           \
-        }                                                                    \
-    } while (0)
+#include "check.h"
 
 /* xorshift64*: deterministic random data, no libc rand state. */
 static uint64_t rng_state = 0x9e3779b97f4a7c15ull;

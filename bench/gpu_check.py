@@ -1,0 +1,175 @@
+"""The GPU check, for a session with a GPU and a few minutes: builds
+nothing (it uses the zero._C built beside it, which must embed the fatbin),
+runs tests/gpu, then times the flat Adam kernel against torch's fused AdamW
+and against the device's copy bandwidth measured in the same run, prints
+one table and writes JSON under $OUT when it is set.
+
+Two workloads over one flat parameter tensor of N elements (64M, 256M):
+  fp32   fp32 gradients; torch: AdamW(fused=True).step().
+  mixed  bf16 gradients and a bf16 copy-out of the updated parameters;
+         torch's best sequence: upcast the gradient into p.grad, fused
+         AdamW, cast-copy the parameters out.
+Both move 28 bytes a parameter at least: read p, g, m, v and write p, m, v
+(fp32: 16 + 12; mixed: 4 + 2 + 8 read, 12 + 2 written). "of copy" divides
+that traffic by the time and by the bandwidth of a device-to-device copy
+of a 1 GiB buffer (2 bytes moved per byte copied).
+
+Each time is the median over rounds in which every runner runs `--steps`
+back-to-back steps between two CUDA events (so the CPU's launch cost is
+hidden as it is in training), the runners taking turns within a round.
+
+Usage: python bench/gpu_check.py [--sizes 64M,256M] [--rounds 7] [--steps 10]
+       [--skip-tests]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "python"))
+
+import torch  # noqa: E402
+
+from zero import _C, _cuda  # noqa: E402
+
+BYTES_PER_PARAM = 28
+HP = dict(lr=1e-4, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
+
+
+def parse_size(text):
+    text = text.strip().upper()
+    scale = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1], 1)
+    return int(float(text.rstrip("KMG")) * scale)
+
+
+def run_tests():
+    start = time.time()
+    out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                          "-rs", "tests/gpu"], cwd=ROOT, capture_output=True, text=True,
+                         env={**os.environ, "PYTHONPATH": str(ROOT / "python")})
+    tail = out.stdout.strip().splitlines()[-1] if out.stdout.strip() else out.stderr[-500:]
+    print(out.stdout[-4000:] if out.returncode else tail)
+    return dict(returncode=out.returncode, summary=tail, seconds=round(time.time() - start, 1))
+
+
+def timed(fn, steps):
+    """Seconds per step of `steps` back-to-back calls, by CUDA events."""
+    begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    begin.record()
+    for _ in range(steps):
+        fn()
+    end.record()
+    end.synchronize()
+    return begin.elapsed_time(end) / 1e3 / steps
+
+
+def interleaved(runners, rounds, steps):
+    samples = {name: [] for name in runners}
+    for round_index in range(rounds + 1):
+        for name, fn in runners.items():
+            seconds = timed(fn, steps)
+            if round_index:  # round 0 warms up
+                samples[name].append(seconds)
+    return {name: statistics.median(s) for name, s in samples.items()}
+
+
+def copy_bandwidth(rounds, steps):
+    n = (1 << 30) // 4
+    src = torch.randn(n, device="cuda")
+    dst = torch.empty_like(src)
+    seconds = interleaved({"copy": lambda: dst.copy_(src)}, rounds, steps)["copy"]
+    del src, dst
+    return 2 * n * 4 / seconds
+
+
+def workload(n, mixed, rounds, steps):
+    """(our seconds, torch's seconds) per step over n parameters."""
+    g = torch.Generator(device="cuda").manual_seed(n)
+    p = torch.randn(n, device="cuda", generator=g)
+    grad = torch.randn(n, device="cuda", generator=g).mul_(1e-3)
+    if mixed:
+        grad = grad.bfloat16()
+    m, v = torch.zeros_like(p), torch.zeros_like(p)
+    copy = torch.empty(n, dtype=torch.bfloat16, device="cuda") if mixed else None
+    step = torch.zeros(1, device="cuda")
+
+    def ours():
+        _cuda.adam_step(p, grad, m, v, step=step, copy_out=copy, **HP)
+
+    param = torch.nn.Parameter(p.clone())
+    param.grad = torch.empty_like(param) if mixed else grad.clone()
+    torch_opt = torch.optim.AdamW([param], fused=True, **HP)
+    torch_copy = torch.empty(n, dtype=torch.bfloat16, device="cuda") if mixed else None
+
+    def theirs():
+        if mixed:
+            param.grad.copy_(grad)
+        torch_opt.step()
+        if mixed:
+            torch_copy.copy_(param.detach())
+
+    result = interleaved({"ours": ours, "torch": theirs}, rounds, steps)
+    del p, grad, m, v, copy, param, torch_opt, torch_copy
+    torch.cuda.empty_cache()
+    return result["ours"], result["torch"]
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--sizes", default="64M,256M")
+    ap.add_argument("--rounds", type=int, default=7)
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--skip-tests", action="store_true")
+    args = ap.parse_args()
+
+    info = _C.cuda_info()
+    print(f"zero._C: {info}")
+    if not torch.cuda.is_available() or not info["available"]:
+        print("no usable GPU: nothing to check", file=sys.stderr)
+        return 1
+    device = torch.cuda.get_device_name()
+    print(f"device: {device}; torch {torch.__version__}")
+    tests = None if args.skip_tests else run_tests()
+
+    bandwidth = copy_bandwidth(args.rounds, args.steps)
+    rows = []
+    for size in args.sizes.split(","):
+        n = parse_size(size)
+        for mixed in (False, True):
+            ours, theirs = workload(n, mixed, args.rounds, args.steps)
+            achieved = BYTES_PER_PARAM * n / ours
+            rows.append(dict(workload="mixed" if mixed else "fp32", size=size, n=n,
+                             ours_ms=ours * 1e3, torch_ms=theirs * 1e3,
+                             speedup=theirs / ours, ours_gbs=achieved / 1e9,
+                             of_copy=achieved / bandwidth))
+
+    print(f"\ndevice-to-device copy: {bandwidth / 1e9:.0f} GB/s "
+          f"(1 GiB, 2 bytes moved per byte)\n")
+    header = f"{'workload':<8} {'N':>6} {'zero ms':>9} {'torch ms':>9} {'torch/zero':>10} " \
+             f"{'zero GB/s':>10} {'of copy':>8}"
+    print(header)
+    print("-" * len(header))
+    for r in rows:
+        print(f"{r['workload']:<8} {r['size']:>6} {r['ours_ms']:>9.3f} {r['torch_ms']:>9.3f} "
+              f"{r['speedup']:>10.2f} {r['ours_gbs']:>10.0f} {r['of_copy']:>8.0%}")
+
+    out_dir = os.environ.get("OUT")
+    if out_dir:
+        path = Path(out_dir) / "gpu_check.json"
+        path.write_text(json.dumps(dict(
+            device=device, torch=torch.__version__, zero_cuda=info, tests=tests,
+            copy_gbs=bandwidth / 1e9, bytes_per_param=BYTES_PER_PARAM, rows=rows,
+            command=" ".join([Path(sys.executable).name, *sys.argv])), indent=2))
+        print(f"\nwrote {path}")
+    return 1 if tests and tests["returncode"] else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

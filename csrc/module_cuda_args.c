@@ -1,0 +1,278 @@
+/* module_cuda_args.c: the tensor arguments of the cuda_* functions (see
+ * module.h): names with their list index ("grads[3]"), list arguments,
+ * dtype and size checks, one device per call, and the overlap check that
+ * keeps a buffer a kernel writes apart from every other buffer of the call.
+ */
+#include "module.h"
+
+#include <stdio.h>
+#include <stdlib.h>
+
+/* ---- tensor arguments ------------------------------------------------- */
+
+/* "grads[3]", or "step" for an argument that is not a list. */
+const char *arg_name(const cuda_arg *a, char *out, size_t size)
+{
+    if (a->index < 0) {
+        snprintf(out, size, "%s", a->name);
+    } else {
+        snprintf(out, size, "%s[%zd]", a->name, a->index);
+    }
+    return out;
+}
+
+int args_alloc(arg_set *set, Py_ssize_t count)
+{
+    set->count = 0;
+    set->args = PyMem_Calloc((size_t)count + 1, sizeof(cuda_arg));
+    if (!set->args) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    set->count = count;
+    return 0;
+}
+
+void args_free(arg_set *set)
+{
+    for (Py_ssize_t i = 0; i < set->count; i++) {
+        Py_XDECREF(set->args[i].buf);
+    }
+    PyMem_Free(set->args);
+    set->args = NULL;
+}
+
+/* A CUDA Buffer for obj into *a (None or NULL: absent, when optional). */
+int take_arg(PyObject *module, cuda_arg *a, const char *name,
+             Py_ssize_t index, PyObject *obj, int written, int optional)
+{
+    char shown[96];
+    a->name = name;
+    a->index = index;
+    a->written = written;
+    if (!obj || obj == Py_None) {
+        if (optional) {
+            return 0;
+        }
+        PyErr_Format(PyExc_TypeError, "%s must be a CUDA tensor, not None",
+                     arg_name(a, shown, sizeof shown));
+        return -1;
+    }
+    a->buf = as_cuda_buffer(module, obj, arg_name(a, shown, sizeof shown));
+    return a->buf ? 0 : -1;
+}
+
+/* A list argument's items (a borrowed view) and their count. A tensor is
+ * iterable too, so only a list or a tuple is accepted. */
+int list_items(PyObject *obj, const char *name, PyObject ***items,
+               Py_ssize_t *count)
+{
+    if (!PyList_Check(obj) && !PyTuple_Check(obj)) {
+        PyErr_Format(PyExc_TypeError,
+                     "%s must be a list or tuple of tensors, not %.100s",
+                     name, Py_TYPE(obj)->tp_name);
+        return -1;
+    }
+    *items = PySequence_Fast_ITEMS(obj);
+    *count = PySequence_Fast_GET_SIZE(obj);
+    if (*count > INT_MAX) {
+        PyErr_Format(PyExc_ValueError, "%s has too many tensors", name);
+        return -1;
+    }
+    return 0;
+}
+
+/* indexed 0: a single tensor passed as a 1-tuple, named without "[0]". */
+int take_list(PyObject *module, cuda_arg *args, const char *name,
+              PyObject *const *items, Py_ssize_t count, int written,
+              int optional, int indexed)
+{
+    for (Py_ssize_t i = 0; i < count; i++) {
+        if (take_arg(module, &args[i], name, indexed ? i : -1, items[i],
+                     written, optional)) {
+            return -1;
+        }
+    }
+    return 0;
+}
+
+int check_float32(const cuda_arg *a)
+{
+    char shown[96];
+    if (a->buf && a->buf->dtype != ZERO_F32) {
+        PyErr_Format(PyExc_TypeError, "%s must be float32, got %s",
+                     arg_name(a, shown, sizeof shown),
+                     zero_dtype_name(a->buf->dtype));
+        return -1;
+    }
+    return 0;
+}
+
+int check_numel_like(const cuda_arg *a, const cuda_arg *ref)
+{
+    char shown[96], ref_shown[96];
+    if (a->buf && a->buf->numel != ref->buf->numel) {
+        PyErr_Format(PyExc_ValueError, "%s has %lld elements, %s has %lld",
+                     arg_name(a, shown, sizeof shown),
+                     (long long)a->buf->numel,
+                     arg_name(ref, ref_shown, sizeof ref_shown),
+                     (long long)ref->buf->numel);
+        return -1;
+    }
+    return 0;
+}
+
+/* A one-element float32 flag or counter (step, found_inf, out). */
+int check_scalar_tensor(const cuda_arg *a)
+{
+    char shown[96];
+    if (check_float32(a) != 0) {
+        return -1;
+    }
+    if (a->buf && a->buf->numel != 1) {
+        PyErr_Format(PyExc_ValueError,
+                     "%s must have 1 element, it has %lld",
+                     arg_name(a, shown, sizeof shown),
+                     (long long)a->buf->numel);
+        return -1;
+    }
+    return 0;
+}
+
+int check_lengths(const char *name, Py_ssize_t count,
+                  const char *ref_name, Py_ssize_t ref_count)
+{
+    if (count != ref_count) {
+        PyErr_Format(PyExc_ValueError, "%s has %zd tensors, %s has %zd",
+                     name, count, ref_name, ref_count);
+        return -1;
+    }
+    return 0;
+}
+
+/* Every tensor on device `device`, and writable where written. */
+int check_device_and_access(const arg_set *set, const cuda_arg *ref)
+{
+    char shown[96], ref_shown[96];
+    for (Py_ssize_t i = 0; i < set->count; i++) {
+        const cuda_arg *a = &set->args[i];
+        if (!a->buf) {
+            continue;
+        }
+        if (a->buf->device_id != ref->buf->device_id) {
+            PyErr_Format(PyExc_ValueError,
+                         "%s is on cuda:%d, %s on cuda:%d; every tensor of "
+                         "a call must be on one device",
+                         arg_name(a, shown, sizeof shown), a->buf->device_id,
+                         arg_name(ref, ref_shown, sizeof ref_shown),
+                         ref->buf->device_id);
+            return -1;
+        }
+        if (a->written && a->buf->readonly) {
+            PyErr_Format(PyExc_ValueError, "%s is read-only",
+                         arg_name(a, shown, sizeof shown));
+            return -1;
+        }
+    }
+    return 0;
+}
+
+/* ---- overlap ------------------------------------------------------------ */
+
+void extent_of(extent *e, const Buffer *b, int64_t offset,
+               int64_t numel, int written)
+{
+    size_t item = zero_dtype_size(b->dtype);
+    e->begin = (uintptr_t)b->data + (uintptr_t)offset * item;
+    e->end = e->begin + (uintptr_t)numel * item;
+    e->written = written;
+}
+
+static int by_begin(const void *x, const void *y)
+{
+    const extent *a = x, *b = y;
+    return a->begin < b->begin ? -1 : a->begin > b->begin;
+}
+
+/* No written extent overlaps any other extent. Sorted by start, an extent
+ * overlaps an earlier one exactly when it starts before that one's end, so
+ * one pass keeping the furthest end (of all, and of the written) finds any
+ * such pair. Sorts the extents. */
+int check_no_overlap(extent *extents, Py_ssize_t count)
+{
+    qsort(extents, (size_t)count, sizeof *extents, by_begin);
+    const extent *far = NULL, *far_written = NULL;
+    for (Py_ssize_t i = 0; i < count; i++) {
+        const extent *e = &extents[i];
+        if (e->begin == e->end) {
+            continue;
+        }
+        const extent *hit = NULL;
+        if (e->written && far && e->begin < far->end) {
+            hit = far;
+        } else if (far_written && e->begin < far_written->end) {
+            hit = far_written;
+        }
+        if (hit) {
+            PyErr_Format(PyExc_ValueError,
+                         "%s and %s overlap in memory; a buffer a kernel "
+                         "writes needs storage of its own",
+                         e->name, hit->name);
+            return -1;
+        }
+        if (!far || e->end > far->end) {
+            far = e;
+        }
+        if (e->written && (!far_written || e->end > far_written->end)) {
+            far_written = e;
+        }
+    }
+    return 0;
+}
+
+/* The extents of the present arguments, except `skip` (a bucket whose
+ * slices the caller adds), into extents[]; returns how many. */
+Py_ssize_t extents_of_args(const arg_set *set, const cuda_arg *skip,
+                           extent *extents)
+{
+    Py_ssize_t n = 0;
+    for (Py_ssize_t i = 0; i < set->count; i++) {
+        const cuda_arg *a = &set->args[i];
+        if (!a->buf || a == skip) {
+            continue;
+        }
+        extent_of(&extents[n], a->buf, 0, a->buf->numel, a->written);
+        arg_name(a, extents[n].name, sizeof extents[n].name);
+        n++;
+    }
+    return n;
+}
+
+int check_args_no_overlap(const arg_set *set)
+{
+    extent *extents = PyMem_Calloc((size_t)set->count + 1, sizeof(extent));
+    if (!extents) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    int result = check_no_overlap(extents,
+                                  extents_of_args(set, NULL, extents));
+    PyMem_Free(extents);
+    return result;
+}
+
+/* Borrowed items of a list argument, converted into set->args[0..count)
+ * (written or not); the set has `extra` more entries after them. */
+int take_tensor_list(PyObject *module, arg_set *set, PyObject *list,
+                     const char *name, int written, Py_ssize_t extra)
+{
+    PyObject **items;
+    Py_ssize_t count;
+    set->args = NULL;
+    set->count = 0;
+    if (list_items(list, name, &items, &count) ||
+        args_alloc(set, count + extra)) {
+        return -1;
+    }
+    return take_list(module, set->args, name, items, count, written, 0, 1);
+}
