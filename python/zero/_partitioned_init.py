@@ -121,7 +121,10 @@ class partitioned_init(TorchDispatchMode):
     # ---- entering and leaving ------------------------------------------------
 
     def __enter__(self):
-        self._owns_group = join_process_group("gloo")
+        # The gathers need a process group. One made here (a one-process
+        # group when no launcher is set) is left for zero.initialize to
+        # reuse, and stays for the life of the process.
+        join_process_group("gloo")
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self._check_same_seed()
         self._hook = nn.modules.module.register_module_parameter_registration_hook(
