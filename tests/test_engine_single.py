@@ -17,6 +17,17 @@ def model(seed=0):
     return nn.Sequential(nn.Linear(6, 9), nn.Tanh(), nn.Linear(9, 3))
 
 
+def train_side_by_side(engine, ref, ref_opt, inputs):
+    """The same squared-output loss on each input, under the engine and on
+    the plain reference model."""
+    for x in inputs:
+        engine.backward(engine(x).square().mean())
+        engine.step()
+        ref_opt.zero_grad()
+        ref(x).square().mean().backward()
+        ref_opt.step()
+
+
 @pytest.fixture(autouse=True)
 def no_launcher(monkeypatch):
     for var in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK"):
@@ -54,13 +65,7 @@ def test_zero_optim_optimizers_drive_the_engine(name):
     assert opt._segments == [[]] and not opt.state  # its own buffers were freed
     ref_opt = getattr(zero.optim, name)(ref.parameters(), lr=1e-2)
     g = torch.Generator().manual_seed(2)
-    for _ in range(5):
-        x = torch.randn(4, 6, generator=g)
-        engine.backward(engine(x).square().mean())
-        engine.step()
-        ref_opt.zero_grad()
-        ref(x).square().mean().backward()
-        ref_opt.step()
+    train_side_by_side(engine, ref, ref_opt, [torch.randn(4, 6, generator=g) for _ in range(5)])
     full = engine.full_state_dict()
     for k, v in ref.state_dict().items():
         assert max_rel_error(full[k], v) <= 1e-5, k
@@ -259,4 +264,121 @@ def test_gathered_parameters_bad_modifier_rank():
             pass
     with pytest.raises(TypeError, match="modifier_rank"):
         zero.GatheredParameters(m[0].weight, modifier_rank="0")
+    engine.close()
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_unused_module_does_not_hold_back_later_buckets(stage):
+    """A module unused on every step (BERT's pooler under masked-LM): from
+    the second step on, buckets after it leave as they fill instead of all
+    waiting for the end of the backward (see [Note: expected gradients])."""
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layers = nn.Sequential(*[nn.Linear(64, 64) for _ in range(8)])
+            self.pooler = nn.Linear(64, 64)
+            self.head = nn.Linear(64, 4)
+
+        def forward(self, x):
+            return self.head(self.layers(x))
+
+    torch.manual_seed(0)
+    net = Net()
+    engine = zero.initialize(net, optimizer=torch.optim.SGD(net.parameters(), lr=0.1),
+                             stage=stage, stage3_param_persistence_threshold=0,
+                             reduce_bucket_size=64 * 64 + 64)
+    peaks = []
+    for _ in range(3):
+        for fg in engine.groups:
+            fg.peak_bucket_bytes = 0
+        engine.backward(engine(torch.randn(4, 64)).sum())
+        engine.step()
+        peaks.append(engine.memory_summary()["buckets"])
+    layer = (64 * 64 + 64) * 4
+    assert peaks[0] > 6 * layer   # first step: everything waits for the pooler
+    assert peaks[1] <= 3 * layer and peaks[2] <= 3 * layer, peaks
+    engine.close()
+
+
+class Positions(nn.Module):
+    """Returns a view of its own parameter, as learned position embeddings do."""
+
+    def __init__(self):
+        super().__init__()
+        self.table = nn.Parameter(torch.randn(16, 6))
+
+    def forward(self, n):
+        return self.table[:n]
+
+
+class WithPositions(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.pos = Positions()
+        self.out = nn.Linear(6, 3)
+
+    def forward(self, x):
+        return self.out(x + self.pos(x.shape[0]))
+
+
+def test_stage3_output_that_views_a_released_parameter():
+    torch.manual_seed(0)
+    m, ref = WithPositions(), WithPositions()
+    ref.load_state_dict(m.state_dict())
+    engine = zero.initialize(m, optimizer=torch.optim.SGD(m.parameters(), lr=0.1), stage=3,
+                             stage3_param_persistence_threshold=0)
+    x = torch.randn(5, 6, generator=torch.Generator().manual_seed(1))
+    train_side_by_side(engine, ref, torch.optim.SGD(ref.parameters(), lr=0.1), [x] * 3)
+    state = engine.full_state_dict()
+    for name, value in ref.state_dict().items():
+        torch.testing.assert_close(state[name], value, rtol=1e-6, atol=1e-7)
+    engine.close()
+
+
+class Boom(torch.autograd.Function):
+    armed = False
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        if Boom.armed:
+            raise RuntimeError("boom")
+        return grad
+
+
+class BoomLayer(nn.Module):
+    def forward(self, x):
+        return Boom.apply(x)
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_recovers_from_a_backward_that_raised(stage):
+    def build():
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(6, 9), BoomLayer(), nn.Linear(9, 3))
+    m, ref = build(), build()
+    engine = zero.initialize(m, optimizer=torch.optim.SGD(m.parameters(), lr=0.1),
+                             stage=stage, stage3_param_persistence_threshold=0,
+                             reduce_bucket_size=30)
+    x = torch.randn(4, 6)
+    Boom.armed = True
+    with pytest.raises(RuntimeError, match="boom"):
+        # the last layer's backward runs (and reduces) before the raise
+        engine.backward(engine(x).square().mean())
+    Boom.armed = False
+    assert engine._schedule.in_backward if stage == 3 else engine.groups[0].backward_started
+    engine.zero_grad()
+    engine.backward(engine(x).square().mean())
+    engine.step()
+    if stage == 3:
+        assert not any(u.gathered for fg in engine.groups for u in fg.units)
+    opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    ref(x).square().mean().backward()
+    opt.step()
+    state = engine.full_state_dict()
+    for name, value in ref.state_dict().items():
+        torch.testing.assert_close(state[name], value, rtol=1e-6, atol=1e-7)
     engine.close()

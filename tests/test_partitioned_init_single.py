@@ -43,17 +43,22 @@ def build(partitioned):
     return model, torch.rand(3)
 
 
-def test_values_and_random_stream_match_plain_construction():
-    ref, after_ref = build(False)
-    model, after = build(True)
-    assert torch.equal(after, after_ref)
-    assert model.head.weight is model.emb.weight
+def assert_engine_holds(model, ref):
+    """zero.initialize(model) at stage 3 holds exactly ref's values."""
     engine = zero.initialize(model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
                              stage=3)
     state = engine.full_state_dict()
     for name, value in ref.state_dict().items():
         assert torch.equal(state[name], value.float()), name
     engine.close()
+
+
+def test_values_and_random_stream_match_plain_construction():
+    ref, after_ref = build(False)
+    model, after = build(True)
+    assert torch.equal(after, after_ref)
+    assert model.head.weight is model.emb.weight
+    assert_engine_holds(model, ref)
 
 
 def test_trains_like_the_plain_model():
@@ -80,3 +85,40 @@ def test_placeholder_outside_the_context_refuses_writes():
     with pytest.raises(RuntimeError):
         with torch.no_grad():
             model.lin.weight.add_(1.0)
+
+
+class Copies(nn.Module):
+    """Init that writes one parameter from another, through .data and out=,
+    and a dtype change inside the context."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(8, 8)
+        self.b = nn.Linear(8, 8)
+        self.c = nn.Linear(8, 8)
+        self.scale = nn.Parameter(torch.tensor(0.5))
+        with torch.no_grad():
+            self.b.weight.copy_(self.a.weight)
+            self.b.bias.data.add_(self.a.bias)
+            torch.mul(self.a.weight, 2.0, out=self.c.weight)
+        self.c.half()
+        nn.init.normal_(self.c.bias)
+
+
+def test_init_that_reads_other_parameters_and_changes_dtype():
+    torch.manual_seed(3)
+    ref = Copies()
+    torch.manual_seed(3)
+    with zero.partitioned_init():
+        model = Copies()
+    assert_engine_holds(model, ref)
+
+
+def test_write_to_a_one_element_placeholder_after_the_context_is_refused():
+    torch.manual_seed(3)
+    with zero.partitioned_init():
+        model = Copies()
+    with torch.no_grad():
+        model.scale.fill_(2.0)  # a one-element placeholder accepts the write
+    with pytest.raises(RuntimeError, match="written after the context closed"):
+        zero.initialize(model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), stage=3)

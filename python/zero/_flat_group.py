@@ -188,21 +188,30 @@ class FlatGroup:
                 end = start
         # which buckets each parameter touches
         self.param_buckets = [[] for _ in self.params]
-        self.bucket_params = [0] * len(self.buckets)
         for b, (unit, bs, be) in enumerate(self.buckets):
             for j, i in enumerate(unit.members):
                 lo = unit.offsets[j]
                 if lo < be and bs < lo + unit.numels[j]:
                     self.param_buckets[i].append(b)
-                    self.bucket_params[b] += 1
         self.on_unit_grads_done = None  # stage 3 releases the unit then
+        # [Note: expected gradients] A bucket leaves once every parameter
+        # *expected* to get a gradient has one. At first all are expected;
+        # after each backward, those that got one on some rank (agreed by a
+        # small all-reduce, so every rank expects the same). A parameter
+        # unused on a step (a pooler under masked-LM training) then does
+        # not hold back every bucket after it until the end of backward.
+        self.expected = bytearray(b"\x01" * len(self.params))
         self.reset_buckets()
         self.in_flight = []
         self.peak_bucket_bytes = 0
 
     def reset_buckets(self):
-        self.pending = list(self.bucket_params)
-        self.unit_pending = [len(u.members) for u in self.units]
+        self.pending = [0] * len(self.buckets)
+        for i, buckets in enumerate(self.param_buckets):
+            if self.expected[i]:
+                for b in buckets:
+                    self.pending[b] += 1
+        self.unit_pending = [sum(self.expected[i] for i in u.members) for u in self.units]
         self.staging = [None] * len(self.buckets)
         self.next_bucket = 0
         self.fired = bytearray(len(self.params))  # got a gradient this backward
@@ -240,13 +249,13 @@ class FlatGroup:
             else:
                 target = self._staging(b)
             target[s - bs:e - bs].add_(g[s - lo:e - lo])
-            if first:
+            if first and self.expected[i]:
                 self.pending[b] -= 1
                 # launch as soon as a bucket fills, so a parameter spanning
                 # many buckets never holds them all at once
                 self._launch_ready(force=False)
         p.grad = None
-        if first:
+        if first and self.expected[i]:
             self.unit_pending[unit.index] -= 1
             if self.unit_pending[unit.index] == 0 and self.on_unit_grads_done is not None:
                 self.on_unit_grads_done(unit)
@@ -288,18 +297,38 @@ class FlatGroup:
                 self.grad_part[off:off + portion.numel()].add_(portion)
 
     def finish_backward(self):
-        """End of a backward: reduce what is left, in order, and collect."""
+        """End of a backward: reduce what is left, in order; agree with the
+        other ranks on which parameters got gradients and which buckets got
+        late gradients; reduce the late buckets (zeros where this rank has
+        none), in order; collect."""
         self._launch_ready(force=True)
-        for b in sorted(self.late):
-            self._launch(b, self.late[b])
+        flags = torch.tensor(list(self.fired) + [int(b in self.late)
+                                                 for b in range(len(self.buckets))],
+                             dtype=torch.int32)
+        if self.comm.world > 1:
+            self.comm.all_reduce_sum(flags)
+        flags = flags.tolist()
+        for b in range(len(self.buckets)):
+            if flags[len(self.params) + b]:
+                late = self.late.get(b)
+                if late is None:
+                    _unit, bs, be = self.buckets[b]
+                    late = torch.zeros(be - bs, dtype=self.grad_part.dtype)
+                self._launch(b, late)
         self._retire(keep=0)
+        self.expected = bytearray(1 if f else 0 for f in flags[:len(self.params)])
         self.reset_buckets()
         self.reduced_since_step = True
 
+    def abandon_backward(self):
+        """Forget a backward that raised: wait for the reductions already
+        issued (a collective cannot be taken back) and drop the rest."""
+        self._retire(keep=0)
+        self.reset_buckets()
+
     @property
     def backward_started(self):
-        return self.next_bucket > 0 or any(
-            n != c for n, c in zip(self.pending, self.bucket_params))
+        return self.next_bucket > 0 or any(self.fired)
 
     # ---- after the step ------------------------------------------------------
 

@@ -8,6 +8,10 @@ context ends are broadcast and written back into every rank's partition
 leaving are collectives: every rank must use the context with the same
 parameters, in the same order. Under stages 0-2 the parameters are always
 gathered, and a modification is still written back to the master copy.
+
+Only the listed parameters are broadcast and written back, and of those
+only the elements that changed reach the fp32 master: an element left as
+it was keeps its fp32 value rather than its rounded compute-dtype copy.
 """
 from __future__ import annotations
 
@@ -36,16 +40,23 @@ class GatheredParameters:
             raise ValueError(f"modifier_rank {self.modifier_rank} is not a rank of this "
                              f"world of {world}")
         seen = set()
+        self._listed = []  # (fg, unit, index in unit, value on entry)
         for p in self.params:
             place = getattr(p, "_zero_place", None)
-            if place is None or id(place[1]) in seen:
+            if place is None:
                 continue  # not managed by an engine: nothing to gather
-            seen.add(id(place[1]))
-            self._units.append(place)
+            if id(place[1]) not in seen:
+                seen.add(id(place[1]))
+                self._units.append(place)
+            j = next(j for j, q in enumerate(place[1].params) if q is p)
+            self._listed.append((place[0], place[1], j))
         for fg, unit, schedule in self._units:
             unit.active += 1
             if schedule is not None:
                 schedule.ensure(fg, unit)
+        if self.modifier_rank is not None:
+            self._listed = [(fg, unit, j, self._values(unit, j).clone())
+                            for fg, unit, j in self._listed]
         return self
 
     def __exit__(self, *exc):
@@ -53,8 +64,8 @@ class GatheredParameters:
             return False
         try:
             if self.modifier_rank is not None and exc[0] is None:
-                for fg, unit, _schedule in self._units:
-                    self._write_back(fg, unit)
+                for fg, unit, j, before in self._listed:
+                    self._write_back(fg, unit, j, before)
         finally:
             for _fg, unit, schedule in self._units:
                 unit.active -= 1
@@ -63,12 +74,25 @@ class GatheredParameters:
             self._units = []
         return False
 
-    def _write_back(self, fg, unit):
-        if fg.num_partitions > 1:
-            fg.comm.broadcast(unit.full, src=self.modifier_rank)
-        mine = unit.chunk(unit.full, fg.owner)
-        shard = fg.shard[unit.shard_slice]
-        if shard.data_ptr() != mine.data_ptr():
-            shard.copy_(mine)
+    @staticmethod
+    def _values(unit, j):
+        return unit.full[unit.offsets[j]:unit.offsets[j] + unit.numels[j]]
+
+    def _write_back(self, fg, unit, j, before):
+        values = self._values(unit, j)
+        if fg.comm.world > 1:
+            fg.comm.broadcast(values, src=self.modifier_rank)
+        # this rank's chunk of the unit, intersected with parameter j
+        lo = max(unit.offsets[j], fg.owner * unit.part)
+        hi = min(unit.offsets[j] + unit.numels[j], (fg.owner + 1) * unit.part)
+        if lo >= hi:
+            return
+        new = unit.full[lo:hi]
+        start = unit.shard_offset + lo - fg.owner * unit.part
+        shard = fg.shard[start:start + hi - lo]
+        if shard.data_ptr() != new.data_ptr():
+            shard.copy_(new)
         if fg.trainable and fg.master is not fg.shard:
-            fg.master[unit.shard_slice].copy_(mine)
+            old = before[lo - unit.offsets[j]:hi - unit.offsets[j]]
+            master = fg.master[start:start + hi - lo]
+            master.copy_(torch.where(new != old, new.float(), master))

@@ -164,9 +164,14 @@ class partitioned_init(TorchDispatchMode):
         with torch.no_grad():
             record = _Sharded(param.detach(), self.rank, self.world)
         ph = _placeholder(param.shape, param.dtype, param.requires_grad)
+        # The record holds the placeholder's storage, so its key cannot be
+        # reused by another tensor while the record lives, even if the
+        # parameter is given other data (p.data = ..., module.half()).
+        record.storage = ph.untyped_storage()
+        record.key = _storage_key(ph)
         _registry[ph] = record
         self._replaced[param] = ph
-        self._by_storage[_storage_key(ph)] = (ph, _LazyView(ph, []))
+        self._by_storage[record.key] = (ph, _LazyView(ph, []))
         return ph
 
     # ---- resolving placeholders ---------------------------------------------------
@@ -195,12 +200,18 @@ class partitioned_init(TorchDispatchMode):
             return None
         return self._by_storage.get(_storage_key(t))
 
-    def _resolve(self, t, overwrite=False):
+    def _resolve(self, t, primary, overwrite):
+        """The real tensor for t: the cached full values for the primary
+        parameter (the one the op writes, else the first it reads), a
+        temporary gather for any other placeholder."""
         found = self._tracked(t)
         if found is None:
             return t
         _, view = found
-        real = self._full(view.base, overwrite and not view.chain)
+        if view.base is primary:
+            real = self._full(primary, overwrite and not view.chain)
+        else:
+            real = _registry[view.base].gather()
         for op, args, kwargs in view.chain:
             real = op(real, *args, **kwargs)
         return real
@@ -210,20 +221,38 @@ class partitioned_init(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         tensors = [a for a in list(args) + list(kwargs.values()) if isinstance(a, torch.Tensor)]
-        if not any(self._tracked(t) is not None for t in tensors):
+        tracked = [self._tracked(t) for t in tensors]
+        if not any(f is not None for f in tracked):
             return func(*args, **kwargs)
         if func.is_view and args and self._tracked(args[0]) is not None:
             return self._view(func, args, kwargs)
-        target = args[0] if args else None
+        target = self._written(func, args, kwargs)
         found = self._tracked(target)
-        overwrite = func in _OVERWRITES and found is not None and not found[1].chain
-        real_args = tree_map(lambda a: self._resolve(a, overwrite and a is target), args)
-        real_kwargs = tree_map(self._resolve, kwargs)
+        primary = (found or next(f for f in tracked if f is not None))[1].base
+        overwrite = func in _OVERWRITES and found is not None and target is args[0] \
+            and not found[1].chain
+        # the primary's full values first: this may store the previous
+        # cached parameter's chunk, which a temporary gather then reads
+        self._full(primary, overwrite)
+        real_args = tree_map(lambda a: self._resolve(a, primary, overwrite and a is target),
+                             args)
+        real_kwargs = tree_map(lambda a: self._resolve(a, primary, False), kwargs)
         out = func(*real_args, **real_kwargs)
-        if func._schema.returns and func._schema.returns[0].alias_info is not None \
-                and func._schema.returns[0].alias_info.is_write:
-            return target  # an in-place op returns its (placeholder) target
+        returns = func._schema.returns
+        if target is not None and returns and returns[0].alias_info is not None \
+                and returns[0].alias_info.is_write:
+            return target  # an in-place or out= op returns its (placeholder) target
         return out
+
+    @staticmethod
+    def _written(func, args, kwargs):
+        """The tensor an in-place or out= op writes, or None."""
+        for i, arg in enumerate(func._schema.arguments):
+            if arg.alias_info is not None and arg.alias_info.is_write:
+                if i < len(args) and not arg.kwarg_only:
+                    return args[i]
+                return kwargs.get(arg.name)
+        return None
 
     def _view(self, func, args, kwargs):
         _owner, view = self._tracked(args[0])
@@ -238,14 +267,33 @@ class partitioned_init(TorchDispatchMode):
 
 
 def sharded_record(param):
-    """The _Sharded record of a placeholder made by partitioned_init, or None."""
-    return _registry.get(param)
+    """The _Sharded record of a placeholder made by partitioned_init, or
+    None. A parameter given other data since (p.data = ..., module.half()
+    inside the context) is no longer a placeholder: its record is dropped
+    and its own values count."""
+    record = _registry.get(param)
+    if record is not None and _storage_key(param) != record.key:
+        del _registry[param]
+        return None
+    if record is not None:
+        # writes inside the context never reach a placeholder's storage; a
+        # one-element placeholder (the only kind that accepts a write) that
+        # is not zero was written after the context closed, and that write
+        # would be lost
+        stored = torch.empty(0, dtype=param.dtype).set_(param.untyped_storage(), 0, (1,))
+        if stored.item() != 0:
+            raise RuntimeError(
+                f"a parameter of shape {tuple(param.shape)} built in zero.partitioned_init() "
+                "was written after the context closed; the write would be lost. Write it "
+                "inside the context, or after zero.initialize through "
+                "zero.GatheredParameters(..., modifier_rank=0)")
+    return record
 
 
 def take_values(param):
     """The full values of a placeholder (a collective), after which the
     record is dropped; any other tensor is returned as it is."""
-    record = _registry.get(param)
+    record = sharded_record(param)
     if record is None:
         return param.detach()
     values = record.gather()

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import torch
 from torch.autograd.graph import register_multi_grad_hook
-from torch.utils._pytree import tree_flatten
+from torch.utils._pytree import tree_flatten, tree_map
 
 
 class Stage3Schedule:
@@ -167,8 +167,10 @@ class Stage3Schedule:
 
     def _hook_pre_forward(self, index):
         def pre_forward(module, _args):
-            if module is self.modules[0] and not self.in_backward:
-                self._start_pass("forward")
+            if module is self.modules[0]:
+                self.abandon_if_unfinished()
+                if not self.in_backward:
+                    self._start_pass("forward")
             self._advance(index)
             for fg, unit in self.units_of[module]:
                 unit.active += 1
@@ -180,18 +182,40 @@ class Stage3Schedule:
             for _fg, unit in self.units_of[module]:
                 unit.active -= 1
             if not self.in_backward:
-                for _fg, unit in self.units_of[module]:
+                leaving = [u for _fg, u in self.units_of[module]] if not is_root else \
+                    [u for fg in self.groups for u in fg.units]
+                output = self._detach_from(leaving, output)
+                for unit in leaving:
                     self.release(unit)
             if torch.is_grad_enabled():
-                tensors = [t for t in tree_flatten(output)[0]
-                           if torch.is_tensor(t) and t.requires_grad]
+                # leaves (a parameter returned as it is) have no backward to
+                # wait for, and a hook on one would stay for good
+                tensors = [t for t in tree_flatten(output)[0] if torch.is_tensor(t)
+                           and t.requires_grad and t.grad_fn is not None]
                 if tensors:
                     register_multi_grad_hook(tensors, self._hook_pre_backward(index, is_root),
                                              mode="any")
             if is_root and not self.in_backward:
-                self.release_all()  # prefetched and never used
                 self._end_pass()
+            return output
         return post_forward
+
+    @staticmethod
+    def _detach_from(units, output):
+        """Copies of the outputs that are views of a unit about to be
+        released (a module returning self.weight[:n]): the release frees
+        that storage. The copy keeps the autograd graph."""
+        freed = {u.full.untyped_storage().data_ptr() for u in units
+                 if u.gathered and not u.persistent and u.active == 0}
+        if not freed:
+            return output
+
+        def copy_if_view(t):
+            if torch.is_tensor(t) and t.device.type == "cpu" and \
+                    t.untyped_storage().data_ptr() in freed:
+                return t.clone()
+            return t
+        return tree_map(copy_if_view, output)
 
     def _hook_pre_backward(self, index, is_root):
         def pre_backward(_grad):
@@ -212,6 +236,25 @@ class Stage3Schedule:
         self.release_all()
         self.in_backward = False
         self._end_pass()
+
+    def abandon_if_unfinished(self):
+        if self.in_backward and torch._C._current_graph_task_id() == -1:
+            self._abandon_backward()
+
+    def _abandon_backward(self):
+        """A backward that raised never reached its end callback: drop its
+        unreduced gradients (what was already reduced stays, as a failed
+        torch backward leaves partial .grad: call engine.zero_grad()) and
+        its gathered units, so the next pass starts clean."""
+        for fg in self.groups:
+            if fg.trainable:
+                fg.abandon_backward()
+        self.in_backward = False
+        self.phase = None
+        for fg in self.groups:
+            for unit in fg.units:
+                unit.active = 0
+        self.release_all()
 
     def take_counts(self) -> dict:
         counts, self.counts = self.counts, {"prefetched": 0, "on_demand": 0}

@@ -323,7 +323,15 @@ class Engine(nn.Module):
         self._comm.log.reset()
 
     def zero_grad(self, set_to_none: bool = True):
-        """Zero the gradients (they stay views of the flat buffers)."""
+        """Zero the gradients (they stay views of the flat buffers). After a
+        backward that raised, this also drops what that backward left in
+        flight, so none of it is added in later."""
+        if self._schedule is not None:
+            self._schedule.abandon_if_unfinished()
+        else:
+            for fg in self.groups:
+                if fg.stage >= 2 and fg.backward_started:
+                    fg.abandon_backward()
         for fg in self.groups:
             fg.zero_grads()
             if fg.grad_flat is not None:
