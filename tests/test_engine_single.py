@@ -382,3 +382,35 @@ def test_recovers_from_a_backward_that_raised(stage):
     for name, value in ref.state_dict().items():
         torch.testing.assert_close(state[name], value, rtol=1e-6, atol=1e-7)
     engine.close()
+
+
+class ParentReadsChildWeight(nn.Module):
+    """The parent uses its child's weight directly: an external parameter."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Linear(6, 5)
+        self.bias = nn.Parameter(torch.zeros(6))
+
+    def forward(self, x):
+        h = torch.tanh(self.embed(x))
+        return torch.nn.functional.linear(h, self.embed.weight.t(), self.bias)
+
+
+def test_stage3_external_parameter():
+    torch.manual_seed(0)
+    m, ref = ParentReadsChildWeight(), ParentReadsChildWeight()
+    ref.load_state_dict(m.state_dict())
+    engine = zero.initialize(m, optimizer=torch.optim.SGD(m.parameters(), lr=0.1), stage=3,
+                             stage3_param_persistence_threshold=0)
+    x = torch.randn(4, 6, generator=torch.Generator().manual_seed(1))
+    with pytest.raises(RuntimeError):  # the placeholder, not silently wrong numbers
+        engine(x)
+    engine.register_external_parameter(m, m.embed.weight)
+    train_side_by_side(engine, ref, torch.optim.SGD(ref.parameters(), lr=0.1), [x] * 3)
+    state = engine.full_state_dict()
+    for name, value in ref.state_dict().items():
+        torch.testing.assert_close(state[name], value, rtol=1e-6, atol=1e-7)
+    with pytest.raises(ValueError, match="not a module of the wrapped model"):
+        engine.register_external_parameter(nn.Linear(2, 2), m.embed.weight)
+    engine.close()

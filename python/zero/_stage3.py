@@ -54,6 +54,8 @@ class Stage3Schedule:
                     self._gather(fg, unit, async_op=False)
             if fg.trainable:
                 fg.on_unit_grads_done = self._grads_done
+        self.place = place
+        self.root = root
         self.modules = []
         self.units_of = {}
         for module in root.modules():
@@ -63,13 +65,29 @@ class Stage3Schedule:
                     seen.add(id(place[id(p)][1]))
                     needed.append(place[id(p)])
             if needed or module is root:
-                self.units_of[module] = needed
-                index = len(self.modules)
-                self.modules.append(module)
-                self.hooks.append(module.register_forward_pre_hook(
-                    self._hook_pre_forward(index)))
-                self.hooks.append(module.register_forward_hook(
-                    self._hook_post_forward(index, module is root), always_call=True))
+                self._hook_module(module, needed)
+
+    def _hook_module(self, module, needed):
+        self.units_of[module] = needed
+        index = len(self.modules)
+        self.modules.append(module)
+        self.hooks.append(module.register_forward_pre_hook(self._hook_pre_forward(index)))
+        self.hooks.append(module.register_forward_hook(
+            self._hook_post_forward(index, module is self.root), always_call=True))
+
+    def add_external(self, module, param):
+        """Gather param's unit around module's forward too (a parameter the
+        module uses without registering it, e.g. F.linear(x, other.weight))."""
+        if id(param) not in self.place:
+            raise ValueError("the parameter is not one the engine partitions (it is not "
+                             "in the wrapped model)")
+        if not any(m is module for m in self.root.modules()):
+            raise ValueError(f"{type(module).__name__} is not a module of the wrapped model")
+        entry = self.place[id(param)]
+        if module not in self.units_of:
+            self._hook_module(module, [entry])
+        elif all(u is not entry[1] for _fg, u in self.units_of[module]):
+            self.units_of[module].append(entry)
 
     # ---- gathering and releasing -------------------------------------------------
 

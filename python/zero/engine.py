@@ -337,6 +337,15 @@ class Engine(nn.Module):
             if fg.grad_flat is not None:
                 fg.point_grads_at_flat()
 
+    def register_external_parameter(self, module: nn.Module, param: nn.Parameter):
+        """Stage 3: make `module`'s forward (and backward) gather `param`,
+        which the module uses without registering it (a parent that calls
+        F.linear(x, self.embed.weight) itself). Without this such a read
+        finds the released placeholder. Every rank must register the same.
+        A no-op at stages 0-2, where parameters are always gathered."""
+        if self._schedule is not None:
+            self._schedule.add_external(module, param)
+
     def get_global_grad_norm(self) -> float:
         return getattr(self, "_global_grad_norm", None)
 
