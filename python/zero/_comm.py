@@ -125,6 +125,14 @@ class Comm:
         if self.world > 1:
             dist.broadcast(tensor, src=src)
 
+    def gather_scalars(self, value: int) -> list:
+        """Every rank's integer, in rank order (not logged: a check, not
+        training traffic)."""
+        mine = torch.tensor([value], dtype=torch.int64)
+        every = torch.empty(self.world, dtype=torch.int64)
+        all_gather_single(every, mine)
+        return every.tolist()
+
     def sum_scalar(self, value: float) -> float:
         if self.world == 1:
             return value

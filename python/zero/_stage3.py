@@ -29,6 +29,9 @@ from torch.autograd.graph import register_multi_grad_hook
 from torch.utils._pytree import tree_flatten, tree_map
 
 
+_HASH_MOD = (1 << 61) - 1
+
+
 class Stage3Schedule:
     def __init__(self, root, groups, comm, config):
         self.comm = comm
@@ -42,6 +45,7 @@ class Stage3Schedule:
         self.phase = None
         self.recorded = {"forward": None, "backward": None}
         self.current, self.pos, self.diverged = [], 0, True
+        self.pass_hash = 0
         self.hooks = []
 
         place = {}
@@ -92,6 +96,12 @@ class Stage3Schedule:
     # ---- gathering and releasing -------------------------------------------------
 
     def _gather(self, fg, unit, async_op):
+        # [Note: matched gathers] ranks running different modules would pair
+        # one unit's all-gather with another's; when the sizes match, gloo
+        # and NCCL mix them silently. Each pass hashes the units it gathers,
+        # and the ranks compare hashes when the pass ends.
+        self.pass_hash = (self.pass_hash * 1_000_003 + fg.index * 65_537 + unit.index + 1) \
+            % _HASH_MOD
         unit.reserve()
         work = self.comm.all_gather_into(unit.full, fg.shard[unit.shard_slice],
                                          async_op=async_op)
@@ -138,10 +148,24 @@ class Stage3Schedule:
     # ---- order recording and prefetch ------------------------------------------
 
     def _start_pass(self, phase):
+        self.pass_hash = 0
         self.phase = phase
         self.current = []
         self.pos = 0
         self.diverged = self.recorded[phase] is None
+
+    def _check_same_gathers(self):
+        """Raise if another rank gathered other units in this pass (see
+        [Note: matched gathers]): its values were mixed with ours."""
+        if self.comm.world == 1 or self.phase is None:
+            return
+        every = self.comm.gather_scalars(self.pass_hash)
+        if len(set(every)) > 1:
+            raise RuntimeError(
+                f"zero stage 3: the ranks gathered different parameters in this {self.phase} "
+                "pass, so they ran different modules (rank-dependent control flow inside the "
+                "model). Each module's gather is a collective: every rank must run the same "
+                "modules in the same order. The values of this pass are not to be trusted.")
 
     def _end_pass(self):
         if self.recorded[self.phase] != self.current:
@@ -214,6 +238,7 @@ class Stage3Schedule:
                     register_multi_grad_hook(tensors, self._hook_pre_backward(index, is_root),
                                              mode="any")
             if is_root and not self.in_backward:
+                self._check_same_gathers()
                 self._end_pass()
             return output
         return post_forward
@@ -253,7 +278,10 @@ class Stage3Schedule:
                 fg.finish_backward()
         self.release_all()
         self.in_backward = False
-        self._end_pass()
+        try:
+            self._check_same_gathers()
+        finally:
+            self._end_pass()
 
     def abandon_if_unfinished(self):
         if self.in_backward and torch._C._current_graph_task_id() == -1:

@@ -22,6 +22,8 @@ import math
 
 import torch
 from torch import nn
+from torch.autograd.graph import register_multi_grad_hook
+from torch.utils._pytree import tree_flatten
 
 from zero import _C
 from zero._comm import Comm, leave_process_group
@@ -191,17 +193,53 @@ class Engine(nn.Module):
         return groups
 
     def _register_stage2_hooks(self):
+        """Stage 2: gradients go to their buckets as they are accumulated;
+        the end of each backward is signalled by the root module's output
+        (its gradient is the first computed), so every rank finishes every
+        backward, even one whose backward reaches none of its trainable
+        parameters (it then reduces zeros: the collectives stay matched)."""
+        self._backward_armed = False
         for fg in self.groups:
             for i, p in enumerate(fg.params):
                 self._hooks.append(p.register_post_accumulate_grad_hook(
                     self._make_hook(fg, i)))
+        self._hooks.append(self.module.register_forward_pre_hook(
+            lambda _m, _a: self._abandon_unfinished_backward()))
+        self._hooks.append(self.module.register_forward_hook(self._watch_root_output))
+
+    def _watch_root_output(self, _module, _args, output):
+        if torch.is_grad_enabled():
+            tensors = [t for t in tree_flatten(output)[0] if torch.is_tensor(t)
+                       and t.requires_grad and t.grad_fn is not None]
+            if tensors:
+                register_multi_grad_hook(tensors, lambda _grad: self._arm_backward_end(),
+                                         mode="any")
+
+    def _arm_backward_end(self):
+        if not self._backward_armed:
+            self._backward_armed = True
+            # runs when the autograd engine is done with the whole graph
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
+
+    def _end_backward(self):
+        self._backward_armed = False
+        for fg in self.groups:
+            fg.finish_backward()
+
+    def _abandon_unfinished_backward(self):
+        """A backward that raised never reached _end_backward: drop what it
+        left (stage 2; stage 3's schedule does the same for itself)."""
+        if self._schedule is not None:
+            self._schedule.abandon_if_unfinished()
+        elif self.stage == 2 and torch._C._current_graph_task_id() == -1 and \
+                (self._backward_armed or any(fg.backward_started for fg in self.groups)):
+            for fg in self.groups:
+                fg.abandon_backward()
+            self._backward_armed = False
 
     def _make_hook(self, fg, i):
         def hook(_param):
-            if not fg.backward_started:
-                # first gradient of this backward: finish the buckets when
-                # the autograd engine is done with the whole graph
-                torch.autograd.Variable._execution_engine.queue_callback(fg.finish_backward)
+            self._arm_backward_end()  # a backward that did not start at the root's output
             fg.on_grad_ready(i)
         return hook
 
@@ -326,12 +364,7 @@ class Engine(nn.Module):
         """Zero the gradients (they stay views of the flat buffers). After a
         backward that raised, this also drops what that backward left in
         flight, so none of it is added in later."""
-        if self._schedule is not None:
-            self._schedule.abandon_if_unfinished()
-        else:
-            for fg in self.groups:
-                if fg.stage >= 2 and fg.backward_started:
-                    fg.abandon_backward()
+        self._abandon_unfinished_backward()
         for fg in self.groups:
             fg.zero_grads()
             if fg.grad_flat is not None:

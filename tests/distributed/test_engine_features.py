@@ -105,6 +105,67 @@ def no_sync_run(rank, world):
     return steps_inside, state
 
 
+class Gate(nn.Module):
+    """A trainable path and a frozen one; rank 1 takes only the frozen one,
+    so its backward reaches no trainable parameter."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.trainable = nn.Linear(7, 5)
+        self.frozen = nn.Linear(7, 5).requires_grad_(False)
+
+    def forward(self, x, use_trainable):
+        return self.trainable(x) if use_trainable else self.frozen(x)
+
+
+def gate_batch(step, micro, rank):
+    g = torch.Generator().manual_seed(100 * step + 10 * micro + rank)
+    return torch.randn(3, 7, generator=g)
+
+
+def idle_rank(rank, world):
+    """Stage 2, accumulation 2, 3 steps; rank 1's micro-batches never reach
+    a trainable parameter. Every rank must still issue the same collectives
+    (a hang fails the harness's deadline). Not stage 3: there every rank
+    must run the same modules, since each module's gather is a collective
+    (docs/stage3.md)."""
+    import zero
+    out = {}
+    for stage in (2,):
+        model = Gate()
+        engine = zero.initialize(model, optimizer=torch.optim.SGD(
+            [model.trainable.weight, model.trainable.bias], lr=0.1), stage=stage,
+            gradient_accumulation_steps=2, stage3_param_persistence_threshold=0)
+        for step in range(3):
+            for micro in range(2):
+                x = gate_batch(step, micro, rank).requires_grad_(True)
+                engine.backward(engine(x, use_trainable=rank != 1).square().mean())
+                engine.step()
+        out[stage] = engine.full_state_dict()
+        engine.close()
+    return out
+
+
+def stage3_different_modules(rank, world):
+    """Stage 3 with rank 1 on the frozen path: the ranks' gathers pair
+    different units of the same size. The engine must say so on every rank,
+    at the end of the forward, instead of training on mixed values."""
+    import zero
+    model = Gate()
+    engine = zero.initialize(model, optimizer=torch.optim.SGD(
+        [model.trainable.weight, model.trainable.bias], lr=0.1), stage=3,
+        stage3_param_persistence_threshold=0)
+    try:
+        engine(gate_batch(0, 0, rank), use_trainable=rank != 1)
+        message = None
+    except RuntimeError as exc:
+        message = str(exc)
+    same = engine(gate_batch(0, 0, rank), use_trainable=True)  # and it recovers
+    engine.close()
+    return message, same.shape
+
+
 def prefetch_counts(rank, world):
     import zero
     model = mlp()
@@ -122,6 +183,8 @@ def prefetch_counts(rank, world):
 
 def all_features(rank, world):
     return dict(figures=figures(rank, world), prefetch_counts=prefetch_counts(rank, world),
+                idle_rank=idle_rank(rank, world),
+                different_modules=stage3_different_modules(rank, world),
                 overflow2=overflow(rank, world, 2),
                 overflow2_stage3=overflow(rank, world, 2, stage=3),
                 overflow1=overflow(rank, world, 1), half=half_run(rank, world),
@@ -228,3 +291,32 @@ def test_no_sync_accumulates_then_updates_once(runs):
     assert steps_inside == 0
     for k, v in model.state_dict().items():
         assert max_rel_error(state[k], v) <= 1e-5, k
+
+
+@pytest.mark.parametrize("stage", [2])
+def test_rank_whose_backward_reaches_no_trainable_parameter(runs, stage):
+    """The engine averages over world x 2 micro-batches; rank 1's add
+    nothing to the trainable layer's gradient."""
+    world, results = runs
+    model = Gate()
+    opt = torch.optim.SGD([model.trainable.weight, model.trainable.bias], lr=0.1)
+    for step in range(3):
+        opt.zero_grad()
+        for r in range(world):
+            if r == 1:
+                continue
+            for micro in range(2):
+                loss = model(gate_batch(step, micro, r), True).square().mean()
+                (loss / (world * 2)).backward()
+        opt.step()
+    for rank, result in enumerate(results):
+        for name, value in model.state_dict().items():
+            assert max_rel_error(result["idle_rank"][stage][name], value) <= 1e-5, (rank, name)
+
+
+def test_stage3_refuses_ranks_that_ran_different_modules(runs):
+    _, results = runs
+    for result in results:
+        message, shape = result["different_modules"]
+        assert message is not None and "ran different modules" in message
+        assert shape == (3, 5)
