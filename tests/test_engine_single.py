@@ -321,12 +321,19 @@ class WithPositions(nn.Module):
         return self.out(x + self.pos(x.shape[0]))
 
 
-def test_stage3_output_that_views_a_released_parameter():
+def released_pair(cls):
+    """A model, its plain twin, and a stage-3 engine (SGD, every unit
+    released after use) on the model."""
     torch.manual_seed(0)
-    m, ref = WithPositions(), WithPositions()
+    m, ref = cls(), cls()
     ref.load_state_dict(m.state_dict())
     engine = zero.initialize(m, optimizer=torch.optim.SGD(m.parameters(), lr=0.1), stage=3,
                              stage3_param_persistence_threshold=0)
+    return m, ref, engine
+
+
+def test_stage3_output_that_views_a_released_parameter():
+    m, ref, engine = released_pair(WithPositions)
     x = torch.randn(5, 6, generator=torch.Generator().manual_seed(1))
     train_side_by_side(engine, ref, torch.optim.SGD(ref.parameters(), lr=0.1), [x] * 3)
     state = engine.full_state_dict()
@@ -398,11 +405,7 @@ class ParentReadsChildWeight(nn.Module):
 
 
 def test_stage3_external_parameter():
-    torch.manual_seed(0)
-    m, ref = ParentReadsChildWeight(), ParentReadsChildWeight()
-    ref.load_state_dict(m.state_dict())
-    engine = zero.initialize(m, optimizer=torch.optim.SGD(m.parameters(), lr=0.1), stage=3,
-                             stage3_param_persistence_threshold=0)
+    m, ref, engine = released_pair(ParentReadsChildWeight)
     x = torch.randn(4, 6, generator=torch.Generator().manual_seed(1))
     with pytest.raises(RuntimeError):  # the placeholder, not silently wrong numbers
         engine(x)
