@@ -20,3 +20,14 @@ def max_rel_error(ours: torch.Tensor, ref: torch.Tensor) -> float:
     one-ulp difference of the inputs is a large fraction of the value."""
     ref = ref.detach().double()
     return float((ours.detach().double() - ref).abs().max() / ref.abs().max().clamp_min(1e-30))
+
+
+def rand(n, seed, dtype=torch.float32, scale=1.0, positive=False):
+    """n seeded normal values (times scale, absolute if positive) in dtype."""
+    x = torch.randn(n, generator=torch.Generator().manual_seed(seed)) * scale
+    return (x.abs() if positive else x).to(dtype)
+
+
+def bits(t):
+    """The tensor's bits, for exact comparisons of 16-bit floats."""
+    return t.detach().cpu().view(torch.int16 if t.element_size() == 2 else torch.int32)
