@@ -1,8 +1,11 @@
 """The GPU check, for a session with a GPU and a few minutes: builds
 nothing (it uses the zero._C built beside it, which must embed the fatbin),
-runs tests/gpu, then times the flat Adam kernel against torch's fused AdamW
-and against the device's copy bandwidth measured in the same run, prints
-one table and writes JSON under $OUT when it is set.
+runs tests/gpu (the kernels, and the engine's stages 0-3 against torch),
+times the flat Adam kernel against torch's fused AdamW and against the
+device's copy bandwidth measured in the same run, then a short training
+loop of examples/gpt.py's 30M GPT under the engine (stages 0-3, bf16)
+beside plain torch (autocast bf16, fused AdamW); prints the tables and
+writes JSON under $OUT when it is set.
 
 Two workloads over one flat parameter tensor of N elements (64M, 256M):
   fp32   fp32 gradients; torch: AdamW(fused=True).step().
@@ -19,7 +22,7 @@ back-to-back steps between two CUDA events (so the CPU's launch cost is
 hidden as it is in training), the runners taking turns within a round.
 
 Usage: python bench/gpu_check.py [--sizes 64M,256M] [--rounds 7] [--steps 10]
-       [--skip-tests]
+       [--train-steps 20] [--skip-tests]
 """
 from __future__ import annotations
 
@@ -34,9 +37,12 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "python"))
+sys.path.insert(0, str(ROOT / "examples"))
 
 import torch  # noqa: E402
 
+import zero  # noqa: E402
+from gpt import GPT, GPTConfig, MarkovText  # noqa: E402
 from zero import _C, _cuda  # noqa: E402
 
 BYTES_PER_PARAM = 28
@@ -121,11 +127,61 @@ def workload(n, mixed, rounds, steps):
     return result["ours"], result["torch"]
 
 
+def train_loop(runner, steps, batch=16):
+    """ms per step (median of `steps` after 3 warm-up steps), the last
+    loss and the peak GPU memory, for one runner: "torch" or "zero<stage>"."""
+    torch.manual_seed(0)
+    cfg = GPTConfig.about_30m()
+    data = MarkovText(cfg.vocab, cfg.seq)
+    model = GPT(cfg).cuda()
+    torch.cuda.reset_peak_memory_stats()
+    if runner == "torch":
+        opt = torch.optim.AdamW(model.parameters(), lr=3e-4, weight_decay=0.01, fused=True)
+
+        def step(ids, labels):
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                loss = model(ids, labels)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            return loss
+        engine = None
+    else:
+        opt = torch.optim.AdamW(model.parameters(), lr=3e-4, weight_decay=0.01)
+        engine = zero.initialize(model, optimizer=opt, stage=int(runner[-1]), precision="bf16",
+                                 gradient_clipping=1.0)
+
+        def step(ids, labels):
+            loss = engine(ids, labels)
+            engine.backward(loss)
+            engine.step()
+            return loss
+    times, loss = [], None
+    for i in range(steps + 3):
+        ids, labels = (t.cuda() for t in data.batch(batch, i))
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        loss = step(ids, labels)
+        torch.cuda.synchronize()
+        if i >= 3:
+            times.append(time.perf_counter() - start)
+    result = dict(runner=runner, ms=statistics.median(times) * 1e3, loss=loss.item(),
+                  peak_mib=torch.cuda.max_memory_allocated() / 2**20,
+                  path=engine.step_path.name if engine else "torch fused AdamW")
+    if engine is not None:
+        engine.close()
+    del model, opt, engine
+    torch.cuda.empty_cache()
+    return result
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--sizes", default="64M,256M")
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--train-steps", type=int, default=20)
     ap.add_argument("--skip-tests", action="store_true")
     args = ap.parse_args()
 
@@ -160,12 +216,25 @@ def main():
         print(f"{r['workload']:<8} {r['size']:>6} {r['ours_ms']:>9.3f} {r['torch_ms']:>9.3f} "
               f"{r['speedup']:>10.2f} {r['ours_gbs']:>10.0f} {r['of_copy']:>8.0%}")
 
+    training = [train_loop(r, args.train_steps) for r in ("torch", "zero0", "zero1", "zero2",
+                                                          "zero3")]
+    base = training[0]["ms"]
+    print(f"\ntraining: 30M GPT, batch 16 x 128 tokens, bf16, clip 1.0, "
+          f"median of {args.train_steps} steps\n")
+    header = f"{'runner':<7} {'ms/step':>9} {'torch/zero':>10} {'loss':>8} {'peak MiB':>9}  step"
+    print(header)
+    print("-" * len(header))
+    for r in training:
+        print(f"{r['runner']:<7} {r['ms']:>9.2f} {base / r['ms']:>10.2f} {r['loss']:>8.4f} "
+              f"{r['peak_mib']:>9.0f}  {r['path']}")
+
     out_dir = os.environ.get("OUT")
     if out_dir:
         path = Path(out_dir) / "gpu_check.json"
         path.write_text(json.dumps(dict(
             device=device, torch=torch.__version__, zero_cuda=info, tests=tests,
             copy_gbs=bandwidth / 1e9, bytes_per_param=BYTES_PER_PARAM, rows=rows,
+            training=training,
             command=" ".join([Path(sys.executable).name, *sys.argv])), indent=2))
         print(f"\nwrote {path}")
     return 1 if tests and tests["returncode"] else 0

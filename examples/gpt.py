@@ -64,7 +64,7 @@ class GPT(nn.Module):
                                 else 0.02)
 
     def forward(self, ids, labels=None):
-        x = self.embed(ids) + self.pos(torch.arange(ids.shape[1]))
+        x = self.embed(ids) + self.pos(torch.arange(ids.shape[1], device=ids.device))
         for block in self.blocks:
             x = block(x)
         logits = self.head(self.ln(x))

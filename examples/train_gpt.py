@@ -3,6 +3,7 @@
     torchrun --nproc_per_node 2 examples/train_gpt.py            # 2 ranks
     python examples/train_gpt.py                                 # 1 process
     torchrun --nproc_per_node 2 examples/train_gpt.py --stage 3 --partitioned-init
+    torchrun --nproc_per_node 8 examples/train_gpt.py --device cuda  # a GPU per rank
 
 Each rank trains on its own batches of a synthetic Markov language; the
 script prints the loss as it falls and, at the end, each rank's memory
@@ -32,7 +33,17 @@ def main():
     ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument("--partitioned-init", action="store_true",
                     help="build the model with zero.partitioned_init (each rank holds 1/N)")
+    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
+                    help="cuda: rank r trains on GPU LOCAL_RANK")
     args = ap.parse_args()
+    if args.device == "cuda":
+        if args.partitioned_init:
+            ap.error("--partitioned-init builds the model in host memory: use it with --device "
+                     "cpu")
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
 
     torch.manual_seed(0)
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("WORLD_SIZE", 1))))
@@ -41,7 +52,7 @@ def main():
         with zero.partitioned_init():
             model = GPT(cfg)
     else:
-        model = GPT(cfg)
+        model = GPT(cfg).to(device)
     n = sum(p.numel() for p in model.parameters())  # before stage 3 releases them
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
     engine = zero.initialize(model, optimizer=optimizer, stage=args.stage,
@@ -50,15 +61,15 @@ def main():
     data = MarkovText(cfg.vocab, cfg.seq)
     if rank == 0:
         print(f"zero {zero.__version__}: GPT of {n / 1e6:.1f}M parameters, stage {args.stage}, "
-              f"{args.precision}, {world} rank(s), SIMD {zero.cpu_info()['simd']}", flush=True)
+              f"{args.precision}, {world} rank(s), step on {engine.step_path.name}", flush=True)
     start = time.perf_counter()
     for step in range(args.steps):
-        ids, labels = data.batch(args.batch, step, rank)
+        ids, labels = (t.to(device) for t in data.batch(args.batch, step, rank))
         loss = engine(ids, labels)
         engine.backward(loss)
         engine.step()
         if step % 10 == 0 or step == args.steps - 1:
-            t = torch.tensor([loss.item()])
+            t = torch.tensor([loss.item()], device=device)
             dist.all_reduce(t)
             if rank == 0:
                 print(f"step {step:4d}  loss {t.item() / world:.4f}  "

@@ -20,9 +20,29 @@ all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_
 _owned = {"count": 0}  # process groups this module created, by engine
 
 
-def join_process_group(backend: str) -> bool:
-    """Make sure a default process group exists; True if the caller owns it
-    and should destroy it when done.
+def backend_for(device: torch.device) -> str:
+    """The process-group backend for a model on `device`: gloo on the CPU;
+    NCCL for CUDA tensors, with gloo beside it for the few CPU tensors
+    (checks, scalars) a caller may pass."""
+    return "gloo" if device.type == "cpu" else "cpu:gloo,cuda:nccl"
+
+
+def check_backend(device: torch.device):
+    """An existing default group must be able to reduce tensors on `device`."""
+    # "gloo", "nccl", or per device type: "cpu:gloo,cuda:nccl"
+    describe = getattr(dist, "get_backend_config", dist.get_backend)
+    backend = str(describe()).lower()
+    needs = "gloo" if device.type == "cpu" else "nccl"
+    if needs not in backend and not (device.type == "cpu" and "mpi" in backend):
+        raise RuntimeError(
+            f"the process group was made with backend {backend!r}, which cannot reduce the "
+            f"model's {device.type} tensors; make it with backend {backend_for(device)!r} "
+            "(or let zero.initialize make it)")
+
+
+def join_process_group(device: torch.device) -> bool:
+    """Make sure a default process group exists that can reduce tensors on
+    `device`; True if the caller owns it and should destroy it when done.
 
     An existing group is reused. Under torchrun (RANK etc. set) the group is
     made from env:// and kept for the life of the process (destroyed at
@@ -32,9 +52,13 @@ def join_process_group(backend: str) -> bool:
     script) a one-process group is made in memory and owned by the engine.
     """
     if dist.is_initialized():
+        check_backend(device)
         return False
+    backend = backend_for(device)
+    # bound to the model's device, so NCCL never guesses from the current one
+    bind = {"device_id": device} if device.type == "cuda" else {}
     if all(v in os.environ for v in _LAUNCHER_VARS):
-        dist.init_process_group(backend, init_method="env://")
+        dist.init_process_group(backend, init_method="env://", **bind)
         atexit.register(_destroy_at_exit)
         return False
     else:
@@ -43,7 +67,7 @@ def join_process_group(backend: str) -> bool:
             raise RuntimeError(
                 f"some launcher variables are set ({', '.join(missing)}) but not all of "
                 f"{', '.join(_LAUNCHER_VARS)}; start with torchrun or unset them")
-        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, **bind)
     _owned["count"] += 1
     return True
 
@@ -94,9 +118,12 @@ class CommLog:
 
 
 class Comm:
-    """Collectives over the default group, logged."""
+    """Collectives over the default group, logged. Scalars (checks, the
+    gradient norm) travel as tensors on `device`, the model's: a group made
+    with NCCL alone cannot carry CPU tensors."""
 
-    def __init__(self):
+    def __init__(self, device: torch.device = torch.device("cpu")):
+        self.device = device
         self.rank = dist.get_rank()
         self.world = dist.get_world_size()
         self.log = CommLog()
@@ -128,14 +155,20 @@ class Comm:
     def gather_scalars(self, value: int) -> list:
         """Every rank's integer, in rank order (not logged: a check, not
         training traffic)."""
-        mine = torch.tensor([value], dtype=torch.int64)
-        every = torch.empty(self.world, dtype=torch.int64)
+        mine = torch.tensor([value], dtype=torch.int64, device=self.device)
+        every = torch.empty(self.world, dtype=torch.int64, device=self.device)
         all_gather_single(every, mine)
         return every.tolist()
+
+    def sum_scalars_(self, tensor):
+        """Sum a few numbers (a tensor on the model's device) over ranks in
+        place; not logged, like sum_scalar."""
+        if self.world > 1:
+            dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
 
     def sum_scalar(self, value: float) -> float:
         if self.world == 1:
             return value
-        t = torch.tensor([value], dtype=torch.float64)
+        t = torch.tensor([value], dtype=torch.float64, device=self.device)
         dist.all_reduce(t, op=dist.ReduceOp.SUM)
         return float(t.item())

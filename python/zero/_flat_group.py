@@ -40,11 +40,12 @@ MAX_IN_FLIGHT = 2
 
 class FlatGroup:
     def __init__(self, index, params, names, compute_dtype, comm, stage, bucket_elements,
-                 units=None, trainable=True):
+                 units=None, trainable=True, device=torch.device("cpu")):
         """units: lists of indices into params, one list per unit (stage 3);
         None makes the whole group one unit. The params are reordered unit
         by unit. trainable=False (stage 3's frozen parameters) keeps no
-        master, gradients or optimizer states."""
+        master, gradients or optimizer states. Every buffer lives on
+        `device`, the model's."""
         if units is None:
             units = [list(range(len(params)))]
         order = [i for members in units for i in members]
@@ -55,6 +56,7 @@ class FlatGroup:
         self.stage = stage
         self.trainable = trainable
         self.compute_dtype = compute_dtype
+        self.device = device
         self.num_partitions = 1 if stage == 0 else comm.world
         self.numel = sum(p.numel() for p in self.params)  # Ψ of this group
         self.owner = 0 if stage == 0 else comm.rank
@@ -82,15 +84,16 @@ class FlatGroup:
         if not trainable:
             return
         if stage <= 1:
-            self.grad_flat = torch.zeros(self.units[0].total, dtype=compute_dtype)
+            self.grad_flat = torch.zeros(self.units[0].total, dtype=compute_dtype, device=device)
             lo = self.owner * self.units[0].part
             self.grad_part = self.grad_flat[lo:lo + self.part_size]
             self.point_grads_at_flat()
         else:
             self.grad_flat = None
-            self.grad_part = torch.zeros(self.part_size, dtype=compute_dtype)
+            self.grad_part = torch.zeros(self.part_size, dtype=compute_dtype, device=device)
             self._plan_buckets(bucket_elements)
         self.buffers["grad"] = _C.Buffer(self.grad_part)
+        self.tensors["grad"] = self.grad_part
 
     def _build_buffers(self, compute_dtype):
         """Seed the shard (and fp32 master) from the parameters' values on
@@ -99,13 +102,13 @@ class FlatGroup:
         fp32 = compute_dtype == torch.float32
         releasing = self.stage == 3
         if releasing:
-            self.shard = torch.empty(self.part_size, dtype=compute_dtype)
+            self.shard = torch.empty(self.part_size, dtype=compute_dtype, device=self.device)
             self.master = None
             if self.trainable:
                 self.master = self.shard if fp32 else \
-                    torch.empty(self.part_size, dtype=torch.float32)
+                    torch.empty(self.part_size, dtype=torch.float32, device=self.device)
         for unit in self.units:
-            full32 = torch.zeros(unit.total, dtype=torch.float32)
+            full32 = torch.zeros(unit.total, dtype=torch.float32, device=self.device)
             for j, p in enumerate(unit.params):
                 # a partitioned_init placeholder is gathered here, one
                 # parameter at a time, and its chunk freed
@@ -117,7 +120,7 @@ class FlatGroup:
                 self.shard[unit.shard_slice].copy_(mine)
                 if self.master is not None and not fp32:
                     self.master[unit.shard_slice].copy_(mine)
-                unit.full = torch.empty(unit.total, dtype=compute_dtype)
+                unit.full = torch.empty(unit.total, dtype=compute_dtype, device=self.device)
                 unit.release()
             else:
                 # stages 0-2: the single unit stays gathered for good
@@ -127,11 +130,14 @@ class FlatGroup:
                 unit.gathered = unit.persistent = True
                 unit.point_params()
             del full32, mine
-        self.buffers = {}
+        # the update's operands: registered with the C core once (a step
+        # then passes no DLPack capsules), and as tensors for the GPU step
+        self.buffers, self.tensors = {}, {}
         if self.trainable:
-            self.buffers["master"] = _C.Buffer(self.master)
-            self.buffers["copy_out"] = None if self.master is self.shard \
-                else _C.Buffer(self.shard)
+            self.tensors["master"] = self.master
+            self.tensors["copy_out"] = None if self.master is self.shard else self.shard
+            self.buffers = {k: None if t is None else _C.Buffer(t)
+                            for k, t in self.tensors.items()}
 
     # ---- layout helpers --------------------------------------------------
 
@@ -144,8 +150,9 @@ class FlatGroup:
 
     def add_state(self, name, fill=0.0):
         if name not in self.states:
-            t = torch.full((self.part_size,), fill, dtype=torch.float32)
+            t = torch.full((self.part_size,), fill, dtype=torch.float32, device=self.device)
             self.states[name] = t
+            self.tensors[name] = t
             self.buffers[name] = _C.Buffer(t)
 
     # ---- stages 0-1: gradients in a full flat buffer -----------------------
@@ -220,7 +227,7 @@ class FlatGroup:
     def _staging(self, b):
         if self.staging[b] is None:
             _unit, bs, be = self.buckets[b]
-            self.staging[b] = torch.zeros(be - bs, dtype=self.grad_part.dtype)
+            self.staging[b] = self.grad_part.new_zeros(be - bs)
             live = sum(s.numel() for s in self.staging if s is not None) + \
                 sum(f[1].numel() for f in self.in_flight)
             self.peak_bucket_bytes = max(self.peak_bucket_bytes,
@@ -245,7 +252,7 @@ class FlatGroup:
             if b < self.next_bucket:
                 target = self.late.get(b)
                 if target is None:
-                    target = self.late[b] = torch.zeros(be - bs, dtype=self.grad_part.dtype)
+                    target = self.late[b] = self.grad_part.new_zeros(be - bs)
             else:
                 target = self._staging(b)
             target[s - bs:e - bs].add_(g[s - lo:e - lo])
@@ -304,7 +311,7 @@ class FlatGroup:
         self._launch_ready(force=True)
         flags = torch.tensor(list(self.fired) + [int(b in self.late)
                                                  for b in range(len(self.buckets))],
-                             dtype=torch.int32)
+                             dtype=torch.int32, device=self.device)
         if self.comm.world > 1:
             self.comm.all_reduce_sum(flags)
         flags = flags.tolist()
@@ -313,7 +320,7 @@ class FlatGroup:
                 late = self.late.get(b)
                 if late is None:
                     _unit, bs, be = self.buckets[b]
-                    late = torch.zeros(be - bs, dtype=self.grad_part.dtype)
+                    late = self.grad_part.new_zeros(be - bs)
                 self._launch(b, late)
         self._retire(keep=0)
         self.expected = bytearray(1 if f else 0 for f in flags[:len(self.params)])
@@ -351,7 +358,8 @@ class FlatGroup:
             self.grad_part.zero_()
 
     def gather_master(self) -> torch.Tensor:
-        """The full fp32 master in the unsharded layout, on every rank."""
+        """The full fp32 master in the unsharded layout, on every rank, in
+        host memory: a GPU holds one unit of it at a time."""
         full = torch.empty(self.layout_size, dtype=torch.float32)
         source = self.master if self.trainable else self.shard
         for unit in self.units:
@@ -359,8 +367,12 @@ class FlatGroup:
             mine = source[unit.shard_slice].detach().float()
             if self.num_partitions == 1:
                 out.copy_(mine)
-            else:
+            elif self.device.type == "cpu":
                 self.comm.all_gather_into(out, mine.clone())
+            else:
+                gathered = torch.empty(unit.total, dtype=torch.float32, device=self.device)
+                self.comm.all_gather_into(gathered, mine.clone())
+                out.copy_(gathered)
         return full
 
     def nbytes(self) -> dict:

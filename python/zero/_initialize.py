@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import weakref
 
+import torch
 from torch import nn
 
 from zero._comm import Comm, join_process_group, leave_process_group
@@ -48,18 +49,14 @@ def initialize(model: nn.Module, *, optimizer=None, stage=None, precision=None,
     cfg = cfg.replace(**options) if options else cfg
     if not any(True for _ in model.parameters()):
         raise ValueError("the model has no parameters; nothing to train")
-    devices = {p.device.type for p in model.parameters()}
-    if devices != {"cpu"}:
-        raise NotImplementedError(f"the model has parameters on {sorted(devices)}; this "
-                                  "version trains on the CPU only (the CUDA path is not built "
-                                  "yet): move the model with .cpu()")
+    device = _model_device(model)
     if optimizer is None:
         optimizer = optimizer_from_config(cfg.optimizer or {"type": "AdamW",
                                                             "params": {"lr": 1e-3}},
                                           model.parameters())
-    created = join_process_group("gloo")
+    created = join_process_group(device)
     try:
-        comm = Comm()
+        comm = Comm(device)
         if cfg.train_batch_size is not None and cfg.train_micro_batch_size_per_gpu:
             expected = cfg.train_micro_batch_size_per_gpu * cfg.gradient_accumulation_steps \
                 * comm.world
@@ -78,3 +75,22 @@ def initialize(model: nn.Module, *, optimizer=None, stage=None, precision=None,
     except BaseException:
         leave_process_group(created)
         raise
+
+
+def _model_device(model: nn.Module) -> torch.device:
+    """The one device the model's parameters are on: the engine keeps its
+    buffers there and picks the step for it (_step_path)."""
+    devices = {p.device for p in model.parameters()}
+    if len(devices) > 1:
+        names = ", ".join(sorted(str(d) for d in devices))
+        raise ValueError(f"the model's parameters are on several devices ({names}); zero trains "
+                         "a model on one device per rank: move it with model.to(device)")
+    device = devices.pop()
+    if device.type == "meta":
+        raise ValueError("the model's parameters are on the meta device (no values); build it "
+                         "under zero.partitioned_init() instead, or materialise it first "
+                         "(model.to_empty(device=...) and initialise the values)")
+    if device.type not in ("cpu", "cuda"):
+        raise NotImplementedError(f"the model's parameters are on {device}; zero trains on "
+                                  "cpu and cuda devices only")
+    return device

@@ -47,38 +47,44 @@ def decoupled(optimizer, group) -> bool:
     return bool(group.get("decoupled_weight_decay", False))
 
 
-def run_update(kind, optimizer, group, flat_group, grad_scale):
-    """One update of flat_group's partition with `group`'s hyperparameters."""
-    b = flat_group.buffers
-    step = flat_group.step_count
+def run_update(kind, optimizer, group, buffers, step, grad_scale, functions):
+    """One update of a flat group's partition with `group`'s hyperparameters.
+    buffers: "master", "grad", "copy_out" (None: the master is the
+    parameters) and the states, as functions takes them (zero._C's
+    functions take registered Buffers; _torch_update's take tensors).
+    functions: kind -> the update with zero._C.<kind>_step's arguments."""
+    b = buffers
     if group.get("maximize", False):
         grad_scale = -grad_scale
     lr = float(group["lr"])
     if kind == "adam":
         beta1, beta2 = (float(x) for x in group["betas"])
-        _C.adam_step(b["master"], b["grad"], b["exp_avg"], b["exp_avg_sq"],
-                     b.get("max_exp_avg_sq"), b["copy_out"], lr=lr, beta1=beta1, beta2=beta2,
-                     eps=float(group["eps"]), weight_decay=float(group["weight_decay"]),
-                     step=step, decoupled=decoupled(optimizer, group),
-                     amsgrad=bool(group.get("amsgrad", False)), grad_scale=grad_scale)
+        functions["adam"](b["master"], b["grad"], b["exp_avg"], b["exp_avg_sq"],
+                          b.get("max_exp_avg_sq"), b["copy_out"], lr=lr, beta1=beta1,
+                          beta2=beta2, eps=float(group["eps"]),
+                          weight_decay=float(group["weight_decay"]), step=step,
+                          decoupled=decoupled(optimizer, group),
+                          amsgrad=bool(group.get("amsgrad", False)), grad_scale=grad_scale)
     elif kind == "sgd":
         momentum = float(group.get("momentum", 0.0))
-        _C.sgd_step(b["master"], b["grad"], b.get("momentum_buffer") if momentum else None,
-                    b["copy_out"], lr=lr, momentum=momentum,
-                    dampening=float(group.get("dampening", 0.0)),
-                    weight_decay=float(group.get("weight_decay", 0.0)),
-                    nesterov=bool(group.get("nesterov", False)), first_step=step == 1,
-                    grad_scale=grad_scale)
+        functions["sgd"](b["master"], b["grad"], b.get("momentum_buffer") if momentum else None,
+                         b["copy_out"], lr=lr, momentum=momentum,
+                         dampening=float(group.get("dampening", 0.0)),
+                         weight_decay=float(group.get("weight_decay", 0.0)),
+                         nesterov=bool(group.get("nesterov", False)), first_step=step == 1,
+                         grad_scale=grad_scale)
     elif kind == "adagrad":
-        _C.adagrad_step(b["master"], b["grad"], b["sum"], b["copy_out"], lr=lr,
-                        lr_decay=float(group.get("lr_decay", 0.0)),
-                        weight_decay=float(group.get("weight_decay", 0.0)),
-                        eps=float(group.get("eps", 1e-10)), step=step, grad_scale=grad_scale)
+        functions["adagrad"](b["master"], b["grad"], b["sum"], b["copy_out"], lr=lr,
+                             lr_decay=float(group.get("lr_decay", 0.0)),
+                             weight_decay=float(group.get("weight_decay", 0.0)),
+                             eps=float(group.get("eps", 1e-10)), step=step,
+                             grad_scale=grad_scale)
     else:
         beta1, beta2 = (float(x) for x in group["betas"])
-        _C.lion_step(b["master"], b["grad"], b["exp_avg"], b["copy_out"], lr=lr, beta1=beta1,
-                     beta2=beta2, weight_decay=float(group.get("weight_decay", 0.0)),
-                     grad_scale=grad_scale)
+        functions["lion"](b["master"], b["grad"], b["exp_avg"], b["copy_out"], lr=lr,
+                          beta1=beta1, beta2=beta2,
+                          weight_decay=float(group.get("weight_decay", 0.0)),
+                          grad_scale=grad_scale)
 
 
 def optimizer_from_config(spec: dict, params):

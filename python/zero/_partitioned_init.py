@@ -124,7 +124,7 @@ class partitioned_init(TorchDispatchMode):
         # The gathers need a process group. One made here (a one-process
         # group when no launcher is set) is left for zero.initialize to
         # reuse, and stays for the life of the process.
-        join_process_group("gloo")
+        join_process_group(torch.device("cpu"))
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self._check_same_seed()
         self._hook = nn.modules.module.register_module_parameter_registration_hook(

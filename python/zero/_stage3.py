@@ -248,14 +248,14 @@ class Stage3Schedule:
         """Copies of the outputs that are views of a unit about to be
         released (a module returning self.weight[:n]): the release frees
         that storage. The copy keeps the autograd graph."""
-        freed = {u.full.untyped_storage().data_ptr() for u in units
+        freed = {(u.full.device, u.full.untyped_storage().data_ptr()) for u in units
                  if u.gathered and not u.persistent and u.active == 0}
         if not freed:
             return output
 
         def copy_if_view(t):
-            if torch.is_tensor(t) and t.device.type == "cpu" and \
-                    t.untyped_storage().data_ptr() in freed:
+            if torch.is_tensor(t) and not t.is_meta and \
+                    (t.device, t.untyped_storage().data_ptr()) in freed:
                 return t.clone()
             return t
         return tree_map(copy_if_view, output)

@@ -63,7 +63,8 @@ class Unit:
     def release(self):
         """Free the gathered values (see [Note: released parameters])."""
         if self._placeholder is None:
-            self._placeholder = torch.empty(0, dtype=self.full.dtype)
+            self._placeholder = torch.empty(0, dtype=self.full.dtype,
+                                            device=self.full.device)
         for p in self.params:
             p.data = self._placeholder
         self.full.untyped_storage().resize_(0)

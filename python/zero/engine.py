@@ -25,13 +25,13 @@ from torch import nn
 from torch.autograd.graph import register_multi_grad_hook
 from torch.utils._pytree import tree_flatten
 
-from zero import _C
 from zero._comm import Comm, leave_process_group
 from zero._flat_group import FlatGroup
 from zero._loss_scaler import DynamicLossScaler
-from zero._optimizer_bridge import optimizer_kind, run_update, states_for
+from zero._optimizer_bridge import optimizer_kind, states_for
 from zero._partitioned_init import sharded_record, take_values
 from zero._stage3 import Stage3Schedule
+from zero._step_path import step_path_for
 from zero.config import Config
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -65,6 +65,7 @@ class Engine(nn.Module):
         self._owns_group = owns_group
         self._kind = optimizer_kind(optimizer)
         self.compute_dtype = DTYPES[config.precision]
+        self.device = comm.device  # the model's; every buffer lives there
         self.stage = config.stage
         self.micro_steps = 0
         self.global_steps = 0
@@ -88,7 +89,8 @@ class Engine(nn.Module):
             if not params:
                 continue
             fg = FlatGroup(index, params, names, self.compute_dtype, comm, config.stage,
-                           config.reduce_bucket_size, units=self._units(params, owners))
+                           config.reduce_bucket_size, units=self._units(params, owners),
+                           device=self.device)
             for name, fill in states_for(self._kind, optimizer.param_groups[index]).items():
                 fg.add_state(name, fill)
             self.groups.append(fg)
@@ -103,7 +105,8 @@ class Engine(nn.Module):
                 self.frozen_group = FlatGroup(
                     -1, [p for _, p in frozen], [n for n, _ in frozen], self.compute_dtype,
                     comm, 3, config.reduce_bucket_size,
-                    units=self._units([p for _, p in frozen], owners), trainable=False)
+                    units=self._units([p for _, p in frozen], owners), trainable=False,
+                    device=self.device)
             self._schedule = Stage3Schedule(module, self.all_groups, comm, config)
         for fg in self.all_groups:
             for unit in fg.units:
@@ -117,6 +120,7 @@ class Engine(nn.Module):
                     self._hooks.append(p.register_post_accumulate_grad_hook(
                         lambda _p, fg=fg, i=i: fg.on_grad_ready(i)))
         self._guard_optimizer()
+        self.step_path = step_path_for(self.device)
 
     @property
     def all_groups(self) -> list[FlatGroup]:
@@ -302,8 +306,8 @@ class Engine(nn.Module):
                 # covers one backward per step; see docs/engine.md).
                 fg.finish_backward()
             fg.reduced_since_step = False
-        local = sum(_C.sum_squares(fg.grad_part) for fg in self.groups)
-        sumsq = local if self.stage == 0 else self._comm.sum_scalar(local)
+        sumsq = self.step_path.squared_norm(self.groups, self._comm,
+                                            across_ranks=self.stage != 0)
         base = 1.0 / (self.loss_scale * self._comm.world *
                       self.config.gradient_accumulation_steps)
         norm = math.sqrt(sumsq) * base if math.isfinite(sumsq) else float("inf")
@@ -344,8 +348,8 @@ class Engine(nn.Module):
             coef = min(1.0, max_norm / (norm + 1e-6)) if max_norm else 1.0
             for fg in self.groups:
                 fg.step_count += 1
-                run_update(self._kind, self.optimizer, self.optimizer.param_groups[fg.index],
-                           fg, base * coef)
+                self.step_path.update(self._kind, self.optimizer,
+                                      self.optimizer.param_groups[fg.index], fg, base * coef)
                 fg.all_gather_params()
             self.global_steps += 1
             # The engine stepped on the optimizer's behalf; torch's schedulers
@@ -437,8 +441,9 @@ class Engine(nn.Module):
 
     def full_state_dict(self) -> dict:
         """The whole model's state dict, trainable parameters in fp32 from
-        the master copies (gathered from every rank), on every rank. A
-        collective: every rank must call it."""
+        the master copies (gathered from every rank), on every rank, in host
+        memory whatever the model's device. A collective: every rank must
+        call it."""
         full = {}
         by_id = {}
         for fg in self.all_groups:
@@ -450,7 +455,8 @@ class Engine(nn.Module):
                 full[name] = by_id[id(t)]
             else:
                 t = t.detach()
-                full[name] = t.float().clone() if t.is_floating_point() else t.clone()
+                full[name] = t.to(device="cpu", copy=True,
+                                  dtype=torch.float32 if t.is_floating_point() else None)
         return full
 
     def _restore_params(self):

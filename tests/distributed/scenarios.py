@@ -2,6 +2,8 @@
 their single-process references."""
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -45,6 +47,19 @@ class Net(nn.Module):
         if self.checkpointing is None:
             return self.block(h)
         return checkpoint(self.block, h, use_reentrant=self.checkpointing != "non_reentrant")
+
+
+@contextlib.contextmanager
+def torch_step():
+    """Engines made inside take the torch-op step a GPU falls back to."""
+    import zero.engine
+    from zero._step_path import TorchStep
+    chosen = zero.engine.step_path_for
+    zero.engine.step_path_for = TorchStep
+    try:
+        yield
+    finally:
+        zero.engine.step_path_for = chosen
 
 
 def make_model(seed=0, checkpointing=None):

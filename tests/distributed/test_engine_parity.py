@@ -34,6 +34,10 @@ def _all_cases(rank, world):
         out[("checkpoint", stage)] = scenarios.engine_run(rank, world, 6, stage,
                                                           checkpointing="reentrant_all",
                                                           reduce_bucket_size=50)
+        # the GPU's torch-op step (its norm is summed over ranks as a tensor)
+        with scenarios.torch_step():
+            out[("torch step", stage)] = scenarios.engine_run(rank, world, 8, stage,
+                                                              accumulation=2, clip=0.05)
     return out
 
 
@@ -52,6 +56,7 @@ def references():
         "clip": scenarios.reference_run(8, clip=0.05),
         "small buckets": scenarios.reference_run(6),
         "checkpoint": scenarios.reference_run(6),
+        "torch step": scenarios.reference_run(8, accumulation=2, clip=0.05),
     }
 
 
@@ -64,7 +69,7 @@ def check(case, losses, state, reference):
 
 
 @pytest.mark.parametrize("case", ["plain", "sgd", "accumulate", "clip", "small buckets",
-                                  "checkpoint"])
+                                  "checkpoint", "torch step"])
 @pytest.mark.parametrize("stage", STAGES)
 def test_matches_single_process(runs, references, case, stage):
     world, results = runs

@@ -18,36 +18,17 @@ import sys
 import pytest
 import torch
 
-from conftest import max_rel_error
+from conftest import bits, max_rel_error, rand
+from gpu_device import DEVICE, EMULATED, SKIP_REASON, device_path  # noqa: F401 (fixture)
 from zero import _C, _cuda
 
-EMULATED = os.environ.get("ZERO_TEST_EMULATED_CUDA") == "1"
-if EMULATED:
-    DEVICE = torch.device("cpu")
-elif not torch.cuda.is_available():
-    pytest.skip("no GPU here: torch.cuda.is_available() is False", allow_module_level=True)
-elif _C.cuda_info()["fatbin_bytes"] == 0:
-    pytest.skip(f"zero was {_C.cuda_info()['build']}", allow_module_level=True)
-else:
-    DEVICE = torch.device("cuda")
+if SKIP_REASON:
+    pytest.skip(SKIP_REASON, allow_module_level=True)
 
 SIZES = [1, 33, 4097, 1_000_003]
 FLOATS = [torch.float32, torch.bfloat16, torch.float16]
 HP = dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
 TOL = 1e-6
-
-
-@pytest.fixture(autouse=True)
-def device_path(monkeypatch):
-    """On a GPU: the kernels must be available. Emulated: CPU tensors go to
-    the binding as CUDA tensors of the emulated driver."""
-    if EMULATED:
-        from dlpack_fakes import as_cuda_capsule
-        monkeypatch.setattr(_cuda, "_plain",
-                            lambda t: None if t is None else as_cuda_capsule(t.detach()))
-        monkeypatch.setattr(_cuda, "_stream_for", lambda t, name: 0)
-    else:
-        assert _C.cuda_available(), _C.cuda_info()["reason"]
 
 
 @pytest.fixture(autouse=True)
@@ -57,18 +38,8 @@ def scalar_reference():
     _C.set_simd(previous)
 
 
-def rand(n, seed, dtype=torch.float32, scale=1.0, positive=False):
-    x = torch.randn(n, generator=torch.Generator().manual_seed(seed)) * scale
-    return (x.abs() if positive else x).to(dtype)
-
-
 def dev(t):
     return t.to(DEVICE, copy=True)
-
-
-def bits(t):
-    """The tensor's bits, for exact comparisons of 16-bit floats."""
-    return t.detach().cpu().view(torch.int16 if t.element_size() == 2 else torch.int32)
 
 
 def adam_state(n, seed=1):

@@ -1,0 +1,112 @@
+"""Where the optimizer step of the flat groups runs: chosen once per engine
+from the device of the model's parameters (docs/engine.md, "Devices").
+
+- HostStep: the states are in host memory; the C core updates them over
+  registered Buffers, with the SIMD path picked at run time.
+- CudaStep: the states are on the GPU; zero's fused kernels take the norm
+  and run Adam/AdamW, launched on torch's current stream. What the kernels
+  do not cover (SGD, Adagrad, Lion, amsgrad) runs as torch ops.
+- TorchStep: torch ops only, for a GPU on which the kernels cannot run
+  (zero built without nvcc, a driver too old for the fatbin): slower, and
+  said so once in a warning at initialize.
+
+squared_norm() returns the global squared L2 norm of the gradients as a
+Python float. That is the one host synchronisation of a GPU step: the clip
+coefficient and the fp16 skip decision are made on the host from it.
+"""
+from __future__ import annotations
+
+import warnings
+
+import torch
+
+from zero import _C, _torch_update
+from zero._optimizer_bridge import decoupled, run_update
+
+HOST_FUNCTIONS = {"adam": _C.adam_step, "sgd": _C.sgd_step, "adagrad": _C.adagrad_step,
+                  "lion": _C.lion_step}
+TORCH_FUNCTIONS = {"adam": _torch_update.adam, "sgd": _torch_update.sgd,
+                   "adagrad": _torch_update.adagrad, "lion": _torch_update.lion}
+
+
+class HostStep:
+    def __init__(self):
+        self.name = f"cpu: zero C core ({_C.cpu_info()['simd']})"
+
+    def squared_norm(self, groups, comm, across_ranks: bool) -> float:
+        local = sum(_C.sum_squares(fg.grad_part) for fg in groups)
+        return comm.sum_scalar(local) if across_ranks else local
+
+    def update(self, kind, optimizer, group, fg, grad_scale):
+        run_update(kind, optimizer, group, fg.buffers, fg.step_count, grad_scale,
+                   HOST_FUNCTIONS)
+
+
+class TorchStep:
+    def __init__(self, device):
+        self.device = device
+        self.name = f"{device.type}: torch ops"
+
+    def _local_squared_norm(self, groups) -> torch.Tensor:
+        local = torch.zeros((), dtype=torch.float64, device=self.device)
+        for fg in groups:
+            # in float64 inside the reduction; no fp32 copy of the partition
+            local += torch.linalg.vector_norm(fg.grad_part, dtype=torch.float64).square()
+        return local
+
+    def squared_norm(self, groups, comm, across_ranks: bool) -> float:
+        total = self._local_squared_norm(groups).reshape(1)
+        if across_ranks:
+            comm.sum_scalars_(total)
+        return float(total.item())
+
+    def update(self, kind, optimizer, group, fg, grad_scale):
+        run_update(kind, optimizer, group, fg.tensors, fg.step_count, grad_scale,
+                   TORCH_FUNCTIONS)
+
+
+class CudaStep(TorchStep):
+    def __init__(self, device):
+        from zero import _cuda  # imported only for a model on a GPU
+        self._cuda = _cuda
+        self.device = device
+        self.name = f"{device.type}: zero CUDA kernels"
+
+    def _local_squared_norm(self, groups) -> torch.Tensor:
+        return self._cuda.l2_norm([fg.grad_part for fg in groups], squared=True).double()
+
+    def update(self, kind, optimizer, group, fg, grad_scale):
+        if kind != "adam" or group.get("amsgrad", False):
+            return super().update(kind, optimizer, group, fg, grad_scale)
+        if group.get("maximize", False):
+            grad_scale = -grad_scale
+        step = getattr(fg, "step_tensor", None)
+        if step is None:
+            step = fg.step_tensor = torch.zeros(1, dtype=torch.float32, device=self.device)
+        # The kernel advances the count on the device (so that a flagged
+        # step is skipped without the host); set it from the host's count,
+        # which stays the one the engine saves and restores.
+        step.fill_(fg.step_count - 1)
+        t = fg.tensors
+        beta1, beta2 = (float(x) for x in group["betas"])
+        self._cuda.adam_step(t["master"], t["grad"], t["exp_avg"], t["exp_avg_sq"], step=step,
+                             lr=float(group["lr"]), betas=(beta1, beta2),
+                             eps=float(group["eps"]),
+                             weight_decay=float(group["weight_decay"]),
+                             decoupled=decoupled(optimizer, group), grad_scale=grad_scale,
+                             copy_out=t["copy_out"])
+
+
+def step_path_for(device: torch.device):
+    """The step for a model whose parameters are on `device`."""
+    if device.type == "cpu":
+        return HostStep()
+    if device.type == "cuda":
+        from zero import _cuda
+        if _cuda.available():
+            return CudaStep(device)
+        warnings.warn(f"zero's CUDA kernels cannot run here ({_cuda.info()['reason']}); the "
+                      "optimizer step runs as torch ops instead, which is slower",
+                      RuntimeWarning, stacklevel=3)
+        return TorchStep(device)
+    raise NotImplementedError(f"zero trains models on cpu or cuda devices, not {device.type}")

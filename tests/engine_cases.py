@@ -1,0 +1,179 @@
+"""Engine-against-torch cases that do not care where the step runs: run by
+tests/gpu/test_engine.py (the CUDA step, on a GPU or on the emulated
+driver) and tests/test_step_paths.py (the torch-op step on the CPU).
+
+Each case trains a small model with embedding, GELU, LayerNorm and a
+residual through zero.initialize in one process (world size 1), and the
+same model with the torch optimizer it names, on the same device, on the
+same random batches, then compares every parameter.
+
+Tolerances: fp32 results within 1e-5 normwise relative error after 6
+updates. Forward and backward are the same torch ops on both sides; the
+updates differ by rounding only (one fused formula against torch's
+sequence of ops, the clip coefficient folded into the gradient scale), a
+few ulps (1e-7) a step, which training can amplify tenfold over six steps.
+bf16 training is compared with the same mixed precision written in torch
+(a bf16 model, fp32 masters updated by torch's AdamW), and its bf16
+parameters must be the fp32 master rounded to bf16, bit for bit.
+"""
+import copy
+
+import torch
+from torch import nn
+
+import zero
+from conftest import max_rel_error
+
+STEPS = 6
+ACCUMULATION = 2
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(50, 16)
+        self.body = nn.Sequential(nn.Linear(16, 33), nn.GELU(), nn.LayerNorm(33),
+                                  nn.Linear(33, 16))
+        self.head = nn.Linear(16, 50)
+
+    def forward(self, tokens):
+        h = self.embed(tokens)
+        return self.head(h + self.body(h))
+
+
+def pair(device, seed=0):
+    """The model on `device` and an identical reference copy."""
+    torch.manual_seed(seed)
+    model = Net().to(device)
+    return model, copy.deepcopy(model)
+
+
+def batches(device, count, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randint(0, 50, (4, 7), generator=g).to(device),
+             torch.randint(0, 50, (4, 7), generator=g).to(device)) for _ in range(count)]
+
+
+def loss_of(logits, targets):
+    return nn.functional.cross_entropy(logits.float().reshape(-1, 50), targets.reshape(-1))
+
+
+def make_optimizer(name, params):
+    if name == "adamw":
+        return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.05)
+    if name == "adam_amsgrad":
+        return torch.optim.Adam(params, lr=1e-2, weight_decay=0.01, amsgrad=True)
+    if name == "sgd_nesterov":
+        return torch.optim.SGD(params, lr=0.1, momentum=0.9, nesterov=True, weight_decay=0.01)
+    if name == "adagrad":
+        return torch.optim.Adagrad(params, lr=0.05, lr_decay=0.01, weight_decay=0.01)
+    raise ValueError(name)
+
+
+def reference_run(ref, optimizer, data, clip):
+    """Plain torch: accumulate ACCUMULATION micro-batches (each loss divided
+    by ACCUMULATION, as the engine averages), clip, step."""
+    for i, (tokens, targets) in enumerate(data):
+        (loss_of(ref(tokens), targets) / ACCUMULATION).backward()
+        if (i + 1) % ACCUMULATION == 0:
+            if clip:
+                nn.utils.clip_grad_norm_(ref.parameters(), clip)
+            optimizer.step()
+            optimizer.zero_grad()
+
+
+def engine_run(engine, data):
+    for tokens, targets in data:
+        engine.backward(loss_of(engine(tokens), targets))
+        engine.step()
+
+
+def compare_with_torch(device, stage, optimizer_name="adamw", clip=0.5, tolerance=1e-5):
+    """fp32 training under the engine against torch; returns the engine
+    (closed) for further checks."""
+    model, ref = pair(device)
+    engine = zero.initialize(model, optimizer=make_optimizer(optimizer_name, model.parameters()),
+                             stage=stage, gradient_accumulation_steps=ACCUMULATION,
+                             gradient_clipping=clip, stage3_param_persistence_threshold=0)
+    data = batches(device, STEPS * ACCUMULATION)
+    engine_run(engine, data)
+    reference_run(ref, make_optimizer(optimizer_name, ref.parameters()), data, clip)
+    full = engine.full_state_dict()
+    for name, value in ref.state_dict().items():
+        assert full[name].device.type == "cpu", name  # loadable anywhere
+        error = max_rel_error(full[name], value.cpu())
+        assert error <= tolerance, f"stage {stage} {optimizer_name}: {name} off by {error:.2e}"
+    assert engine.global_steps == STEPS
+    engine.close()
+    return engine
+
+
+def mixed_precision_reference_run(ref, data):
+    """What bf16 training under the engine computes, written with torch:
+    the model in bf16 (gradients accumulate in bf16 in .grad), an fp32
+    master copy that torch's AdamW updates from the gradients upcast and
+    averaged, and the bf16 parameters copied back from the master.
+    Returns the masters by name."""
+    ref.to(torch.bfloat16)
+    params = dict(ref.named_parameters())
+    masters = {n: nn.Parameter(p.detach().float()) for n, p in params.items()}
+    optimizer = make_optimizer("adamw", masters.values())
+    for i, (tokens, targets) in enumerate(data):
+        loss_of(ref(tokens), targets).backward()
+        if (i + 1) % ACCUMULATION == 0:
+            for name, p in params.items():
+                masters[name].grad = p.grad.float() * (1.0 / ACCUMULATION)
+                p.grad = None
+            optimizer.step()
+            with torch.no_grad():
+                for name, p in params.items():
+                    p.copy_(masters[name])
+    return masters
+
+
+def bf16_matches_mixed_precision_torch(device, stage):
+    model, ref = pair(device)
+    engine = zero.initialize(model, optimizer=make_optimizer("adamw", model.parameters()),
+                             stage=stage, precision="bf16",
+                             gradient_accumulation_steps=ACCUMULATION,
+                             stage3_param_persistence_threshold=0)
+    data = batches(device, STEPS * ACCUMULATION)
+    engine_run(engine, data)
+    masters = mixed_precision_reference_run(ref, data)
+    full = engine.full_state_dict()
+    for name, value in masters.items():
+        # 1e-4: as fp32 (1e-5), plus a bf16 parameter that rounds the other
+        # way after an ulp of difference in its master, a rare event
+        assert max_rel_error(full[name], value.detach().cpu()) <= 1e-4, name
+    if stage == 3:
+        engine.close()  # gives every parameter its values back, as plain tensors
+    for name, p in model.named_parameters():
+        assert p.dtype == torch.bfloat16 and p.device == torch.device(device), name
+        assert torch.equal(p.detach().cpu(), full[name].to(torch.bfloat16)), name
+    engine.close()
+
+
+def fp16_overflow_skips(device, stage):
+    """An inf in one gradient skips the update on every parameter and halves
+    the loss scale; the next clean step updates again."""
+    model, _ = pair(device)
+    engine = zero.initialize(model, optimizer=make_optimizer("adamw", model.parameters()),
+                             stage=stage, precision="fp16", stage3_param_persistence_threshold=0,
+                             loss_scaling=zero.LossScaling(hysteresis=1))
+    tokens, targets = batches(device, 1)[0]
+    before = engine.full_state_dict()
+    scale = engine.loss_scale
+    poison = model.head.bias.register_hook(lambda g: torch.full_like(g, float("inf")))
+    engine.backward(loss_of(engine(tokens), targets))
+    engine.step()
+    poison.remove()
+    assert engine.step_was_skipped and engine.loss_scale == scale / 2
+    for name, value in engine.full_state_dict().items():
+        assert torch.equal(value, before[name]), name
+    engine.backward(loss_of(engine(tokens), targets))
+    engine.step()
+    assert not engine.step_was_skipped
+    after = engine.full_state_dict()
+    assert not torch.equal(after["head.weight"], before["head.weight"])
+    assert all(torch.isfinite(v).all() for v in after.values())
+    engine.close()

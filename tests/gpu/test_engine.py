@@ -1,0 +1,65 @@
+"""The engine's CUDA step: stages 0-3 on one GPU (NCCL, world size 1)
+against plain torch training on the same GPU (tests/engine_cases.py says
+what is compared and within what).
+
+On the emulated driver (ZERO_TEST_EMULATED_CUDA=1, run by
+tests/test_cuda_emulated.py) the model stays on the CPU and the engine is
+given the CUDA step all the same, so the norm and Adam kernels run through
+the binding on the engine's own buffers: everything but the GPU memory
+and NCCL is exercised. Skips without either.
+"""
+import pytest
+import torch
+
+import engine_cases
+import zero.engine
+from gpu_device import DEVICE, EMULATED, SKIP_REASON, device_path  # noqa: F401 (fixture)
+from zero._step_path import CudaStep
+
+if SKIP_REASON:
+    pytest.skip(SKIP_REASON, allow_module_level=True)
+
+STAGES = [0, 1, 2, 3]
+
+
+@pytest.fixture(autouse=True)
+def cuda_step(monkeypatch):
+    """The engine must take the CUDA step (emulated: it is handed it)."""
+    if EMULATED:
+        monkeypatch.setattr(zero.engine, "step_path_for", lambda device: CudaStep(device))
+    for var in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK"):
+        monkeypatch.delenv(var, raising=False)
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_adamw_with_accumulation_and_clipping_matches_torch(stage):
+    engine = engine_cases.compare_with_torch(DEVICE, stage)
+    assert isinstance(engine.step_path, CudaStep)
+
+
+@pytest.mark.parametrize("optimizer", ["adam_amsgrad", "sgd_nesterov", "adagrad"])
+@pytest.mark.parametrize("stage", [0, 3])
+def test_optimizers_the_kernels_do_not_cover_match_torch(stage, optimizer):
+    engine_cases.compare_with_torch(DEVICE, stage, optimizer)
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_bf16_matches_mixed_precision_torch(stage):
+    engine_cases.bf16_matches_mixed_precision_torch(DEVICE, stage)
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_fp16_overflow_skips_the_step(stage):
+    engine_cases.fp16_overflow_skips(DEVICE, stage)
+
+
+@pytest.mark.skipif(EMULATED, reason="needs CUDA tensors and NCCL")
+def test_engine_buffers_live_on_the_gpu():
+    model, _ = engine_cases.pair(DEVICE)
+    engine = zero.initialize(model, optimizer=torch.optim.AdamW(model.parameters()), stage=2,
+                             precision="bf16")
+    for fg in engine.groups:
+        for name, t in fg.tensors.items():
+            assert t is None or t.device == DEVICE, name
+    assert "nccl" in str(torch.distributed.get_backend()).lower()
+    engine.close()
