@@ -1,13 +1,14 @@
-"""The GPU check, for a session with a GPU and a few minutes: builds
-nothing (it uses the zero._C built beside it, which must embed the fatbin),
-runs tests/gpu (the kernels, and the engine's stages 0-3 against torch),
+"""The GPU check, for a session with a GPU and a few minutes: uses the
+zero._C built beside it (carry it to the device: it must embed the fatbin;
+without one, the script builds it in place first, which needs a C compiler
+and, for the kernels, nvcc), runs tests/gpu (the kernels, and the engine's stages 0-3 against torch),
 times the flat Adam kernel against torch's fused AdamW and against the
 device's copy bandwidth measured in the same run, then a short training
 loop of examples/gpt.py's 30M GPT under the engine (stages 0-3, bf16)
 beside plain torch (autocast bf16, fused AdamW); prints the tables and
 writes JSON under $OUT when it is set.
 
-Two workloads over one flat parameter tensor of N elements (64M, 256M):
+Two workloads over one flat parameter tensor of N elements (64M, 256M, 1G):
   fp32   fp32 gradients; torch: AdamW(fused=True).step().
   mixed  bf16 gradients and a bf16 copy-out of the updated parameters;
          torch's best sequence: upcast the gradient into p.grad, fused
@@ -21,7 +22,7 @@ Each time is the median over rounds in which every runner runs `--steps`
 back-to-back steps between two CUDA events (so the CPU's launch cost is
 hidden as it is in training), the runners taking turns within a round.
 
-Usage: python bench/gpu_check.py [--sizes 64M,256M] [--rounds 7] [--steps 10]
+Usage: python bench/gpu_check.py [--sizes 64M,256M,1G] [--rounds 7] [--steps 10]
        [--train-steps 20] [--skip-tests]
 """
 from __future__ import annotations
@@ -41,7 +42,12 @@ sys.path.insert(0, str(ROOT / "examples"))
 
 import torch  # noqa: E402
 
-import zero  # noqa: E402
+try:
+    import zero  # noqa: E402
+except ImportError:  # no zero._C carried here: build it in place
+    subprocess.run([sys.executable, "setup.py", "build_ext", "--inplace"], cwd=ROOT,
+                   check=True)
+    import zero  # noqa: E402
 from gpt import GPT, GPTConfig, MarkovText  # noqa: E402
 from zero import _C, _cuda  # noqa: E402
 
@@ -59,7 +65,8 @@ def run_tests():
     start = time.time()
     out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
                           "-rs", "tests/gpu"], cwd=ROOT, capture_output=True, text=True,
-                         env={**os.environ, "PYTHONPATH": str(ROOT / "python")})
+                         env={**os.environ, "PYTHONPATH": str(ROOT / "python")},
+                         timeout=300)  # a hang must not spend the whole device lease
     tail = out.stdout.strip().splitlines()[-1] if out.stdout.strip() else out.stderr[-500:]
     print(out.stdout[-4000:] if out.returncode else tail)
     return dict(returncode=out.returncode, summary=tail, seconds=round(time.time() - start, 1))
@@ -178,7 +185,7 @@ def train_loop(runner, steps, batch=16):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--sizes", default="64M,256M")
+    ap.add_argument("--sizes", default="64M,256M,1G")
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--train-steps", type=int, default=20)
@@ -191,7 +198,7 @@ def main():
         print("no usable GPU: nothing to check", file=sys.stderr)
         return 1
     device = torch.cuda.get_device_name()
-    print(f"device: {device}; torch {torch.__version__}")
+    print(f"device: {device}; torch {torch.__version__} (CUDA {torch.version.cuda})")
     tests = None if args.skip_tests else run_tests()
 
     bandwidth = copy_bandwidth(args.rounds, args.steps)

@@ -417,3 +417,17 @@ def test_stage3_external_parameter():
     with pytest.raises(ValueError, match="not a module of the wrapped model"):
         engine.register_external_parameter(nn.Linear(2, 2), m.embed.weight)
     engine.close()
+
+
+def test_closing_one_engine_leaves_the_group_another_engine_uses():
+    first_model, second_model = model(0), model(1)
+    first = zero.initialize(first_model, optimizer=torch.optim.SGD(first_model.parameters(),
+                                                                   lr=0.1))
+    second = zero.initialize(second_model, stage=2,
+                             optimizer=torch.optim.SGD(second_model.parameters(), lr=0.1))
+    first.close()
+    assert dist.is_initialized()
+    second.backward(second(torch.randn(4, 6)).square().mean())
+    second.step()  # its collectives still have a group
+    assert second.global_steps == 1
+    second.close()

@@ -53,6 +53,11 @@ def join_process_group(device: torch.device) -> bool:
     """
     if dist.is_initialized():
         check_backend(device)
+        if _owned["count"]:
+            # an in-memory group another engine made: share it, so that
+            # engine's close() does not destroy it under this one
+            _owned["count"] += 1
+            return True
         return False
     backend = backend_for(device)
     # bound to the model's device, so NCCL never guesses from the current one
@@ -118,12 +123,16 @@ class CommLog:
 
 
 class Comm:
-    """Collectives over the default group, logged. Scalars (checks, the
-    gradient norm) travel as tensors on `device`, the model's: a group made
-    with NCCL alone cannot carry CPU tensors."""
+    """Collectives over the default group, logged. `device` is the model's.
+    Small host-side numbers (flags, checks) travel as CPU tensors when the
+    group has gloo for them, so the host never waits for the GPU to read
+    them back; a group made with NCCL alone gets them on the device."""
 
     def __init__(self, device: torch.device = torch.device("cpu")):
         self.device = device
+        describe = getattr(dist, "get_backend_config", dist.get_backend)
+        host_ok = device.type == "cpu" or "gloo" in str(describe()).lower()
+        self.scalar_device = torch.device("cpu") if host_ok else device
         self.rank = dist.get_rank()
         self.world = dist.get_world_size()
         self.log = CommLog()
@@ -155,8 +164,8 @@ class Comm:
     def gather_scalars(self, value: int) -> list:
         """Every rank's integer, in rank order (not logged: a check, not
         training traffic)."""
-        mine = torch.tensor([value], dtype=torch.int64, device=self.device)
-        every = torch.empty(self.world, dtype=torch.int64, device=self.device)
+        mine = torch.tensor([value], dtype=torch.int64, device=self.scalar_device)
+        every = torch.empty(self.world, dtype=torch.int64, device=self.scalar_device)
         all_gather_single(every, mine)
         return every.tolist()
 
@@ -169,6 +178,6 @@ class Comm:
     def sum_scalar(self, value: float) -> float:
         if self.world == 1:
             return value
-        t = torch.tensor([value], dtype=torch.float64, device=self.device)
+        t = torch.tensor([value], dtype=torch.float64, device=self.scalar_device)
         dist.all_reduce(t, op=dist.ReduceOp.SUM)
         return float(t.item())

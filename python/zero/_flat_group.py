@@ -92,8 +92,8 @@ class FlatGroup:
             self.grad_flat = None
             self.grad_part = torch.zeros(self.part_size, dtype=compute_dtype, device=device)
             self._plan_buckets(bucket_elements)
-        self.buffers["grad"] = _C.Buffer(self.grad_part)
         self.tensors["grad"] = self.grad_part
+        self._register("grad", self.grad_part)
 
     def _build_buffers(self, compute_dtype):
         """Seed the shard (and fp32 master) from the parameters' values on
@@ -130,14 +130,14 @@ class FlatGroup:
                 unit.gathered = unit.persistent = True
                 unit.point_params()
             del full32, mine
-        # the update's operands: registered with the C core once (a step
-        # then passes no DLPack capsules), and as tensors for the GPU step
+        # the update's operands as tensors (the GPU step), and on the CPU
+        # also registered with the C core once, so a step passes no DLPack
         self.buffers, self.tensors = {}, {}
         if self.trainable:
             self.tensors["master"] = self.master
             self.tensors["copy_out"] = None if self.master is self.shard else self.shard
-            self.buffers = {k: None if t is None else _C.Buffer(t)
-                            for k, t in self.tensors.items()}
+            for k, t in self.tensors.items():
+                self._register(k, t)
 
     # ---- layout helpers --------------------------------------------------
 
@@ -153,7 +153,11 @@ class FlatGroup:
             t = torch.full((self.part_size,), fill, dtype=torch.float32, device=self.device)
             self.states[name] = t
             self.tensors[name] = t
-            self.buffers[name] = _C.Buffer(t)
+            self._register(name, t)
+
+    def _register(self, name, tensor):
+        if self.device.type == "cpu":
+            self.buffers[name] = None if tensor is None else _C.Buffer(tensor)
 
     # ---- stages 0-1: gradients in a full flat buffer -----------------------
 
@@ -309,12 +313,13 @@ class FlatGroup:
         late gradients; reduce the late buckets (zeros where this rank has
         none), in order; collect."""
         self._launch_ready(force=True)
-        flags = torch.tensor(list(self.fired) + [int(b in self.late)
-                                                 for b in range(len(self.buckets))],
-                             dtype=torch.int32, device=self.device)
+        flags = list(self.fired) + [int(b in self.late) for b in range(len(self.buckets))]
         if self.comm.world > 1:
+            # host numbers: on the CPU (gloo) where the group allows, so
+            # reading them back does not wait for the GPU
+            flags = torch.tensor(flags, dtype=torch.int32, device=self.comm.scalar_device)
             self.comm.all_reduce_sum(flags)
-        flags = flags.tolist()
+            flags = flags.tolist()
         for b in range(len(self.buckets)):
             if flags[len(self.params) + b]:
                 late = self.late.get(b)

@@ -7,8 +7,8 @@ from the device of the model's parameters (docs/engine.md, "Devices").
   and run Adam/AdamW, launched on torch's current stream. What the kernels
   do not cover (SGD, Adagrad, Lion, amsgrad) runs as torch ops.
 - TorchStep: torch ops only, for a GPU on which the kernels cannot run
-  (zero built without nvcc, a driver too old for the fatbin): slower, and
-  said so once in a warning at initialize.
+  (zero built without nvcc, a driver too old for the fatbin, found by one
+  tiny launch at initialize): slower, and said so in a warning.
 
 squared_norm() returns the global squared L2 norm of the gradients as a
 Python float. That is the one host synchronisation of a GPU step: the clip
@@ -16,6 +16,7 @@ coefficient and the fp16 skip decision are made on the host from it.
 """
 from __future__ import annotations
 
+import contextlib
 import warnings
 
 import torch
@@ -50,8 +51,9 @@ class TorchStep:
     def _local_squared_norm(self, groups) -> torch.Tensor:
         local = torch.zeros((), dtype=torch.float64, device=self.device)
         for fg in groups:
-            # in float64 inside the reduction; no fp32 copy of the partition
-            local += torch.linalg.vector_norm(fg.grad_part, dtype=torch.float64).square()
+            # fp32 accumulation reads bf16/fp16 in place; asking for float64
+            # would first copy the partition to float64
+            local += torch.linalg.vector_norm(fg.grad_part, dtype=torch.float32).double().square()
         return local
 
     def squared_norm(self, groups, comm, across_ranks: bool) -> float:
@@ -72,12 +74,25 @@ class CudaStep(TorchStep):
         self.device = device
         self.name = f"{device.type}: zero CUDA kernels"
 
+    def _on_device(self):
+        # torch exports a CUDA tensor through DLPack only while its device
+        # is the current one (a rank of torchrun that never called
+        # set_device would fail)
+        if self.device.type == "cuda":
+            return torch.cuda.device(self.device)
+        return contextlib.nullcontext()  # the emulated driver's host tensors
+
     def _local_squared_norm(self, groups) -> torch.Tensor:
-        return self._cuda.l2_norm([fg.grad_part for fg in groups], squared=True).double()
+        with self._on_device():
+            return self._cuda.l2_norm([fg.grad_part for fg in groups], squared=True).double()
 
     def update(self, kind, optimizer, group, fg, grad_scale):
         if kind != "adam" or group.get("amsgrad", False):
             return super().update(kind, optimizer, group, fg, grad_scale)
+        with self._on_device():
+            self._adam(optimizer, group, fg, grad_scale)
+
+    def _adam(self, optimizer, group, fg, grad_scale):
         if group.get("maximize", False):
             grad_scale = -grad_scale
         step = getattr(fg, "step_tensor", None)
@@ -102,11 +117,26 @@ def step_path_for(device: torch.device):
     if device.type == "cpu":
         return HostStep()
     if device.type == "cuda":
-        from zero import _cuda
-        if _cuda.available():
+        reason = _kernels_unusable(device)
+        if reason is None:
             return CudaStep(device)
-        warnings.warn(f"zero's CUDA kernels cannot run here ({_cuda.info()['reason']}); the "
-                      "optimizer step runs as torch ops instead, which is slower",
-                      RuntimeWarning, stacklevel=3)
+        warnings.warn(f"zero's CUDA kernels cannot run here ({reason}); the optimizer step "
+                      "runs as torch ops instead, which is slower", RuntimeWarning, stacklevel=3)
         return TorchStep(device)
     raise NotImplementedError(f"zero trains models on cpu or cuda devices, not {device.type}")
+
+
+def _kernels_unusable(device):
+    """None if zero's kernels run on `device`, else why not. cuda_available()
+    opens the driver; only a launch loads the fatbin into the device's
+    context, which is where a driver older than the nvcc that built it, or
+    a GPU older than sm_80, is found."""
+    from zero import _cuda
+    if not _cuda.available():
+        return _cuda.info()["reason"]
+    try:
+        with torch.cuda.device(device):
+            _cuda.l2_norm([torch.zeros(1, device=device)])
+    except RuntimeError as error:
+        return str(error)
+    return None
