@@ -36,14 +36,10 @@ def main():
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
                     help="cuda: rank r trains on GPU LOCAL_RANK")
     args = ap.parse_args()
+    device = torch.device("cpu")
     if args.device == "cuda":
-        if args.partitioned_init:
-            ap.error("--partitioned-init builds the model in host memory: use it with --device "
-                     "cpu")
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
         torch.cuda.set_device(device)
-    else:
-        device = torch.device("cpu")
 
     torch.manual_seed(0)
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("WORLD_SIZE", 1))))
@@ -52,11 +48,13 @@ def main():
         with zero.partitioned_init():
             model = GPT(cfg)
     else:
-        model = GPT(cfg).to(device)
+        model = GPT(cfg)
     n = sum(p.numel() for p in model.parameters())  # before stage 3 releases them
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
+    # built in host memory; the engine moves it (a partitioned model one
+    # parameter at a time)
     engine = zero.initialize(model, optimizer=optimizer, stage=args.stage,
-                             precision=args.precision, gradient_clipping=1.0)
+                             precision=args.precision, gradient_clipping=1.0, device=device)
     rank, world = dist.get_rank(), dist.get_world_size()
     data = MarkovText(cfg.vocab, cfg.seq)
     if rank == 0:

@@ -14,19 +14,28 @@ CPU = torch.device("cpu")
 
 
 @pytest.fixture
-def torch_step(monkeypatch):
+def torch_step(monkeypatch, request):
     monkeypatch.setattr(zero.engine, "step_path_for", lambda device: TorchStep(device))
     for var in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK"):
         monkeypatch.delenv(var, raising=False)
-    had_group = dist.is_initialized()  # partitioned_init's tests leave theirs
+    had_group = dist.is_initialized()
     yield
-    assert dist.is_initialized() == had_group, "an engine left its process group behind"
+    # zero.partitioned_init leaves its group for the life of the process
+    if getattr(request.node, "callspec", None) is None or \
+            request.node.callspec.params.get("build") != "partitioned":
+        assert dist.is_initialized() == had_group, "an engine left its process group behind"
 
 
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_adamw_with_accumulation_and_clipping(torch_step, stage):
     engine = engine_cases.compare_with_torch(CPU, stage)
     assert isinstance(engine.step_path, TorchStep)
+
+
+@pytest.mark.parametrize("build", ["on cpu", "partitioned"])
+@pytest.mark.parametrize("stage", [1, 3])
+def test_initialize_with_a_device(torch_step, stage, build):
+    engine_cases.compare_with_torch(CPU, stage, build=build)
 
 
 @pytest.mark.parametrize("optimizer", ["adam_amsgrad", "sgd_nesterov", "adagrad"])
@@ -64,10 +73,10 @@ def test_a_gpu_without_usable_kernels_falls_back_with_a_warning():
 
 def test_models_zero_cannot_place_are_refused(torch_step):
     split = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 2, device="meta"))
-    with pytest.raises(ValueError, match=r"several devices \(cpu, meta\).*model.to"):
-        zero.initialize(split)
-    with pytest.raises(ValueError, match="meta device.*partitioned_init"):
-        zero.initialize(torch.nn.Linear(2, 2, device="meta"))
+    for model in (split, torch.nn.Linear(2, 2, device="meta")):
+        for device in (None, "cpu"):  # meta has no values to move
+            with pytest.raises(ValueError, match="meta device.*partitioned_init"):
+                zero.initialize(model, device=device)
 
 
 def test_a_group_that_cannot_reduce_the_model_tensors_is_refused(torch_step):
@@ -82,3 +91,14 @@ def test_a_group_that_cannot_reduce_the_model_tensors_is_refused(torch_step):
     finally:
         if made:
             dist.destroy_process_group()
+
+
+def test_device_argument_is_checked_by_name(torch_step):
+    m = torch.nn.Linear(2, 2)
+    with pytest.raises(ValueError, match="device='gpu0' is not a device"):
+        zero.initialize(m, device="gpu0")
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match=r"device='cuda', but torch.cuda.is_available\(\)"):
+            zero.initialize(m, device="cuda")
+    with pytest.raises(NotImplementedError, match="not on mps"):
+        zero.initialize(m, device="mps")

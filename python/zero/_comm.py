@@ -40,9 +40,10 @@ def check_backend(device: torch.device):
             "(or let zero.initialize make it)")
 
 
-def join_process_group(device: torch.device) -> bool:
+def join_process_group(device: torch.device, backend: str | None = None) -> bool:
     """Make sure a default process group exists that can reduce tensors on
     `device`; True if the caller owns it and should destroy it when done.
+    `backend` overrides backend_for(device) for a group made here.
 
     An existing group is reused. Under torchrun (RANK etc. set) the group is
     made from env:// and kept for the life of the process (destroyed at
@@ -59,7 +60,7 @@ def join_process_group(device: torch.device) -> bool:
             _owned["count"] += 1
             return True
         return False
-    backend = backend_for(device)
+    backend = backend or backend_for(device)
     # bound to the model's device, so NCCL never guesses from the current one
     bind = {"device_id": device} if device.type == "cuda" else {}
     if all(v in os.environ for v in _LAUNCHER_VARS):

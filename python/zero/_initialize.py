@@ -1,6 +1,7 @@
 """zero.initialize: one call from a plain torch model to a ZeRO engine."""
 from __future__ import annotations
 
+import os
 import weakref
 
 import torch
@@ -14,7 +15,7 @@ from zero.engine import Engine
 
 
 def initialize(model: nn.Module, *, optimizer=None, stage=None, precision=None,
-               config=None, lr_scheduler=None, **options) -> Engine:
+               config=None, lr_scheduler=None, device=None, **options) -> Engine:
     """Wrap `model` in place and return the Engine that trains it.
 
     optimizer: a torch.optim (AdamW, Adam, SGD, Adagrad) or zero.optim
@@ -27,6 +28,11 @@ def initialize(model: nn.Module, *, optimizer=None, stage=None, precision=None,
     lr_scheduler: a scheduler on `optimizer`, or a callable
         optimizer -> scheduler; stepped by the engine on every update that
         is not skipped.
+    device: where to train: None for the device the parameters are on, or
+        "cpu", "cuda", "cuda:1", a torch.device. The model is moved there
+        (a zero.partitioned_init model one parameter at a time); "cuda"
+        without an index means cuda:LOCAL_RANK under a launcher (made the
+        current device), else the current device.
     options: any other zero.Config field (gradient_accumulation_steps,
         gradient_clipping, reduce_bucket_size, ...).
     """
@@ -49,7 +55,7 @@ def initialize(model: nn.Module, *, optimizer=None, stage=None, precision=None,
     cfg = cfg.replace(**options) if options else cfg
     if not any(True for _ in model.parameters()):
         raise ValueError("the model has no parameters; nothing to train")
-    device = _model_device(model)
+    device = _engine_device(model, device)
     if optimizer is None:
         optimizer = optimizer_from_config(cfg.optimizer or {"type": "AdamW",
                                                             "params": {"lr": 1e-3}},
@@ -77,20 +83,38 @@ def initialize(model: nn.Module, *, optimizer=None, stage=None, precision=None,
         raise
 
 
-def _model_device(model: nn.Module) -> torch.device:
-    """The one device the model's parameters are on: the engine keeps its
-    buffers there and picks the step for it (_step_path)."""
-    devices = {p.device for p in model.parameters()}
-    if len(devices) > 1:
-        names = ", ".join(sorted(str(d) for d in devices))
-        raise ValueError(f"the model's parameters are on several devices ({names}); zero trains "
-                         "a model on one device per rank: move it with model.to(device)")
-    device = devices.pop()
-    if device.type == "meta":
-        raise ValueError("the model's parameters are on the meta device (no values); build it "
+def _engine_device(model: nn.Module, device) -> torch.device:
+    """The device the engine trains on: `device` when given (the engine
+    moves the model there as it casts it), else the one device the model's
+    parameters are on. The engine keeps its buffers there and picks the
+    step for it (_step_path)."""
+    current = {p.device for p in model.parameters()}
+    if any(d.type == "meta" for d in current):
+        raise ValueError("the model has parameters on the meta device (no values); build it "
                          "under zero.partitioned_init() instead, or materialise it first "
                          "(model.to_empty(device=...) and initialise the values)")
-    if device.type not in ("cpu", "cuda"):
-        raise NotImplementedError(f"the model's parameters are on {device}; zero trains on "
-                                  "cpu and cuda devices only")
-    return device
+    if device is None:
+        if len(current) > 1:
+            names = ", ".join(sorted(str(d) for d in current))
+            raise ValueError(f"the model's parameters are on several devices ({names}); zero "
+                             "trains a model on one device per rank: pass device=, or move it "
+                             "with model.to(device)")
+        target = current.pop()
+    else:
+        try:
+            target = torch.device(device)
+        except (RuntimeError, TypeError) as error:
+            raise ValueError(f"device={device!r} is not a device ({error})") from None
+        if target.type == "cuda":
+            if not torch.cuda.is_available():
+                raise ValueError(f"device={device!r}, but torch.cuda.is_available() is False "
+                                 f"here (torch {torch.__version__}); train on device='cpu'")
+            if target.index is None:
+                local = os.environ.get("LOCAL_RANK")
+                target = torch.device("cuda", int(local) if local is not None
+                                      else torch.cuda.current_device())
+                if local is not None:
+                    torch.cuda.set_device(target)  # the rank's own GPU, as torchrun means
+    if target.type not in ("cpu", "cuda"):
+        raise NotImplementedError(f"zero trains on cpu and cuda devices, not on {target}")
+    return target

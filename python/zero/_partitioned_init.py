@@ -39,7 +39,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_map
 from torch.utils.weak import WeakIdKeyDictionary
 
-from zero._comm import all_gather_single, join_process_group
+from zero._comm import all_gather_single, backend_for, join_process_group
 
 _CHUNK_ALIGN = 16
 # ops that overwrite every element of their target, so the old values need
@@ -123,8 +123,11 @@ class partitioned_init(TorchDispatchMode):
     def __enter__(self):
         # The gathers need a process group. One made here (a one-process
         # group when no launcher is set) is left for zero.initialize to
-        # reuse, and stays for the life of the process.
-        join_process_group(torch.device("cpu"))
+        # reuse, and stays for the life of the process; where CUDA is
+        # present it gets NCCL too (connected only when first used), for
+        # an engine that trains the model on a GPU (initialize(device=)).
+        join_process_group(torch.device("cpu"), backend_for(
+            torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")))
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self._check_same_seed()
         self._hook = nn.modules.module.register_module_parameter_registration_hook(

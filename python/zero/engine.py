@@ -130,18 +130,19 @@ class Engine(nn.Module):
     # ---- construction helpers ----------------------------------------------
 
     def _cast(self, module, stage):
-        """module.to(compute dtype), leaving partitioned_init placeholders
-        for the flat groups to gather one at a time (casting one would
-        allocate it in full). At stages 0-2 frozen parameters are not in a
-        flat group, so a frozen placeholder is gathered here."""
-        dtype = self.compute_dtype
+        """module.to(the engine's device, compute dtype), leaving
+        partitioned_init placeholders for the flat groups to gather one at
+        a time (casting one would allocate it in full). At stages 0-2 frozen
+        parameters are not in a flat group, so a frozen placeholder is
+        gathered here."""
+        dtype, device = self.compute_dtype, self.device
 
         def cast(t):
             if sharded_record(t) is not None:
                 if stage == 3 or t.requires_grad:
                     return t
-                return take_values(t).to(dtype)
-            return t.to(dtype) if t.is_floating_point() else t
+                return take_values(t).to(device=device, dtype=dtype)
+            return t.to(device=device, dtype=dtype if t.is_floating_point() else None)
         module._apply(cast)
 
     @staticmethod

@@ -37,6 +37,12 @@ def test_adamw_with_accumulation_and_clipping_matches_torch(stage):
     assert isinstance(engine.step_path, CudaStep)
 
 
+@pytest.mark.parametrize("build", ["on cpu", "partitioned"])
+@pytest.mark.parametrize("stage", [0, 3])
+def test_initialize_moves_the_model_to_the_device(stage, build):
+    engine_cases.compare_with_torch(DEVICE, stage, build=build)
+
+
 @pytest.mark.parametrize("optimizer", ["adam_amsgrad", "sgd_nesterov", "adagrad"])
 @pytest.mark.parametrize("stage", [0, 3])
 def test_optimizers_the_kernels_do_not_cover_match_torch(stage, optimizer):
