@@ -1,7 +1,7 @@
 """The GPU check, for a session with a GPU and a few minutes: uses the
-zero._C built beside it (carry it to the device: it must embed the fatbin;
-without one, the script builds it in place first, which needs a C compiler
-and, for the kernels, nvcc), runs tests/gpu (the kernels, and the engine's stages 0-3 against torch),
+zero._C built beside it, or, where there is none for this Python (the
+device's image has another Python than the build machine), builds it in
+place first (a C compiler and, for the kernels, nvcc), runs tests/gpu (the kernels, and the engine's stages 0-3 against torch),
 times the flat Adam kernel against torch's fused AdamW and against the
 device's copy bandwidth measured in the same run, then a short training
 loop of examples/gpt.py's 30M GPT under the engine (stages 0-3, bf16)

@@ -48,10 +48,12 @@ def find_nvcc():
     found = shutil.which("nvcc")
     if found:
         return found, None
-    cuda_home = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH")
-    if cuda_home and os.access(Path(cuda_home) / "bin" / "nvcc", os.X_OK):
-        return str(Path(cuda_home) / "bin" / "nvcc"), None
-    return None, "built without nvcc (not on PATH, nor in $CUDA_HOME/bin)"
+    # $CUDA_HOME, then the toolkit's default install place (images often
+    # have it there without putting it on PATH)
+    for home in (os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH"), "/usr/local/cuda"):
+        if home and os.access(Path(home) / "bin" / "nvcc", os.X_OK):
+            return str(Path(home) / "bin" / "nvcc"), None
+    return None, "built without nvcc (not on PATH, in $CUDA_HOME/bin or /usr/local/cuda/bin)"
 
 
 def nvcc_version(nvcc):
