@@ -431,3 +431,55 @@ def test_closing_one_engine_leaves_the_group_another_engine_uses():
     second.step()  # its collectives still have a group
     assert second.global_steps == 1
     second.close()
+
+
+def _accumulated_update(stage, grad_accum_dtype, micro_batches=16):
+    """(the engine's update of the fp32 masters, the exact one) after one
+    SGD step over micro_batches bf16 backwards: SGD so that the update is
+    the averaged gradient itself, which the comparison then sees bare."""
+    m, twin = model(3), model(3).to(torch.bfloat16)
+    engine = zero.initialize(m, optimizer=torch.optim.SGD(m.parameters(), lr=1.0), stage=stage,
+                             precision="bf16", gradient_accumulation_steps=micro_batches,
+                             grad_accum_dtype=grad_accum_dtype,
+                             stage3_param_persistence_threshold=0)
+    before = engine.full_state_dict()
+    sums = {n: torch.zeros_like(p, dtype=torch.float32) for n, p in twin.named_parameters()}
+    g = torch.Generator().manual_seed(4)
+    for _ in range(micro_batches):
+        x = torch.randn(4, 6, generator=g)
+        engine.backward(engine(x).float().square().mean())
+        engine.step()
+        twin.zero_grad()
+        twin(x.to(torch.bfloat16)).float().square().mean().backward()
+        for n, p in twin.named_parameters():
+            sums[n] += p.grad.float()  # the same bf16 gradients, summed exactly in fp32
+    after = engine.full_state_dict()
+    summary = engine.memory_summary()
+    engine.close()
+    ours = torch.cat([(before[n] - after[n]).reshape(-1) for n in sums])
+    exact = torch.cat([(s * (1.0 / micro_batches)).reshape(-1) for s in sums.values()])
+    return ours, exact, summary
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_fp32_gradient_accumulation_sums_bf16_micro_batches_exactly(stage):
+    ours, exact, summary = _accumulated_update(stage, "fp32")
+    # what remains is the rounding of the update of fp32 masters (2^-24)
+    assert max_rel_error(ours, exact) <= 1e-5
+    bf16_ours, bf16_exact, bf16_summary = _accumulated_update(stage, None)
+    assert torch.equal(bf16_exact, exact)
+    # summed in bf16 (8 mantissa bits) the same update is visibly off
+    assert max_rel_error(bf16_ours, bf16_exact) >= 1e-4
+    assert summary["grads"] == 2 * bf16_summary["grads"]  # the partition in fp32
+    # SGD keeps the fp32 master only: 4 bytes of optimizer state
+    assert ("(2+4+4)Ψ/N" if stage == 3 else "2Ψ + 8Ψ/N") in summary["formula"]
+
+
+def test_grad_accum_dtype_is_checked():
+    with pytest.raises(ValueError, match="needs stage 2 or 3"):
+        zero.Config(stage=1, precision="bf16", grad_accum_dtype="fp32")
+    with pytest.raises(ValueError, match="grad_accum_dtype must be"):
+        zero.Config(stage=2, precision="bf16", grad_accum_dtype="fp16")
+    cfg = zero.Config.from_deepspeed({"zero_optimization": {"stage": 2}, "bf16": {"enabled": True},
+                                      "data_types": {"grad_accum_dtype": "fp32"}})
+    assert cfg.grad_accum_dtype == "fp32"

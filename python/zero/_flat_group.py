@@ -40,12 +40,13 @@ MAX_IN_FLIGHT = 2
 
 class FlatGroup:
     def __init__(self, index, params, names, compute_dtype, comm, stage, bucket_elements,
-                 units=None, trainable=True, device=torch.device("cpu")):
+                 units=None, trainable=True, device=torch.device("cpu"), grad_dtype=None):
         """units: lists of indices into params, one list per unit (stage 3);
         None makes the whole group one unit. The params are reordered unit
         by unit. trainable=False (stage 3's frozen parameters) keeps no
         master, gradients or optimizer states. Every buffer lives on
-        `device`, the model's."""
+        `device`, the model's. grad_dtype: the gradient partition's dtype
+        at stages 2-3 (default the compute dtype; buckets stay in it)."""
         if units is None:
             units = [list(range(len(params)))]
         order = [i for members in units for i in members]
@@ -90,7 +91,8 @@ class FlatGroup:
             self.point_grads_at_flat()
         else:
             self.grad_flat = None
-            self.grad_part = torch.zeros(self.part_size, dtype=compute_dtype, device=device)
+            self.grad_part = torch.zeros(self.part_size, dtype=grad_dtype or compute_dtype,
+                                         device=device)
             self._plan_buckets(bucket_elements)
         self.tensors["grad"] = self.grad_part
         self._register("grad", self.grad_part)
@@ -231,12 +233,17 @@ class FlatGroup:
     def _staging(self, b):
         if self.staging[b] is None:
             _unit, bs, be = self.buckets[b]
-            self.staging[b] = self.grad_part.new_zeros(be - bs)
+            self.staging[b] = self._bucket_buffer(be - bs)
             live = sum(s.numel() for s in self.staging if s is not None) + \
                 sum(f[1].numel() for f in self.in_flight)
             self.peak_bucket_bytes = max(self.peak_bucket_bytes,
-                                         live * self.grad_part.element_size())
+                                         live * self.compute_dtype.itemsize)
         return self.staging[b]
+
+    def _bucket_buffer(self, n):
+        # in the compute dtype, whatever the partition accumulates in:
+        # what travels is what backward produced
+        return torch.zeros(n, dtype=self.compute_dtype, device=self.device)
 
     def on_grad_ready(self, i):
         """Post-accumulate-grad hook body for parameter i (stages 2-3)."""
@@ -256,7 +263,7 @@ class FlatGroup:
             if b < self.next_bucket:
                 target = self.late.get(b)
                 if target is None:
-                    target = self.late[b] = self.grad_part.new_zeros(be - bs)
+                    target = self.late[b] = self._bucket_buffer(be - bs)
             else:
                 target = self._staging(b)
             target[s - bs:e - bs].add_(g[s - lo:e - lo])
@@ -325,7 +332,7 @@ class FlatGroup:
                 late = self.late.get(b)
                 if late is None:
                     _unit, bs, be = self.buckets[b]
-                    late = self.grad_part.new_zeros(be - bs)
+                    late = self._bucket_buffer(be - bs)
                 self._launch(b, late)
         self._retire(keep=0)
         self.expected = bytearray(1 if f else 0 for f in flags[:len(self.params)])

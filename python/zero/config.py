@@ -53,6 +53,10 @@ class Config:
     train_micro_batch_size_per_gpu: Optional[int] = None
     train_batch_size: Optional[int] = None  # checked against micro * accumulation * world
     loss_scaling: LossScaling = field(default_factory=LossScaling)
+    # stages 2-3: the dtype this rank's gradient partition accumulates in
+    # (None: the compute dtype); "fp32" keeps the sum of many bf16
+    # micro-batches exact to fp32 for 2 more bytes per partition element
+    grad_accum_dtype: Optional[str] = None
     optimizer: Optional[dict] = None  # {"type": "AdamW", "params": {...}}
     scheduler: Optional[dict] = None  # {"type": "WarmupLR", "params": {...}}
 
@@ -70,6 +74,14 @@ class Config:
         if not isinstance(self.reduce_bucket_size, int) or self.reduce_bucket_size < 1:
             raise ValueError(f"reduce_bucket_size must be a positive integer, got "
                              f"{self.reduce_bucket_size!r}")
+        if self.grad_accum_dtype not in (None, "fp32", self.precision):
+            raise ValueError(f"grad_accum_dtype must be None, 'fp32' or the precision "
+                             f"({self.precision!r}), got {self.grad_accum_dtype!r}")
+        if self.grad_accum_dtype not in (None, self.precision) and self.stage < 2:
+            raise ValueError(
+                f"grad_accum_dtype={self.grad_accum_dtype!r} needs stage 2 or 3: at stage "
+                f"{self.stage} gradients accumulate in the parameters' .grad, which autograd "
+                f"keeps in the compute dtype ({self.precision})")
         for name in ("stage3_param_persistence_threshold", "stage3_prefetch_bucket_size",
                      "stage3_max_live_parameters"):
             value = getattr(self, name)
@@ -127,6 +139,7 @@ def _translate(ds: dict) -> dict:
     top = dict(ds)
     options: dict[str, Any] = {}
     zero_block = top.pop("zero_optimization", {}) or {}
+    data_types = top.pop("data_types", None) or {}
     fp16 = top.pop("fp16", None) or {}
     bf16 = top.pop("bf16", None) or {}
     options.update(_take(top, "", {
@@ -155,6 +168,7 @@ def _translate(ds: dict) -> dict:
         if key in zero_opts:  # DeepSpeed configs often write 5e7
             zero_opts[key] = int(zero_opts[key])
     options.update(zero_opts)
+    options.update(_take(data_types, "data_types.", {"grad_accum_dtype": "grad_accum_dtype"}))
     if fp16.get("enabled") and bf16.get("enabled"):
         raise ValueError("fp16.enabled and bf16.enabled are both true; choose one")
     if bf16.get("enabled"):

@@ -90,7 +90,8 @@ class Engine(nn.Module):
                 continue
             fg = FlatGroup(index, params, names, self.compute_dtype, comm, config.stage,
                            config.reduce_bucket_size, units=self._units(params, owners),
-                           device=self.device)
+                           device=self.device,
+                           grad_dtype=DTYPES[config.grad_accum_dtype or config.precision])
             for name, fill in states_for(self._kind, optimizer.param_groups[index]).items():
                 fg.add_state(name, fill)
             self.groups.append(fg)
@@ -416,7 +417,8 @@ class Engine(nn.Module):
     def _formula(self, totals):
         psi = sum(fg.numel for fg in self.groups)
         n = self._comm.world
-        pb = torch.empty(0, dtype=self.compute_dtype).element_size()
+        pb = self.compute_dtype.itemsize
+        gb = self.groups[0].grad_part.element_size()  # grad_accum_dtype's (stages 2-3)
         master = 4 if self.compute_dtype != torch.float32 else 0
         # K, optimizer bytes per parameter: the master plus 4 per fp32 state;
         # groups may hold different states (amsgrad, momentum), so weight them
@@ -427,11 +429,11 @@ class Engine(nn.Module):
         elif self.stage == 1:
             text, value = f"{2 * pb}Ψ + {k}Ψ/N", 2 * pb * psi + k * psi / n
         elif self.stage == 2:
-            text, value = f"{pb}Ψ + {pb + k}Ψ/N", pb * psi + (pb + k) * psi / n
+            text, value = f"{pb}Ψ + {gb + k}Ψ/N", pb * psi + (gb + k) * psi / n
         else:
             live = totals["persistent"] + totals["gathered_peak"]
-            text = f"({pb}+{pb}+{k})Ψ/N + gathered {live:,} B"
-            value = (2 * pb + k) * psi / n + live
+            text = f"({pb}+{gb}+{k})Ψ/N + gathered {live:,} B"
+            value = (pb + gb + k) * psi / n + live
         return f"stage {self.stage}: {text}, Ψ={psi:,}, N={n}", int(value)
 
     def comm_summary(self) -> dict:
