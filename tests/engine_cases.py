@@ -41,6 +41,13 @@ class Net(nn.Module):
         return self.head(h + self.body(h))
 
 
+def no_launcher(monkeypatch):
+    """One process with no launcher variables: the engine makes its own
+    in-memory group."""
+    for var in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK"):
+        monkeypatch.delenv(var, raising=False)
+
+
 def pair(device, seed=0):
     """The model on `device` and an identical reference copy."""
     torch.manual_seed(seed)
@@ -61,6 +68,10 @@ def loss_of(logits, targets):
 def make_optimizer(name, params):
     if name == "adamw":
         return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.05)
+    if name == "adamw_maximize":  # the loss is then ascended: a sign the step must carry
+        return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.05, maximize=True)
+    if name == "lion":  # zero.optim's: on the CPU only (its reference is the C core)
+        return zero.optim.Lion(params, lr=1e-3, weight_decay=0.1)
     if name == "adam_amsgrad":
         return torch.optim.Adam(params, lr=1e-2, weight_decay=0.01, amsgrad=True)
     if name == "sgd_nesterov":

@@ -27,17 +27,28 @@ def backend_for(device: torch.device) -> str:
     return "gloo" if device.type == "cpu" else "cpu:gloo,cuda:nccl"
 
 
+def group_backend() -> str:
+    """The default group's backends: "gloo", "nccl", or per device type
+    ("cpu:gloo,cuda:nccl"; torch writes plain "gloo" as "cpu:gloo,cuda:gloo")."""
+    describe = getattr(dist, "get_backend_config", dist.get_backend)
+    return str(describe()).lower()
+
+
 def check_backend(device: torch.device):
     """An existing default group must be able to reduce tensors on `device`."""
-    # "gloo", "nccl", or per device type: "cpu:gloo,cuda:nccl"
-    describe = getattr(dist, "get_backend_config", dist.get_backend)
-    backend = str(describe()).lower()
+    backend = group_backend()
     needs = "gloo" if device.type == "cpu" else "nccl"
-    if needs not in backend and not (device.type == "cpu" and "mpi" in backend):
+    if needs in backend or (device.type == "cpu" and "mpi" in backend):
+        return
+    if _owned["count"]:
         raise RuntimeError(
-            f"the process group was made with backend {backend!r}, which cannot reduce the "
-            f"model's {device.type} tensors; make it with backend {backend_for(device)!r} "
-            "(or let zero.initialize make it)")
+            f"an open zero engine (or zero.partitioned_init) made this process's group for "
+            f"{'CPU' if needs == 'nccl' else 'CUDA'} tensors, with backend {backend!r}; "
+            f"{device.type} tensors need {needs}: close() that engine first")
+    raise RuntimeError(
+        f"the process group was made with backend {backend!r}, which cannot reduce the "
+        f"model's {device.type} tensors ({needs} can); make it with backend "
+        f"{backend_for(device)!r}, or let zero.initialize make it")
 
 
 def join_process_group(device: torch.device, backend: str | None = None) -> bool:
@@ -131,8 +142,7 @@ class Comm:
 
     def __init__(self, device: torch.device = torch.device("cpu")):
         self.device = device
-        describe = getattr(dist, "get_backend_config", dist.get_backend)
-        host_ok = device.type == "cpu" or "gloo" in str(describe()).lower()
+        host_ok = device.type == "cpu" or "gloo" in group_backend()
         self.scalar_device = torch.device("cpu") if host_ok else device
         self.rank = dist.get_rank()
         self.world = dist.get_world_size()

@@ -36,6 +36,8 @@ from zero._units import Unit
 # Buckets whose reduction may still be running while backward fills the
 # next: two let communication overlap computation without holding more.
 MAX_IN_FLIGHT = 2
+# gather_master's slice per rank on a GPU (16M fp32 elements: 64 MiB a rank)
+GATHER_SLICE = 1 << 24
 
 
 class FlatGroup:
@@ -371,20 +373,21 @@ class FlatGroup:
 
     def gather_master(self) -> torch.Tensor:
         """The full fp32 master in the unsharded layout, on every rank, in
-        host memory: a GPU holds one unit of it at a time."""
+        host memory. On a GPU it travels in slices of GATHER_SLICE elements
+        per rank: at stages 0-2 a unit is the whole group, which in fp32
+        the GPU may not have room for."""
         full = torch.empty(self.layout_size, dtype=torch.float32)
         source = self.master if self.trainable else self.shard
+        n = self.num_partitions
         for unit in self.units:
             out = full[unit.layout_offset:unit.layout_offset + unit.total]
-            mine = source[unit.shard_slice].detach().float()
-            if self.num_partitions == 1:
+            mine = source[unit.shard_slice].detach()
+            if n == 1:
                 out.copy_(mine)
             elif self.device.type == "cpu":
-                self.comm.all_gather_into(out, mine.clone())
+                self.comm.all_gather_into(out, mine.float().clone())
             else:
-                gathered = torch.empty(unit.total, dtype=torch.float32, device=self.device)
-                self.comm.all_gather_into(gathered, mine.clone())
-                out.copy_(gathered)
+                gather_in_slices(self.comm, out, mine, n, GATHER_SLICE)
         return full
 
     def nbytes(self) -> dict:
@@ -405,3 +408,16 @@ class FlatGroup:
             "buckets": getattr(self, "peak_bucket_bytes", 0),
             "persistent": gathered if self.stage == 3 else 0,
         }
+
+
+def gather_in_slices(comm, out, mine, n, slice_elements):
+    """out (host, n equal chunks) = every rank's `mine` (a chunk on the
+    device), slice_elements of each chunk per all-gather, so the device
+    holds n * slice_elements fp32 elements at a time."""
+    part = mine.numel()
+    for lo in range(0, part, slice_elements):
+        hi = min(lo + slice_elements, part)
+        gathered = torch.empty(n * (hi - lo), dtype=torch.float32, device=mine.device)
+        comm.all_gather_into(gathered, mine[lo:hi].float())
+        # rank r's slice goes to its own chunk, at the same offset
+        out.view(n, part)[:, lo:hi].copy_(gathered.view(n, hi - lo))

@@ -1,12 +1,12 @@
-"""Which C update runs for a user's optimizer, and with which of its
+"""Which update runs for a user's optimizer, and with which of its
 hyperparameters. The user's optimizer object stays the owner of the
 hyperparameters (an LR scheduler edits its param_groups); the engine keeps
-the states, partitioned, and runs the C core on its own partition."""
+the states, partitioned, and runs the update on its own partition with
+the functions _step_path.py picks (the C core, zero's kernels, torch ops)."""
 from __future__ import annotations
 
 import torch
 
-from zero import _C
 from zero import optim as zero_optim
 
 SUPPORTED = "torch.optim.AdamW, Adam, SGD, Adagrad and zero.optim's AdamW, Adam, SGD, Lion, Adagrad"

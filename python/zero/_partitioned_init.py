@@ -126,8 +126,9 @@ class partitioned_init(TorchDispatchMode):
         # reuse, and stays for the life of the process; where CUDA is
         # present it gets NCCL too (connected only when first used), for
         # an engine that trains the model on a GPU (initialize(device=)).
-        join_process_group(torch.device("cpu"), backend_for(
-            torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")))
+        gpu = torch.cuda.is_available() and dist.is_nccl_available()
+        join_process_group(torch.device("cpu"),
+                           backend_for(torch.device("cuda" if gpu else "cpu")))
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self._check_same_seed()
         self._hook = nn.modules.module.register_module_parameter_registration_hook(

@@ -22,7 +22,7 @@ import warnings
 import torch
 
 from zero import _C, _torch_update
-from zero._optimizer_bridge import decoupled, run_update
+from zero._optimizer_bridge import run_update
 
 HOST_FUNCTIONS = {"adam": _C.adam_step, "sgd": _C.sgd_step, "adagrad": _C.adagrad_step,
                   "lion": _C.lion_step}
@@ -73,6 +73,8 @@ class CudaStep(TorchStep):
         self._cuda = _cuda
         self.device = device
         self.name = f"{device.type}: zero CUDA kernels"
+        self._step_counts = {}  # id(master) -> the kernel's 1-element step tensor
+        self._functions = {**TORCH_FUNCTIONS, "adam": self._adam}
 
     def _on_device(self):
         # torch exports a CUDA tensor through DLPack only while its device
@@ -87,29 +89,30 @@ class CudaStep(TorchStep):
             return self._cuda.l2_norm([fg.grad_part for fg in groups], squared=True).double()
 
     def update(self, kind, optimizer, group, fg, grad_scale):
-        if kind != "adam" or group.get("amsgrad", False):
-            return super().update(kind, optimizer, group, fg, grad_scale)
         with self._on_device():
-            self._adam(optimizer, group, fg, grad_scale)
+            run_update(kind, optimizer, group, fg.tensors, fg.step_count, grad_scale,
+                       self._functions)
 
-    def _adam(self, optimizer, group, fg, grad_scale):
-        if group.get("maximize", False):
-            grad_scale = -grad_scale
-        step = getattr(fg, "step_tensor", None)
-        if step is None:
-            step = fg.step_tensor = torch.zeros(1, dtype=torch.float32, device=self.device)
+    def _adam(self, param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq, copy_out, *, lr, beta1,
+              beta2, eps, weight_decay, step, decoupled, amsgrad, grad_scale):
+        """zero._C.adam_step's arguments, run by the kernel (amsgrad, which
+        the kernel lacks, by torch ops)."""
+        if amsgrad:
+            return _torch_update.adam(
+                param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq, copy_out, lr=lr, beta1=beta1,
+                beta2=beta2, eps=eps, weight_decay=weight_decay, step=step,
+                decoupled=decoupled, amsgrad=True, grad_scale=grad_scale)
+        count = self._step_counts.get(id(param))
+        if count is None:
+            count = self._step_counts[id(param)] = torch.zeros(1, dtype=torch.float32,
+                                                                device=param.device)
         # The kernel advances the count on the device (so that a flagged
         # step is skipped without the host); set it from the host's count,
         # which stays the one the engine saves and restores.
-        step.fill_(fg.step_count - 1)
-        t = fg.tensors
-        beta1, beta2 = (float(x) for x in group["betas"])
-        self._cuda.adam_step(t["master"], t["grad"], t["exp_avg"], t["exp_avg_sq"], step=step,
-                             lr=float(group["lr"]), betas=(beta1, beta2),
-                             eps=float(group["eps"]),
-                             weight_decay=float(group["weight_decay"]),
-                             decoupled=decoupled(optimizer, group), grad_scale=grad_scale,
-                             copy_out=t["copy_out"])
+        count.fill_(step - 1)
+        self._cuda.adam_step(param, grad, exp_avg, exp_avg_sq, step=count, lr=lr,
+                             betas=(beta1, beta2), eps=eps, weight_decay=weight_decay,
+                             decoupled=decoupled, grad_scale=grad_scale, copy_out=copy_out)
 
 
 def step_path_for(device: torch.device):
@@ -120,8 +123,9 @@ def step_path_for(device: torch.device):
         reason = _kernels_unusable(device)
         if reason is None:
             return CudaStep(device)
+        # stacklevel: the user's initialize() call
         warnings.warn(f"zero's CUDA kernels cannot run here ({reason}); the optimizer step "
-                      "runs as torch ops instead, which is slower", RuntimeWarning, stacklevel=3)
+                      "runs as torch ops instead, which is slower", RuntimeWarning, stacklevel=4)
         return TorchStep(device)
     raise NotImplementedError(f"zero trains models on cpu or cuda devices, not {device.type}")
 
@@ -137,6 +141,6 @@ def _kernels_unusable(device):
     try:
         with torch.cuda.device(device):
             _cuda.l2_norm([torch.zeros(1, device=device)])
-    except RuntimeError as error:
+    except (RuntimeError, ValueError) as error:  # the binding's two kinds of failure
         return str(error)
     return None

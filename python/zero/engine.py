@@ -2,8 +2,9 @@
 
 It wraps the user's module in place: trainable parameters become views into
 flat, partitioned buffers (_flat_group.FlatGroup), gradients are reduced
-over ranks with SUM, and the update runs the C core on this rank's partition
-with every scale folded into one factor:
+over ranks with SUM, and the update runs on this rank's partition (the C
+core, or on a GPU zero's kernels: _step_path.py) with every scale folded
+into one factor:
 
     grad_scale = clip_coefficient / (loss_scale * world_size * accumulation_steps)
 
@@ -66,6 +67,8 @@ class Engine(nn.Module):
         self._kind = optimizer_kind(optimizer)
         self.compute_dtype = DTYPES[config.precision]
         self.device = comm.device  # the model's; every buffer lives there
+        # chosen before any hook is installed: a failure leaves no trace
+        self.step_path = step_path_for(self.device)
         self.stage = config.stage
         self.micro_steps = 0
         self.global_steps = 0
@@ -121,7 +124,6 @@ class Engine(nn.Module):
                     self._hooks.append(p.register_post_accumulate_grad_hook(
                         lambda _p, fg=fg, i=i: fg.on_grad_ready(i)))
         self._guard_optimizer()
-        self.step_path = step_path_for(self.device)
 
     @property
     def all_groups(self) -> list[FlatGroup]:

@@ -97,8 +97,9 @@ class FlatOptimizer(torch.optim.Optimizer):
             where = f"parameter {i} of param group {group_index}"
             if p.device.type != "cpu":
                 raise ValueError(
-                    f"{where} is on {p.device}; zero.optim optimizers run on the CPU "
-                    "(move the model with .cpu(), or let zero.initialize place states)")
+                    f"{where} is on {p.device}; zero.optim optimizers run on the CPU: build "
+                    "this one while the model is on the CPU (to train on a GPU, then pass "
+                    "device= to zero.initialize), or use torch.optim's")
             if p.dtype not in SUPPORTED_DTYPES:
                 raise TypeError(f"{where} has dtype {p.dtype}; supported: float32, "
                                 "bfloat16, float16")
