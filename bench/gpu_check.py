@@ -229,8 +229,15 @@ def main():
         print(f"{r['workload']:<8} {r['size']:>6} {r['ours_ms']:>9.3f} {r['torch_ms']:>9.3f} "
               f"{r['speedup']:>10.2f} {r['ours_gbs']:>10.0f} {r['of_copy']:>8.0%}")
 
-    training = [train_loop(r, args.train_steps) for r in ("torch", "zero0", "zero1", "zero2",
-                                                          "zero3")]
+    training = []
+    for runner in ("torch", "zero0", "zero1", "zero2", "zero3"):
+        try:
+            training.append(train_loop(runner, args.train_steps))
+        except Exception as error:  # one runner's failure must not lose the others' rows
+            print(f"{runner} failed: {type(error).__name__}: {error}")
+            training.append(dict(runner=runner, ms=float("nan"), loss=float("nan"),
+                                 peak_mib=float("nan"), path=f"failed: {error}"[:200]))
+            torch.cuda.empty_cache()
     base = training[0]["ms"]
     print(f"\ntraining: 30M GPT, batch 16 x 128 tokens, bf16, clip 1.0, "
           f"median of {args.train_steps} steps\n")

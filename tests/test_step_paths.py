@@ -96,13 +96,15 @@ def test_models_zero_cannot_place_are_refused(torch_step):
                 zero.initialize(model, device=device)
 
 
-def test_a_group_that_cannot_reduce_the_model_tensors_is_refused(torch_step):
+def test_a_group_that_cannot_reduce_the_model_tensors_is_refused(torch_step, monkeypatch):
     from zero._comm import check_backend
     made = not dist.is_initialized()
     if made:
         dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
         check_backend(torch.device("cpu"))
+        check_backend(torch.device("cuda"))  # one rank: no model tensor is ever sent
+        monkeypatch.setattr(dist, "get_world_size", lambda *a, **k: 2)
         with pytest.raises(RuntimeError, match="cuda tensors.*nccl"):
             check_backend(torch.device("cuda"))
     finally:

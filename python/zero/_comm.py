@@ -20,11 +20,13 @@ all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_
 _owned = {"count": 0}  # process groups this module created, by engine
 
 
-def backend_for(device: torch.device) -> str:
+def backend_for(device: torch.device, world: int) -> str:
     """The process-group backend for a model on `device`: gloo on the CPU;
     NCCL for CUDA tensors, with gloo beside it for the few CPU tensors
-    (checks, scalars) a caller may pass."""
-    return "gloo" if device.type == "cpu" else "cpu:gloo,cuda:nccl"
+    (checks, scalars) a caller may pass. A world of one rank never sends a
+    model tensor (Comm skips every collective), so it takes gloo even on a
+    GPU: no NCCL communicator to set up in a notebook."""
+    return "gloo" if device.type == "cpu" or world == 1 else "cpu:gloo,cuda:nccl"
 
 
 def group_backend() -> str:
@@ -38,7 +40,8 @@ def check_backend(device: torch.device):
     """An existing default group must be able to reduce tensors on `device`."""
     backend = group_backend()
     needs = "gloo" if device.type == "cpu" else "nccl"
-    if needs in backend or (device.type == "cpu" and "mpi" in backend):
+    if needs in backend or (device.type == "cpu" and "mpi" in backend) or \
+            (device.type != "cpu" and dist.get_world_size() == 1):  # see backend_for
         return
     if _owned["count"]:
         raise RuntimeError(
@@ -48,13 +51,13 @@ def check_backend(device: torch.device):
     raise RuntimeError(
         f"the process group was made with backend {backend!r}, which cannot reduce the "
         f"model's {device.type} tensors ({needs} can); make it with backend "
-        f"{backend_for(device)!r}, or let zero.initialize make it")
+        f"{backend_for(device, dist.get_world_size())!r}, or let zero.initialize make it")
 
 
 def join_process_group(device: torch.device, backend: str | None = None) -> bool:
     """Make sure a default process group exists that can reduce tensors on
     `device`; True if the caller owns it and should destroy it when done.
-    `backend` overrides backend_for(device) for a group made here.
+    `backend` overrides backend_for() for a group made here.
 
     An existing group is reused. Under torchrun (RANK etc. set) the group is
     made from env:// and kept for the life of the process (destroyed at
@@ -71,10 +74,11 @@ def join_process_group(device: torch.device, backend: str | None = None) -> bool
             _owned["count"] += 1
             return True
         return False
-    backend = backend or backend_for(device)
+    launched = all(v in os.environ for v in _LAUNCHER_VARS)
+    backend = backend or backend_for(device, int(os.environ["WORLD_SIZE"]) if launched else 1)
     # bound to the model's device, so NCCL never guesses from the current one
-    bind = {"device_id": device} if device.type == "cuda" else {}
-    if all(v in os.environ for v in _LAUNCHER_VARS):
+    bind = {"device_id": device} if "nccl" in backend and device.type == "cuda" else {}
+    if launched:
         dist.init_process_group(backend, init_method="env://", **bind)
         atexit.register(_destroy_at_exit)
         return False

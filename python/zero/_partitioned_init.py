@@ -31,6 +31,7 @@
 from __future__ import annotations
 
 import hashlib
+import os
 
 import torch
 import torch.distributed as dist
@@ -127,8 +128,9 @@ class partitioned_init(TorchDispatchMode):
         # present it gets NCCL too (connected only when first used), for
         # an engine that trains the model on a GPU (initialize(device=)).
         gpu = torch.cuda.is_available() and dist.is_nccl_available()
+        world = int(os.environ.get("WORLD_SIZE", 1))
         join_process_group(torch.device("cpu"),
-                           backend_for(torch.device("cuda" if gpu else "cpu")))
+                           backend_for(torch.device("cuda" if gpu else "cpu"), world))
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self._check_same_seed()
         self._hook = nn.modules.module.register_module_parameter_registration_hook(
