@@ -12,7 +12,8 @@ the order recorded on earlier passes.
   backward and queues the end-of-backward callback on that (outer) graph
   task; a unit is released as soon as all its parameters' gradients are
   accumulated (each gradient has then been copied into its reduction
-  bucket), and the callback releases whatever is left.
+  bucket), a frozen unit once its module's inputs have their gradients,
+  and the callback releases whatever is left.
 - Inside a backward, forward hooks do not release: that is activation
   checkpointing recomputing, and its backward comes right after.
 - Collective order: every gather is issued from these hooks, in program
@@ -220,7 +221,7 @@ class Stage3Schedule:
         return pre_forward
 
     def _hook_post_forward(self, index, is_root):
-        def post_forward(module, _args, output):
+        def post_forward(module, args, output):
             for _fg, unit in self.units_of[module]:
                 unit.active -= 1
             if not self.in_backward:
@@ -237,11 +238,32 @@ class Stage3Schedule:
                 if tensors:
                     register_multi_grad_hook(tensors, self._hook_pre_backward(index, is_root),
                                              mode="any")
+                if not self.in_backward and not is_root:
+                    self._release_frozen_after_backward(module, args)
             if is_root and not self.in_backward:
                 self._check_same_gathers()
                 self._end_pass()
             return output
         return post_forward
+
+    def _release_frozen_after_backward(self, module, args):
+        """A frozen unit gets no gradient to say its module's backward is
+        over; the gradients of the module's inputs do (every path from
+        the module's output to its inputs runs through its weights), so
+        the unit goes then rather than at the end of the backward: a
+        frozen base model under adapters (LoRA) then holds one module's
+        weights at a time in backward, not the whole model."""
+        frozen = [u for fg, u in self.units_of[module] if not fg.trainable and not u.persistent]
+        # a leaf's hook would stay on it for good (see post_forward)
+        inputs = [t for t in tree_flatten(args)[0] if torch.is_tensor(t) and t.requires_grad
+                  and t.grad_fn is not None]
+        if not frozen or not inputs:
+            return  # nothing to wait for: released at the end of the backward
+
+        def release_frozen(_grads):
+            for unit in frozen:
+                self.release(unit)
+        register_multi_grad_hook(inputs, release_frozen, mode="all")
 
     @staticmethod
     def _detach_from(units, output):
