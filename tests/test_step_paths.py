@@ -141,6 +141,11 @@ def test_gathering_the_master_in_slices_puts_each_rank_in_its_chunk():
     assert torch.equal(out, torch.cat(chunks))
 
 
-def test_zero_optim_on_a_device_says_how_to_train_there():
-    with pytest.raises(ValueError, match="is on meta.*device= to zero.initialize"):
+def test_zero_optim_off_the_host_is_driven_by_the_engine_only():
+    with pytest.raises(ValueError, match="on the meta device: it has no values"):
         zero.optim.AdamW([torch.nn.Parameter(torch.empty(3, device="meta"))])
+    # a stand-in device (the GPU's case): built, but only an engine can step it
+    opt = zero.optim.Lion([torch.nn.Parameter(torch.ones(3))], lr=0.1)
+    opt._off_host = "parameter 0 of param group 0 is on cuda:0"
+    with pytest.raises(ValueError, match="is on cuda:0; zero.optim optimizers step on the CPU"):
+        opt.step()

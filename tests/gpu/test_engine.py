@@ -94,3 +94,22 @@ def test_memory_summary_is_what_the_gpu_allocator_holds(stage):
     reported = summary["params"] + summary["grads"] + summary["optimizer_states"]
     assert abs(taken - reported) <= 2**20, (taken, dict(summary))
     engine.close()
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+def test_zero_optim_built_on_the_device_trains_as_one_built_on_the_host(stage):
+    """zero.optim's Lion (no kernel: torch ops) from parameters already on
+    the device, and from the same model still on the host then moved by
+    initialize(device=): the engine runs both the same way."""
+    finals = []
+    for where in ("device", "host"):
+        torch.manual_seed(0)
+        model = engine_cases.Net().to(DEVICE if where == "device" else "cpu")
+        engine = zero.initialize(model, optimizer=zero.optim.Lion(model.parameters(), lr=1e-3),
+                                 stage=stage, device=DEVICE,
+                                 stage3_param_persistence_threshold=0)
+        engine_cases.engine_run(engine, engine_cases.batches(DEVICE, 4))
+        finals.append(engine.full_state_dict())
+        engine.close()
+    for name, value in finals[0].items():
+        assert torch.equal(value, finals[1][name]), name

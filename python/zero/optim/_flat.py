@@ -81,6 +81,7 @@ class FlatOptimizer(torch.optim.Optimizer):
 
     def __init__(self, params, defaults):
         self._segments: list[list[_Segment]] = []
+        self._off_host = None  # why the parameters cannot be flattened here
         super().__init__(params, defaults)
 
     # ---- layout --------------------------------------------------------
@@ -95,17 +96,21 @@ class FlatOptimizer(torch.optim.Optimizer):
                              "pass each (tied) parameter once")
         for i, p in enumerate(group["params"]):
             where = f"parameter {i} of param group {group_index}"
-            if p.device.type != "cpu":
-                raise ValueError(
-                    f"{where} is on {p.device}; zero.optim optimizers run on the CPU: build "
-                    "this one while the model is on the CPU (to train on a GPU, then pass "
-                    "device= to zero.initialize), or use torch.optim's")
+            if p.device.type == "meta":
+                raise ValueError(f"{where} is on the meta device: it has no values to update")
+            if p.device.type != "cpu" and self._off_host is None:
+                self._off_host = f"{where} is on {p.device}"
             if p.dtype not in SUPPORTED_DTYPES:
                 raise TypeError(f"{where} has dtype {p.dtype}; supported: float32, "
                                 "bfloat16, float16")
             if p.is_sparse:
                 raise TypeError(f"{where} is sparse; zero.optim needs dense parameters")
             by_dtype.setdefault(p.dtype, []).append(p)
+        if self._off_host is not None:
+            # a zero Engine drives it there with its own states (it reads
+            # only the hyperparameters); on its own it cannot step
+            self._segments.append([])
+            return
         self._segments.append([self._flatten(ps, group) for ps in by_dtype.values()])
 
     def _flatten(self, params, group) -> _Segment:
@@ -205,6 +210,10 @@ class FlatOptimizer(torch.optim.Optimizer):
                 loss = closure()
         if not math.isfinite(grad_scale):
             raise ValueError(f"grad_scale must be finite, got {grad_scale}")
+        if self._off_host is not None:
+            raise ValueError(f"{self._off_host}; zero.optim optimizers step on the CPU: pass "
+                             "this one to zero.initialize, which runs it on the parameters' "
+                             "device, or use torch.optim's")
         for group_index, (group, segments) in enumerate(zip(self.param_groups,
                                                              self._segments)):
             scale = -grad_scale if group.get("maximize", False) else grad_scale
