@@ -1,0 +1,67 @@
+"""Stage 3 under a PEFT LoRA model (HF GPT-2 built from a config, no
+download): the frozen base layers are partitioned and gathered per module,
+the adapters train as torch trains them, and a frozen layer's weights are
+released as soon as its module's backward is over, so the gathered peak
+is a small part of the frozen model (docs/stage3.md)."""
+import peft
+import pytest
+import torch
+import torch.distributed as dist
+import transformers
+
+import zero
+from conftest import max_rel_error
+
+
+def lora_gpt2():
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(n_layer=4, n_embd=64, n_head=4, vocab_size=128,
+                                     n_positions=32)
+    model = transformers.GPT2LMHeadModel(config)
+    model = peft.get_peft_model(model, peft.LoraConfig(r=4, target_modules=["c_attn", "c_proj"],
+                                                       lora_dropout=0.0))
+    return model.eval()  # GPT-2's dropouts off: the two runs must see the same forward
+
+
+@pytest.fixture(autouse=True)
+def no_launcher(monkeypatch):
+    for var in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK"):
+        monkeypatch.delenv(var, raising=False)
+    had_group = dist.is_initialized()
+    yield
+    assert dist.is_initialized() == had_group
+
+
+def test_lora_adapters_train_as_in_torch_and_frozen_layers_leave_early():
+    model, ref = lora_gpt2(), lora_gpt2()
+    trainable = lambda m: [p for p in m.parameters() if p.requires_grad]  # noqa: E731
+    engine = zero.initialize(model, optimizer=torch.optim.AdamW(trainable(model), lr=1e-2),
+                             stage=3, stage3_param_persistence_threshold=0,
+                             stage3_prefetch_bucket_size=0)
+    ref_opt = torch.optim.AdamW(trainable(ref), lr=1e-2)
+    g = torch.Generator().manual_seed(1)
+    for _ in range(3):
+        ids = torch.randint(0, 128, (2, 16), generator=g)
+        loss = engine(input_ids=ids, labels=ids).loss
+        engine.backward(loss)
+        engine.step()
+        ref_loss = ref(input_ids=ids, labels=ids).loss
+        ref_loss.backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        assert abs(loss.item() - ref_loss.item()) <= 1e-5 * abs(ref_loss.item())
+    full = engine.full_state_dict()
+    adapters = [k for k in ref.state_dict() if "lora_" in k]
+    assert adapters
+    for name in adapters:
+        # fp32. The adapters start at B = 0, where Adam's normalised steps
+        # turn ulps of difference into much more: torch's own foreach and
+        # fused AdamW differ by 9e-5 on the most sensitive adapter after
+        # these 3 steps (ours from torch's: 2.7e-4, the same adapter)
+        assert max_rel_error(full[name], ref.state_dict()[name]) <= 1e-3, name
+    frozen_bytes = sum(u.total for u in engine.frozen_group.units) * 4
+    peak = engine.memory_summary()["gathered_peak"]
+    # measured: 67 KB of 841 KB (786 KB when frozen units waited for the
+    # end of the backward)
+    assert peak < frozen_bytes / 4, (peak, frozen_bytes)
+    engine.close()
