@@ -18,8 +18,10 @@ def lora_gpt2():
     config = transformers.GPT2Config(n_layer=4, n_embd=64, n_head=4, vocab_size=128,
                                      n_positions=32)
     model = transformers.GPT2LMHeadModel(config)
-    model = peft.get_peft_model(model, peft.LoraConfig(r=4, target_modules=["c_attn", "c_proj"],
-                                                       lora_dropout=0.0))
+    # GPT-2's Conv1D keeps its weight transposed: fan_in_fan_out says so
+    lora = peft.LoraConfig(r=4, target_modules=["c_attn", "c_proj"], lora_dropout=0.0,
+                           fan_in_fan_out=True)
+    model = peft.get_peft_model(model, lora)
     return model.eval()  # GPT-2's dropouts off: the two runs must see the same forward
 
 
