@@ -84,12 +84,17 @@ class FlatGroup:
         self.states: dict[str, torch.Tensor] = {}
         self.step_count = 0
         self.reduced_since_step = False
+        self.accumulate_by_hook = False
         if not trainable:
             return
         if stage <= 1:
-            self.grad_flat = torch.zeros(self.units[0].total, dtype=compute_dtype, device=device)
+            grad_dtype = grad_dtype or compute_dtype
+            self.grad_flat = torch.zeros(self.units[0].total, dtype=grad_dtype, device=device)
             lo = self.owner * self.units[0].part
             self.grad_part = self.grad_flat[lo:lo + self.part_size]
+            # .grad must have the parameter's dtype: a wider buffer is
+            # filled from hooks (accumulate_grad) instead of by autograd
+            self.accumulate_by_hook = grad_dtype != compute_dtype
             self.point_grads_at_flat()
         else:
             self.grad_flat = None
@@ -166,12 +171,27 @@ class FlatGroup:
     # ---- stages 0-1: gradients in a full flat buffer -----------------------
 
     def point_grads_at_flat(self):
+        if self.accumulate_by_hook:
+            return
         for i, p in enumerate(self.params):
             p.grad = self.view(self.grad_flat, i)
+
+    def accumulate_grad(self, i):
+        """Post-accumulate-grad hook body for parameter i when the flat
+        buffer is wider than the parameters (grad_accum_dtype): the
+        gradient is added in and dropped, as at stages 2-3."""
+        p = self.params[i]
+        self.view(self.grad_flat, i).add_(p.grad)
+        p.grad = None
 
     def gather_stray_grads(self):
         """A .grad replaced outside the engine (optimizer.zero_grad() sets
         None; the next backward allocates anew) is copied back in."""
+        if self.accumulate_by_hook:
+            for i, p in enumerate(self.params):
+                if p.grad is not None:  # set by hand since the last hook
+                    self.accumulate_grad(i)
+            return
         item = self.grad_flat.element_size()
         base = self.grad_flat.data_ptr()
         for i, p in enumerate(self.params):

@@ -53,9 +53,9 @@ class Config:
     train_micro_batch_size_per_gpu: Optional[int] = None
     train_batch_size: Optional[int] = None  # checked against micro * accumulation * world
     loss_scaling: LossScaling = field(default_factory=LossScaling)
-    # stages 2-3: the dtype this rank's gradient partition accumulates in
-    # (None: the compute dtype); "fp32" keeps the sum of many bf16
-    # micro-batches exact to fp32 for 2 more bytes per partition element
+    # the dtype gradients accumulate in (None: the compute dtype); "fp32"
+    # keeps the sum of many bf16 micro-batches exact to fp32 for 2 more
+    # bytes per gradient element
     grad_accum_dtype: Optional[str] = None
     optimizer: Optional[dict] = None  # {"type": "AdamW", "params": {...}}
     scheduler: Optional[dict] = None  # {"type": "WarmupLR", "params": {...}}
@@ -77,11 +77,6 @@ class Config:
         if self.grad_accum_dtype not in (None, "fp32", self.precision):
             raise ValueError(f"grad_accum_dtype must be None, 'fp32' or the precision "
                              f"({self.precision!r}), got {self.grad_accum_dtype!r}")
-        if self.grad_accum_dtype not in (None, self.precision) and self.stage < 2:
-            raise ValueError(
-                f"grad_accum_dtype={self.grad_accum_dtype!r} needs stage 2 or 3: at stage "
-                f"{self.stage} gradients accumulate in the parameters' .grad, which autograd "
-                f"keeps in the compute dtype ({self.precision})")
         for name in ("stage3_param_persistence_threshold", "stage3_prefetch_bucket_size",
                      "stage3_max_live_parameters"):
             value = getattr(self, name)

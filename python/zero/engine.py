@@ -116,7 +116,13 @@ class Engine(nn.Module):
             for unit in fg.units:
                 for p in unit.params:
                     p._zero_place = (fg, unit, self._schedule)
-        if config.stage == 2:
+        if config.stage <= 1:
+            for fg in self.groups:
+                if fg.accumulate_by_hook:
+                    for i, p in enumerate(fg.params):
+                        self._hooks.append(p.register_post_accumulate_grad_hook(
+                            lambda _p, fg=fg, i=i: fg.accumulate_grad(i)))
+        elif config.stage == 2:
             self._register_stage2_hooks()
         elif config.stage == 3:
             for fg in self.groups:
@@ -420,16 +426,16 @@ class Engine(nn.Module):
         psi = sum(fg.numel for fg in self.groups)
         n = self._comm.world
         pb = self.compute_dtype.itemsize
-        gb = self.groups[0].grad_part.element_size()  # grad_accum_dtype's (stages 2-3)
+        gb = self.groups[0].grad_part.element_size()  # grad_accum_dtype's
         master = 4 if self.compute_dtype != torch.float32 else 0
         # K, optimizer bytes per parameter: the master plus 4 per fp32 state;
         # groups may hold different states (amsgrad, momentum), so weight them
         k = master + sum(4 * len(fg.states) * fg.numel for fg in self.groups) / psi
         k = int(k) if k == int(k) else round(k, 2)
         if self.stage == 0:
-            text, value = f"({pb}+{pb}+{k})Ψ", (2 * pb + k) * psi
+            text, value = f"({pb}+{gb}+{k})Ψ", (pb + gb + k) * psi
         elif self.stage == 1:
-            text, value = f"{2 * pb}Ψ + {k}Ψ/N", 2 * pb * psi + k * psi / n
+            text, value = f"{pb + gb}Ψ + {k}Ψ/N", (pb + gb) * psi + k * psi / n
         elif self.stage == 2:
             text, value = f"{pb}Ψ + {gb + k}Ψ/N", pb * psi + (gb + k) * psi / n
         else:
