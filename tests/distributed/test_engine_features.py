@@ -181,6 +181,33 @@ def prefetch_counts(rank, world):
     return counts
 
 
+MICRO = 8
+
+
+def micro_input(rank, i):
+    return torch.randn(4, 301, generator=torch.Generator().manual_seed(1000 * rank + i))
+
+
+def fp32_accumulation(rank, world):
+    """bf16 at stages 0 and 1 with grad_accum_dtype="fp32": one SGD step
+    (lr 1, so the update is the averaged gradient) over MICRO micro-batches
+    per rank; the fp32 masters before and after."""
+    import zero
+    out = {}
+    for stage in (0, 1):
+        model = mlp()
+        engine = zero.initialize(model, optimizer=torch.optim.SGD(model.parameters(), lr=1.0),
+                                 stage=stage, precision="bf16", grad_accum_dtype="fp32",
+                                 gradient_accumulation_steps=MICRO)
+        before = engine.full_state_dict()
+        for i in range(MICRO):
+            engine.backward(engine(micro_input(rank, i)).float().square().mean())
+            engine.step()
+        out[stage] = (before, engine.full_state_dict())
+        engine.close()
+    return out
+
+
 def all_features(rank, world):
     return dict(figures=figures(rank, world), prefetch_counts=prefetch_counts(rank, world),
                 idle_rank=idle_rank(rank, world),
@@ -188,7 +215,8 @@ def all_features(rank, world):
                 overflow2=overflow(rank, world, 2),
                 overflow2_stage3=overflow(rank, world, 2, stage=3),
                 overflow1=overflow(rank, world, 1), half=half_run(rank, world),
-                no_sync=no_sync_run(rank, world))
+                no_sync=no_sync_run(rank, world),
+                fp32_accumulation=fp32_accumulation(rank, world))
 
 
 @pytest.fixture(scope="module", params=WORLDS, ids=[f"world{w}" for w in WORLDS])
@@ -320,3 +348,25 @@ def test_stage3_refuses_ranks_that_ran_different_modules(runs):
         message, shape = result["different_modules"]
         assert message is not None and "ran different modules" in message
         assert shape == (3, 5)
+
+
+@pytest.mark.parametrize("stage", [0, 1])
+def test_fp32_accumulation_of_bf16_gradients_over_ranks(runs, stage):
+    """Every rank's bf16 micro-batch gradients, summed in fp32 over
+    micro-batches and ranks (grad_accum_dtype="fp32"), against the same
+    bf16 gradients summed in fp32 in one process: only the order of the
+    fp32 additions differs (a few ulps; 1e-5 normwise)."""
+    world, results = runs
+    twin = mlp().to(torch.bfloat16)
+    sums = {n: torch.zeros_like(p, dtype=torch.float32) for n, p in twin.named_parameters()}
+    for r in range(world):
+        for i in range(MICRO):
+            twin.zero_grad()
+            twin(micro_input(r, i).to(torch.bfloat16)).float().square().mean().backward()
+            for n, p in twin.named_parameters():
+                sums[n] += p.grad.float()
+    for rank, result in enumerate(results):
+        before, after = result["fp32_accumulation"][stage]
+        ours = torch.cat([(before[n] - after[n]).reshape(-1) for n in sums])
+        exact = torch.cat([(s / (world * MICRO)).reshape(-1) for s in sums.values()])
+        assert max_rel_error(ours, exact) <= 1e-5, (stage, rank)
