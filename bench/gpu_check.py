@@ -198,6 +198,13 @@ def main():
     ap.add_argument("--skip-tests", action="store_true")
     args = ap.parse_args()
 
+    try:  # the driver and GPU, for the log
+        print(subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version,memory.total",
+                              "--format=csv,noheader"], capture_output=True, text=True,
+                             timeout=30).stdout.strip())
+    except (OSError, subprocess.TimeoutExpired) as error:
+        print(f"nvidia-smi: {error}")
+    _C.cuda_available()  # loads the driver, so cuda_info() has its version
     info = _C.cuda_info()
     print(f"zero._C: {info}")
     if not torch.cuda.is_available() or not info["available"]:
