@@ -6,11 +6,13 @@ is a small part of the frozen model (docs/stage3.md)."""
 import peft
 import pytest
 import torch
-import torch.distributed as dist
 import transformers
 
 import zero
 from conftest import max_rel_error
+from hf_cases import one_process, train_side_by_side  # noqa: F401 (fixture)
+
+pytestmark = pytest.mark.usefixtures("one_process")
 
 
 def lora_gpt2():
@@ -25,15 +27,6 @@ def lora_gpt2():
     return model.eval()  # GPT-2's dropouts off: the two runs must see the same forward
 
 
-@pytest.fixture(autouse=True)
-def no_launcher(monkeypatch):
-    for var in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK"):
-        monkeypatch.delenv(var, raising=False)
-    had_group = dist.is_initialized()
-    yield
-    assert dist.is_initialized() == had_group
-
-
 def test_lora_adapters_train_as_in_torch_and_frozen_layers_leave_early():
     model, ref = lora_gpt2(), lora_gpt2()
     trainable = lambda m: [p for p in m.parameters() if p.requires_grad]  # noqa: E731
@@ -41,17 +34,7 @@ def test_lora_adapters_train_as_in_torch_and_frozen_layers_leave_early():
                              stage=3, stage3_param_persistence_threshold=0,
                              stage3_prefetch_bucket_size=0)
     ref_opt = torch.optim.AdamW(trainable(ref), lr=1e-2)
-    g = torch.Generator().manual_seed(1)
-    for _ in range(3):
-        ids = torch.randint(0, 128, (2, 16), generator=g)
-        loss = engine(input_ids=ids, labels=ids).loss
-        engine.backward(loss)
-        engine.step()
-        ref_loss = ref(input_ids=ids, labels=ids).loss
-        ref_loss.backward()
-        ref_opt.step()
-        ref_opt.zero_grad()
-        assert abs(loss.item() - ref_loss.item()) <= 1e-5 * abs(ref_loss.item())
+    train_side_by_side(engine, ref, ref_opt)
     full = engine.full_state_dict()
     adapters = [k for k in ref.state_dict() if "lora_" in k]
     assert adapters
