@@ -22,6 +22,8 @@ from typing import Optional
 
 import torch
 
+from zero.optim._flat import check_hyperparameters
+
 __all__ = ["adam", "sgd", "adagrad", "lion"]
 
 _GRAD_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -35,21 +37,8 @@ def _f32(x: float) -> float:
         return math.copysign(math.inf, x)
 
 
-# ---- argument checks (the C binding's, with the same messages) -----------
-
-
-def _nonnegative(name, value) -> float:
-    value = float(value)
-    if not (math.isfinite(value) and value >= 0.0):
-        raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
-    return value
-
-
-def _beta(name, value) -> float:
-    value = float(value)
-    if not 0.0 <= value < 1.0:
-        raise ValueError(f"{name} must be in [0, 1), got {value!r}")
-    return value
+# ---- argument checks (the C binding's, with the same messages; the
+# hyperparameters' ranges are zero.optim's check_hyperparameters) ---------
 
 
 def _finite(name, value) -> float:
@@ -166,11 +155,8 @@ def adam(param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq=None, copy_out=None, *
     tensors, in place, as zero._C.adam_step. grad may be float32, bfloat16
     or float16 and is multiplied by grad_scale; copy_out, when given,
     receives the updated parameters cast to its dtype."""
-    lr = _nonnegative("lr", lr)
-    beta1 = _beta("beta1", beta1)
-    beta2 = _beta("beta2", beta2)
-    eps = _nonnegative("eps", eps)
-    weight_decay = _nonnegative("weight_decay", weight_decay)
+    lr, beta1, beta2, eps, weight_decay = check_hyperparameters(
+        lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay)
     grad_scale = _finite("grad_scale", grad_scale)
     step = _step(step)
     decoupled, amsgrad = bool(decoupled), bool(amsgrad)
@@ -213,10 +199,9 @@ def sgd(param, grad, momentum_buffer=None, copy_out=None, *, lr, momentum=0.0,
     """One SGD step in place, as zero._C.sgd_step. With momentum,
     first_step=True starts the momentum buffer as the gradient, as
     torch.optim.SGD does."""
-    lr = _nonnegative("lr", lr)
-    momentum = _nonnegative("momentum", momentum)
+    lr, momentum, weight_decay = check_hyperparameters(lr=lr, momentum=momentum,
+                                                       weight_decay=weight_decay)
     dampening = _finite("dampening", dampening)
-    weight_decay = _nonnegative("weight_decay", weight_decay)
     grad_scale = _finite("grad_scale", grad_scale)
     nesterov, first_step = bool(nesterov), bool(first_step)
     if nesterov and (momentum <= 0.0 or dampening != 0.0):
@@ -247,10 +232,8 @@ def adagrad(param, grad, state_sum, copy_out=None, *, lr, lr_decay=0.0, weight_d
             eps=1e-10, step, grad_scale=1.0, start=0, stop=-1) -> None:
     """One Adagrad step in place, as zero._C.adagrad_step and
     torch.optim.Adagrad; step is 1 on the first update."""
-    lr = _nonnegative("lr", lr)
-    lr_decay = _nonnegative("lr_decay", lr_decay)
-    weight_decay = _nonnegative("weight_decay", weight_decay)
-    eps = _nonnegative("eps", eps)
+    lr, lr_decay, weight_decay, eps = check_hyperparameters(
+        lr=lr, lr_decay=lr_decay, weight_decay=weight_decay, eps=eps)
     grad_scale = _finite("grad_scale", grad_scale)
     step = _step(step)
     b = _flat({"param": (param, True), "grad": (grad, False), "state_sum": (state_sum, True),
@@ -271,10 +254,8 @@ def lion(param, grad, exp_avg, copy_out=None, *, lr, beta1, beta2, weight_decay=
          grad_scale=1.0, start=0, stop=-1) -> None:
     """One Lion step in place (Chen et al. 2023, decoupled weight decay), as
     zero._C.lion_step."""
-    lr = _nonnegative("lr", lr)
-    beta1 = _beta("beta1", beta1)
-    beta2 = _beta("beta2", beta2)
-    weight_decay = _nonnegative("weight_decay", weight_decay)
+    lr, beta1, beta2, weight_decay = check_hyperparameters(
+        lr=lr, beta1=beta1, beta2=beta2, weight_decay=weight_decay)
     grad_scale = _finite("grad_scale", grad_scale)
     b = _flat({"param": (param, True), "grad": (grad, False), "exp_avg": (exp_avg, True),
                "copy_out": (copy_out, False)}, int(start), int(stop))

@@ -59,8 +59,11 @@ class _Segment:
         return flat[start:start + p.numel()].view_as(p)
 
 
-def check_hyperparameters(**values):
-    """Raise ValueError naming the first out-of-range hyperparameter."""
+def check_hyperparameters(**values) -> list:
+    """Raise ValueError naming the first out-of-range hyperparameter (a
+    beta in [0, 1), anything else finite and >= 0); the values as floats,
+    in the order given."""
+    floats = []
     for name, value in values.items():
         v = float(value)
         if name.startswith("beta"):
@@ -68,6 +71,8 @@ def check_hyperparameters(**values):
                 raise ValueError(f"{name} must be in [0, 1), got {value}")
         elif not (math.isfinite(v) and v >= 0.0):
             raise ValueError(f"{name} must be a finite number >= 0, got {value}")
+        floats.append(v)
+    return floats
 
 
 class FlatOptimizer(torch.optim.Optimizer):
