@@ -194,5 +194,5 @@ class Comm:
         if self.world == 1:
             return value
         t = torch.tensor([value], dtype=torch.float64, device=self.scalar_device)
-        dist.all_reduce(t, op=dist.ReduceOp.SUM)
+        self.sum_scalars_(t)
         return float(t.item())

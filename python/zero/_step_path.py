@@ -70,8 +70,8 @@ class TorchStep:
 class CudaStep(TorchStep):
     def __init__(self, device):
         from zero import _cuda  # imported only for a model on a GPU
+        super().__init__(device)
         self._cuda = _cuda
-        self.device = device
         self.name = f"{device.type}: zero CUDA kernels"
         self._step_counts = {}  # id(master) -> the kernel's 1-element step tensor
         self._functions = {**TORCH_FUNCTIONS, "adam": self._adam}

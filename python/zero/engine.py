@@ -119,16 +119,12 @@ class Engine(nn.Module):
         if config.stage <= 1:
             for fg in self.groups:
                 if fg.accumulate_by_hook:
-                    for i, p in enumerate(fg.params):
-                        self._hooks.append(p.register_post_accumulate_grad_hook(
-                            lambda _p, fg=fg, i=i: fg.accumulate_grad(i)))
+                    self._on_each_grad(fg, fg.accumulate_grad)
         elif config.stage == 2:
             self._register_stage2_hooks()
         elif config.stage == 3:
             for fg in self.groups:
-                for i, p in enumerate(fg.params):
-                    self._hooks.append(p.register_post_accumulate_grad_hook(
-                        lambda _p, fg=fg, i=i: fg.on_grad_ready(i)))
+                self._on_each_grad(fg, fg.on_grad_ready)
         self._guard_optimizer()
 
     @property
@@ -214,9 +210,7 @@ class Engine(nn.Module):
         parameters (it then reduces zeros: the collectives stay matched)."""
         self._backward_armed = False
         for fg in self.groups:
-            for i, p in enumerate(fg.params):
-                self._hooks.append(p.register_post_accumulate_grad_hook(
-                    self._make_hook(fg, i)))
+            self._on_each_grad(fg, self._stage2_grad_ready(fg))
         self._hooks.append(self.module.register_forward_pre_hook(
             lambda _m, _a: self._abandon_unfinished_backward()))
         self._hooks.append(self.module.register_forward_hook(self._watch_root_output))
@@ -251,11 +245,17 @@ class Engine(nn.Module):
                 fg.abandon_backward()
             self._backward_armed = False
 
-    def _make_hook(self, fg, i):
-        def hook(_param):
+    def _on_each_grad(self, fg, body):
+        """body(i) once parameter i of fg has its gradient accumulated."""
+        for i, p in enumerate(fg.params):
+            self._hooks.append(p.register_post_accumulate_grad_hook(
+                lambda _p, i=i: body(i)))
+
+    def _stage2_grad_ready(self, fg):
+        def body(i):
             self._arm_backward_end()  # a backward that did not start at the root's output
             fg.on_grad_ready(i)
-        return hook
+        return body
 
     def _guard_optimizer(self):
         def refuse(*_args, **_kwargs):
@@ -407,7 +407,7 @@ class Engine(nn.Module):
         for fg in self.groups:
             for k, v in fg.nbytes().items():
                 totals[k] += v
-        item = torch.empty(0, dtype=self.compute_dtype).element_size()
+        item = self.compute_dtype.itemsize
         totals["gathered_peak"] = self._schedule.peak_live * item if self._schedule else 0
         trainable = {id(p) for fg in self.groups for p in fg.params}
         if self.frozen_group is not None:
