@@ -6,13 +6,20 @@ import zero
 def test_top_level_names():
     assert sorted(zero.__all__) == sorted([
         "initialize", "Engine", "Config", "LossScaling", "GatheredParameters",
-        "partitioned_init", "optim", "cpu_info", "get_num_threads", "set_num_threads"])
+        "partitioned_init", "optim", "checkpoint", "cpu_info", "get_num_threads",
+        "set_num_threads"])
     for name in zero.__all__:
         assert hasattr(zero, name)
 
 
 def test_optimizer_names():
     assert sorted(zero.optim.__all__) == ["Adagrad", "Adam", "AdamW", "Lion", "SGD"]
+
+
+def test_checkpoint_names():
+    assert zero.checkpoint.__all__ == ["consolidate"]
+    for method in ("save_checkpoint", "load_checkpoint", "full_state_dict"):
+        assert callable(getattr(zero.Engine, method))
 
 
 def test_core_functions():

@@ -5,7 +5,7 @@
 Importing zero creates no CUDA context and needs no GPU: the C core
 (zero._C) is CPU code with its SIMD path chosen at run time.
 """
-from zero import _C, optim
+from zero import _C, checkpoint, optim
 from zero._C import cpu_info, get_num_threads, set_num_threads
 from zero._gathered import GatheredParameters
 from zero._initialize import initialize
@@ -14,5 +14,5 @@ from zero.config import Config, LossScaling
 from zero.engine import Engine
 
 __all__ = ["initialize", "Engine", "Config", "LossScaling", "GatheredParameters",
-           "partitioned_init", "optim", "cpu_info", "get_num_threads", "set_num_threads"]
+           "partitioned_init", "optim", "checkpoint", "cpu_info", "get_num_threads", "set_num_threads"]
 __version__ = "0.1.0"

@@ -36,3 +36,8 @@ class DynamicLossScaler:
     def state_dict(self):
         return {"scale": self.scale, "hysteresis_left": self.hysteresis_left,
                 "good_steps": self.good_steps}
+
+    def load_state_dict(self, state: dict):
+        self.scale = float(state["scale"])
+        self.hysteresis_left = int(state["hysteresis_left"])
+        self.good_steps = int(state["good_steps"])

@@ -470,6 +470,31 @@ class Engine(nn.Module):
                                   dtype=torch.float32 if t.is_floating_point() else None)
         return full
 
+    def save_checkpoint(self, save_dir, tag=None, client_state=None,
+                        save_latest: bool = True) -> str:
+        """Write this engine's training state to <save_dir>/<tag>/ (tag
+        default "global_step<N>"), each rank its own partitions, and name
+        the tag in <save_dir>/latest. It loads at any world size and stage
+        (load_checkpoint) and into plain torch (zero.checkpoint.consolidate).
+        client_state: a dict of your own (tensors, numbers, strings, lists,
+        dicts), handed back by load_checkpoint. A collective; call it after
+        the boundary's step(). Returns the checkpoint's directory."""
+        from zero import _checkpoint
+        return _checkpoint.save(self, save_dir, tag, client_state, save_latest)
+
+    def load_checkpoint(self, load_dir, tag=None, *, load_optimizer_states: bool = True,
+                        load_lr_scheduler_states: bool = True,
+                        load_module_only: bool = False):
+        """Restore a checkpoint of save_checkpoint (tag default: the one in
+        <load_dir>/latest): weights, buffers, optimizer states and
+        hyperparameters, step counts, the loss scale and the LR scheduler.
+        The checkpoint may come from another world size or stage. Everything
+        is checked (names, shapes, optimizer kind, files) before anything
+        changes. A collective. Returns (checkpoint directory, client_state)."""
+        from zero import _checkpoint
+        return _checkpoint.load(self, load_dir, tag, load_optimizer_states,
+                                load_lr_scheduler_states, load_module_only)
+
     def _restore_params(self):
         """Stage 3: give every parameter its full values again, in plain
         tensors of its own, so the model works without the engine (a

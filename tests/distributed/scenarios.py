@@ -131,17 +131,23 @@ def reference_run(steps, accumulation=1, clip=0.0, lr=1e-2, seed=0, opt="adamw",
 
 def engine_run(rank, world, steps, stage, precision="fp32", accumulation=1, clip=0.0,
                lr=1e-2, seed=0, opt="adamw", checkpointing=None, with_eval=False,
-               modify_at=None, **options):
+               modify_at=None, first_step=0, load_dir=None, save_dir=None, **options):
     """The same training under zero.initialize on this rank's shard of each
-    batch; returns (global losses, full fp32 state dict, extra facts)."""
+    batch; returns (global losses, full fp32 state dict, extra facts).
+    A run in legs: steps first_step.. after engine.load_checkpoint(load_dir)
+    (the state right after it in facts["loaded"]), then save_checkpoint(save_dir)."""
     import zero
     import torch.distributed as dist
     model = make_model(seed, checkpointing)
     engine = zero.initialize(model, optimizer=make_optimizer(opt, model, lr), stage=stage, precision=precision,
                              gradient_accumulation_steps=accumulation,
                              gradient_clipping=clip, **options)
+    loaded = None
+    if load_dir is not None:
+        engine.load_checkpoint(load_dir)
+        loaded = engine.full_state_dict()
     losses, skipped = [], []
-    for step in range(steps):
+    for step in range(first_step, first_step + steps):
         if with_eval:
             with torch.no_grad():
                 losses.append(engine(eval_batch(step), use_branch=True).float().sum().item())
@@ -162,11 +168,13 @@ def engine_run(rank, world, steps, stage, precision="fp32", accumulation=1, clip
         dist.all_reduce(t)
         losses.append(t.item() / world)
         skipped.append(engine.step_was_skipped)
+    if save_dir is not None:
+        engine.save_checkpoint(save_dir)
     state = engine.full_state_dict()
     with zero.GatheredParameters(list(model.block.parameters())):
         gathered = {"block." + n: p.detach().float().clone()
                     for n, p in model.block.named_parameters()}
     facts = dict(memory=dict(engine.memory_summary()), comm=engine.comm_summary(),
-                 skipped=skipped, gathered=gathered)
+                 skipped=skipped, gathered=gathered, loaded=loaded)
     engine.close()
     return losses, state, facts

@@ -1,0 +1,317 @@
+"""engine.save_checkpoint and engine.load_checkpoint: each rank writes its
+own partitions; any world size and any stage reads them back. The layout
+is in _checkpoint_format.py ([Note: checkpoint layout]).
+
+Both are collectives: every rank calls them with the same arguments, and
+every rank must be able to read every file (a shared filesystem across
+machines).
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+
+import zero
+from zero._checkpoint_format import (FORMAT, LATEST_FILE, META_FILE, REPLICATED_GROUP,
+                                     VERSION, CheckpointReader, check_plain, owned_pieces,
+                                     resolve_tag, shard_file)
+
+
+def _host_copy(t: torch.Tensor) -> torch.Tensor:
+    # a copy, never a view: torch.save writes a view's whole storage
+    return t.detach().to("cpu", copy=True)
+
+
+def _replicated_frozen(engine) -> list:
+    """(name, parameter) for the frozen parameters that no flat group holds
+    (stages 0-2 keep them whole on every rank)."""
+    grouped = {id(p) for fg in engine.all_groups for p in fg.params}
+    out, seen = [], set()
+    for name, p in engine.module.named_parameters():
+        if id(p) not in grouped and id(p) not in seen:
+            seen.add(id(p))
+            out.append((name, p))
+    return out
+
+
+def _shard_groups(engine) -> list:
+    """This rank's part of the checkpoint: for each flat group it holds a
+    partition of, the partition tensors and their pieces."""
+    rank = engine._comm.rank
+    groups = []
+    for fg in engine.all_groups:
+        if fg.num_partitions == 1 and rank != 0:
+            continue  # stage 0: every rank holds the same; rank 0 writes it
+        if fg.trainable:
+            tensors = {"value": _host_copy(fg.master)}
+            tensors.update({k: _host_copy(t) for k, t in fg.states.items()})
+        else:
+            tensors = {"value": _host_copy(fg.shard)}
+        groups.append({"index": fg.index, "tensors": tensors, "pieces": owned_pieces(fg)})
+    frozen = _replicated_frozen(engine)
+    if frozen and rank == 0:
+        pieces, offset = [], 0
+        for name, p in frozen:
+            pieces.append((name, 0, p.numel(), offset))
+            offset += p.numel()
+        value = torch.cat([p.detach().reshape(-1).to("cpu", torch.float32) for _, p in frozen])
+        groups.append({"index": REPLICATED_GROUP, "tensors": {"value": value},
+                       "pieces": pieces})
+    return groups
+
+
+def _param_shapes(engine) -> dict:
+    """Canonical parameter name -> (shape, trainable), shapes read from the
+    flat groups (a released stage-3 parameter's own shape is (0,))."""
+    shapes = {}
+    for fg in engine.all_groups:
+        for unit in fg.units:
+            for j, shape in enumerate(unit.shapes):
+                shapes[fg.names[unit.members.start + j]] = (tuple(shape), fg.trainable)
+    for name, p in _replicated_frozen(engine):
+        shapes[name] = (tuple(p.shape), False)
+    return shapes
+
+
+def _canonical_names(module) -> dict:
+    names = {}
+    for name, p in module.named_parameters():
+        names.setdefault(id(p), name)
+    return names
+
+
+def _meta(engine, client_state, scheduler_state, shard_files) -> dict:
+    module, optimizer = engine.module, engine.optimizer
+    names = _canonical_names(module)
+    state_dict, buffers = [], {}
+    for key, t in module.state_dict(keep_vars=True).items():
+        if id(t) in names:
+            state_dict.append((key, "param", names[id(t)]))
+        else:
+            state_dict.append((key, "buffer", None))
+            buffers[key] = _host_copy(t)
+    steps = {fg.index: fg.step_count for fg in engine.groups}
+    states = {fg.index: sorted(fg.states) for fg in engine.groups}
+    groups = []
+    for gi, group in enumerate(optimizer.param_groups):
+        hyper = {k: v for k, v in group.items() if k != "params"}
+        check_plain(hyper, f"optimizer.param_groups[{gi}]")
+        groups.append({"param_names": [names[id(p)] for p in group["params"]],
+                       "hyper": hyper, "step": steps.get(gi, 0),
+                       "states": states.get(gi, [])})
+    params = {name: {"shape": list(shape), "numel": int(torch.Size(shape).numel()),
+                     "trainable": trainable}
+              for name, (shape, trainable) in _param_shapes(engine).items()}
+    scaler = engine.loss_scaler.state_dict() if engine.loss_scaler else None
+    return {"format": FORMAT, "version": VERSION, "zero_version": zero.__version__,
+            "world_size": engine._comm.world, "stage": engine.stage,
+            "precision": engine.config.precision, "optimizer": engine._kind,
+            "optimizer_class": type(optimizer).__qualname__, "params": params,
+            "state_dict": state_dict, "buffers": buffers, "groups": groups,
+            "engine": {"micro_steps": engine.micro_steps, "global_steps": engine.global_steps},
+            "loss_scaler": scaler, "lr_scheduler": scheduler_state,
+            "client_state": client_state, "shards": shard_files}
+
+
+def _write(obj, path):
+    """torch.save to a temporary name, then rename: a crash never leaves a
+    half-written file under the real name."""
+    tmp = path + ".tmp"
+    torch.save(obj, tmp)
+    os.replace(tmp, path)
+
+
+def _all_ok(comm, error, doing="saving") -> None:
+    """A barrier that also tells every rank whether some rank failed, so a
+    full disk on one rank raises everywhere instead of hanging the rest."""
+    failed = comm.sum_scalar(1.0 if error is not None else 0.0)
+    if error is not None:
+        raise error
+    if failed:
+        raise RuntimeError(f"{doing} the checkpoint failed on {int(failed)} other rank(s); "
+                           "see their errors")
+
+
+def check_tag(tag) -> str:
+    tag = str(tag)
+    if not tag or tag in (".", "..") or "/" in tag or os.sep in tag:
+        raise ValueError(f"tag {tag!r} must be a plain directory name (no path separators)")
+    return tag
+
+
+def save(engine, save_dir, tag=None, client_state=None, save_latest=True) -> str:
+    comm = engine._comm
+    if engine.micro_steps % engine.config.gradient_accumulation_steps:
+        raise RuntimeError(
+            "save_checkpoint was called in the middle of an accumulation boundary (micro-step "
+            f"{engine.micro_steps % engine.config.gradient_accumulation_steps} of "
+            f"{engine.config.gradient_accumulation_steps}); gradients are not saved, so call "
+            "it after the boundary's engine.step()")
+    tag = check_tag(f"global_step{engine.global_steps}" if tag is None else tag)
+    client_state = {} if client_state is None else client_state
+    check_plain(client_state, "client_state")
+    scheduler_state = engine.lr_scheduler.state_dict() if engine.lr_scheduler else None
+    check_plain(scheduler_state, "lr_scheduler.state_dict()")
+    path = os.path.join(os.fspath(save_dir), tag)
+    shard_files = [shard_file(r) for r in range(comm.world if engine.stage else 1)]
+    error = None
+    try:
+        os.makedirs(path, exist_ok=True)
+        groups = _shard_groups(engine)
+        if groups:
+            _write({"format": FORMAT, "version": VERSION, "rank": comm.rank,
+                    "groups": groups}, os.path.join(path, shard_file(comm.rank)))
+        if comm.rank == 0:
+            _write(_meta(engine, client_state, scheduler_state, shard_files),
+                   os.path.join(path, META_FILE))
+    except Exception as e:  # reported on every rank by _all_ok
+        error = e
+    _all_ok(comm, error)
+    if save_latest:
+        try:
+            if comm.rank == 0:
+                with open(os.path.join(save_dir, LATEST_FILE + ".tmp"), "w") as f:
+                    f.write(tag)
+                os.replace(os.path.join(save_dir, LATEST_FILE + ".tmp"),
+                           os.path.join(save_dir, LATEST_FILE))
+        except Exception as e:
+            error = e
+        _all_ok(comm, error)
+    return path
+
+
+# ---- load -----------------------------------------------------------------------
+
+
+def _check_params(engine, meta):
+    saved = meta["params"]
+    ours = _param_shapes(engine)
+    missing = [n for n in ours if n not in saved]
+    extra = [n for n in saved if n not in ours]
+    if missing:
+        raise ValueError(f"the checkpoint has no parameter {missing[0]!r}"
+                         + (f" (nor {len(missing) - 1} more)" if len(missing) > 1 else "")
+                         + "; was it saved from another model?")
+    if extra:
+        raise ValueError(f"the checkpoint's parameter {extra[0]!r} is not in the model"
+                         + (f" (nor {len(extra) - 1} more)" if len(extra) > 1 else ""))
+    for name, (shape, _trainable) in ours.items():
+        if list(shape) != list(saved[name]["shape"]):
+            raise ValueError(f"parameter '{name}' has shape {tuple(shape)} in the model but "
+                             f"{tuple(saved[name]['shape'])} in the checkpoint")
+
+
+def _check_optimizer(engine, reader):
+    meta = reader.meta
+    hint = "; pass load_optimizer_states=False to load the weights and start the optimizer afresh"
+    if meta["optimizer"] != engine._kind:
+        raise ValueError(f"the checkpoint holds {meta['optimizer_class']} states, the engine's "
+                         f"optimizer is {type(engine.optimizer).__qualname__}" + hint)
+    groups = engine.optimizer.param_groups
+    if len(meta["groups"]) != len(groups):
+        raise ValueError(f"the checkpoint has {len(meta['groups'])} param groups, the "
+                         f"optimizer has {len(groups)}" + hint)
+    names = _canonical_names(engine.module)
+    for gi, (saved, group) in enumerate(zip(meta["groups"], groups)):
+        ours = [names[id(p)] for p in group["params"]]
+        if sorted(ours) != sorted(saved["param_names"]):
+            raise ValueError(f"param group {gi} holds other parameters than in the "
+                             "checkpoint" + hint)
+    for fg in engine.groups:
+        for name in fg.names:
+            for key in fg.states:
+                if not reader.has_state(name, key):
+                    raise ValueError(f"the checkpoint has no optimizer state {key!r} for "
+                                     f"parameter '{name}'" + hint)
+
+
+def _targets(engine, with_optimizer):
+    """(flat group, name, lo, hi, offset, keys): what this rank reads."""
+    for fg in engine.all_groups:
+        keys = ["value"] + (list(fg.states) if with_optimizer and fg.trainable else [])
+        for name, lo, hi, offset in owned_pieces(fg):
+            yield fg, name, lo, hi, offset, keys
+
+
+def _check_stored(engine, reader, with_optimizer):
+    """Every stretch this rank will read is in the files: checked before
+    anything is overwritten, so a damaged checkpoint leaves the engine as
+    it was."""
+    for _fg, name, lo, hi, _offset, keys in _targets(engine, with_optimizer):
+        for key in keys:
+            reader.check(name, key, lo, hi - lo)
+    for name, p in _replicated_frozen(engine):
+        reader.check(name, "value", 0, p.numel())
+
+
+def _load_partitions(engine, reader, with_optimizer):
+    for fg, name, lo, hi, offset, keys in _targets(engine, with_optimizer):
+        for key in keys:
+            target = fg.states[key] if key != "value" else \
+                fg.master if fg.trainable else fg.shard
+            reader.read_into(name, key, lo, target[offset:offset + hi - lo])
+    for fg in engine.all_groups:
+        if fg.trainable and fg.master is not fg.shard:
+            fg.shard.copy_(fg.master)  # the parameters: the master rounded
+        fg.all_gather_params()
+    with torch.no_grad():
+        for name, p in _replicated_frozen(engine):
+            p.copy_(reader.read(name).view(p.shape))
+
+
+def _buffer_items(engine):
+    names = _canonical_names(engine.module)
+    return [(k, t) for k, t in engine.module.state_dict(keep_vars=True).items()
+            if id(t) not in names]
+
+
+def _check_buffers(engine, meta):
+    for key, t in _buffer_items(engine):
+        saved = meta["buffers"].get(key)
+        if saved is None:
+            raise ValueError(f"the checkpoint has no buffer {key!r}")
+        if saved.shape != t.shape:
+            raise ValueError(f"buffer {key!r} has shape {tuple(t.shape)} in the model but "
+                             f"{tuple(saved.shape)} in the checkpoint")
+
+
+def _load_buffers(engine, meta):
+    with torch.no_grad():
+        for key, t in _buffer_items(engine):
+            t.copy_(meta["buffers"][key])
+
+
+def load(engine, load_dir, tag=None, load_optimizer_states=True,
+         load_lr_scheduler_states=True, load_module_only=False):
+    with_optimizer = load_optimizer_states and not load_module_only
+    error = None
+    try:
+        path = resolve_tag(load_dir, tag if tag is None else check_tag(tag))
+        reader = CheckpointReader(path)
+        meta = reader.meta
+        _check_params(engine, meta)
+        if with_optimizer:
+            _check_optimizer(engine, reader)
+        _check_stored(engine, reader, with_optimizer)
+        _check_buffers(engine, meta)
+    except Exception as e:  # raised on every rank, before anything changes
+        error = e
+    _all_ok(engine._comm, error, "loading")
+    engine.zero_grad()
+    _load_partitions(engine, reader, with_optimizer)
+    _load_buffers(engine, meta)
+    if with_optimizer:
+        for group, saved in zip(engine.optimizer.param_groups, meta["groups"]):
+            group.update(saved["hyper"])
+        for fg in engine.groups:
+            fg.step_count = meta["groups"][fg.index]["step"]
+    if not load_module_only:
+        engine.micro_steps = meta["engine"]["micro_steps"]
+        engine.global_steps = meta["engine"]["global_steps"]
+        if engine.loss_scaler is not None and meta["loss_scaler"] is not None:
+            engine.loss_scaler.load_state_dict(meta["loss_scaler"])
+        if load_lr_scheduler_states and engine.lr_scheduler is not None and \
+                meta["lr_scheduler"] is not None:
+            engine.lr_scheduler.load_state_dict(meta["lr_scheduler"])
+    return path, meta["client_state"]

@@ -1,0 +1,262 @@
+"""engine.save_checkpoint / load_checkpoint and zero.checkpoint in one
+process: a run cut in two at any stage and resumed at any other stage ends
+bit for bit where the uninterrupted run ends (same process count, so the
+same arithmetic in the same order: any state not restored shows); and
+every bad input is refused before anything changes.
+
+Across world sizes, and consolidated into plain torch, in
+tests/distributed/test_checkpoint.py."""
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import zero
+from engine_cases import Net, batches, loss_of, make_optimizer, no_launcher
+
+STEPS = 6
+
+
+@pytest.fixture(autouse=True)
+def _no_launcher(monkeypatch):
+    no_launcher(monkeypatch)
+
+
+def make_engine(stage, precision="fp32", optimizer="adamw", seed=0, accumulation=1, **options):
+    torch.manual_seed(seed)
+    model = Net()
+    opt = make_optimizer(optimizer, model.parameters())
+    # its lr follows from its step count, which the checkpoint must restore
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1 / (1 + step))
+    if precision == "fp16":
+        options["loss_scaling"] = zero.LossScaling(initial_scale_power=8, loss_scale_window=2)
+    return zero.initialize(model, optimizer=opt, stage=stage, precision=precision,
+                           lr_scheduler=sched, gradient_clipping=0.5,
+                           gradient_accumulation_steps=accumulation, **options)
+
+
+def train(engine, first, count, accumulation=1):
+    data = batches("cpu", STEPS * accumulation)
+    for i in range(first * accumulation, (first + count) * accumulation):
+        tokens, targets = data[i]
+        engine.backward(loss_of(engine(tokens), targets))
+        engine.step()
+
+
+def finish(engine):
+    state = engine.full_state_dict()
+    facts = (engine.global_steps, engine.micro_steps, engine.loss_scale,
+             [g["lr"] for g in engine.optimizer.param_groups])
+    engine.close()
+    return state, facts
+
+
+def resumed_equals_uninterrupted(tmp_path, save_stage, load_stage, precision="fp32",
+                                 optimizer="adamw", accumulation=1):
+    whole = make_engine(save_stage, precision, optimizer, accumulation=accumulation)
+    train(whole, 0, STEPS, accumulation)
+    expected, expected_facts = finish(whole)
+
+    first = make_engine(save_stage, precision, optimizer, accumulation=accumulation)
+    train(first, 0, 3, accumulation)
+    first.save_checkpoint(tmp_path, client_state={"next": 3})
+    first.close()
+    # another seed: every value must come from the checkpoint
+    second = make_engine(load_stage, precision, optimizer, seed=1, accumulation=accumulation)
+    path, client_state = second.load_checkpoint(tmp_path)
+    assert path == os.path.join(tmp_path, "global_step3")
+    train(second, client_state["next"], STEPS - 3, accumulation)
+    state, facts = finish(second)
+    assert facts == expected_facts
+    for key, value in expected.items():
+        assert torch.equal(state[key], value), key
+
+
+@pytest.mark.parametrize("optimizer", ["adamw", "adam_amsgrad", "sgd_nesterov", "adagrad",
+                                       "lion"])
+@pytest.mark.parametrize("stages", [(0, 3), (3, 1), (2, 2)], ids=lambda s: f"{s[0]}to{s[1]}")
+def test_fp32_resume_is_exact(tmp_path, optimizer, stages):
+    resumed_equals_uninterrupted(tmp_path, *stages, optimizer=optimizer)
+
+
+@pytest.mark.parametrize("save_stage", [0, 1, 2, 3])
+@pytest.mark.parametrize("load_stage", [0, 1, 2, 3])
+def test_bf16_resume_is_exact(tmp_path, save_stage, load_stage):
+    resumed_equals_uninterrupted(tmp_path, save_stage, load_stage, "bf16")
+
+
+@pytest.mark.parametrize("stages", [(2, 3), (3, 2)], ids=lambda s: f"{s[0]}to{s[1]}")
+def test_fp16_resume_keeps_the_loss_scale(tmp_path, stages):
+    """The scale doubles every 2 steps here: a scale not restored changes
+    the fp16 gradients' rounding, and the result."""
+    resumed_equals_uninterrupted(tmp_path, *stages, precision="fp16", accumulation=2)
+
+
+def test_files_are_plain_and_consolidate_to_the_full_state(tmp_path):
+    engine = make_engine(3, "bf16")
+    train(engine, 0, 3)
+    path = engine.save_checkpoint(tmp_path, tag="mine", client_state={"epoch": 2})
+    full = engine.full_state_dict()
+    engine.close()
+    for name in os.listdir(path):  # nothing but tensors, numbers, strings
+        torch.load(os.path.join(path, name), weights_only=True)
+    state = zero.checkpoint.consolidate(tmp_path)
+    assert state["client_state"] == {"epoch": 2} and state["global_steps"] == 3
+    assert list(state["model"]) == list(full)
+    for key, value in full.items():
+        assert torch.equal(state["model"][key], value), key
+    model = Net()
+    model.load_state_dict(state["model"], strict=True)
+    opt = torch.optim.AdamW(model.parameters())
+    opt.load_state_dict(state["optimizer"])
+    assert all(float(s["step"]) == 3 for s in opt.state.values()) and len(opt.state) == 9
+
+
+def test_command_line_writes_a_torch_state_dict(tmp_path):
+    engine = make_engine(2)
+    train(engine, 0, 2)
+    engine.save_checkpoint(tmp_path / "ckpt")
+    full = engine.full_state_dict()
+    engine.close()
+    out = tmp_path / "model.pt"
+    done = subprocess.run([sys.executable, "-m", "zero.checkpoint", str(tmp_path / "ckpt"),
+                           str(out)], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "wrote" in done.stdout
+    saved = torch.load(out, weights_only=True)
+    model = Net()
+    model.load_state_dict(saved, strict=True)
+    for key, value in full.items():
+        assert torch.equal(saved[key], value), key
+
+
+def test_latest_names_the_newest_and_tags_pick_older(tmp_path):
+    engine = make_engine(1)
+    train(engine, 0, 2)
+    engine.save_checkpoint(tmp_path)
+    older = engine.full_state_dict()
+    train(engine, 2, 1)
+    engine.save_checkpoint(tmp_path)
+    engine.close()
+    assert (tmp_path / "latest").read_text() == "global_step3"
+    other = make_engine(1, seed=3)
+    other.load_checkpoint(tmp_path, tag="global_step2")
+    assert other.global_steps == 2
+    state = other.full_state_dict()
+    other.close()
+    assert all(torch.equal(state[k], older[k]) for k in older)
+
+
+def test_weights_only_loads(tmp_path):
+    """load_optimizer_states=False takes the weights into an engine with
+    another optimizer; load_module_only also leaves the counters."""
+    engine = make_engine(2)
+    train(engine, 0, 2)
+    engine.save_checkpoint(tmp_path)
+    full = engine.full_state_dict()
+    engine.close()
+    for kwargs, steps in [({"load_optimizer_states": False}, 2), ({"load_module_only": True}, 0)]:
+        other = make_engine(3, optimizer="sgd_nesterov", seed=5)
+        other.load_checkpoint(tmp_path, **kwargs)
+        assert other.global_steps == steps
+        assert all(fg.step_count == 0 for fg in other.groups)
+        assert all(float(t.abs().max()) == 0 for fg in other.groups for t in fg.states.values())
+        state = other.full_state_dict()
+        other.close()
+        assert all(torch.equal(state[k], full[k]) for k in full)
+
+
+# ---- refusals: each names what is wrong, and nothing changes --------------------
+
+
+@pytest.fixture
+def saved(tmp_path):
+    engine = make_engine(2)
+    train(engine, 0, 2)
+    engine.save_checkpoint(tmp_path)
+    engine.close()
+    return tmp_path
+
+
+def unchanged_after(engine, action, error, match):
+    before = engine.full_state_dict()
+    counters = (engine.global_steps, [fg.step_count for fg in engine.groups])
+    with pytest.raises(error, match=match):
+        action()
+    after = engine.full_state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before)
+    assert counters == (engine.global_steps, [fg.step_count for fg in engine.groups])
+
+
+def test_refuses_other_models(saved):
+    torch.manual_seed(0)
+    wider = Net()
+    wider.head = torch.nn.Linear(16, 51)
+    engine = zero.initialize(wider, optimizer=torch.optim.AdamW(wider.parameters()), stage=3)
+    unchanged_after(engine, lambda: engine.load_checkpoint(saved), ValueError,
+                    r"parameter 'head.weight' has shape \(51, 16\) in the model but "
+                    r"\(50, 16\) in the checkpoint")
+    engine.close()
+    bigger = Net()
+    bigger.extra = torch.nn.Linear(2, 2)
+    engine = zero.initialize(bigger, optimizer=torch.optim.AdamW(bigger.parameters()), stage=1)
+    unchanged_after(engine, lambda: engine.load_checkpoint(saved), ValueError,
+                    "the checkpoint has no parameter 'extra.weight' \\(nor 1 more\\)")
+    engine.close()
+    smaller = Net()
+    del smaller.body[3]
+    engine = zero.initialize(smaller, optimizer=torch.optim.AdamW(smaller.parameters()))
+    unchanged_after(engine, lambda: engine.load_checkpoint(saved), ValueError,
+                    "the checkpoint's parameter 'body.3.weight' is not in the model")
+    engine.close()
+
+
+def test_refuses_other_optimizer_states(saved):
+    engine = make_engine(1, optimizer="sgd_nesterov", seed=4)
+    unchanged_after(engine, lambda: engine.load_checkpoint(saved), ValueError,
+                    "holds AdamW states.*SGD; pass load_optimizer_states=False")
+    engine.close()
+    engine = make_engine(1, optimizer="adam_amsgrad", seed=4)
+    unchanged_after(engine, lambda: engine.load_checkpoint(saved), ValueError,
+                    "no optimizer state 'max_exp_avg_sq' for parameter")
+    engine.close()
+
+
+def test_refuses_missing_and_foreign_files(saved, tmp_path_factory):
+    engine = make_engine(2, seed=4)
+    empty = tmp_path_factory.mktemp("empty")
+    unchanged_after(engine, lambda: engine.load_checkpoint(empty / "nothing"),
+                    FileNotFoundError, "does not exist")
+    unchanged_after(engine, lambda: engine.load_checkpoint(empty), FileNotFoundError,
+                    "latest' does not exist: pass tag=")
+    unchanged_after(engine, lambda: engine.load_checkpoint(saved, tag="global_step9"),
+                    FileNotFoundError, "holds no zero checkpoint")
+    unchanged_after(engine, lambda: engine.load_checkpoint(saved, tag="../x"), ValueError,
+                    "tag '../x' must be a plain directory name")
+    foreign = empty / "foreign"
+    foreign.mkdir()
+    torch.save({"format": "something else"}, foreign / "zero_meta.pt")
+    unchanged_after(engine, lambda: engine.load_checkpoint(empty, tag="foreign"), ValueError,
+                    "is not a zero checkpoint")
+    os.remove(saved / "global_step2" / "zero_shard_00000.pt")
+    unchanged_after(engine, lambda: engine.load_checkpoint(saved), FileNotFoundError,
+                    "zero_shard_00000.pt' is missing")
+    engine.close()
+
+
+def test_refuses_what_it_cannot_save(tmp_path):
+    engine = make_engine(2, accumulation=2)
+    train(engine, 0, 1, accumulation=2)
+    with pytest.raises(TypeError, match=r"client_state\['run'\]\[1\] is a builtins.object"):
+        engine.save_checkpoint(tmp_path, client_state={"run": [1, object()]})
+    with pytest.raises(ValueError, match="tag 'a/b' must be a plain directory name"):
+        engine.save_checkpoint(tmp_path, tag="a/b")
+    assert os.listdir(tmp_path) == []
+    tokens, targets = batches("cpu", 1)[0]
+    engine.backward(loss_of(engine(tokens), targets))
+    engine.step()  # the first micro-step of two
+    with pytest.raises(RuntimeError, match="middle of an accumulation boundary"):
+        engine.save_checkpoint(tmp_path)
+    engine.close()
