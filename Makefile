@@ -12,7 +12,7 @@ CXX ?= g++
 # tests on machines without a GPU (tests/emulated_cuda, docs/cuda.md).
 EMULATED_CUDA = tests/c/build/libzero_fake_cuda.so
 
-.PHONY: deps install train test test-c test-cuda-build emulated-cuda test-py bench bench-train clean
+.PHONY: deps install train test test-c test-cuda-build emulated-cuda test-py bench bench-train bench-checkpoint clean
 
 # The pinned CPU build of torch and the test tools.
 deps:
@@ -64,6 +64,9 @@ bench: install
 
 bench-train: install
 	$(PYTHON) bench/train.py
+
+bench-checkpoint: install
+	$(PYTHON) bench/checkpoint.py
 
 clean:
 	rm -rf build tests/c/build python/zero/*.so *.egg-info python/*.egg-info

@@ -112,10 +112,10 @@ def run_ddp(precision, small):
     return step, lambda: state_bytes_torch(model, opt), cfg
 
 
-def run_fsdp2(precision, small, reshard):
+def fsdp2_shard(model, precision, reshard):
+    """fully_shard on each block and the root, in place."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-    model, cfg = build(small)
     mesh = init_device_mesh("cpu", (WORLD,))
     kw = dict(mesh=mesh, reshard_after_forward=reshard)
     if precision == "bf16":
@@ -124,6 +124,11 @@ def run_fsdp2(precision, small, reshard):
     for block in model.blocks:
         fully_shard(block, **kw)
     fully_shard(model, **kw)
+
+
+def run_fsdp2(precision, small, reshard):
+    model, cfg = build(small)
+    fsdp2_shard(model, precision, reshard)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
 
     def step(ids, labels):
@@ -140,10 +145,7 @@ def run_fsdp2(precision, small, reshard):
     return step, nbytes, cfg
 
 
-def run_deepspeed(stage, precision, small):
-    os.environ.setdefault("DS_ACCELERATOR", "cpu")
-    import deepspeed
-    model, cfg = build(small)
+def deepspeed_config(stage, precision):
     # zero's default bucket (25M elements) for DeepSpeed's buckets too
     config = {"train_micro_batch_size_per_gpu": BATCH, "gradient_accumulation_steps": 1,
               "zero_optimization": {"stage": stage, "reduce_bucket_size": 25_000_000,
@@ -157,6 +159,14 @@ def run_deepspeed(stage, precision, small):
             stage3_prefetch_bucket_size=STAGE3["stage3_prefetch_bucket_size"])
     if precision == "bf16":
         config["bf16"] = {"enabled": True}
+    return config
+
+
+def run_deepspeed(stage, precision, small):
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    import deepspeed
+    model, cfg = build(small)
+    config = deepspeed_config(stage, precision)
     engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
                                       config=config, dist_init_required=False)
 

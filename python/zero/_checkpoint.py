@@ -19,8 +19,14 @@ from zero._checkpoint_format import (FORMAT, LATEST_FILE, META_FILE, REPLICATED_
 
 
 def _host_copy(t: torch.Tensor) -> torch.Tensor:
-    # a copy, never a view: torch.save writes a view's whole storage
-    return t.detach().to("cpu", copy=True)
+    """t for torch.save: as it is when it is a whole host storage (states,
+    stage-3 shards, a bf16 master), else copied, since torch.save writes a
+    view's whole storage (at fp32 stages 0-2 the master is a chunk of the
+    gathered parameters)."""
+    t = t.detach()
+    whole = t.device.type == "cpu" and t.storage_offset() == 0 and t.is_contiguous() and \
+        t.untyped_storage().nbytes() == t.nbytes
+    return t if whole else t.to("cpu", copy=True)
 
 
 def _replicated_frozen(engine) -> list:
@@ -115,11 +121,26 @@ def _meta(engine, client_state, scheduler_state, shard_files) -> dict:
 
 
 def _write(obj, path):
-    """torch.save to a temporary name, then rename: a crash never leaves a
-    half-written file under the real name."""
+    """torch.save to a temporary name, flushed to the disk, then renamed: a
+    crash (or a power cut) never leaves a half-written file under the real
+    name, and `latest` is written only after every file it covers is on
+    the disk."""
     tmp = path + ".tmp"
-    torch.save(obj, tmp)
+    with open(tmp, "wb") as f:
+        torch.save(obj, f)
+        f.flush()
+        os.fsync(f.fileno())
     os.replace(tmp, path)
+    _sync_directory(os.path.dirname(path))
+
+
+def _sync_directory(path):
+    """The rename itself reaches the disk with the directory's fsync."""
+    fd = os.open(path or ".", os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def _all_ok(comm, error, doing="saving") -> None:
@@ -171,10 +192,13 @@ def save(engine, save_dir, tag=None, client_state=None, save_latest=True) -> str
     if save_latest:
         try:
             if comm.rank == 0:
-                with open(os.path.join(save_dir, LATEST_FILE + ".tmp"), "w") as f:
+                latest = os.path.join(os.fspath(save_dir), LATEST_FILE)
+                with open(latest + ".tmp", "w") as f:
                     f.write(tag)
-                os.replace(os.path.join(save_dir, LATEST_FILE + ".tmp"),
-                           os.path.join(save_dir, LATEST_FILE))
+                    f.flush()
+                    os.fsync(f.fileno())
+                os.replace(latest + ".tmp", latest)
+                _sync_directory(os.fspath(save_dir))
         except Exception as e:
             error = e
         _all_ok(comm, error)
