@@ -5,7 +5,7 @@ same arithmetic in the same order: any state not restored shows); and
 every bad input is refused before anything changes.
 
 Across world sizes, and consolidated into plain torch, in
-tests/distributed/test_checkpoint.py."""
+tests/distributed/test_checkpoint_resharding.py."""
 import os
 import subprocess
 import sys

@@ -113,3 +113,28 @@ def test_zero_optim_built_on_the_device_trains_as_one_built_on_the_host(stage):
         engine.close()
     for name, value in finals[0].items():
         assert torch.equal(value, finals[1][name]), name
+
+
+def test_checkpoint_moves_between_the_gpu_and_the_host(tmp_path):
+    """Saved from the device at stage 3, loaded on the host at stage 1 and
+    back on the device at stage 2: each restore is exact."""
+    def engine_on(device, stage, seed):
+        torch.manual_seed(seed)
+        model = engine_cases.Net()
+        return zero.initialize(model, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-2),
+                               stage=stage, precision="bf16", device=device)
+    first = engine_on(DEVICE, 3, 0)
+    engine_cases.engine_run(first, engine_cases.batches(DEVICE, 3))
+    first.save_checkpoint(tmp_path / "a")
+    saved = first.full_state_dict()
+    first.close()
+    host = engine_on(torch.device("cpu"), 1, 1)
+    host.load_checkpoint(tmp_path / "a")
+    host.save_checkpoint(tmp_path / "b")
+    assert all(torch.equal(v, saved[k]) for k, v in host.full_state_dict().items())
+    host.close()
+    again = engine_on(DEVICE, 2, 2)
+    again.load_checkpoint(tmp_path / "b")
+    assert again.global_steps == 3
+    assert all(torch.equal(v, saved[k]) for k, v in again.full_state_dict().items())
+    again.close()
