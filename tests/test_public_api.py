@@ -29,3 +29,14 @@ def test_core_functions():
                 "cuda_adam_step", "cuda_multi_tensor_adam", "cuda_norm_partials",
                 "cuda_l2_norm", "cuda_unscale_check", "cuda_pack", "cuda_unpack"}
     assert expected <= set(dir(zero._C))
+
+
+def test_import_pulls_in_no_framework():
+    """zero.integrations.hf imports transformers only when imported itself."""
+    import subprocess
+    import sys
+    code = "import sys, zero, zero.integrations; print('transformers' in sys.modules)"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "False"

@@ -1,0 +1,5 @@
+"""Integrations with training frameworks. Each lives in its own module and
+imports its framework only when imported itself:
+
+    from zero.integrations.hf import ZeroTrainer   # HuggingFace transformers
+"""

@@ -1,0 +1,170 @@
+"""zero under the HuggingFace Trainer: ZeroTrainer is a Trainer whose model
+is trained by a zero Engine.
+
+    from zero.integrations.hf import ZeroTrainer
+    trainer = ZeroTrainer(model=model, args=TrainingArguments(...), train_dataset=ds,
+                          zero_options={"stage": 3, "precision": "bf16"})
+    trainer.train()
+
+The Trainer keeps what it owns: the data loaders (sharded over ranks by
+accelerate), gradient accumulation (args.gradient_accumulation_steps), the
+LR schedule, logging, evaluation and the checkpoint folders. The engine
+takes what it owns: the model's parameters, gradients and optimizer states,
+partitioned; the reduction over ranks; mixed precision; clipping (to
+args.max_grad_norm, over all shards); the step.
+
+How the two meet, each at a point the Trainer lets a subclass or its own
+Accelerator object choose (no torch or transformers global is replaced):
+- create_optimizer builds the Trainer's optimizer as usual, hands it to
+  zero.initialize, and gives the Trainer a stand-in whose step() is
+  engine.step(); the LR scheduler is built on the real optimizer, whose
+  param_groups the engine reads.
+- _wrap_model returns the engine, so accelerate wraps no DDP around it.
+- This Trainer's accelerator sends backward, clip_grad_norm_ and no_sync
+  to the engine (the engine reduces at the Trainer's optimizer step, so
+  no_sync has nothing to skip).
+- save_model writes the full fp32 model (a collective at stage 3); the
+  optimizer part of a checkpoint folder is a zero checkpoint (any world
+  size and stage resumes from it) plus the scheduler.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+
+import torch
+from transformers import Trainer
+
+import zero
+
+ZERO_CHECKPOINT_DIR = "zero_checkpoint"
+SCHEDULER_FILE = "scheduler.pt"  # the Trainer's own name for it
+
+
+class _EngineOptimizer(torch.optim.Optimizer):
+    """What the Trainer (and accelerate) take for the optimizer: step() and
+    zero_grad() go to the engine; param_groups are the real optimizer's,
+    hyperparameters only. The states live in the engine, partitioned, and
+    are saved with its checkpoints, so state_dict() holds no "state"."""
+
+    def __init__(self, engine):  # no Optimizer.__init__: the engine owns the parameters
+        self.engine = engine
+        self.defaults = engine.optimizer.defaults
+        self.state = {}
+        self._optimizer_step_pre_hooks = {}
+        self._optimizer_step_post_hooks = {}
+
+    @property
+    def param_groups(self):
+        return self.engine.optimizer.param_groups
+
+    def step(self, closure=None):
+        if closure is not None:
+            raise ValueError("the zero engine's step takes no closure")
+        self.engine.step()
+
+    def zero_grad(self, set_to_none: bool = True):
+        self.engine.zero_grad(set_to_none)
+
+    def state_dict(self):
+        groups = [{k: v for k, v in g.items() if k != "params"} for g in self.param_groups]
+        return {"state": {}, "param_groups": groups}
+
+    def load_state_dict(self, state_dict):
+        groups = state_dict["param_groups"]
+        if len(groups) != len(self.param_groups):
+            raise ValueError(f"state_dict has {len(groups)} param groups, the optimizer "
+                             f"has {len(self.param_groups)}")
+        for group, saved in zip(self.param_groups, groups):
+            group.update({k: v for k, v in saved.items() if k != "params"})
+
+
+class ZeroTrainer(Trainer):
+    """A transformers.Trainer trained by zero. zero_options: the keyword
+    arguments of zero.initialize (stage, precision, and any zero.Config
+    field) except those the Trainer owns (see _TRAINER_OWNS)."""
+
+    _TRAINER_OWNS = {"gradient_accumulation_steps": "args.gradient_accumulation_steps",
+                     "gradient_clipping": "args.max_grad_norm",
+                     "optimizer": "args.optim or optimizers=",
+                     "lr_scheduler": "args.lr_scheduler_type or optimizers="}
+
+    def __init__(self, *args, zero_options: dict | None = None, **kwargs):
+        options = dict(zero_options or {})
+        for key, where in self._TRAINER_OWNS.items():
+            if key in options:
+                raise ValueError(f"zero_options[{key!r}]: the Trainer owns this; set {where}")
+        self.zero_options = options
+        self.engine = None
+        super().__init__(*args, **kwargs)
+        if self.args.fp16 or self.args.bf16:
+            raise ValueError("TrainingArguments fp16/bf16 turn on torch autocast; with "
+                             "ZeroTrainer set zero_options={'precision': 'bf16'} (or 'fp16') "
+                             "instead, and leave fp16/bf16 False")
+        self._route_accelerator_to_engine()
+
+    # ---- the engine and the optimizer ------------------------------------------
+
+    def create_optimizer(self):
+        if self.engine is None:
+            super().create_optimizer()  # the Trainer's optimizer, on the model's parameters
+            self.engine = zero.initialize(self.model, optimizer=self.optimizer,
+                                          **self.zero_options)
+            self.optimizer = _EngineOptimizer(self.engine)
+        return self.optimizer
+
+    def create_scheduler(self, num_training_steps: int, optimizer=None):
+        # on the real optimizer: the engine reads the lr from its param_groups
+        real = self.engine.optimizer if self.engine is not None else optimizer
+        return super().create_scheduler(num_training_steps, optimizer=real)
+
+    def _wrap_model(self, model, training=True, dataloader=None):
+        return self.engine if self.engine is not None else model
+
+    def _route_accelerator_to_engine(self):
+        """This Trainer's own accelerator: backward, clipping and no_sync
+        are the engine's (a plain loss.backward() would miss fp16's loss
+        scale; torch's clip_grad_norm_ would see only this rank's unreduced
+        or partitioned gradients)."""
+        acc = self.accelerator
+
+        def backward(loss, **_kwargs):
+            self.engine.backward(loss)
+
+        def clip_grad_norm_(_parameters, max_norm, norm_type=2):
+            if norm_type != 2:
+                raise ValueError(f"the zero engine clips by the L2 norm, not norm_type={norm_type}")
+            return torch.tensor(self.engine.clip_grad_norm_(max_norm))
+
+        acc.backward = backward
+        acc.clip_grad_norm_ = clip_grad_norm_
+        acc.no_sync = lambda model=None: contextlib.nullcontext()
+
+    # ---- saving and resuming ------------------------------------------------------
+
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False):
+        """The full fp32 model, from the engine's masters, written by the
+        process that saves (every rank takes part in the gather)."""
+        if self.engine is None:
+            return super().save_model(output_dir, _internal_call)
+        output_dir = output_dir if output_dir is not None else self.args.output_dir
+        state_dict = self.engine.full_state_dict()
+        if self.args.should_save:
+            self._save(output_dir, state_dict=state_dict)
+
+    def _save_optimizer_and_scheduler(self, output_dir):
+        self.engine.save_checkpoint(os.path.join(output_dir, ZERO_CHECKPOINT_DIR), tag="engine")
+        if self.args.should_save and self.lr_scheduler is not None:
+            torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, SCHEDULER_FILE))
+
+    def _load_optimizer_and_scheduler(self, checkpoint):
+        if checkpoint is None:
+            return
+        zero_dir = os.path.join(checkpoint, ZERO_CHECKPOINT_DIR)
+        if not os.path.isdir(zero_dir):
+            raise FileNotFoundError(f"{checkpoint!r} has no {ZERO_CHECKPOINT_DIR}/: it was not "
+                                    "saved by ZeroTrainer, so it holds no engine state to resume")
+        self.engine.load_checkpoint(zero_dir, tag="engine")
+        scheduler = os.path.join(checkpoint, SCHEDULER_FILE)
+        if self.lr_scheduler is not None and os.path.isfile(scheduler):
+            self.lr_scheduler.load_state_dict(torch.load(scheduler, weights_only=True))

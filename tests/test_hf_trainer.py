@@ -1,0 +1,99 @@
+"""zero.integrations.hf.ZeroTrainer in one process against the plain
+HuggingFace Trainer on the same model, data and arguments (accumulation,
+warm-up and linear schedule, clipping).
+
+Tolerance, fp32: the same forward and backward ops; the updates differ by
+rounding (zero's C AdamW against torch's fused AdamW, the clip folded into
+the gradient scale), a few ulps a step: final parameters within 1e-5
+normwise, logged losses and gradient norms within 1e-5 relative.
+Checkpoint folders resume bit for bit (same process count)."""
+import os
+
+import pytest
+import torch
+
+import hf_cases
+from conftest import max_rel_error
+from hf_trainer_cases import llama, logged, token_data, training_args
+
+pytest.importorskip("transformers", reason="requirements-test.txt installs transformers")
+one_process = hf_cases.one_process
+
+
+def zero_trainer(tmp, zero_options, seed=0, **overrides):
+    from zero.integrations.hf import ZeroTrainer
+    return ZeroTrainer(model=llama(seed), args=training_args(tmp, **overrides),
+                       train_dataset=token_data(), zero_options=zero_options)
+
+
+@pytest.fixture(scope="module")
+def plain_trainer_run(tmp_path_factory):
+    from transformers import Trainer
+    trainer = Trainer(model=llama(), args=training_args(tmp_path_factory.mktemp("plain")),
+                      train_dataset=token_data())
+    trainer.train()
+    state = {k: v.detach().clone() for k, v in trainer.model.state_dict().items()}
+    return state, logged(trainer, "loss"), logged(trainer, "grad_norm")
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_matches_the_plain_trainer(one_process, tmp_path, plain_trainer_run, stage):
+    ref_state, ref_losses, ref_norms = plain_trainer_run
+    trainer = zero_trainer(tmp_path, {"stage": stage})
+    trainer.train()
+    state = trainer.engine.full_state_dict()
+    for ours, ref in zip(logged(trainer, "loss"), ref_losses, strict=True):
+        assert abs(ours - ref) <= 1e-5 * abs(ref)
+    for ours, ref in zip(logged(trainer, "grad_norm"), ref_norms, strict=True):
+        assert abs(ours - ref) <= 1e-5 * abs(ref)
+    for key, ref in ref_state.items():
+        assert max_rel_error(state[key], ref) <= 1e-5, key
+    trainer.engine.close()
+
+
+def test_checkpoint_folder_resumes_exactly_at_another_stage(one_process, tmp_path):
+    """bf16 at stage 3, a checkpoint folder every 3 steps; a new trainer at
+    stage 1 resumes from checkpoint-3 and ends where the first run ends.
+    The folder's model loads with from_pretrained: the fp32 masters."""
+    from transformers import LlamaForCausalLM
+    from zero.checkpoint import consolidate
+    first = zero_trainer(tmp_path / "a", {"stage": 3, "precision": "bf16"},
+                         save_strategy="steps", save_steps=3)
+    first.train()
+    expected = first.engine.full_state_dict()
+    first.engine.close()
+    folder = tmp_path / "a" / "checkpoint-3"
+    assert {"model.safetensors", "zero_checkpoint", "scheduler.pt",
+            "trainer_state.json"} <= set(os.listdir(folder))
+    saved = consolidate(folder / "zero_checkpoint")["model"]
+    loaded = LlamaForCausalLM.from_pretrained(folder).state_dict()
+    for key, value in loaded.items():
+        assert value.dtype == torch.float32 and torch.equal(value, saved[key]), key
+
+    second = zero_trainer(tmp_path / "b", {"stage": 1, "precision": "bf16"}, seed=7)
+    second.train(resume_from_checkpoint=str(folder))
+    assert second.state.global_step == 6
+    state = second.engine.full_state_dict()
+    second.engine.close()
+    for key, value in expected.items():
+        assert torch.equal(state[key], value), key
+
+
+def test_refuses_settings_the_trainer_owns(one_process, tmp_path):
+    with pytest.raises(ValueError, match=r"zero_options\['gradient_accumulation_steps'\]: "
+                                         r"the Trainer owns this; set args.gradient_acc"):
+        zero_trainer(tmp_path, {"stage": 2, "gradient_accumulation_steps": 4})
+    with pytest.raises(ValueError, match="set zero_options=\\{'precision': 'bf16'\\}"):
+        zero_trainer(tmp_path, {"stage": 2}, bf16=True)
+
+
+def test_resuming_a_folder_without_engine_state_is_refused(one_process, tmp_path):
+    from transformers import Trainer
+    plain = Trainer(model=llama(), args=training_args(tmp_path / "plain", save_strategy="steps",
+                                                      save_steps=3), train_dataset=token_data())
+    plain.train()
+    trainer = zero_trainer(tmp_path / "z", {"stage": 2})
+    with pytest.raises(FileNotFoundError, match="has no zero_checkpoint/: it was not saved "
+                                                "by ZeroTrainer"):
+        trainer.train(resume_from_checkpoint=str(tmp_path / "plain" / "checkpoint-3"))
+    trainer.engine.close()
