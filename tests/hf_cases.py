@@ -1,5 +1,7 @@
 """What the HuggingFace model tests share: a process with no launcher, and
 the loop that trains a model under the engine beside its torch twin."""
+import os
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -10,8 +12,13 @@ import engine_cases
 @pytest.fixture
 def one_process(monkeypatch):
     engine_cases.no_launcher(monkeypatch)
+    # TrainingArguments writes its choices into os.environ (accelerate reads
+    # them back, in this process and in the workers later tests spawn)
+    environment = dict(os.environ)
     had_group = dist.is_initialized()
     yield
+    os.environ.clear()
+    os.environ.update(environment)
     assert dist.is_initialized() == had_group, "an engine left its process group behind"
 
 

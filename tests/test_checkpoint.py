@@ -220,8 +220,60 @@ def test_refuses_other_optimizer_states(saved):
     engine.close()
     engine = make_engine(1, optimizer="adam_amsgrad", seed=4)
     unchanged_after(engine, lambda: engine.load_checkpoint(saved), ValueError,
-                    "no optimizer state 'max_exp_avg_sq' for parameter")
+                    r"param group 0 was saved with hyperparameters that keep the states "
+                    r"\['exp_avg', 'exp_avg_sq'\], the engine's optimizer keeps "
+                    r"\['exp_avg', 'exp_avg_sq', 'max_exp_avg_sq'\]")
+    # the other way round: the saved amsgrad=True would replace this
+    # optimizer's amsgrad=False, and the next step would find no state for it
+    amsgrad = make_engine(1, optimizer="adam_amsgrad")
+    train(amsgrad, 0, 1)
+    amsgrad.save_checkpoint(saved, tag="amsgrad")
+    amsgrad.close()
+    engine = make_engine(1, seed=4)
+    unchanged_after(engine, lambda: engine.load_checkpoint(saved, tag="amsgrad"), ValueError,
+                    r"keep the states \['exp_avg', 'exp_avg_sq', 'max_exp_avg_sq'\], the "
+                    r"engine's optimizer keeps \['exp_avg', 'exp_avg_sq'\]")
+    assert engine.optimizer.param_groups[0]["amsgrad"] is False
     engine.close()
+
+
+def test_fresh_optimizer_on_a_trained_engine(saved):
+    """load_optimizer_states=False on an engine that has trained: its
+    states and step counts start over, and the lr is the restored
+    schedule's (step 2 of 1/(1+step)), not the one it had."""
+    engine = make_engine(2, seed=4)
+    train(engine, 0, 3)
+    engine.load_checkpoint(saved, load_optimizer_states=False)
+    assert engine.lr_scheduler.last_epoch == 2
+    assert [g["lr"] for g in engine.optimizer.param_groups] == [1e-2 * (1 / (1 + 2))]
+    assert all(fg.step_count == 0 for fg in engine.groups)
+    assert all(float(t.abs().max()) == 0 for fg in engine.groups for t in fg.states.values())
+    engine.close()
+
+
+def test_a_tag_holding_files_of_two_saves_is_refused(saved):
+    """A save into an existing tag that failed after some shards were
+    written leaves old and new files side by side: refused, not mixed."""
+    folder = saved / "global_step2"
+    old_shard = (folder / "zero_shard_00000.pt").read_bytes()
+    engine = make_engine(2, seed=4)
+    engine.save_checkpoint(saved, tag="global_step2")  # a new save into the same tag
+    (folder / "zero_shard_00000.pt").write_bytes(old_shard)
+    unchanged_after(engine, lambda: engine.load_checkpoint(saved), ValueError,
+                    "belongs to another save than zero_meta.pt")
+    engine.close()
+
+
+def test_consolidated_buffers_are_fp32_like_the_full_state(tmp_path):
+    engine = make_engine(1, "bf16")
+    engine.module.register_buffer("scale", torch.tensor([0.5, 2.0 / 3.0]))
+    engine.module.scale.data = engine.module.scale.to(torch.bfloat16)
+    train(engine, 0, 1)
+    engine.save_checkpoint(tmp_path)
+    full = engine.full_state_dict()
+    engine.close()
+    model = zero.checkpoint.consolidate(tmp_path)["model"]
+    assert model["scale"].dtype == torch.float32 and torch.equal(model["scale"], full["scale"])
 
 
 def test_refuses_missing_and_foreign_files(saved, tmp_path_factory):

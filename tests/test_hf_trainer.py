@@ -5,7 +5,8 @@ warm-up and linear schedule, clipping).
 Tolerance, fp32: the same forward and backward ops; the updates differ by
 rounding (zero's C AdamW against torch's fused AdamW, the clip folded into
 the gradient scale), a few ulps a step: final parameters within 1e-5
-normwise, logged losses and gradient norms within 1e-5 relative.
+normwise, gradient norms within 1e-5 relative, logged losses (which the
+Trainer rounds to 4 decimals) within one unit of the last.
 Checkpoint folders resume bit for bit (same process count)."""
 import os
 
@@ -14,16 +15,17 @@ import torch
 
 import hf_cases
 from conftest import max_rel_error
-from hf_trainer_cases import llama, logged, token_data, training_args
+from hf_trainer_cases import llama, logged, same_logged_loss, token_data, training_args
 
 pytest.importorskip("transformers", reason="requirements-test.txt installs transformers")
 one_process = hf_cases.one_process
 
 
-def zero_trainer(tmp, zero_options, seed=0, **overrides):
+def zero_trainer(tmp, zero_options, seed=0, eval_dataset=None, **overrides):
     from zero.integrations.hf import ZeroTrainer
     return ZeroTrainer(model=llama(seed), args=training_args(tmp, **overrides),
-                       train_dataset=token_data(), zero_options=zero_options)
+                       train_dataset=token_data(), eval_dataset=eval_dataset,
+                       zero_options=zero_options)
 
 
 @pytest.fixture(scope="module")
@@ -43,7 +45,7 @@ def test_matches_the_plain_trainer(one_process, tmp_path, plain_trainer_run, sta
     trainer.train()
     state = trainer.engine.full_state_dict()
     for ours, ref in zip(logged(trainer, "loss"), ref_losses, strict=True):
-        assert abs(ours - ref) <= 1e-5 * abs(ref)
+        assert same_logged_loss(ours, ref)
     for ours, ref in zip(logged(trainer, "grad_norm"), ref_norms, strict=True):
         assert abs(ours - ref) <= 1e-5 * abs(ref)
     for key, ref in ref_state.items():
@@ -85,6 +87,9 @@ def test_refuses_settings_the_trainer_owns(one_process, tmp_path):
         zero_trainer(tmp_path, {"stage": 2, "gradient_accumulation_steps": 4})
     with pytest.raises(ValueError, match="set zero_options=\\{'precision': 'bf16'\\}"):
         zero_trainer(tmp_path, {"stage": 2}, bf16=True)
+    os.environ["ACCELERATE_MIXED_PRECISION"] = "bf16"  # restored by one_process
+    with pytest.raises(ValueError, match="accelerate runs this Trainer under bf16 autocast"):
+        zero_trainer(tmp_path, {"stage": 2})
 
 
 def test_resuming_a_folder_without_engine_state_is_refused(one_process, tmp_path):
@@ -96,4 +101,41 @@ def test_resuming_a_folder_without_engine_state_is_refused(one_process, tmp_path
     with pytest.raises(FileNotFoundError, match="has no zero_checkpoint/: it was not saved "
                                                 "by ZeroTrainer"):
         trainer.train(resume_from_checkpoint=str(tmp_path / "plain" / "checkpoint-3"))
+    trainer.engine.close()
+
+
+def test_label_smoothing_matches_the_plain_trainer(one_process, tmp_path):
+    """The Trainer shifts a causal LM's labels for label smoothing when the
+    unwrapped model says it is one: the engine unwraps to the model."""
+    from transformers import Trainer
+    plain = Trainer(model=llama(), train_dataset=token_data(),
+                    args=training_args(tmp_path / "p", max_steps=2, label_smoothing_factor=0.1))
+    plain.train()
+    trainer = zero_trainer(tmp_path / "z", {"stage": 2}, max_steps=2, label_smoothing_factor=0.1)
+    trainer.train()
+    for ours, ref in zip(logged(trainer, "loss"), logged(plain, "loss"), strict=True):
+        assert same_logged_loss(ours, ref)
+    trainer.engine.close()
+
+
+def test_load_best_model_at_end_loads_the_best_folder(one_process, tmp_path):
+    """Stage 3 (every unit released): the engine ends on the best folder's
+    weights, which are not the last ones, and saves those."""
+    from zero.checkpoint import consolidate
+    trainer = zero_trainer(tmp_path, {"stage": 3, "stage3_param_persistence_threshold": 0},
+                           max_steps=4, learning_rate=3e-2, eval_strategy="steps",
+                           eval_steps=1, save_strategy="steps", save_steps=1,
+                           load_best_model_at_end=True, metric_for_best_model="eval_loss",
+                           eval_dataset=token_data(count=8, seed=3))
+    trainer.train()
+    best = trainer.state.best_model_checkpoint
+    assert best is not None and not best.endswith("checkpoint-4")
+    expected = consolidate(os.path.join(best, "zero_checkpoint"))["model"]
+    state = trainer.engine.full_state_dict()
+    for key, value in expected.items():
+        assert torch.equal(state[key], value), key
+    trainer.save_model(tmp_path / "final")
+    from transformers import LlamaForCausalLM
+    saved = LlamaForCausalLM.from_pretrained(tmp_path / "final").state_dict()
+    assert all(torch.equal(saved[k], expected[k]) for k in saved)
     trainer.engine.close()

@@ -16,6 +16,7 @@ import zero
 from zero._checkpoint_format import (FORMAT, LATEST_FILE, META_FILE, REPLICATED_GROUP,
                                      VERSION, CheckpointReader, check_plain, owned_pieces,
                                      resolve_tag, shard_file)
+from zero._optimizer_bridge import states_for
 
 
 def _host_copy(t: torch.Tensor) -> torch.Tensor:
@@ -170,23 +171,33 @@ def save(engine, save_dir, tag=None, client_state=None, save_latest=True) -> str
             f"{engine.config.gradient_accumulation_steps}); gradients are not saved, so call "
             "it after the boundary's engine.step()")
     tag = check_tag(f"global_step{engine.global_steps}" if tag is None else tag)
-    client_state = {} if client_state is None else client_state
-    check_plain(client_state, "client_state")
-    scheduler_state = engine.lr_scheduler.state_dict() if engine.lr_scheduler else None
-    check_plain(scheduler_state, "lr_scheduler.state_dict()")
     path = os.path.join(os.fspath(save_dir), tag)
-    shard_files = [shard_file(r) for r in range(comm.world if engine.stage else 1)]
-    error = None
-    try:
+    save_id = _agreed_save_id(comm)
+    meta, error = None, None
+    try:  # this rank's checks and shard; a failure is raised on every rank by _all_ok
+        client_state = {} if client_state is None else client_state
+        check_plain(client_state, "client_state")
+        scheduler_state = engine.lr_scheduler.state_dict() if engine.lr_scheduler else None
+        check_plain(scheduler_state, "lr_scheduler.state_dict()")
         os.makedirs(path, exist_ok=True)
         groups = _shard_groups(engine)
         if groups:
             _write({"format": FORMAT, "version": VERSION, "rank": comm.rank,
-                    "groups": groups}, os.path.join(path, shard_file(comm.rank)))
+                    "save_id": save_id, "groups": groups},
+                   os.path.join(path, shard_file(comm.rank)))
         if comm.rank == 0:
-            _write(_meta(engine, client_state, scheduler_state, shard_files),
-                   os.path.join(path, META_FILE))
-    except Exception as e:  # reported on every rank by _all_ok
+            shard_files = [shard_file(r) for r in range(comm.world if engine.stage else 1)]
+            meta = _meta(engine, client_state, scheduler_state, shard_files)
+            meta["save_id"] = save_id
+    except Exception as e:
+        error = e
+    _all_ok(comm, error)
+    # the meta only once every shard is on the disk: until then the tag's
+    # old meta names another save_id, and the reader refuses the mixture
+    try:
+        if comm.rank == 0:
+            _write(meta, os.path.join(path, META_FILE))
+    except Exception as e:
         error = e
     _all_ok(comm, error)
     if save_latest:
@@ -203,6 +214,16 @@ def save(engine, save_dir, tag=None, client_state=None, save_latest=True) -> str
             error = e
         _all_ok(comm, error)
     return path
+
+
+def _agreed_save_id(comm) -> int:
+    """A number rank 0 draws for this save and every rank writes into its
+    files, so a tag that holds files of two saves (one that failed halfway
+    over an older one) is refused instead of loaded as a mixture."""
+    drawn = int.from_bytes(os.urandom(7), "little")
+    t = torch.tensor([drawn], dtype=torch.int64, device=comm.scalar_device)
+    comm.broadcast(t, src=0)
+    return int(t.item())
 
 
 # ---- load -----------------------------------------------------------------------
@@ -243,6 +264,13 @@ def _check_optimizer(engine, reader):
             raise ValueError(f"param group {gi} holds other parameters than in the "
                              "checkpoint" + hint)
     for fg in engine.groups:
+        # the saved hyperparameters replace the optimizer's: they must ask
+        # for the states this engine keeps (amsgrad, momentum)
+        saved_states = set(states_for(engine._kind, meta["groups"][fg.index]["hyper"]))
+        if saved_states != set(fg.states):
+            raise ValueError(f"param group {fg.index} was saved with hyperparameters that keep "
+                             f"the states {sorted(saved_states)}, the engine's optimizer keeps "
+                             f"{sorted(fg.states)} (amsgrad or momentum differ)" + hint)
         for name in fg.names:
             for key in fg.states:
                 if not reader.has_state(name, key):
@@ -282,6 +310,16 @@ def _load_partitions(engine, reader, with_optimizer):
     with torch.no_grad():
         for name, p in _replicated_frozen(engine):
             p.copy_(reader.read(name).view(p.shape))
+
+
+def _reset_optimizer(engine):
+    """load_optimizer_states=False: the optimizer starts afresh on the
+    loaded weights, as one just built would."""
+    for fg in engine.groups:
+        fills = states_for(engine._kind, engine.optimizer.param_groups[fg.index])
+        for name, t in fg.states.items():
+            t.fill_(fills[name])
+        fg.step_count = 0
 
 
 def _buffer_items(engine):
@@ -330,6 +368,8 @@ def load(engine, load_dir, tag=None, load_optimizer_states=True,
             group.update(saved["hyper"])
         for fg in engine.groups:
             fg.step_count = meta["groups"][fg.index]["step"]
+    elif not load_module_only:
+        _reset_optimizer(engine)
     if not load_module_only:
         engine.micro_steps = meta["engine"]["micro_steps"]
         engine.global_steps = meta["engine"]["global_steps"]
@@ -338,4 +378,9 @@ def load(engine, load_dir, tag=None, load_optimizer_states=True,
         if load_lr_scheduler_states and engine.lr_scheduler is not None and \
                 meta["lr_scheduler"] is not None:
             engine.lr_scheduler.load_state_dict(meta["lr_scheduler"])
+            # the schedule's current lr, also where the optimizer's
+            # hyperparameters were not loaded
+            for group, lr in zip(engine.optimizer.param_groups,
+                                 getattr(engine.lr_scheduler, "_last_lr", None) or []):
+                group["lr"] = lr
     return path, meta["client_state"]

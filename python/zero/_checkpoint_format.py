@@ -109,6 +109,10 @@ class CheckpointReader:
         self.index = defaultdict(list)  # name -> [(lo, hi, tensors, offset)]
         for file in self.meta["shards"]:
             shard = self._load(file, mmap=True)
+            if shard.get("save_id") != self.meta.get("save_id"):
+                raise ValueError(f"{os.path.join(path, file)!r} belongs to another save than "
+                                 f"{META_FILE} (a save into this tag that did not finish?); "
+                                 "load another checkpoint")
             for group in shard["groups"]:
                 for name, lo, hi, offset in group["pieces"]:
                     self.index[name].append((lo, hi, group["tensors"], offset))

@@ -53,7 +53,11 @@ def consolidate(save_dir, tag=None, with_optimizer: bool = True) -> dict:
     values = {name: reader.read(name) for name in meta["params"]}
     model = {}
     for key, kind, name in meta["state_dict"]:
-        model[key] = values[name] if kind == "param" else meta["buffers"][key]
+        if kind == "param":
+            model[key] = values[name]
+        else:  # floating buffers in fp32 too, as engine.full_state_dict() gives them
+            buffer = meta["buffers"][key]
+            model[key] = buffer.float() if buffer.is_floating_point() else buffer
     optimizer = _optimizer_state_dict(reader) if with_optimizer else None
     rest = {k: v for k, v in meta.items() if k not in ("buffers", "client_state",
                                                         "lr_scheduler")}

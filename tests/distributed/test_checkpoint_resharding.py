@@ -94,7 +94,7 @@ def test_resumed_run_matches_torch(legs, name):
     ref_losses, ref_state = scenarios.reference_run(6, **reference_options)
     first_losses = saved[0][name][0]
     losses, state, facts = loaded[0][name]
-    for ours, ref in zip(first_losses + losses, ref_losses):
+    for ours, ref in zip(first_losses + losses, ref_losses, strict=True):
         assert abs(ours - ref) <= 1e-5 * abs(ref)
     for key, ref in ref_state.items():
         assert max_rel_error(state[key], ref) <= 1e-5, key

@@ -4,13 +4,14 @@ on 2 ranks at stage 3 resumed in one process at stage 1.
 
 Tolerance, fp32: as in tests/test_hf_trainer.py (a few ulps a step between
 the C AdamW and torch's fused AdamW), 1e-5 normwise on the parameters and
-relative on the logged losses and gradient norms."""
+relative on the gradient norms; the logged losses, which the Trainer rounds
+to 4 decimals, within one unit of the last."""
 import pytest
 import torch
 
 import harness
 from conftest import max_rel_error
-from hf_trainer_cases import llama, logged, token_data, training_args
+from hf_trainer_cases import llama, logged, same_logged_loss, token_data, training_args
 
 pytest.importorskip("transformers", reason="requirements-test.txt installs transformers")
 
@@ -53,7 +54,7 @@ def test_two_ranks_match_the_plain_trainer_under_ddp(two_ranks, stage):
         state, losses, norms, wrapper = results[rank][stage]
         assert wrapper == "Engine"  # no DDP around the engine
         for ours, ref in zip(losses, ref_losses, strict=True):
-            assert abs(ours - ref) <= 1e-5 * abs(ref)
+            assert same_logged_loss(ours, ref)
         for ours, ref in zip(norms, ref_norms, strict=True):
             assert abs(ours - ref) <= 1e-5 * abs(ref)
         for key, ref in ref_state.items():

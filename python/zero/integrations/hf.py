@@ -22,10 +22,11 @@ Accelerator object choose (no torch or transformers global is replaced):
 - _wrap_model returns the engine, so accelerate wraps no DDP around it.
 - This Trainer's accelerator sends backward, clip_grad_norm_ and no_sync
   to the engine (the engine reduces at the Trainer's optimizer step, so
-  no_sync has nothing to skip).
-- save_model writes the full fp32 model (a collective at stage 3); the
+  no_sync has nothing to skip), and unwraps the engine to the model.
+- save_model writes the full fp32 model (a collective at stages 1-3); the
   optimizer part of a checkpoint folder is a zero checkpoint (any world
-  size and stage resumes from it) plus the scheduler.
+  size and stage resumes from it) plus the scheduler; the best model is
+  loaded from the best folder's zero checkpoint.
 """
 from __future__ import annotations
 
@@ -101,6 +102,14 @@ class ZeroTrainer(Trainer):
             raise ValueError("TrainingArguments fp16/bf16 turn on torch autocast; with "
                              "ZeroTrainer set zero_options={'precision': 'bf16'} (or 'fp16') "
                              "instead, and leave fp16/bf16 False")
+        if self.accelerator.mixed_precision not in (None, "no"):
+            raise ValueError(f"accelerate runs this Trainer under {self.accelerator.mixed_precision}"
+                             " autocast (ACCELERATE_MIXED_PRECISION or an accelerate config "
+                             "says so); with ZeroTrainer set zero_options={'precision': ...} "
+                             "and unset it")
+        if self.args.load_best_model_at_end and self.args.save_only_model:
+            raise ValueError("load_best_model_at_end loads the best folder's zero checkpoint, "
+                             "which save_only_model=True does not write; unset one of them")
         self._route_accelerator_to_engine()
 
     # ---- the engine and the optimizer ------------------------------------------
@@ -136,15 +145,24 @@ class ZeroTrainer(Trainer):
                 raise ValueError(f"the zero engine clips by the L2 norm, not norm_type={norm_type}")
             return torch.tensor(self.engine.clip_grad_norm_(max_norm))
 
+        unwrap = acc.unwrap_model
+
+        def unwrap_model(model, *args, **kwargs):
+            # the Trainer reads the model's class from here (label
+            # smoothing shifts a causal LM's labels)
+            return self.model if model is self.engine else unwrap(model, *args, **kwargs)
+
         acc.backward = backward
         acc.clip_grad_norm_ = clip_grad_norm_
         acc.no_sync = lambda model=None: contextlib.nullcontext()
+        acc.unwrap_model = unwrap_model
 
     # ---- saving and resuming ------------------------------------------------------
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False):
         """The full fp32 model, from the engine's masters, written by the
-        process that saves (every rank takes part in the gather)."""
+        process that saves. At stages 1-3 a collective: call it on every
+        rank (not under `if trainer.is_world_process_zero()`)."""
         if self.engine is None:
             return super().save_model(output_dir, _internal_call)
         output_dir = output_dir if output_dir is not None else self.args.output_dir
@@ -156,6 +174,12 @@ class ZeroTrainer(Trainer):
         self.engine.save_checkpoint(os.path.join(output_dir, ZERO_CHECKPOINT_DIR), tag="engine")
         if self.args.should_save and self.lr_scheduler is not None:
             torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, SCHEDULER_FILE))
+
+    def _load_best_model(self):
+        """load_best_model_at_end: the best folder's weights into the
+        engine's masters (and so the parameters), every rank."""
+        best = os.path.join(self.state.best_model_checkpoint, ZERO_CHECKPOINT_DIR)
+        self.engine.load_checkpoint(best, tag="engine", load_module_only=True)
 
     def _load_optimizer_and_scheduler(self, checkpoint):
         if checkpoint is None:
