@@ -12,7 +12,7 @@ CXX ?= g++
 # tests on machines without a GPU (tests/emulated_cuda, docs/cuda.md).
 EMULATED_CUDA = tests/c/build/libzero_fake_cuda.so
 
-.PHONY: deps install train test test-c test-cuda-build emulated-cuda test-py bench bench-train bench-checkpoint clean
+.PHONY: deps install train test test-c test-cuda-build emulated-cuda test-py test-hf5 bench bench-train bench-checkpoint clean
 
 # The pinned CPU build of torch and the test tools.
 deps:
@@ -57,7 +57,17 @@ $(EMULATED_CUDA): $(wildcard tests/emulated_cuda/*) $(wildcard kernels/*.cu*) ke
 test-py:
 	$(PYTHON) -m pytest -q tests
 
-test: install test-c $(if $(NVCC),test-cuda-build) test-py
+# The HuggingFace tests again under transformers 5 (requirements-test.txt
+# pins 4.57.6), in a venv that sees everything else installed here.
+HF5_VENV = build/venv-transformers5
+HF5_TESTS = tests/test_hf_trainer.py tests/test_hf_llama.py tests/test_peft_stage3.py \
+	tests/distributed/test_hf_trainer_ranks.py tests/distributed/test_generation.py
+test-hf5: install
+	$(PYTHON) -m venv --system-site-packages $(HF5_VENV)
+	$(HF5_VENV)/bin/python -m pip install -q "transformers==5.18.0" "setuptools>=77"
+	$(HF5_VENV)/bin/python -m pytest -q $(HF5_TESTS)
+
+test: install test-c $(if $(NVCC),test-cuda-build) test-py test-hf5
 
 bench: install
 	$(PYTHON) bench/optim_cpu.py

@@ -110,7 +110,8 @@ _ZERO_IGNORED = {
     "allgather_partitions", "allgather_bucket_size", "reduce_scatter", "round_robin_gradients",
     "load_from_fp32_weights", "elastic_checkpoint", "sub_group_size",
     # stage 3: units are released right after use, so there is no reuse
-    # window to tune; the checkpoint format is not settled yet
+    # window to tune; ZeroTrainer.save_model always writes the whole model
+    # (from the fp32 masters), and engine checkpoints are sharded
     "stage3_max_reuse_distance", "stage3_gather_16bit_weights_on_model_save",
 }
 

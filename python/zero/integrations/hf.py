@@ -31,6 +31,7 @@ Accelerator object choose (no torch or transformers global is replaced):
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 
 import torch
@@ -78,6 +79,25 @@ class _EngineOptimizer(torch.optim.Optimizer):
                              f"has {len(self.param_groups)}")
         for group, saved in zip(self.param_groups, groups):
             group.update({k: v for k, v in saved.items() if k != "params"})
+
+
+def _record_fp32(config_path):
+    """save_pretrained records the parameters' dtype (the engine's compute
+    dtype) in config.json, and from_pretrained loads in it by default
+    (transformers 5); the weights written are the fp32 masters, so the
+    config says float32."""
+    if not os.path.isfile(config_path):
+        return
+    with open(config_path) as f:
+        config = json.load(f)
+    changed = False
+    for key in ("torch_dtype", "dtype"):
+        if key in config and config[key] != "float32":
+            config[key] = "float32"
+            changed = True
+    if changed:
+        with open(config_path, "w") as f:
+            json.dump(config, f, indent=2, sort_keys=True)
 
 
 class ZeroTrainer(Trainer):
@@ -169,6 +189,7 @@ class ZeroTrainer(Trainer):
         state_dict = self.engine.full_state_dict()
         if self.args.should_save:
             self._save(output_dir, state_dict=state_dict)
+            _record_fp32(os.path.join(output_dir, "config.json"))
 
     def _save_optimizer_and_scheduler(self, output_dir):
         self.engine.save_checkpoint(os.path.join(output_dir, ZERO_CHECKPOINT_DIR), tag="engine")
