@@ -223,6 +223,7 @@ def test_refuses_other_optimizer_states(saved):
                     r"param group 0 was saved with hyperparameters that keep the states "
                     r"\['exp_avg', 'exp_avg_sq'\], the engine's optimizer keeps "
                     r"\['exp_avg', 'exp_avg_sq', 'max_exp_avg_sq'\]")
+    engine.close()
     # the other way round: the saved amsgrad=True would replace this
     # optimizer's amsgrad=False, and the next step would find no state for it
     amsgrad = make_engine(1, optimizer="adam_amsgrad")
