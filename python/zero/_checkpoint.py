@@ -185,6 +185,8 @@ def save(engine, save_dir, tag=None, client_state=None, save_latest=True) -> str
             _write({"format": FORMAT, "version": VERSION, "rank": comm.rank,
                     "save_id": save_id, "groups": groups},
                    os.path.join(path, shard_file(comm.rank)))
+            for fg in engine.groups:
+                fg.release_offloaded()
         if comm.rank == 0:
             shard_files = [shard_file(r) for r in range(comm.world if engine.stage else 1)]
             meta = _meta(engine, client_state, scheduler_state, shard_files)
@@ -310,6 +312,8 @@ def _load_partitions(engine, reader, with_optimizer):
     with torch.no_grad():
         for name, p in _replicated_frozen(engine):
             p.copy_(reader.read(name).view(p.shape))
+    for fg in engine.groups:
+        fg.release_offloaded()
 
 
 def _reset_optimizer(engine):
@@ -320,6 +324,7 @@ def _reset_optimizer(engine):
         for name, t in fg.states.items():
             t.fill_(fills[name])
         fg.step_count = 0
+        fg.release_offloaded()
 
 
 def _buffer_items(engine):

@@ -42,13 +42,16 @@ GATHER_SLICE = 1 << 24
 
 class FlatGroup:
     def __init__(self, index, params, names, compute_dtype, comm, stage, bucket_elements,
-                 units=None, trainable=True, device=torch.device("cpu"), grad_dtype=None):
+                 units=None, trainable=True, device=torch.device("cpu"), grad_dtype=None,
+                 offload=None):
         """units: lists of indices into params, one list per unit (stage 3);
         None makes the whole group one unit. The params are reordered unit
         by unit. trainable=False (stage 3's frozen parameters) keeps no
         master, gradients or optimizer states. Every buffer lives on
         `device`, the model's. grad_dtype: the gradient partition's dtype
-        at stages 2-3 (default the compute dtype; buckets stay in it)."""
+        at stages 2-3 (default the compute dtype; buckets stay in it).
+        offload: a _nvme.NvmeFiles that holds the fp32 master (where it is
+        not the parameters) and the optimizer states in files."""
         if units is None:
             units = [list(range(len(params)))]
         order = [i for members in units for i in members]
@@ -60,6 +63,7 @@ class FlatGroup:
         self.trainable = trainable
         self.compute_dtype = compute_dtype
         self.device = device
+        self.offload = offload if trainable else None
         self.num_partitions = 1 if stage == 0 else comm.world
         self.numel = sum(p.numel() for p in self.params)  # Ψ of this group
         self.owner = 0 if stage == 0 else comm.rank
@@ -139,6 +143,8 @@ class FlatGroup:
                 unit.gathered = unit.persistent = True
                 unit.point_params()
             del full32, mine
+        if self.offload is not None and self.master is not self.shard:
+            self.master = self.offload.offload("master", self.master)
         # the update's operands as tensors (the GPU step), and on the CPU
         # also registered with the C core once, so a step passes no DLPack
         self.buffers, self.tensors = {}, {}
@@ -159,10 +165,19 @@ class FlatGroup:
 
     def add_state(self, name, fill=0.0):
         if name not in self.states:
-            t = torch.full((self.part_size,), fill, dtype=torch.float32, device=self.device)
+            if self.offload is not None:
+                t = self.offload.create(name, self.part_size, fill)
+            else:
+                t = torch.full((self.part_size,), fill, dtype=torch.float32, device=self.device)
             self.states[name] = t
             self.tensors[name] = t
             self._register(name, t)
+
+    def release_offloaded(self):
+        """Stop holding offloaded states in RAM after something read or
+        wrote them whole (a checkpoint, full_state_dict)."""
+        if self.offload is not None:
+            self.offload.drop()
 
     def _register(self, name, tensor):
         if self.device.type == "cpu":
@@ -418,13 +433,21 @@ class FlatGroup:
         else:
             params = self.shard.nbytes + gathered
         if not self.trainable:
-            return {"params": params, "grads": 0, "optimizer_states": 0, "buckets": 0,
-                    "persistent": gathered if self.stage == 3 else 0}
+            return {"params": params, "grads": 0, "optimizer_states": 0, "offloaded": 0,
+                    "buckets": 0, "persistent": gathered if self.stage == 3 else 0}
         master = 0 if self.master is self.shard else self.master.nbytes
+        states = master + sum(t.nbytes for t in self.states.values())
+        offloaded = 0
+        if self.offload is not None:
+            # in RAM: the step's window, this chunk and the next of each
+            # file ([Note: offloaded residency] in _nvme.py)
+            offloaded = self.offload.nbytes
+            states = min(states, 2 * self.offload.chunk * 4 * len(self.offload.maps))
         return {
             "params": params,
             "grads": (self.grad_flat if self.grad_flat is not None else self.grad_part).nbytes,
-            "optimizer_states": master + sum(t.nbytes for t in self.states.values()),
+            "optimizer_states": states,
+            "offloaded": offloaded,
             "buckets": getattr(self, "peak_bucket_bytes", 0),
             "persistent": gathered if self.stage == 3 else 0,
         }

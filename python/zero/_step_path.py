@@ -1,8 +1,9 @@
 """Where the optimizer step of the flat groups runs: chosen once per engine
 from the device of the model's parameters (docs/engine.md, "Devices").
 
-- HostStep: the states are in host memory; the C core updates them over
-  registered Buffers, with the SIMD path picked at run time.
+- HostStep: the states are in host memory (or in files mapped into it:
+  offload_optimizer "nvme", stepped chunk by chunk); the C core updates
+  them over registered Buffers, with the SIMD path picked at run time.
 - CudaStep: the states are on the GPU; zero's fused kernels take the norm
   and run Adam/AdamW, launched on torch's current stream. What the kernels
   do not cover (SGD, Adagrad, Lion, amsgrad) runs as torch ops.
@@ -17,6 +18,7 @@ coefficient and the fp16 skip decision are made on the host from it.
 from __future__ import annotations
 
 import contextlib
+import functools
 import warnings
 
 import torch
@@ -39,8 +41,24 @@ class HostStep:
         return comm.sum_scalar(local) if across_ranks else local
 
     def update(self, kind, optimizer, group, fg, grad_scale):
-        run_update(kind, optimizer, group, fg.buffers, fg.step_count, grad_scale,
-                   HOST_FUNCTIONS)
+        if fg.offload is None:
+            run_update(kind, optimizer, group, fg.buffers, fg.step_count, grad_scale,
+                       HOST_FUNCTIONS)
+            return
+        # states in files: chunk by chunk, the next one read ahead while
+        # this one is updated, each dropped from RAM once done
+        # ([Note: offloaded residency] in _nvme.py)
+        files = fg.offload
+        ranges = files.chunks(fg.part_size)
+        files.prefetch(*ranges[0])
+        for i, (lo, hi) in enumerate(ranges):
+            if i + 1 < len(ranges):
+                files.prefetch(*ranges[i + 1])
+            functions = {k: functools.partial(f, start=lo, stop=hi)
+                         for k, f in HOST_FUNCTIONS.items()}
+            run_update(kind, optimizer, group, fg.buffers, fg.step_count, grad_scale,
+                       functions)
+            files.drop(None, lo, hi)
 
 
 class TorchStep:

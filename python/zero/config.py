@@ -39,6 +39,38 @@ class LossScaling:
 
 
 @dataclass(frozen=True)
+class OffloadOptimizer:
+    """Where the optimizer states (and the fp32 master, when it is not the
+    parameters) live. "none" and "cpu": in host memory, where a CPU-trained
+    model's states already are. "nvme": in files under nvme_path, mapped
+    into memory and paged through in chunks of chunk_elements during the
+    step (docs/offload.md)."""
+
+    device: str = "none"
+    nvme_path: Optional[str] = None
+    chunk_elements: int = 1 << 22  # 16 MiB of each fp32 state in RAM at a time
+
+    def __post_init__(self):
+        if self.device not in ("none", "cpu", "nvme"):
+            raise ValueError(f"offload_optimizer.device must be 'none', 'cpu' or 'nvme', got "
+                             f"{self.device!r}")
+        if self.device == "nvme":
+            if not self.nvme_path:
+                raise ValueError("offload_optimizer.device='nvme' needs nvme_path, a directory "
+                                 "on a fast disk")
+            if not os.path.isdir(self.nvme_path):
+                raise ValueError(f"offload_optimizer.nvme_path {self.nvme_path!r} is not a "
+                                 "directory")
+            if not os.access(self.nvme_path, os.W_OK):
+                raise ValueError(f"offload_optimizer.nvme_path {self.nvme_path!r} is not "
+                                 "writable")
+        if isinstance(self.chunk_elements, bool) or not isinstance(self.chunk_elements, int) \
+                or self.chunk_elements < 1:
+            raise ValueError("offload_optimizer.chunk_elements must be a positive integer, got "
+                             f"{self.chunk_elements!r}")
+
+
+@dataclass(frozen=True)
 class Config:
     stage: int = 2
     precision: str = "fp32"
@@ -53,6 +85,7 @@ class Config:
     train_micro_batch_size_per_gpu: Optional[int] = None
     train_batch_size: Optional[int] = None  # checked against micro * accumulation * world
     loss_scaling: LossScaling = field(default_factory=LossScaling)
+    offload_optimizer: OffloadOptimizer = field(default_factory=OffloadOptimizer)
     # the dtype gradients accumulate in (None: the compute dtype); "fp32"
     # keeps the sum of many bf16 micro-batches exact to fp32 for 2 more
     # bytes per gradient element
@@ -77,6 +110,9 @@ class Config:
         if self.grad_accum_dtype not in (None, "fp32", self.precision):
             raise ValueError(f"grad_accum_dtype must be None, 'fp32' or the precision "
                              f"({self.precision!r}), got {self.grad_accum_dtype!r}")
+        if isinstance(self.offload_optimizer, dict):  # the keyword form: a plain dict
+            object.__setattr__(self, "offload_optimizer",
+                               OffloadOptimizer(**self.offload_optimizer))
         for name in ("stage3_param_persistence_threshold", "stage3_prefetch_bucket_size",
                      "stage3_max_live_parameters"):
             value = getattr(self, name)
@@ -154,11 +190,19 @@ def _translate(ds: dict) -> dict:
         "stage3_prefetch_bucket_size": "stage3_prefetch_bucket_size",
         "stage3_max_live_parameters": "stage3_max_live_parameters",
     }, _ZERO_IGNORED)
-    for key in ("offload_optimizer", "offload_param"):
-        block = zero_block.get(key)
-        if block and block.get("device", "none") != "none":
-            raise ValueError(f"zero_optimization.{key}.device={block['device']!r} is not "
-                             "supported yet: offload is not implemented in this version")
+    block = zero_block.get("offload_param")
+    if block and block.get("device", "none") != "none":
+        raise ValueError(f"zero_optimization.offload_param.device={block['device']!r} is not "
+                         "supported: parameter offload is not implemented in this version")
+    block = zero_block.get("offload_optimizer")
+    if block:
+        offload = _take(block, "zero_optimization.offload_optimizer.",
+                        {"device": "device", "nvme_path": "nvme_path",
+                         "buffer_size": "chunk_elements"},
+                        {"pin_memory", "buffer_count", "fast_init", "ratio"})
+        if "chunk_elements" in offload:  # often written 1e8
+            offload["chunk_elements"] = int(offload["chunk_elements"])
+        options["offload_optimizer"] = OffloadOptimizer(**offload)
     for key in ("reduce_bucket_size", "stage3_param_persistence_threshold",
                 "stage3_prefetch_bucket_size", "stage3_max_live_parameters"):
         if key in zero_opts:  # DeepSpeed configs often write 5e7

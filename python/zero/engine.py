@@ -47,6 +47,8 @@ class MemorySummary(dict):
                 "frozen_params"]
         if self.get("stage") == 3:
             keys[3:3] = ["persistent", "gathered_peak"]
+        if self.get("offloaded"):
+            keys.append("offloaded")
         for key in keys:
             rows.append(f"{key:<18}{self[key]:>16,}{self[key] / 2**20:>10.2f}")
         rows.append(f"{'formula':<18}{self['formula_bytes']:>16,}"
@@ -87,6 +89,7 @@ class Engine(nn.Module):
         for buf in module.buffers():
             comm.broadcast(buf, src=0)
         owners = self._owners(module) if config.stage == 3 else None
+        offload = self._offload_files(config.offload_optimizer, comm)
         self.groups: list[FlatGroup] = []
         for index, (params, names) in enumerate(groups):
             if not params:
@@ -94,7 +97,8 @@ class Engine(nn.Module):
             fg = FlatGroup(index, params, names, self.compute_dtype, comm, config.stage,
                            config.reduce_bucket_size, units=self._units(params, owners),
                            device=self.device,
-                           grad_dtype=DTYPES[config.grad_accum_dtype or config.precision])
+                           grad_dtype=DTYPES[config.grad_accum_dtype or config.precision],
+                           offload=offload(index))
             for name, fill in states_for(self._kind, optimizer.param_groups[index]).items():
                 fg.add_state(name, fill)
             self.groups.append(fg)
@@ -149,6 +153,22 @@ class Engine(nn.Module):
                 return take_values(t).to(device=device, dtype=dtype)
             return t.to(device=device, dtype=dtype if t.is_floating_point() else None)
         module._apply(cast)
+
+    def _offload_files(self, offload, comm):
+        """group index -> the NvmeFiles its states live in (None: in RAM)."""
+        if offload.device == "cpu" and self.device.type != "cpu":
+            raise ValueError("offload_optimizer.device='cpu' for a model on "
+                             f"{self.device}: ZeRO-Offload of a GPU model's states to host "
+                             "memory is not implemented yet (a CPU model's states are "
+                             "already there)")
+        if offload.device != "nvme":
+            return lambda index: None
+        if self.device.type != "cpu":
+            raise ValueError(f"offload_optimizer.device='nvme' for a model on {self.device}: "
+                             "implemented for models trained on the CPU only")
+        from zero._nvme import NvmeFiles
+        return lambda index: NvmeFiles(offload.nvme_path, f"r{comm.rank}-g{index}",
+                                       offload.chunk_elements)
 
     @staticmethod
     def _owners(module):
@@ -402,8 +422,8 @@ class Engine(nn.Module):
         """This rank's model-state bytes. At stage 3, `params` is the shard
         plus the persistent units, and `gathered_peak` the most bytes of
         released units gathered at once (current module plus prefetch)."""
-        totals = {"params": 0, "grads": 0, "optimizer_states": 0, "buckets": 0,
-                  "persistent": 0}
+        totals = {"params": 0, "grads": 0, "optimizer_states": 0, "offloaded": 0,
+                  "buckets": 0, "persistent": 0}
         for fg in self.groups:
             for k, v in fg.nbytes().items():
                 totals[k] += v
@@ -432,6 +452,9 @@ class Engine(nn.Module):
         # groups may hold different states (amsgrad, momentum), so weight them
         k = master + sum(4 * len(fg.states) * fg.numel for fg in self.groups) / psi
         k = int(k) if k == int(k) else round(k, 2)
+        offloaded = totals["offloaded"] > 0
+        if offloaded:  # in RAM only the step's window; the rest in files
+            on_disk, k = k, 0
         if self.stage == 0:
             text, value = f"({pb}+{gb}+{k})Ψ", (pb + gb + k) * psi
         elif self.stage == 1:
@@ -442,6 +465,11 @@ class Engine(nn.Module):
             live = totals["persistent"] + totals["gathered_peak"]
             text = f"({pb}+{gb}+{k})Ψ/N + gathered {live:,} B"
             value = (pb + gb + k) * psi / n + live
+        if offloaded:
+            window = totals["optimizer_states"]
+            text += f" + step window {window:,} B ({on_disk}Ψ{'/N' if self.stage else ''} " \
+                    "on nvme)"
+            value += window
         return f"stage {self.stage}: {text}, Ψ={psi:,}, N={n}", int(value)
 
     def comm_summary(self) -> dict:
@@ -459,6 +487,7 @@ class Engine(nn.Module):
         by_id = {}
         for fg in self.all_groups:
             master = fg.gather_master()
+            fg.release_offloaded()
             for i, p in enumerate(fg.params):
                 by_id[id(p)] = fg.view(master, i).clone()
         for name, t in self.module.state_dict(keep_vars=True).items():

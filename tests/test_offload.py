@@ -1,0 +1,180 @@
+"""offload_optimizer device "nvme": the fp32 master and the optimizer
+states in files, paged through RAM in chunks during the step.
+
+The update is elementwise and runs the same C code over the same values,
+chunk by chunk, so an offloaded run must equal the in-memory run bit for
+bit, at every stage, precision and optimizer. What RAM holds is measured
+in a fresh process (VmHWM during the steps, after the construction peak
+is reset)."""
+import errno
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+import zero
+from engine_cases import Net, batches, loss_of, make_optimizer, no_launcher
+
+
+@pytest.fixture(autouse=True)
+def _no_launcher(monkeypatch):
+    no_launcher(monkeypatch)
+
+
+def run(stage, precision, optimizer, nvme_path=None, chunk=1024, steps=4):
+    torch.manual_seed(0)
+    model = Net()
+    options = {}
+    if nvme_path is not None:
+        options["offload_optimizer"] = {"device": "nvme", "nvme_path": str(nvme_path),
+                                        "chunk_elements": chunk}
+    engine = zero.initialize(model, optimizer=make_optimizer(optimizer, model.parameters()),
+                             stage=stage, precision=precision, gradient_clipping=0.5,
+                             **options)
+    for tokens, targets in batches("cpu", steps):
+        engine.backward(loss_of(engine(tokens), targets))
+        engine.step()
+    return engine
+
+
+def finish(engine):
+    state = engine.full_state_dict()
+    states = {(fg.index, k): v.clone() for fg in engine.groups for k, v in fg.states.items()}
+    engine.close()
+    return state, states
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+@pytest.mark.parametrize("optimizer", ["adamw", "adagrad", "lion", "sgd_nesterov"])
+def test_offloaded_run_equals_the_in_memory_run(tmp_path, stage, precision, optimizer):
+    """chunk 1024 elements: every group's partition spans several chunks."""
+    expected = finish(run(stage, precision, optimizer))
+    engine = run(stage, precision, optimizer, nvme_path=tmp_path)
+    assert all(fg.offload is not None and len(fg.offload.chunks(fg.part_size)) > 1
+               for fg in engine.groups)
+    assert os.listdir(tmp_path) == []  # unlinked once mapped: nothing left after a crash
+    got = finish(engine)
+    for ours, ref in zip(got, expected):
+        assert ours.keys() == ref.keys()
+        for key in ref:
+            assert torch.equal(ours[key], ref[key]), key
+
+
+def test_memory_summary_counts_the_files_apart(tmp_path):
+    engine = run(2, "bf16", "adamw", nvme_path=tmp_path, chunk=1024)
+    summary = engine.memory_summary()
+    psi = summary["trainable_params"]
+    part = sum(fg.part_size for fg in engine.groups)
+    assert summary["offloaded"] == 12 * part  # master, exp_avg, exp_avg_sq
+    assert part >= psi
+    assert summary["optimizer_states"] <= 2 * 1024 * 4 * 3 * len(engine.groups)
+    assert "12Ψ/N on nvme" in summary["formula"] and "offloaded" in str(summary)
+    engine.close()
+
+
+def test_checkpoints_move_between_files_and_memory(tmp_path):
+    """Offloaded at stage 3 -> in memory at stage 1 -> offloaded at stage 2:
+    the weights and the optimizer states (compared in parameter space,
+    consolidated) come through unchanged."""
+    (tmp_path / "nvme").mkdir()
+    offloaded = run(3, "bf16", "adamw", nvme_path=tmp_path / "nvme")
+    offloaded.save_checkpoint(tmp_path / "a")
+    offloaded.close()
+    in_memory = run(1, "bf16", "adamw", steps=1)
+    in_memory.load_checkpoint(tmp_path / "a")
+    in_memory.save_checkpoint(tmp_path / "b")
+    in_memory.close()
+    again = run(2, "bf16", "adamw", nvme_path=tmp_path / "nvme", steps=1)
+    again.load_checkpoint(tmp_path / "b")
+    again.save_checkpoint(tmp_path / "c")
+    again.close()
+    first, last = (zero.checkpoint.consolidate(tmp_path / d) for d in ("a", "c"))
+    for key, value in first["model"].items():
+        assert torch.equal(last["model"][key], value), key
+    for index, entry in first["optimizer"]["state"].items():
+        for name, value in entry.items():
+            assert torch.equal(last["optimizer"]["state"][index][name], value), name
+
+
+def test_refusals(tmp_path, monkeypatch):
+    with pytest.raises(ValueError, match="offload_optimizer.device='nvme' needs nvme_path"):
+        zero.Config(offload_optimizer={"device": "nvme"})
+    with pytest.raises(ValueError, match=r"nvme_path '/no/such/dir' is not a directory"):
+        zero.Config(offload_optimizer={"device": "nvme", "nvme_path": "/no/such/dir"})
+    with pytest.raises(ValueError, match="device must be 'none', 'cpu' or 'nvme', got 'gpu'"):
+        zero.Config(offload_optimizer={"device": "gpu"})
+    with pytest.raises(ValueError, match="unknown DeepSpeed config key.*offload_optimizer.bad"):
+        zero.Config.from_deepspeed({"zero_optimization": {"offload_optimizer": {
+            "device": "nvme", "nvme_path": str(tmp_path), "bad": 1}}})
+    ds = zero.Config.from_deepspeed({"zero_optimization": {"offload_optimizer": {
+        "device": "nvme", "nvme_path": str(tmp_path), "pin_memory": True, "buffer_size": 1e6}}})
+    assert ds.offload_optimizer.chunk_elements == 1_000_000
+
+    def full_disk(fd, offset, length):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+    monkeypatch.setattr(os, "posix_fallocate", full_disk)
+    with pytest.raises(OSError, match=f"nvme_path '{tmp_path}' has no room for"):
+        run(2, "bf16", "adamw", nvme_path=tmp_path, steps=0)
+
+
+def test_cpu_offload_of_a_cpu_model_changes_nothing():
+    """Its states are in host memory already."""
+    torch.manual_seed(0)
+    model = Net()
+    engine = zero.initialize(model, optimizer=torch.optim.AdamW(model.parameters()), stage=2,
+                             offload_optimizer={"device": "cpu"})
+    assert all(fg.offload is None for fg in engine.groups)
+    engine.close()
+
+
+PEAK_SCRIPT = textwrap.dedent("""
+    import os, sys, gc, torch, zero
+    torch.set_num_threads(1)
+    nvme = sys.argv[1]
+    def status(field):
+        for line in open("/proc/self/status"):
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    x = torch.randn(8, 1024)
+    gc.collect()
+    base = status("VmRSS")  # imports done, no model yet
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(1024, 1024) for _ in range(4)])
+    options = {"offload_optimizer": {"device": "nvme", "nvme_path": nvme,
+                                     "chunk_elements": 1 << 18}} if nvme != "-" else {}
+    engine = zero.initialize(model, optimizer=torch.optim.AdamW(model.parameters()),
+                             stage=0, precision="bf16", **options)
+    engine.backward(engine(x).float().square().mean())
+    engine.step()
+    gc.collect()
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # VmHWM := VmRSS: the construction peak no longer counts
+    for _ in range(2):
+        engine.backward(engine(x).float().square().mean())
+        engine.step()
+    print(status("VmHWM") - base, engine.memory_summary()["offloaded"])
+""")
+
+
+def test_offloaded_states_are_not_held_in_ram(tmp_path):
+    """4.2M parameters, bf16 AdamW: 50 MB of fp32 master and states. The
+    peak resident memory of training steps, above the process before the
+    model existed: in memory it holds them all; offloaded, about two 1 MiB
+    chunks of each of the three files (6 MiB)."""
+    def peak(nvme):
+        env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536")
+        done = subprocess.run([sys.executable, "-c", PEAK_SCRIPT, nvme], capture_output=True,
+                              text=True, timeout=300, env=env)
+        assert done.returncode == 0, done.stderr
+        grew, offloaded = done.stdout.split()
+        return int(grew), int(offloaded)
+    in_memory, _ = peak("-")
+    offloaded_peak, offloaded = peak(str(tmp_path))
+    states = 12 * 4_198_400
+    assert offloaded >= states
+    assert in_memory >= states  # the states are resident...
+    assert in_memory - offloaded_peak >= states - 8 * 2**20, (in_memory, offloaded_peak)
