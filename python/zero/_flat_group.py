@@ -114,12 +114,17 @@ class FlatGroup:
         itself plus one unit in fp32."""
         fp32 = compute_dtype == torch.float32
         releasing = self.stage == 3
+        # an offloaded fp32 master is written straight into its file, so
+        # RAM never holds a second copy of this rank's partition
+        master_file = None
+        if self.offload is not None and not fp32:
+            master_file = self.offload.create("master", self.part_size)
         if releasing:
             self.shard = torch.empty(self.part_size, dtype=compute_dtype, device=self.device)
             self.master = None
             if self.trainable:
-                self.master = self.shard if fp32 else \
-                    torch.empty(self.part_size, dtype=torch.float32, device=self.device)
+                self.master = self.shard if fp32 else master_file if master_file is not None \
+                    else torch.empty(self.part_size, dtype=torch.float32, device=self.device)
         for unit in self.units:
             full32 = torch.zeros(unit.total, dtype=torch.float32, device=self.device)
             for j, p in enumerate(unit.params):
@@ -133,18 +138,24 @@ class FlatGroup:
                 self.shard[unit.shard_slice].copy_(mine)
                 if self.master is not None and not fp32:
                     self.master[unit.shard_slice].copy_(mine)
+                    if master_file is not None:
+                        self.offload.drop("master", unit.shard_slice.start,
+                                          unit.shard_slice.stop)
                 unit.full = torch.empty(unit.total, dtype=compute_dtype, device=self.device)
                 unit.release()
             else:
                 # stages 0-2: the single unit stays gathered for good
                 unit.full = full32 if fp32 else full32.to(compute_dtype)
                 self.shard = unit.chunk(unit.full, self.owner)
-                self.master = self.shard if fp32 else mine.clone()
+                if fp32:
+                    self.master = self.shard
+                elif master_file is not None:
+                    self.master = self.offload.write("master", master_file, mine)
+                else:
+                    self.master = mine.clone()
                 unit.gathered = unit.persistent = True
                 unit.point_params()
             del full32, mine
-        if self.offload is not None and self.master is not self.shard:
-            self.master = self.offload.offload("master", self.master)
         # the update's operands as tensors (the GPU step), and on the CPU
         # also registered with the C core once, so a step passes no DLPack
         self.buffers, self.tensors = {}, {}

@@ -63,10 +63,9 @@ class NvmeFiles:
                 self.drop(name, lo, hi)
         return tensor
 
-    def offload(self, name: str, source: torch.Tensor) -> torch.Tensor:
-        """A file-backed copy of the fp32 tensor `source` (the caller then
-        frees it), written a chunk at a time."""
-        tensor = self.create(name, source.numel())
+    def write(self, name: str, tensor: torch.Tensor, source: torch.Tensor) -> torch.Tensor:
+        """Copy `source` into the file-backed `tensor` (of file `name`) a
+        chunk at a time, holding at most one chunk of it in RAM."""
         for lo, hi in self.chunks(source.numel()):
             tensor[lo:hi].copy_(source[lo:hi])
             self.drop(name, lo, hi)
@@ -74,7 +73,9 @@ class NvmeFiles:
 
     def _advise(self, name, advice, lo, hi):
         mapped = self.maps[name]
-        start = lo * 4
+        # madvise takes whole pages; widening to them is harmless, as a
+        # dropped page of a shared file mapping keeps its data in the file
+        start = lo // PAGE_ELEMENTS * mmap.PAGESIZE
         length = min(hi * 4, len(mapped)) - start
         if length > 0:
             mapped.madvise(advice, start, length)
@@ -86,7 +87,7 @@ class NvmeFiles:
 
     def drop(self, name: str | None = None, lo: int = 0, hi: int | None = None):
         """Stop holding elements [lo, hi) (default: all) of one file or all
-        in RAM; lo must be a multiple of PAGE_ELEMENTS."""
+        in RAM."""
         for n in ([name] if name is not None else list(self.maps)):
             end = len(self.maps[n]) // 4 if hi is None else hi
             self._advise(n, mmap.MADV_DONTNEED, lo, end)

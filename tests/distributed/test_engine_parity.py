@@ -6,6 +6,8 @@ and the per-step losses. The engine sums gradients over ranks in a different
 order than one process does (a few ulps), and its AdamW pass differs from
 torch's by a few ulps per step (tests/test_optim_parity.py): ~1e-7 per step,
 ~1e-6 after 20 steps."""
+import tempfile
+
 import pytest
 import torch
 
@@ -16,6 +18,7 @@ from conftest import max_rel_error
 STEPS = 20
 WORLDS = [1, 2, 3]
 STAGES = [0, 1, 2]
+NVME = {"device": "nvme", "nvme_path": tempfile.gettempdir()}
 
 
 def _all_cases(rank, world):
@@ -34,6 +37,10 @@ def _all_cases(rank, world):
         out[("checkpoint", stage)] = scenarios.engine_run(rank, world, 6, stage,
                                                           checkpointing="reentrant_all",
                                                           reduce_bucket_size=50)
+        # states in files (each rank its own), stepped chunk by chunk
+        out[("nvme offload", stage)] = scenarios.engine_run(rank, world, 8, stage,
+                                                            accumulation=2, clip=0.05,
+                                                            offload_optimizer=NVME)
         # the GPU's torch-op step (its norm is summed over ranks as a tensor)
         with scenarios.torch_step():
             out[("torch step", stage)] = scenarios.engine_run(rank, world, 8, stage,
@@ -57,6 +64,7 @@ def references():
         "small buckets": scenarios.reference_run(6),
         "checkpoint": scenarios.reference_run(6),
         "torch step": scenarios.reference_run(8, accumulation=2, clip=0.05),
+        "nvme offload": scenarios.reference_run(8, accumulation=2, clip=0.05),
     }
 
 
@@ -69,14 +77,18 @@ def check(case, losses, state, reference):
 
 
 @pytest.mark.parametrize("case", ["plain", "sgd", "accumulate", "clip", "small buckets",
-                                  "checkpoint", "torch step"])
+                                  "checkpoint", "torch step", "nvme offload"])
 @pytest.mark.parametrize("stage", STAGES)
 def test_matches_single_process(runs, references, case, stage):
     world, results = runs
     for rank, result in enumerate(results):
-        losses, state, _ = result[(case, stage)]
+        losses, state, facts = result[(case, stage)]
         check(f"world {world} stage {stage} {case} rank {rank}", losses, state,
               references[case])
+        # the states were in files: 8 bytes per element of this rank's part
+        memory = facts["memory"]
+        part = memory["trainable_params"] // (world if stage else 1)
+        assert (memory["offloaded"] >= 8 * part) == (case == "nvme offload"), memory
 
 
 def test_loss_falls(runs):

@@ -13,6 +13,8 @@ sizes. The cases add activation checkpointing (both torch.utils.checkpoint
 modes), a no_grad forward before every step, a change made through
 zero.GatheredParameters by rank 0 (the other ranks write garbage that must
 not survive), and bounded prefetch."""
+import tempfile
+
 import pytest
 import torch
 
@@ -37,6 +39,9 @@ CASES = {
     "checkpoint reentrant": (dict(RELEASED, checkpointing="reentrant"), {}),
     # the head too: a backward's first gradients then come in a nested one
     "checkpoint reentrant all": (dict(RELEASED, checkpointing="reentrant_all"), {}),
+    # states in files, each rank its own
+    "nvme offload": (dict(RELEASED, clip=0.05, offload_optimizer={
+        "device": "nvme", "nvme_path": tempfile.gettempdir()}), dict(clip=0.05)),
     "eval and modify": (dict(RELEASED, with_eval=True, modify_at=3),
                         dict(with_eval=True, modify_at=3)),
 }
@@ -70,6 +75,7 @@ def test_stage3_matches_single_process(runs, references, case):
         for name, ref in ref_state.items():
             err = max_rel_error(state[name], ref)
             assert err <= 1e-5, f"{where}: {name} off by {err:.2e}"
+        assert (facts["memory"]["offloaded"] > 0) == (case == "nvme offload"), where
         # GatheredParameters read the same values full_state_dict reports
         for name, value in facts["gathered"].items():
             assert torch.equal(value, state[name]), f"{where}: gathered {name}"
