@@ -6,7 +6,9 @@ chunk by chunk, so an offloaded run must equal the in-memory run bit for
 bit, at every stage, precision and optimizer. What RAM holds is measured
 in a fresh process (VmHWM during the steps, after the construction peak
 is reset)."""
+import ctypes
 import errno
+import mmap
 import os
 import subprocess
 import sys
@@ -24,13 +26,14 @@ def _no_launcher(monkeypatch):
     no_launcher(monkeypatch)
 
 
-def run(stage, precision, optimizer, nvme_path=None, chunk=1024, steps=4):
+def run(stage, precision, optimizer, nvme_path=None, chunk=1024, steps=4, write_through=False):
     torch.manual_seed(0)
     model = Net()
     options = {}
     if nvme_path is not None:
         options["offload_optimizer"] = {"device": "nvme", "nvme_path": str(nvme_path),
-                                        "chunk_elements": chunk}
+                                        "chunk_elements": chunk,
+                                        "write_through": write_through}
     engine = zero.initialize(model, optimizer=make_optimizer(optimizer, model.parameters()),
                              stage=stage, precision=precision, gradient_clipping=0.5,
                              **options)
@@ -62,6 +65,44 @@ def test_offloaded_run_equals_the_in_memory_run(tmp_path, stage, precision, opti
         assert ours.keys() == ref.keys()
         for key in ref:
             assert torch.equal(ours[key], ref[key]), key
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_write_through_run_equals_the_in_memory_run(tmp_path, stage):
+    expected = finish(run(stage, "bf16", "adamw"))
+    got = finish(run(stage, "bf16", "adamw", nvme_path=tmp_path, write_through=True))
+    for ours, ref in zip(got, expected):
+        for key in ref:
+            assert torch.equal(ours[key], ref[key]), key
+
+
+def cached_fraction(engine):
+    """The share of the offload files' pages in the page cache (mincore)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+    cached = pages = 0
+    for fg in engine.groups:
+        for t in [fg.master, *fg.states.values()]:
+            n = (t.numel() * 4 + mmap.PAGESIZE - 1) // mmap.PAGESIZE
+            vec = (ctypes.c_ubyte * n)()
+            assert libc.mincore(t.data_ptr(), t.numel() * 4, vec) == 0, ctypes.get_errno()
+            cached += sum(v & 1 for v in vec)
+            pages += n
+    return cached / pages
+
+
+@pytest.mark.parametrize("write_through", [False, True])
+def test_write_through_keeps_the_states_out_of_the_page_cache(tmp_path, write_through):
+    """By default the page cache keeps what the step wrote (the next step
+    reads memory); write_through leaves it on the disk alone."""
+    engine = run(2, "bf16", "adamw", nvme_path=tmp_path, chunk=1024,
+                 write_through=write_through)
+    fraction = cached_fraction(engine)
+    engine.close()
+    if write_through:
+        assert fraction <= 0.1, fraction
+    else:
+        assert fraction >= 0.9, fraction
 
 
 def test_memory_summary_counts_the_files_apart(tmp_path):

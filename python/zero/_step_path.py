@@ -48,17 +48,11 @@ class HostStep:
         # states in files: chunk by chunk, the next one read ahead while
         # this one is updated, each dropped from RAM once done
         # ([Note: offloaded residency] in _nvme.py)
-        files = fg.offload
-        ranges = files.chunks(fg.part_size)
-        files.prefetch(*ranges[0])
-        for i, (lo, hi) in enumerate(ranges):
-            if i + 1 < len(ranges):
-                files.prefetch(*ranges[i + 1])
+        for lo, hi in fg.offload.paged(fg.part_size):
             functions = {k: functools.partial(f, start=lo, stop=hi)
                          for k, f in HOST_FUNCTIONS.items()}
             run_update(kind, optimizer, group, fg.buffers, fg.step_count, grad_scale,
                        functions)
-            files.drop(None, lo, hi)
 
 
 class TorchStep:

@@ -44,11 +44,13 @@ class OffloadOptimizer:
     parameters) live. "none" and "cpu": in host memory, where a CPU-trained
     model's states already are. "nvme": in files under nvme_path, mapped
     into memory and paged through in chunks of chunk_elements during the
-    step (docs/offload.md)."""
+    step; write_through also keeps them out of the page cache, so every
+    step reads and writes them on the disk (docs/offload.md)."""
 
     device: str = "none"
     nvme_path: Optional[str] = None
     chunk_elements: int = 1 << 22  # 16 MiB of each fp32 state in RAM at a time
+    write_through: bool = False
 
     def __post_init__(self):
         if self.device not in ("none", "cpu", "nvme"):
@@ -68,6 +70,9 @@ class OffloadOptimizer:
                 or self.chunk_elements < 1:
             raise ValueError("offload_optimizer.chunk_elements must be a positive integer, got "
                              f"{self.chunk_elements!r}")
+        if not isinstance(self.write_through, bool):
+            raise ValueError("offload_optimizer.write_through must be True or False, got "
+                             f"{self.write_through!r}")
 
 
 @dataclass(frozen=True)

@@ -168,7 +168,7 @@ class Engine(nn.Module):
                              "implemented for models trained on the CPU only")
         from zero._nvme import NvmeFiles
         return lambda index: NvmeFiles(offload.nvme_path, f"r{comm.rank}-g{index}",
-                                       offload.chunk_elements)
+                                       offload.chunk_elements, offload.write_through)
 
     @staticmethod
     def _owners(module):
