@@ -18,6 +18,7 @@ import pytest
 import torch
 
 import zero
+from zero._nvme import SLOTS
 from engine_cases import Net, batches, loss_of, make_optimizer, no_launcher
 
 
@@ -112,7 +113,9 @@ def test_memory_summary_counts_the_files_apart(tmp_path):
     part = sum(fg.part_size for fg in engine.groups)
     assert summary["offloaded"] == 12 * part  # master, exp_avg, exp_avg_sq
     assert part >= psi
-    assert summary["optimizer_states"] <= 2 * 1024 * 4 * 3 * len(engine.groups)
+    # in RAM only the step's windows: SLOTS chunks of each of 3 files
+    assert summary["optimizer_states"] == sum(SLOTS * min(1024, fg.part_size) * 4 * 3
+                                              for fg in engine.groups)
     assert "12Ψ/N on nvme" in summary["formula"] and "offloaded" in str(summary)
     engine.close()
 
@@ -205,8 +208,9 @@ PEAK_SCRIPT = textwrap.dedent("""
 def test_offloaded_states_are_not_held_in_ram(tmp_path):
     """4.2M parameters, bf16 AdamW: 50 MB of fp32 master and states. The
     peak resident memory of training steps, above the process before the
-    model existed: in memory it holds them all; offloaded, about two 1 MiB
-    chunks of each of the three files (6 MiB)."""
+    model existed: in memory it holds them all; offloaded, the step's
+    windows: SLOTS (3) chunks of 1 MiB for each of the three files, 9 MiB,
+    plus the I/O threads' stacks (allowed: 12 MiB in all)."""
     def peak(nvme):
         env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536")
         done = subprocess.run([sys.executable, "-c", PEAK_SCRIPT, nvme], capture_output=True,
@@ -218,8 +222,8 @@ def test_offloaded_states_are_not_held_in_ram(tmp_path):
     states = 12 * 4_198_400
     assert offloaded >= states
     assert in_memory >= states  # the states are resident...
-    assert in_memory - offloaded_peak >= states - 8 * 2**20, (in_memory, offloaded_peak)
+    assert in_memory - offloaded_peak >= states - 12 * 2**20, (in_memory, offloaded_peak)
     # ...and construction writes the master and the states straight into
     # their files, never whole in RAM
-    assert built_in_memory - built_offloaded >= states - 8 * 2**20, \
+    assert built_in_memory - built_offloaded >= states - 12 * 2**20, \
         (built_in_memory, built_offloaded)

@@ -450,10 +450,9 @@ class FlatGroup:
         states = master + sum(t.nbytes for t in self.states.values())
         offloaded = 0
         if self.offload is not None:
-            # in RAM: the step's window, this chunk and the next of each
-            # file ([Note: offloaded residency] in _nvme.py)
+            # in RAM: the step's windows ([Note: offloaded step] in _nvme.py)
             offloaded = self.offload.nbytes
-            states = min(states, 2 * self.offload.chunk * 4 * len(self.offload.maps))
+            states = self.offload.window_bytes(self.part_size)
         return {
             "params": params,
             "grads": (self.grad_flat if self.grad_flat is not None else self.grad_part).nbytes,

@@ -1,61 +1,84 @@
 """Optimizer states kept in files on a fast disk (offload_optimizer
 device "nvme"): each offloaded tensor (the fp32 master, when it is not the
-parameters themselves, and every optimizer state) is a file mapped into
-memory, so the rest of the engine (the C core's Buffers, checkpoints,
-full_state_dict) sees an ordinary CPU tensor.
+parameters themselves, and every optimizer state) is a file. The file is
+also mapped into memory, so the rest of the engine (checkpoints,
+full_state_dict, a reset) sees an ordinary CPU tensor; those whole-tensor
+uses drop the mapped pages again when done (FlatGroup.release_offloaded).
 
-[Note: offloaded residency] What stays in RAM is managed, not left to the
-kernel: the step walks the partition in chunks (HostStep), asks the
-kernel to start reading the next chunk while it updates this one
-(MADV_WILLNEED: readahead, asynchronous), and drops each chunk from the
-process once updated (MADV_DONTNEED on a shared file mapping: the data
-stays in the file and the page cache, the process stops holding it). At
-rest no offloaded page is held; during the step about two chunks per
-tensor are. Dirty pages go to the disk by the kernel's writeback, in the
-background; under memory pressure clean pages are evicted and read back
-from the file on the next step. The files are unlinked as soon as they
-are mapped: they vanish with the process, even after a crash, and their
-space returns when the engine is garbage collected.
+[Note: offloaded step] The step never touches the mapping. It walks the
+partition in chunks through a few RAM windows (SLOTS per file): while the
+C core updates chunk i in one window, I/O threads read chunk i+1 into the
+next window (pread) and write chunk i-1 back from the previous one
+(pwrite). Reads, writes and the update overlap; a window is reused only
+after its write has finished. The windows are the only offloaded bytes
+the process holds: SLOTS x chunk x 4 bytes per file. Explicit reads and
+writes beat faulting the mapping chunk by chunk (one fault a page, about
+1.7x slower in bench/offload.py's measurements) and keep the process's
+memory at the windows whatever the kernel does. pread, pwrite and the
+mapping share the page cache, so they always agree.
 
-[Note: write-through] By default a dropped chunk stays in the page cache
-(reclaimable memory the process does not hold), so with RAM to spare the
-next step reads it from memory. write_through=True also starts each
-dropped chunk's writeback and evicts it from the page cache
-(POSIX_FADV_DONTNEED: on Linux it starts writeback of the dirty pages and
-drops the clean ones), so the states take neither process nor cache
-memory and every step reads and writes them on the disk, overlapped with
-the update: the behaviour of DeepSpeed's NVMe offload.
+[Note: write-through] By default what the step writes stays in the page
+cache (memory the kernel may reclaim, which the process does not hold),
+so with RAM to spare the next step reads it from memory. write_through
+=True also starts each written chunk's writeback and evicts it from the
+page cache (POSIX_FADV_DONTNEED: on Linux it starts writeback of dirty
+pages and drops clean ones), so the states take neither process nor
+cache memory and every step reads and writes them on the disk: the
+behaviour of DeepSpeed's NVMe offload. Pages still being written when a
+chunk is dropped stay cached; they are dropped again one chunk later and
+at the end of the step, by when most have reached the disk.
+
+The files are unlinked as soon as they are created: they vanish with the
+process, even after a crash, and their space returns when the engine is
+garbage collected.
 """
 from __future__ import annotations
 
 import mmap
 import os
+import threading
+from concurrent.futures import ThreadPoolExecutor, wait
 
 import torch
 
 PAGE_ELEMENTS = mmap.PAGESIZE // 4  # fp32 elements per page
+SLOTS = 3  # windows per file: being read, being updated, being written
+
+_pool = None
+_pool_lock = threading.Lock()
+
+
+def _io_pool() -> ThreadPoolExecutor:
+    """The threads every engine's offload I/O runs on (the GIL is released
+    during pread and pwrite, so they overlap the C core's update)."""
+    global _pool
+    with _pool_lock:
+        if _pool is None:
+            _pool = ThreadPoolExecutor(max_workers=8, thread_name_prefix="zero-nvme")
+        return _pool
 
 
 class NvmeFiles:
-    """The mapped files of one flat group on one rank."""
+    """The offload files of one flat group on one rank."""
 
     def __init__(self, directory: str, label: str, chunk_elements: int,
                  write_through: bool = False):
         self.directory = directory
         self.label = label
-        # chunks start on page boundaries, so a chunk is dropped whole
+        # chunks start on page boundaries, so whole pages are dropped
         self.chunk = max(PAGE_ELEMENTS, chunk_elements // PAGE_ELEMENTS * PAGE_ELEMENTS)
         self.write_through = write_through
         self.maps: dict[str, mmap.mmap] = {}
-        self.fds: dict[str, int] = {}  # kept for fadvise; closed with this object
+        self.fds: dict[str, int] = {}
         self.nbytes = 0
+        self._windows = None  # SLOTS dicts name -> fp32 tensor, made at the first step
 
     def __del__(self):
         for fd in getattr(self, "fds", {}).values():
             os.close(fd)
 
     def create(self, name: str, numel: int, fill: float = 0.0) -> torch.Tensor:
-        """A file-backed fp32 tensor of numel elements, all `fill`."""
+        """A file of numel fp32 elements, all `fill`; returns its mapping."""
         nbytes = numel * 4
         path = os.path.join(self.directory, f"zero-{os.getpid()}-{self.label}-{name}.states")
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
@@ -83,12 +106,87 @@ class NvmeFiles:
         return tensor
 
     def write(self, name: str, tensor: torch.Tensor, source: torch.Tensor) -> torch.Tensor:
-        """Copy `source` into the file-backed `tensor` (of file `name`) a
-        chunk at a time, holding at most one chunk of it in RAM."""
+        """Copy `source` into the mapping `tensor` of file `name` a chunk at
+        a time, holding at most one chunk of it in RAM."""
         for lo, hi in self.chunks(source.numel()):
             tensor[lo:hi].copy_(source[lo:hi])
             self.drop(name, lo, hi)
         return tensor
+
+    def chunks(self, numel: int):
+        return [(lo, min(lo + self.chunk, numel)) for lo in range(0, numel, self.chunk)]
+
+    def window_bytes(self, numel: int) -> int:
+        """RAM the step holds for these files: the windows."""
+        return SLOTS * min(self.chunk, numel) * 4 * len(self.maps)
+
+    # ---- the step ([Note: offloaded step]) --------------------------------
+
+    def paged_update(self, numel: int, update):
+        """Run update(lo, hi, windows) over the chunks of elements
+        [0, numel), windows mapping each file's name to its elements
+        [lo, hi) in RAM; what update leaves in them is written back."""
+        ranges = self.chunks(numel)
+        if not ranges:
+            return
+        windows = self._allocate_windows(min(self.chunk, numel))
+        reads, writes = {}, {}  # chunk index -> futures; window slot -> futures
+        try:
+            reads[0] = self._io(os.preadv, windows[0], ranges[0])
+            for i, (lo, hi) in enumerate(ranges):
+                slot = i % SLOTS
+                if i + 1 < len(ranges):
+                    following = (i + 1) % SLOTS
+                    _finish(writes.pop(following, ()))  # its window is free again
+                    reads[i + 1] = self._io(os.preadv, windows[following], ranges[i + 1])
+                _finish(reads.pop(i))
+                update(lo, hi, {name: t[:hi - lo] for name, t in windows[slot].items()})
+                writes[slot] = self._io(os.pwritev, windows[slot], (lo, hi))
+                if self.write_through and i > 0:
+                    self._uncache_all(*ranges[i - 1])
+            for futures in writes.values():
+                _finish(futures)
+        except BaseException:
+            # no thread may still use a window when this returns
+            wait([f for fs in (*reads.values(), *writes.values()) for f in fs])
+            raise
+        if self.write_through:
+            self._uncache_all(0, numel)
+
+    def _allocate_windows(self, elements):
+        if self._windows is None or self._windows[0][next(iter(self.maps))].numel() < elements:
+            self._windows = [{name: torch.empty(elements, dtype=torch.float32)
+                              for name in self.maps} for _ in range(SLOTS)]
+        return self._windows
+
+    def _io(self, call, window, chunk):
+        """Start `call` (os.preadv or os.pwritev) of elements chunk=(lo, hi)
+        of every file to or from its window; returns the futures."""
+        lo, hi = chunk
+        pool = _io_pool()
+        return [pool.submit(self._transfer, call, name, window[name][:hi - lo], lo)
+                for name in self.maps]
+
+    def _transfer(self, call, name, tensor, lo):
+        view = memoryview(tensor.numpy()).cast("B")
+        offset, done = lo * 4, 0
+        while done < len(view):
+            try:
+                moved = call(self.fds[name], [view[done:]], offset + done)
+            except OSError as e:
+                raise OSError(e.errno, f"offload_optimizer: {call.__name__} of '{name}' at "
+                                       f"byte {offset + done:,} in {self.directory!r} failed "
+                                       f"({e.strerror}); this step is partly applied, load a "
+                                       "checkpoint to go on") from None
+            if moved <= 0:
+                raise OSError(f"offload_optimizer: {call.__name__} of '{name}' at byte "
+                              f"{offset + done:,} in {self.directory!r} moved no bytes "
+                              "(the file is shorter than the partition)")
+            done += moved
+        if call is os.pwritev and self.write_through:
+            os.posix_fadvise(self.fds[name], offset, len(view), os.POSIX_FADV_DONTNEED)
+
+    # ---- residency of the mapping and the page cache -----------------------
 
     def _advise(self, name, advice, lo, hi):
         mapped = self.maps[name]
@@ -99,15 +197,9 @@ class NvmeFiles:
         if length > 0:
             mapped.madvise(advice, start, length)
 
-    def prefetch(self, lo: int, hi: int):
-        """Start reading elements [lo, hi) of every file (returns at once)."""
-        for name in self.maps:
-            self._advise(name, mmap.MADV_WILLNEED, lo, hi)
-
     def drop(self, name: str | None = None, lo: int = 0, hi: int | None = None):
-        """Stop holding elements [lo, hi) (default: all) of one file or all
-        in RAM; with write_through, start writing them and take them out of
-        the page cache too ([Note: write-through])."""
+        """Unmap elements [lo, hi) (default: all) of one file or all from
+        the process; with write_through, out of the page cache too."""
         for n in ([name] if name is not None else list(self.maps)):
             end = len(self.maps[n]) // 4 if hi is None else hi
             self._advise(n, mmap.MADV_DONTNEED, lo, end)
@@ -120,33 +212,22 @@ class NvmeFiles:
         if length > 0:
             os.posix_fadvise(self.fds[name], start, length, os.POSIX_FADV_DONTNEED)
 
+    def _uncache_all(self, lo, hi):
+        for name in self.maps:
+            self._uncache(name, lo, hi)
+
     def evict(self):
         """Write every file to the disk and empty the page cache of it, so
-        the next step starts cold (bench/offload.py)."""
+        the next step starts cold."""
         for name, mapped in self.maps.items():
             mapped.flush()
+            os.fsync(self.fds[name])
             self._advise(name, mmap.MADV_DONTNEED, 0, len(mapped) // 4)
             self._uncache(name, 0, len(mapped) // 4)
 
-    def paged(self, numel: int):
-        """Yield the chunks of elements [0, numel) for the caller to update
-        in every file, each read ahead before its turn and dropped after
-        it. With write_through, a chunk's pages still being written when it
-        was dropped stay cached; they are dropped again one chunk later and
-        at the end, by when most have reached the disk."""
-        ranges = self.chunks(numel)
-        if ranges:
-            self.prefetch(*ranges[0])
-        for i, (lo, hi) in enumerate(ranges):
-            if i + 1 < len(ranges):
-                self.prefetch(*ranges[i + 1])
-            yield lo, hi
-            self.drop(None, lo, hi)
-            if self.write_through and i > 0:
-                for name in self.maps:
-                    self._uncache(name, *ranges[i - 1])
-        if self.write_through:
-            self.drop()
 
-    def chunks(self, numel: int):
-        return [(lo, min(lo + self.chunk, numel)) for lo in range(0, numel, self.chunk)]
+def _finish(futures):
+    """Wait for every future, then raise the first failure."""
+    wait(futures)
+    for f in futures:
+        f.result()

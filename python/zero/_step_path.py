@@ -1,8 +1,8 @@
 """Where the optimizer step of the flat groups runs: chosen once per engine
 from the device of the model's parameters (docs/engine.md, "Devices").
 
-- HostStep: the states are in host memory (or in files mapped into it:
-  offload_optimizer "nvme", stepped chunk by chunk); the C core updates
+- HostStep: the states are in host memory (or in files, offload_optimizer
+  "nvme", stepped chunk by chunk through RAM windows); the C core updates
   them over registered Buffers, with the SIMD path picked at run time.
 - CudaStep: the states are on the GPU; zero's fused kernels take the norm
   and run Adam/AdamW, launched on torch's current stream. What the kernels
@@ -18,7 +18,6 @@ coefficient and the fp16 skip decision are made on the host from it.
 from __future__ import annotations
 
 import contextlib
-import functools
 import warnings
 
 import torch
@@ -45,14 +44,18 @@ class HostStep:
             run_update(kind, optimizer, group, fg.buffers, fg.step_count, grad_scale,
                        HOST_FUNCTIONS)
             return
-        # states in files: chunk by chunk, the next one read ahead while
-        # this one is updated, each dropped from RAM once done
-        # ([Note: offloaded residency] in _nvme.py)
-        for lo, hi in fg.offload.paged(fg.part_size):
-            functions = {k: functools.partial(f, start=lo, stop=hi)
-                         for k, f in HOST_FUNCTIONS.items()}
-            run_update(kind, optimizer, group, fg.buffers, fg.step_count, grad_scale,
-                       functions)
+        # states in files: chunk by chunk through RAM windows, the next
+        # chunk read and the last written while this one is updated
+        # ([Note: offloaded step] in _nvme.py)
+        def update_chunk(lo, hi, windows):
+            buffers = {name: _C.Buffer(t) for name, t in windows.items()}
+            for name in ("master", "grad", "copy_out"):
+                if name not in buffers:
+                    t = fg.tensors[name]
+                    buffers[name] = None if t is None else _C.Buffer(t[lo:hi])
+            run_update(kind, optimizer, group, buffers, fg.step_count, grad_scale,
+                       HOST_FUNCTIONS)
+        fg.offload.paged_update(fg.part_size, update_chunk)
 
 
 class TorchStep:

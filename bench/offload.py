@@ -1,0 +1,231 @@
+"""Optimizer offload to a disk (offload_optimizer device "nvme"): the step's
+time with the fp32 master and the AdamW states in RAM, in mapped files
+served by the page cache, and in files written through to the disk every
+step, beside the disk's own bandwidth measured in the same run.
+
+The model is a stack of bias-free square Linear layers (--params in
+all), trained in bf16 at stage 3 (DeepSpeed offloads optimizer states to
+NVMe at stage 3 only) in one process: the files hold the fp32 master and
+two moments, 12 bytes a parameter, and a step reads and writes them all.
+The disk limit of a disk-bound step is the time to read those bytes cold
+plus the time to write and fsync them, with plain file calls on a file of
+that size in the same directory; "of disk limit" divides it by the median
+iteration (forward, backward and step: a step's writes may still be
+finishing during the next forward and backward).
+
+Each runner is a fresh process (its resident-memory peak is its own):
+it trains one warm-up step, then --steps more, and reports the median
+step and iteration times and the peak RSS of those steps above the process
+before the model existed. DeepSpeed's NVMe offload needs its async_io op,
+which it compiles at first use (about 5 minutes here) and which needs
+libaio-dev (`apt-get install libaio-dev`); the table says why it cannot
+run where it cannot.
+
+Usage: python bench/offload.py [--params 64M] [--steps 8] [--dir /tmp/zero-offload-bench]
+       [--runners ram,nvme,write_through,ds_nvme] [--json out.json]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+HIDDEN = 4096
+CHUNK = int(os.environ.get("ZERO_BENCH_CHUNK", 1 << 22))  # offload_optimizer.chunk_elements
+BATCH = 8
+RUNNERS = {
+    "ram": "zero, states in RAM",
+    "nvme": "zero nvme, page cache",
+    "write_through": "zero nvme, write_through",
+    "ds_nvme": "DeepSpeed nvme offload",
+}
+
+
+def parse_size(text: str) -> int:
+    units = {"K": 10**3, "M": 10**6, "G": 10**9}
+    return int(float(text[:-1]) * units[text[-1].upper()]) if text[-1].upper() in units \
+        else int(text)
+
+
+def _status(field):
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+
+
+def _model(params):
+    import torch
+    layers = max(1, round(params / HIDDEN**2))
+    torch.manual_seed(0)
+    return torch.nn.Sequential(*[torch.nn.Linear(HIDDEN, HIDDEN, bias=False)
+                                 for _ in range(layers)])
+
+
+def worker(key, params, steps, directory):
+    """One runner in this process; prints its result as JSON."""
+    import torch
+    torch.set_num_threads(os.cpu_count() or 1)
+    base = _status("VmRSS")
+    model = _model(params)
+    x = torch.randn(BATCH, HIDDEN)
+    if key == "ds_nvme":
+        step, files = _deepspeed(model, directory), []
+    else:
+        step, files = _zero(key, model, directory)
+    step(x)  # warm-up: the states exist and have been written once
+    step(x)
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # the peak from here on
+    steps_s, iterations_s = [], []
+    for _ in range(steps):
+        start = time.perf_counter()
+        steps_s.append(step(x))
+        iterations_s.append(time.perf_counter() - start)
+    print(json.dumps(dict(step_s=statistics.median(steps_s),
+                          iteration_s=statistics.median(iterations_s),
+                          peak_rss=_status("VmHWM") - base,
+                          file_bytes=sum(f.nbytes for f in files))))
+
+
+def _zero(key, model, directory):
+    import zero
+    import torch
+    options = {}
+    if key != "ram":
+        options["offload_optimizer"] = {"device": "nvme", "nvme_path": directory,
+                                        "write_through": key == "write_through",
+                                        "chunk_elements": CHUNK}
+    engine = zero.initialize(model, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-4),
+                             stage=3, precision="bf16", **options)
+    files = [fg.offload for fg in engine.groups if fg.offload is not None]
+
+    def step(x):
+        engine.backward(engine(x).float().square().mean())
+        start = time.perf_counter()
+        engine.step()
+        return time.perf_counter() - start
+    return step, files
+
+
+def _deepspeed(model, directory):
+    import torch
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="29517", RANK="0",
+                      WORLD_SIZE="1", LOCAL_RANK="0")
+    import deepspeed
+    config = {"train_micro_batch_size_per_gpu": BATCH, "bf16": {"enabled": True},
+              "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}},
+              "zero_optimization": {"stage": 3, "offload_optimizer": {
+                  "device": "nvme", "nvme_path": directory}}}
+    deepspeed.init_distributed(dist_backend="gloo")
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
+                                      config=config)
+
+    def step(x):
+        engine.backward(engine(x.to(torch.bfloat16)).float().square().mean())
+        start = time.perf_counter()
+        engine.step()
+        return time.perf_counter() - start
+    return step
+
+
+def disk_limit(directory, nbytes, repeat=3):
+    """The fastest of `repeat` rounds of _disk_round."""
+    rounds = [_disk_round(directory, nbytes) for _ in range(repeat)]
+    return dict(write_s=min(r["write_s"] for r in rounds),
+                read_s=min(r["read_s"] for r in rounds), bytes=rounds[0]["bytes"])
+
+
+def _disk_round(directory, nbytes):
+    """Seconds to write+fsync nbytes to a new file in `directory`, and to
+    read them back with the page cache emptied of it first."""
+    payload = os.urandom(1 << 20)
+    fd, path = tempfile.mkstemp(dir=directory, suffix=".bin")
+    try:
+        start = time.perf_counter()
+        for _ in range(max(1, nbytes >> 20)):
+            os.write(fd, payload)
+        os.fsync(fd)
+        write_s = time.perf_counter() - start
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        os.lseek(fd, 0, os.SEEK_SET)
+        start = time.perf_counter()
+        while os.read(fd, 1 << 24):
+            pass
+        read_s = time.perf_counter() - start
+    finally:
+        os.close(fd)
+        os.remove(path)
+    return dict(write_s=write_s, read_s=read_s, bytes=max(1, nbytes >> 20) << 20)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--params", default="64M")
+    ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--dir", default="/tmp/zero-offload-bench")
+    ap.add_argument("--runners", default=",".join(RUNNERS))
+    ap.add_argument("--json")
+    ap.add_argument("--worker", help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    os.makedirs(args.dir, exist_ok=True)
+    params = parse_size(args.params)
+    if args.worker:
+        return worker(args.worker, params, args.steps, args.dir)
+    rows = {}
+    for key in args.runners.split(","):
+        done = subprocess.run([sys.executable, os.path.abspath(__file__), "--worker", key,
+                               "--params", args.params, "--steps", str(args.steps),
+                               "--dir", args.dir], capture_output=True, text=True)
+        lines = done.stdout.strip().splitlines()
+        if done.returncode == 0 and lines:
+            rows[key] = dict(json.loads(lines[-1]), ok=True)
+        else:
+            tail = (done.stderr.strip() or done.stdout.strip() or "no output").splitlines()
+            rows[key] = dict(ok=False, reason=tail[-1][:160])
+        print(f"  ran {RUNNERS[key]}: " + ("ok" if rows[key]["ok"] else rows[key]["reason"]),
+              flush=True)
+    real = _model_params(params)
+    disk = disk_limit(args.dir, 12 * real)
+    print_table(rows, disk, real, args)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(dict(rows=rows, disk=disk, params=real), f, indent=1)
+
+
+def _model_params(params):
+    return max(1, round(params / HIDDEN**2)) * HIDDEN**2
+
+
+def print_table(rows, disk, params, args):
+    state_bytes = 12 * params  # fp32 master, exp_avg, exp_avg_sq
+    mib = 2**20
+    read_bw, write_bw = disk["bytes"] / disk["read_s"], disk["bytes"] / disk["write_s"]
+    limit_s = state_bytes / read_bw + state_bytes / write_bw
+    print(f"\n{params / 1e6:.0f}M parameters, bf16 AdamW, stage 3, 1 process; states "
+          f"{state_bytes / mib:,.0f} MiB; median of {args.steps} steps; files in {args.dir}")
+    print(f"disk: write+fsync {write_bw / mib:,.0f} MiB/s, cold read {read_bw / mib:,.0f} "
+          f"MiB/s -> reading and writing the states takes {limit_s:.3f} s")
+    print(f"{'':<28}{'step s':>9}{'iteration s':>13}{'peak RSS MiB':>14}"
+          f"{'of disk limit':>15}")
+    for key, row in rows.items():
+        if not row["ok"]:
+            print(f"{RUNNERS[key]:<28}  could not run: {row['reason']}")
+            continue
+        # the disk-bound runners: the states' bytes through the disk over
+        # the whole iteration (forward and backward included: writes may
+        # finish while they run)
+        of_limit = f"{limit_s / row['iteration_s']:>14.0%}" \
+            if key in ("write_through", "ds_nvme") else f"{'-':>14}"
+        print(f"{RUNNERS[key]:<28}{row['step_s']:>9.3f}{row['iteration_s']:>13.3f}"
+              f"{row['peak_rss'] / mib:>14,.0f} {of_limit}")
+
+
+if __name__ == "__main__":
+    main()
