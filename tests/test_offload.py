@@ -165,6 +165,35 @@ def test_refusals(tmp_path, monkeypatch):
         run(2, "bf16", "adamw", nvme_path=tmp_path, steps=0)
 
 
+@pytest.mark.parametrize("call, what", [("preadv", "reading"), ("pwritev", "writing")])
+def test_an_io_error_in_the_step_is_reported(tmp_path, monkeypatch, call, what):
+    engine = run(2, "bf16", "adamw", nvme_path=tmp_path, steps=1)
+    real = getattr(os, call)
+
+    def failing(fd, buffers, offset):
+        if offset > 0:  # the second chunk
+            raise OSError(errno.EIO, os.strerror(errno.EIO))
+        return real(fd, buffers, offset)
+    monkeypatch.setattr(os, call, failing)
+    tokens, targets = next(iter(batches("cpu", 1)))
+    engine.backward(loss_of(engine(tokens), targets))
+    with pytest.raises(OSError, match=rf"offload_optimizer: {what} '\w+' at byte 4,096 in "
+                                      rf"'{tmp_path}' failed \(Input/output error\); this "
+                                      "step is partly applied, load a checkpoint"):
+        engine.step()
+    engine.close()
+
+
+def test_a_short_file_is_reported(tmp_path, monkeypatch):
+    engine = run(2, "bf16", "adamw", nvme_path=tmp_path, steps=1)
+    monkeypatch.setattr(os, "preadv", lambda fd, buffers, offset: 0)
+    tokens, targets = next(iter(batches("cpu", 1)))
+    engine.backward(loss_of(engine(tokens), targets))
+    with pytest.raises(OSError, match="reading '.*' at byte 0 .* moved no bytes"):
+        engine.step()
+    engine.close()
+
+
 def test_cpu_offload_of_a_cpu_model_changes_nothing():
     """Its states are in host memory already."""
     torch.manual_seed(0)

@@ -132,16 +132,16 @@ class NvmeFiles:
         windows = self._allocate_windows(min(self.chunk, numel))
         reads, writes = {}, {}  # chunk index -> futures; window slot -> futures
         try:
-            reads[0] = self._io(os.preadv, windows[0], ranges[0])
+            reads[0] = self._io(False, windows[0], ranges[0])
             for i, (lo, hi) in enumerate(ranges):
                 slot = i % SLOTS
                 if i + 1 < len(ranges):
                     following = (i + 1) % SLOTS
                     _finish(writes.pop(following, ()))  # its window is free again
-                    reads[i + 1] = self._io(os.preadv, windows[following], ranges[i + 1])
+                    reads[i + 1] = self._io(False, windows[following], ranges[i + 1])
                 _finish(reads.pop(i))
                 update(lo, hi, {name: t[:hi - lo] for name, t in windows[slot].items()})
-                writes[slot] = self._io(os.pwritev, windows[slot], (lo, hi))
+                writes[slot] = self._io(True, windows[slot], (lo, hi))
                 if self.write_through and i > 0:
                     self._uncache_all(*ranges[i - 1])
             for futures in writes.values():
@@ -159,31 +159,33 @@ class NvmeFiles:
                               for name in self.maps} for _ in range(SLOTS)]
         return self._windows
 
-    def _io(self, call, window, chunk):
-        """Start `call` (os.preadv or os.pwritev) of elements chunk=(lo, hi)
-        of every file to or from its window; returns the futures."""
+    def _io(self, writing, window, chunk):
+        """Start reading (or writing) elements chunk=(lo, hi) of every file
+        into (or from) its window; returns the futures."""
         lo, hi = chunk
         pool = _io_pool()
-        return [pool.submit(self._transfer, call, name, window[name][:hi - lo], lo)
+        return [pool.submit(self._transfer, writing, name, window[name][:hi - lo], lo)
                 for name in self.maps]
 
-    def _transfer(self, call, name, tensor, lo):
+    def _transfer(self, writing, name, tensor, lo):
         view = memoryview(tensor.numpy()).cast("B")
         offset, done = lo * 4, 0
+        what = "writing" if writing else "reading"
         while done < len(view):
             try:
+                call = os.pwritev if writing else os.preadv
                 moved = call(self.fds[name], [view[done:]], offset + done)
             except OSError as e:
-                raise OSError(e.errno, f"offload_optimizer: {call.__name__} of '{name}' at "
-                                       f"byte {offset + done:,} in {self.directory!r} failed "
+                raise OSError(e.errno, f"offload_optimizer: {what} '{name}' at byte "
+                                       f"{offset + done:,} in {self.directory!r} failed "
                                        f"({e.strerror}); this step is partly applied, load a "
                                        "checkpoint to go on") from None
             if moved <= 0:
-                raise OSError(f"offload_optimizer: {call.__name__} of '{name}' at byte "
+                raise OSError(f"offload_optimizer: {what} '{name}' at byte "
                               f"{offset + done:,} in {self.directory!r} moved no bytes "
                               "(the file is shorter than the partition)")
             done += moved
-        if call is os.pwritev and self.write_through:
+        if writing and self.write_through:
             os.posix_fadvise(self.fds[name], offset, len(view), os.POSIX_FADV_DONTNEED)
 
     # ---- residency of the mapping and the page cache -----------------------
