@@ -12,7 +12,7 @@ CXX ?= g++
 # tests on machines without a GPU (tests/emulated_cuda, docs/cuda.md).
 EMULATED_CUDA = tests/c/build/libzero_fake_cuda.so
 
-.PHONY: deps install train test test-c test-cuda-build emulated-cuda test-py test-hf5 bench bench-train bench-checkpoint clean
+.PHONY: deps install train test test-c test-cuda-build emulated-cuda test-py test-hf5 bench bench-train bench-checkpoint bench-offload clean
 
 # The pinned CPU build of torch and the test tools.
 deps:
@@ -77,6 +77,9 @@ bench-train: install
 
 bench-checkpoint: install
 	$(PYTHON) bench/checkpoint.py
+
+bench-offload: install
+	$(PYTHON) bench/offload.py
 
 clean:
 	rm -rf build tests/c/build python/zero/*.so *.egg-info python/*.egg-info

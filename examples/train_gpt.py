@@ -35,6 +35,9 @@ def main():
                     help="build the model with zero.partitioned_init (each rank holds 1/N)")
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
                     help="cuda: rank r trains on GPU LOCAL_RANK")
+    ap.add_argument("--offload-nvme", metavar="DIR",
+                    help="keep the fp32 master and AdamW states in files under DIR "
+                         "(offload_optimizer device nvme)")
     args = ap.parse_args()
     device = torch.device("cpu")
     if args.device == "cuda":
@@ -53,8 +56,10 @@ def main():
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
     # built in host memory; the engine moves it (a partitioned model one
     # parameter at a time)
+    offload = {"device": "nvme", "nvme_path": args.offload_nvme} if args.offload_nvme else {}
     engine = zero.initialize(model, optimizer=optimizer, stage=args.stage,
-                             precision=args.precision, gradient_clipping=1.0, device=device)
+                             precision=args.precision, gradient_clipping=1.0, device=device,
+                             offload_optimizer=offload)
     rank, world = dist.get_rank(), dist.get_world_size()
     data = MarkovText(cfg.vocab, cfg.seq)
     if rank == 0:

@@ -11,7 +11,8 @@ C core updates chunk i in one window, I/O threads read chunk i+1 into the
 next window (pread) and write chunk i-1 back from the previous one
 (pwrite). Reads, writes and the update overlap; a window is reused only
 after its write has finished. The windows are the only offloaded bytes
-the process holds: SLOTS x chunk x 4 bytes per file. Explicit reads and
+the process holds: SLOTS x chunk x 4 bytes per file (fewer windows when
+the partition has fewer chunks). Explicit reads and
 writes beat faulting the mapping chunk by chunk (one fault a page, about
 1.7x slower in bench/offload.py's measurements) and keep the process's
 memory at the windows whatever the kernel does. pread, pwrite and the
@@ -116,9 +117,13 @@ class NvmeFiles:
     def chunks(self, numel: int):
         return [(lo, min(lo + self.chunk, numel)) for lo in range(0, numel, self.chunk)]
 
+    def _slots(self, numel: int) -> int:
+        """Windows per file: SLOTS, or one per chunk when there are fewer."""
+        return min(SLOTS, len(self.chunks(numel)))
+
     def window_bytes(self, numel: int) -> int:
         """RAM the step holds for these files: the windows."""
-        return SLOTS * min(self.chunk, numel) * 4 * len(self.maps)
+        return self._slots(numel) * min(self.chunk, numel) * 4 * len(self.maps)
 
     # ---- the step ([Note: offloaded step]) --------------------------------
 
@@ -129,14 +134,15 @@ class NvmeFiles:
         ranges = self.chunks(numel)
         if not ranges:
             return
-        windows = self._allocate_windows(min(self.chunk, numel))
+        slots = self._slots(numel)
+        windows = self._allocate_windows(slots, min(self.chunk, numel))
         reads, writes = {}, {}  # chunk index -> futures; window slot -> futures
         try:
             reads[0] = self._io(False, windows[0], ranges[0])
             for i, (lo, hi) in enumerate(ranges):
-                slot = i % SLOTS
+                slot = i % slots
                 if i + 1 < len(ranges):
-                    following = (i + 1) % SLOTS
+                    following = (i + 1) % slots
                     _finish(writes.pop(following, ()))  # its window is free again
                     reads[i + 1] = self._io(False, windows[following], ranges[i + 1])
                 _finish(reads.pop(i))
@@ -153,10 +159,12 @@ class NvmeFiles:
         if self.write_through:
             self._uncache_all(0, numel)
 
-    def _allocate_windows(self, elements):
-        if self._windows is None or self._windows[0][next(iter(self.maps))].numel() < elements:
+    def _allocate_windows(self, slots, elements):
+        name = next(iter(self.maps))
+        if self._windows is None or len(self._windows) != slots or \
+                self._windows[0][name].numel() != elements:
             self._windows = [{name: torch.empty(elements, dtype=torch.float32)
-                              for name in self.maps} for _ in range(SLOTS)]
+                              for name in self.maps} for _ in range(slots)]
         return self._windows
 
     def _io(self, writing, window, chunk):
