@@ -104,8 +104,7 @@ def copy_bandwidth(rounds, steps):
     src = torch.randn(n, device="cuda")
     dst = torch.empty_like(src)
     seconds = interleaved({"copy": lambda: dst.copy_(src)}, rounds, steps)["copy"]
-    del src, dst
-    return 2 * n * 4 / seconds
+    return 2 * n * 4 / seconds  # the buffers go with this frame
 
 
 def workload(n, mixed, rounds, steps):
@@ -135,8 +134,7 @@ def workload(n, mixed, rounds, steps):
             torch_copy.copy_(param.detach())
 
     result = interleaved({"ours": ours, "torch": theirs}, rounds, steps)
-    del p, grad, m, v, copy, param, torch_opt, torch_copy
-    torch.cuda.empty_cache()
+    # the buffers go with this frame; the caller empties torch's cache
     return result["ours"], result["torch"]
 
 
@@ -184,9 +182,7 @@ def train_loop(runner, steps, batch=16):
                   path=engine.step_path.name if engine else "torch fused AdamW")
     if engine is not None:
         engine.close()
-    del model, opt, engine
-    torch.cuda.empty_cache()
-    return result
+    return result  # the model and its states go with this frame
 
 
 def main():
@@ -220,6 +216,7 @@ def main():
         n = parse_size(size)
         for mixed in (False, True):
             ours, theirs = workload(n, mixed, args.rounds, args.steps)
+            torch.cuda.empty_cache()  # up to 1G parameters' buffers freed by now
             achieved = BYTES_PER_PARAM * n / ours
             rows.append(dict(workload="mixed" if mixed else "fp32", size=size, n=n,
                              ours_ms=ours * 1e3, torch_ms=theirs * 1e3,
@@ -240,6 +237,7 @@ def main():
     for runner in ("torch", "zero0", "zero1", "zero2", "zero3"):
         try:
             training.append(train_loop(runner, args.train_steps))
+            torch.cuda.empty_cache()
         except Exception as error:  # one runner's failure must not lose the others' rows
             print(f"{runner} failed: {type(error).__name__}: {error}")
             training.append(dict(runner=runner, ms=float("nan"), loss=float("nan"),

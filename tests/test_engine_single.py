@@ -1,7 +1,6 @@
 """The engine in one process with no launcher and no environment variables
 (a notebook): API, configs, bad input, re-initialisation."""
 import json
-import os
 
 import pytest
 import torch

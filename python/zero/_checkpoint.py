@@ -16,7 +16,7 @@ import zero
 from zero._checkpoint_format import (FORMAT, LATEST_FILE, META_FILE, REPLICATED_GROUP,
                                      VERSION, CheckpointReader, check_plain, owned_pieces,
                                      resolve_tag, shard_file)
-from zero._optimizer_bridge import states_for
+from zero._optimizer_bridge import parameter_names, states_for
 
 
 def _host_copy(t: torch.Tensor) -> torch.Tensor:
@@ -81,16 +81,9 @@ def _param_shapes(engine) -> dict:
     return shapes
 
 
-def _canonical_names(module) -> dict:
-    names = {}
-    for name, p in module.named_parameters():
-        names.setdefault(id(p), name)
-    return names
-
-
 def _meta(engine, client_state, scheduler_state, shard_files) -> dict:
     module, optimizer = engine.module, engine.optimizer
-    names = _canonical_names(module)
+    names = parameter_names(module)
     state_dict, buffers = [], {}
     for key, t in module.state_dict(keep_vars=True).items():
         if id(t) in names:
@@ -259,7 +252,7 @@ def _check_optimizer(engine, reader):
     if len(meta["groups"]) != len(groups):
         raise ValueError(f"the checkpoint has {len(meta['groups'])} param groups, the "
                          f"optimizer has {len(groups)}" + hint)
-    names = _canonical_names(engine.module)
+    names = parameter_names(engine.module)
     for gi, (saved, group) in enumerate(zip(meta["groups"], groups)):
         ours = [names[id(p)] for p in group["params"]]
         if sorted(ours) != sorted(saved["param_names"]):
@@ -328,7 +321,7 @@ def _reset_optimizer(engine):
 
 
 def _buffer_items(engine):
-    names = _canonical_names(engine.module)
+    names = parameter_names(engine.module)
     return [(k, t) for k, t in engine.module.state_dict(keep_vars=True).items()
             if id(t) not in names]
 

@@ -47,6 +47,15 @@ def decoupled(optimizer, group) -> bool:
     return bool(group.get("decoupled_weight_decay", False))
 
 
+def parameter_names(module) -> dict:
+    """id(parameter) -> its name in the module; a tied parameter goes by
+    the name it is first registered under, as named_parameters gives it."""
+    names = {}
+    for name, p in module.named_parameters():
+        names.setdefault(id(p), name)
+    return names
+
+
 def run_update(kind, optimizer, group, buffers, step, grad_scale, functions):
     """One update of a flat group's partition with `group`'s hyperparameters.
     buffers: "master", "grad", "copy_out" (None: the master is the

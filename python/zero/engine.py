@@ -29,7 +29,7 @@ from torch.utils._pytree import tree_flatten
 from zero._comm import Comm, leave_process_group
 from zero._flat_group import FlatGroup
 from zero._loss_scaler import DynamicLossScaler
-from zero._optimizer_bridge import optimizer_kind, states_for
+from zero._optimizer_bridge import optimizer_kind, parameter_names, states_for
 from zero._partitioned_init import sharded_record, take_values
 from zero._stage3 import Stage3Schedule
 from zero._step_path import step_path_for
@@ -199,9 +199,7 @@ class Engine(nn.Module):
     def _match_param_groups(module, optimizer):
         """The optimizer's groups as (params, names), trainable params only,
         each once; every trainable parameter must be in a group."""
-        names = {}
-        for name, p in module.named_parameters():
-            names.setdefault(id(p), name)
+        names = parameter_names(module)
         seen = set()
         groups = []
         for gi, group in enumerate(optimizer.param_groups):
