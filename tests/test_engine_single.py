@@ -158,6 +158,34 @@ def test_unknown_config_key_is_named():
     assert untouched(m, before)
 
 
+def test_nested_blocks_as_keywords():
+    """loss_scaling= and offload_optimizer= take plain dicts, checked field
+    by field (a dict used to pass through unconverted)."""
+    config = zero.Config(precision="fp16", loss_scaling={"initial_scale_power": 8})
+    assert config.loss_scaling.initial_scale_power == 8
+    assert config.loss_scaling.hysteresis == 2
+    m = model()
+    engine = zero.initialize(m, stage=1, precision="fp16",
+                             loss_scaling={"initial_scale_power": 8, "hysteresis": 1})
+    assert engine.loss_scaler.scale == 2.0**8
+    engine.close()
+    with pytest.raises(ValueError, match="loss_scaling has no field 'initial_scale'; its "
+                                         "fields are"):
+        zero.Config(loss_scaling={"initial_scale": 8})
+    with pytest.raises(ValueError, match="loss_scaling must be a dict or a "
+                                         "zero.config.LossScaling, got 3"):
+        zero.Config(loss_scaling=3)
+    for field, value, rule in [("initial_scale_power", -1, "an integer >= 0"),
+                               ("loss_scale_window", 0, "an integer >= 1"),
+                               ("hysteresis", 1.5, "an integer >= 1"),
+                               ("min_loss_scale", 0.0, "> 0"),
+                               ("static_loss_scale", -1.0, ">= 0")]:
+        with pytest.raises(ValueError, match=f"loss_scaling.{field} must be {rule}, got "):
+            zero.Config(loss_scaling={field: value})
+    with pytest.raises(ValueError, match="offload_optimizer has no field 'devices'"):
+        zero.Config(offload_optimizer={"devices": "nvme"})
+
+
 @pytest.mark.parametrize("stage", [-1, 4, "2"])
 def test_stage_outside_range(stage):
     m = model()

@@ -53,6 +53,22 @@ def test_matches_the_plain_trainer(one_process, tmp_path, plain_trainer_run, sta
     trainer.engine.close()
 
 
+def test_fp16_overflow_leaves_the_lr_schedule_alone(one_process, tmp_path):
+    """A loss scale of 2^24 overflows fp16 gradients: the engine skips those
+    steps, halving the scale, and the Trainer's scheduler must not advance
+    on them (as under DeepSpeed)."""
+    trainer = zero_trainer(tmp_path, {"stage": 2, "precision": "fp16",
+                                      "loss_scaling": {"initial_scale_power": 24,
+                                                       "hysteresis": 1}},
+                           max_steps=10)
+    trainer.train()
+    engine = trainer.engine
+    skipped = 10 - engine.global_steps
+    assert 0 < skipped < 10
+    assert trainer.lr_scheduler.last_epoch == engine.global_steps
+    engine.close()
+
+
 def test_checkpoint_folder_resumes_exactly_at_another_stage(one_process, tmp_path):
     """bf16 at stage 3, a checkpoint folder every 3 steps; a new trainer at
     stage 1 resumes from checkpoint-3 and ends where the first run ends.

@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any, Optional
 
 PRECISIONS = ("fp32", "bf16", "fp16")
@@ -36,6 +36,20 @@ class LossScaling:
     hysteresis: int = 2               # overflows tolerated before halving
     min_loss_scale: float = 1.0
     static_loss_scale: float = 0.0    # > 0: a fixed scale, no dynamic changes
+
+    def __post_init__(self):
+        for name, low in (("initial_scale_power", 0), ("loss_scale_window", 1),
+                          ("hysteresis", 1)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise ValueError(f"loss_scaling.{name} must be an integer >= {low}, got "
+                                 f"{value!r}")
+        if not self.min_loss_scale > 0:
+            raise ValueError(f"loss_scaling.min_loss_scale must be > 0, got "
+                             f"{self.min_loss_scale!r}")
+        if not self.static_loss_scale >= 0:
+            raise ValueError(f"loss_scaling.static_loss_scale must be >= 0, got "
+                             f"{self.static_loss_scale!r}")
 
 
 @dataclass(frozen=True)
@@ -115,9 +129,20 @@ class Config:
         if self.grad_accum_dtype not in (None, "fp32", self.precision):
             raise ValueError(f"grad_accum_dtype must be None, 'fp32' or the precision "
                              f"({self.precision!r}), got {self.grad_accum_dtype!r}")
-        if isinstance(self.offload_optimizer, dict):  # the keyword form: a plain dict
-            object.__setattr__(self, "offload_optimizer",
-                               OffloadOptimizer(**self.offload_optimizer))
+        # the keyword form of the nested blocks: plain dicts
+        for name, block in (("loss_scaling", LossScaling),
+                            ("offload_optimizer", OffloadOptimizer)):
+            value = getattr(self, name)
+            if isinstance(value, dict):
+                known = {f.name for f in fields(block)}
+                unknown = sorted(set(value) - known)
+                if unknown:
+                    raise ValueError(f"{name} has no field {unknown[0]!r}; its fields are "
+                                     f"{sorted(known)}")
+                object.__setattr__(self, name, block(**value))
+            elif not isinstance(value, block):
+                raise ValueError(f"{name} must be a dict or a zero.config.{block.__name__}, "
+                                 f"got {value!r}")
         for name in ("stage3_param_persistence_threshold", "stage3_prefetch_bucket_size",
                      "stage3_max_live_parameters"):
             value = getattr(self, name)

@@ -49,8 +49,10 @@ class _EngineOptimizer(torch.optim.Optimizer):
     hyperparameters only. The states live in the engine, partitioned, and
     are saved with its checkpoints, so state_dict() holds no "state"."""
 
-    def __init__(self, engine):  # no Optimizer.__init__: the engine owns the parameters
+    def __init__(self, engine, after_step=lambda: None):
+        # no Optimizer.__init__: the engine owns the parameters
         self.engine = engine
+        self.after_step = after_step
         self.defaults = engine.optimizer.defaults
         self.state = {}
         self._optimizer_step_pre_hooks = {}
@@ -64,6 +66,7 @@ class _EngineOptimizer(torch.optim.Optimizer):
         if closure is not None:
             raise ValueError("the zero engine's step takes no closure")
         self.engine.step()
+        self.after_step()
 
     def zero_grad(self, set_to_none: bool = True):
         self.engine.zero_grad(set_to_none)
@@ -139,8 +142,18 @@ class ZeroTrainer(Trainer):
             super().create_optimizer()  # the Trainer's optimizer, on the model's parameters
             self.engine = zero.initialize(self.model, optimizer=self.optimizer,
                                           **self.zero_options)
-            self.optimizer = _EngineOptimizer(self.engine)
+            self.optimizer = _EngineOptimizer(self.engine, after_step=self._report_skipped_step)
         return self.optimizer
+
+    def _report_skipped_step(self):
+        """The Trainer steps its LR scheduler unless accelerate says the
+        optimizer step was skipped, and accelerate asks its optimizer
+        wrappers, which know only torch's GradScaler: tell them when the
+        engine skipped an fp16 step on overflow, as DeepSpeed's engine
+        leaves its scheduler alone then."""
+        for wrapper in getattr(self.accelerator, "_optimizers", ()):
+            if isinstance(getattr(wrapper, "optimizer", None), _EngineOptimizer):
+                wrapper._is_overflow = self.engine.step_was_skipped
 
     def create_scheduler(self, num_training_steps: int, optimizer=None):
         # on the real optimizer: the engine reads the lr from its param_groups
