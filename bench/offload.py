@@ -15,7 +15,7 @@ iteration (forward, backward and step: a step's writes may still be
 finishing during the next forward and backward).
 
 Each runner is a fresh process (its resident-memory peak is its own):
-it trains one warm-up step, then --steps more, and reports the median
+it trains two warm-up steps, then --steps more, and reports the median
 step and iteration times and the peak RSS of those steps above the process
 before the model existed. DeepSpeed's NVMe offload needs its async_io op,
 which it compiles at first use (about 5 minutes here) and which needs

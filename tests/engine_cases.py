@@ -74,6 +74,8 @@ def make_optimizer(name, params):
         return zero.optim.Lion(params, lr=1e-3, weight_decay=0.1)
     if name == "adam_amsgrad":
         return torch.optim.Adam(params, lr=1e-2, weight_decay=0.01, amsgrad=True)
+    if name == "sgd":  # no momentum: no state at all
+        return torch.optim.SGD(params, lr=0.1)
     if name == "sgd_nesterov":
         return torch.optim.SGD(params, lr=0.1, momentum=0.9, nesterov=True, weight_decay=0.01)
     if name == "adagrad":

@@ -182,9 +182,25 @@ def test_refusals(tmp_path, monkeypatch):
     with pytest.raises(ValueError, match="unknown DeepSpeed config key.*offload_optimizer.bad"):
         zero.Config.from_deepspeed({"zero_optimization": {"offload_optimizer": {
             "device": "nvme", "nvme_path": str(tmp_path), "bad": 1}}})
-    ds = zero.Config.from_deepspeed({"zero_optimization": {"offload_optimizer": {
-        "device": "nvme", "nvme_path": str(tmp_path), "pin_memory": True, "buffer_size": 1e6}}})
-    assert ds.offload_optimizer.chunk_elements == 1_000_000
+    # a DeepSpeed NVMe config as written for DeepSpeed: its I/O tuning is
+    # accepted and ignored (buffer_size too: 1e8 read as a chunk would
+    # cost 3.6 GB of windows)
+    ds = zero.Config.from_deepspeed({
+        "zero_optimization": {"offload_optimizer": {
+            "device": "nvme", "nvme_path": str(tmp_path), "pin_memory": True,
+            "buffer_size": 1e8, "buffer_count": 4, "pipeline_read": True,
+            "pipeline_write": True, "fast_init": False}},
+        "aio": {"block_size": 1048576, "queue_depth": 8, "single_submit": False,
+                "overlap_events": True, "thread_count": 1}})
+    assert ds.offload_optimizer == zero.config.OffloadOptimizer(device="nvme",
+                                                                nvme_path=str(tmp_path))
+    assert zero.Config(offload_optimizer=None).offload_optimizer.device == "none"
+    with pytest.raises(ValueError, match="offload_optimizer must be a dict or a "
+                                         "zero.config.OffloadOptimizer, got 'nvme'"):
+        zero.Config(offload_optimizer="nvme")
+    with pytest.raises(ValueError, match="offload_optimizer.write_through must be True or "
+                                         "False, got 1"):
+        zero.Config(offload_optimizer={"write_through": 1})
 
     def full_disk(fd, offset, length):
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
@@ -220,6 +236,126 @@ def test_a_short_file_is_reported(tmp_path, monkeypatch):
     with pytest.raises(OSError, match="reading '.*' at byte 0 .* moved no bytes"):
         engine.step()
     engine.close()
+
+
+def test_nothing_to_offload_steps_in_memory(tmp_path):
+    """fp32 (the master is the parameters) with plain SGD (no state): no
+    file at all, and the step runs as without offload."""
+    expected = finish(run(2, "fp32", "sgd"))
+    engine = run(2, "fp32", "sgd", nvme_path=tmp_path)
+    assert all(not fg.offload.maps for fg in engine.groups)
+    got = finish(engine)
+    for ours, ref in zip(got, expected):
+        for key in ref:
+            assert torch.equal(ours[key], ref[key]), key
+
+
+def test_a_group_of_empty_parameters(tmp_path):
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 8)
+    model.empty = torch.nn.Parameter(torch.zeros(0))
+    optimizer = torch.optim.AdamW([{"params": [model.weight, model.bias]},
+                                   {"params": [model.empty]}])
+    engine = zero.initialize(model, optimizer=optimizer, stage=1, precision="bf16",
+                             offload_optimizer={"device": "nvme", "nvme_path": str(tmp_path)})
+    engine.backward(engine(torch.randn(4, 8)).float().square().mean())
+    engine.step()
+    assert len(engine.groups[0].offload.maps) == 3
+    engine.close()
+
+
+def test_close_frees_the_windows_and_descriptors(tmp_path):
+    engine = run(2, "bf16", "adamw", nvme_path=tmp_path)
+    files = [fg.offload for fg in engine.groups]
+    fds = [fd for f in files for fd in f.fds.values()]
+    assert all(f._windows is not None for f in files)
+    engine.close()
+    assert all(f._windows is None and f.fds is None for f in files)
+    for fd in fds:
+        with pytest.raises(OSError):
+            os.fstat(fd)
+    with pytest.raises(RuntimeError, match="this engine was closed"):
+        files[0].paged_update(files[0].chunk, lambda lo, hi, windows: None)
+
+
+def test_an_exception_in_the_update_waits_for_the_io(tmp_path, monkeypatch):
+    """The update fails at the second chunk while the third chunk's read is
+    still on its way: the step raises only once no transfer is running, and
+    the next step gets fresh windows."""
+    import threading
+    import time
+    import zero._step_path as step_path
+    engine = run(0, "bf16", "adamw", nvme_path=tmp_path, steps=1, chunk=1024)
+    files = engine.groups[0].offload
+    assert len(files.chunks(engine.groups[0].part_size)) >= 2
+    running, lock = [0], threading.Lock()
+    real_read, real_update = os.preadv, step_path.run_update
+
+    def slow_read(fd, buffers, offset):
+        with lock:
+            running[0] += 1
+        time.sleep(0.2)
+        try:
+            return real_read(fd, buffers, offset)
+        finally:
+            with lock:
+                running[0] -= 1
+    calls = [0]
+
+    def failing_update(*args):
+        calls[0] += 1
+        if calls[0] == 2:
+            raise RuntimeError("update failed")
+        return real_update(*args)
+    monkeypatch.setattr(os, "preadv", slow_read)
+    monkeypatch.setattr(step_path, "run_update", failing_update)
+    windows = files._windows
+    tokens, targets = next(iter(batches("cpu", 1)))
+    engine.backward(loss_of(engine(tokens), targets))
+    with pytest.raises(RuntimeError, match="update failed"):
+        engine.step()
+    assert running[0] == 0
+    assert files._windows is None and windows is not None
+    engine.close()
+
+
+FORK_SCRIPT = textwrap.dedent("""
+    import os, sys, torch
+    from zero._nvme import NvmeFiles
+    nvme = sys.argv[1]
+    def add_one(lo, hi, windows):
+        for t in windows.values():
+            t.add_(1.0)
+    def files():
+        f = NvmeFiles(nvme, "fork", 1024)
+        state = f.create("state", 5000)
+        return f, state
+    parent, state = files()
+    parent.paged_update(5000, add_one)  # the I/O threads exist now
+    pid = os.fork()
+    if pid == 0:
+        try:
+            parent.paged_update(5000, add_one)
+            os._exit(3)  # stepped the parent's file
+        except RuntimeError as e:
+            if "forked child cannot step" not in str(e):
+                os._exit(4)
+        own, own_state = files()  # the child's own files: a new pool, no hang
+        own.paged_update(5000, add_one)
+        os._exit(0 if torch.equal(own_state, torch.ones(5000)) else 5)
+    _, status = os.waitpid(pid, 0)
+    print(os.waitstatus_to_exitcode(status), torch.equal(state, torch.ones(5000)))
+""")
+
+
+def test_a_forked_child_is_refused_the_parents_files_and_can_make_its_own(tmp_path):
+    """(A forked child cannot use the parent's engine at all: its process
+    group's threads are gone too. What offload adds is checked here: its
+    files are shared, not copied, and its thread pool is the parent's.)"""
+    done = subprocess.run([sys.executable, "-c", FORK_SCRIPT, str(tmp_path)],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["0", "True"], done.stdout
 
 
 def test_cpu_offload_of_a_cpu_model_changes_nothing():

@@ -173,13 +173,14 @@ def save(engine, save_dir, tag=None, client_state=None, save_latest=True) -> str
         scheduler_state = engine.lr_scheduler.state_dict() if engine.lr_scheduler else None
         check_plain(scheduler_state, "lr_scheduler.state_dict()")
         os.makedirs(path, exist_ok=True)
-        groups = _shard_groups(engine)
-        if groups:
-            _write({"format": FORMAT, "version": VERSION, "rank": comm.rank,
-                    "save_id": save_id, "groups": groups},
-                   os.path.join(path, shard_file(comm.rank)))
-            for fg in engine.groups:
-                fg.release_offloaded()
+        try:
+            groups = _shard_groups(engine)
+            if groups:
+                _write({"format": FORMAT, "version": VERSION, "rank": comm.rank,
+                        "save_id": save_id, "groups": groups},
+                       os.path.join(path, shard_file(comm.rank)))
+        finally:  # offloaded states were read through their mapping
+            _release_offloaded(engine)
         if comm.rank == 0:
             shard_files = [shard_file(r) for r in range(comm.world if engine.stage else 1)]
             meta = _meta(engine, client_state, scheduler_state, shard_files)
@@ -292,7 +293,19 @@ def _check_stored(engine, reader, with_optimizer):
         reader.check(name, "value", 0, p.numel())
 
 
+def _release_offloaded(engine):
+    for fg in engine.groups:
+        fg.release_offloaded()
+
+
 def _load_partitions(engine, reader, with_optimizer):
+    try:
+        _read_partitions(engine, reader, with_optimizer)
+    finally:  # offloaded states were written through their mapping
+        _release_offloaded(engine)
+
+
+def _read_partitions(engine, reader, with_optimizer):
     for fg, name, lo, hi, offset, keys in _targets(engine, with_optimizer):
         for key in keys:
             target = fg.states[key] if key != "value" else \
@@ -305,8 +318,6 @@ def _load_partitions(engine, reader, with_optimizer):
     with torch.no_grad():
         for name, p in _replicated_frozen(engine):
             p.copy_(reader.read(name).view(p.shape))
-    for fg in engine.groups:
-        fg.release_offloaded()
 
 
 def _reset_optimizer(engine):
@@ -317,7 +328,7 @@ def _reset_optimizer(engine):
         for name, t in fg.states.items():
             t.fill_(fills[name])
         fg.step_count = 0
-        fg.release_offloaded()
+    _release_offloaded(engine)
 
 
 def _buffer_items(engine):

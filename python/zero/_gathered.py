@@ -96,3 +96,7 @@ class GatheredParameters:
             old = before[lo - unit.offsets[j]:hi - unit.offsets[j]]
             master = fg.master[start:start + hi - lo]
             master.copy_(torch.where(new != old, new.float(), master))
+            if fg.offload is not None:
+                # the master's file: unmap it all, as reading it mapped
+                # neighbouring pages too (the kernel's fault-around)
+                fg.offload.drop("master")

@@ -26,8 +26,8 @@ page cache (POSIX_FADV_DONTNEED: on Linux it starts writeback of dirty
 pages and drops clean ones), so the states take neither process nor
 cache memory and every step reads and writes them on the disk: the
 behaviour of DeepSpeed's NVMe offload. Pages still being written when a
-chunk is dropped stay cached; they are dropped again one chunk later and
-at the end of the step, by when most have reached the disk.
+chunk is dropped stay cached; they are dropped again when its window is
+reused and at the end of the step, by when most have reached the disk.
 
 The files are unlinked as soon as they are created: they vanish with the
 process, even after a crash, and their space returns when the engine is
@@ -35,6 +35,7 @@ garbage collected.
 """
 from __future__ import annotations
 
+import errno
 import mmap
 import os
 import threading
@@ -47,6 +48,15 @@ SLOTS = 3  # windows per file: being read, being updated, being written
 
 _pool = None
 _pool_lock = threading.Lock()
+
+
+def _forget_pool_in_child():
+    # a forked child has none of the parent's threads: a fresh pool
+    global _pool, _pool_lock
+    _pool, _pool_lock = None, threading.Lock()
+
+
+os.register_at_fork(after_in_child=_forget_pool_in_child)
 
 
 def _io_pool() -> ThreadPoolExecutor:
@@ -70,33 +80,46 @@ class NvmeFiles:
         self.chunk = max(PAGE_ELEMENTS, chunk_elements // PAGE_ELEMENTS * PAGE_ELEMENTS)
         self.write_through = write_through
         self.maps: dict[str, mmap.mmap] = {}
-        self.fds: dict[str, int] = {}
+        self.fds: dict[str, int] | None = {}  # None once closed
+        self.pid = os.getpid()
         self.nbytes = 0
         self._windows = None  # SLOTS dicts name -> fp32 tensor, made at the first step
 
     def __del__(self):
-        for fd in getattr(self, "fds", {}).values():
-            os.close(fd)
+        if getattr(self, "fds", None):
+            self.close()
 
     def create(self, name: str, numel: int, fill: float = 0.0) -> torch.Tensor:
         """A file of numel fp32 elements, all `fill`; returns its mapping."""
+        if numel == 0:  # nothing to keep (a group of empty parameters)
+            return torch.empty(0, dtype=torch.float32)
         nbytes = numel * 4
         path = os.path.join(self.directory, f"zero-{os.getpid()}-{self.label}-{name}.states")
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        except OSError as e:
+            raise OSError(e.errno, f"offload_optimizer.nvme_path {self.directory!r}: cannot "
+                                   f"create a file for '{name}': {e.strerror}") from None
         try:
             os.unlink(path)
             try:  # the blocks now, so a full disk fails here and not mid-step
-                os.posix_fallocate(fd, 0, max(nbytes, 1))
+                os.posix_fallocate(fd, 0, nbytes)
             except OSError as e:
-                raise OSError(e.errno, f"offload_optimizer.nvme_path {self.directory!r} has "
-                                       f"no room for {nbytes:,} bytes of '{name}': "
+                problem = "has no room for" if e.errno == errno.ENOSPC else "cannot reserve"
+                raise OSError(e.errno, f"offload_optimizer.nvme_path {self.directory!r} "
+                                       f"{problem} {nbytes:,} bytes of '{name}': "
                                        f"{e.strerror}") from None
-            mapped = mmap.mmap(fd, max(nbytes, 1), flags=mmap.MAP_SHARED,
-                               prot=mmap.PROT_READ | mmap.PROT_WRITE)
+            try:
+                mapped = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED,
+                                   prot=mmap.PROT_READ | mmap.PROT_WRITE)
+            except OSError as e:
+                raise OSError(e.errno, f"offload_optimizer.nvme_path {self.directory!r}: "
+                                       f"cannot map the file of '{name}': {e.strerror}") \
+                    from None
+            tensor = torch.frombuffer(mapped, dtype=torch.float32, count=numel)
         except BaseException:
             os.close(fd)
             raise
-        tensor = torch.frombuffer(mapped, dtype=torch.float32, count=numel)
         self.maps[name] = mapped
         self.fds[name] = fd
         self.nbytes += nbytes
@@ -131,30 +154,43 @@ class NvmeFiles:
         """Run update(lo, hi, windows) over the chunks of elements
         [0, numel), windows mapping each file's name to its elements
         [lo, hi) in RAM; what update leaves in them is written back."""
+        if self.fds is None:
+            raise RuntimeError("offload_optimizer: this engine was closed; its offload "
+                               "files are gone")
+        if os.getpid() != self.pid:
+            # the files are shared with the parent, not copied as memory is
+            raise RuntimeError("offload_optimizer: a forked child cannot step the parent's "
+                               "offloaded states; build an engine in the child")
         ranges = self.chunks(numel)
         if not ranges:
             return
         slots = self._slots(numel)
         windows = self._allocate_windows(slots, min(self.chunk, numel))
-        reads, writes = {}, {}  # chunk index -> futures; window slot -> futures
+        reads = {}   # chunk index -> futures
+        writes = {}  # window slot -> (chunk, futures)
         try:
             reads[0] = self._io(False, windows[0], ranges[0])
             for i, (lo, hi) in enumerate(ranges):
                 slot = i % slots
                 if i + 1 < len(ranges):
                     following = (i + 1) % slots
-                    _finish(writes.pop(following, ()))  # its window is free again
+                    if following in writes:  # its window is free once written
+                        written, futures = writes.pop(following)
+                        _finish(futures)
+                        if self.write_through:  # most of its writeback is done by now
+                            self._uncache_all(*written)
                     reads[i + 1] = self._io(False, windows[following], ranges[i + 1])
                 _finish(reads.pop(i))
                 update(lo, hi, {name: t[:hi - lo] for name, t in windows[slot].items()})
-                writes[slot] = self._io(True, windows[slot], (lo, hi))
-                if self.write_through and i > 0:
-                    self._uncache_all(*ranges[i - 1])
-            for futures in writes.values():
+                writes[slot] = ((lo, hi), self._io(True, windows[slot], (lo, hi)))
+            for _chunk, futures in writes.values():
                 _finish(futures)
         except BaseException:
-            # no thread may still use a window when this returns
-            wait([f for fs in (*reads.values(), *writes.values()) for f in fs])
+            # a second interrupt may cut the wait short: fresh windows for
+            # the next step, so a late transfer cannot touch its data
+            self._windows = None
+            wait([f for fs in (*reads.values(), *(w[1] for w in writes.values()))
+                  for f in fs])
             raise
         if self.write_through:
             self._uncache_all(0, numel)
@@ -166,6 +202,14 @@ class NvmeFiles:
             self._windows = [{name: torch.empty(elements, dtype=torch.float32)
                               for name in self.maps} for _ in range(slots)]
         return self._windows
+
+    def close(self):
+        """Free the windows and the descriptors (Engine.close). The files'
+        space returns when the mapped tensors are freed with the engine."""
+        self._windows = None
+        for fd in (self.fds or {}).values():
+            os.close(fd)
+        self.fds = None
 
     def _io(self, writing, window, chunk):
         """Start reading (or writing) elements chunk=(lo, hi) of every file
@@ -217,6 +261,8 @@ class NvmeFiles:
                 self._uncache(n, lo, end)
 
     def _uncache(self, name, lo, hi):
+        if self.fds is None:  # closed
+            return
         start = lo // PAGE_ELEMENTS * mmap.PAGESIZE
         length = min(hi * 4, len(self.maps[name])) - start
         if length > 0:
@@ -225,15 +271,6 @@ class NvmeFiles:
     def _uncache_all(self, lo, hi):
         for name in self.maps:
             self._uncache(name, lo, hi)
-
-    def evict(self):
-        """Write every file to the disk and empty the page cache of it, so
-        the next step starts cold."""
-        for name, mapped in self.maps.items():
-            mapped.flush()
-            os.fsync(self.fds[name])
-            self._advise(name, mmap.MADV_DONTNEED, 0, len(mapped) // 4)
-            self._uncache(name, 0, len(mapped) // 4)
 
 
 def _finish(futures):

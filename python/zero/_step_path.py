@@ -40,7 +40,7 @@ class HostStep:
         return comm.sum_scalar(local) if across_ranks else local
 
     def update(self, kind, optimizer, group, fg, grad_scale):
-        if fg.offload is None:
+        if fg.offload is None or not fg.offload.maps:  # nothing in files (fp32 plain SGD)
             run_update(kind, optimizer, group, fg.buffers, fg.step_count, grad_scale,
                        HOST_FUNCTIONS)
             return

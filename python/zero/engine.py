@@ -550,5 +550,7 @@ class Engine(nn.Module):
         for fg in self.all_groups:
             for p in fg.params:
                 p.__dict__.pop("_zero_place", None)
+            if fg.offload is not None:  # its windows and descriptors
+                fg.offload.close()
         leave_process_group(self._owns_group)
         self._closed = True

@@ -37,7 +37,8 @@ def _all_cases(rank, world):
         out[("checkpoint", stage)] = scenarios.engine_run(rank, world, 6, stage,
                                                           checkpointing="reentrant_all",
                                                           reduce_bucket_size=50)
-        # states in files (each rank its own), stepped chunk by chunk
+        # states in files, each rank its own (one chunk at this size; many in
+        # test_offload_ranks.py)
         out[("nvme offload", stage)] = scenarios.engine_run(rank, world, 8, stage,
                                                             accumulation=2, clip=0.05,
                                                             offload_optimizer=NVME)

@@ -1,0 +1,110 @@
+"""offload_optimizer "nvme" on 2 and 3 gloo ranks: each rank's master and
+states in its own files, stepped through the RAM windows in many chunks.
+
+In each launch every rank trains the same model twice, states in memory and
+then in files, bf16, with clipping (the norm summed over ranks) and
+accumulation; at stage 3 rank 0 also changes a weight through
+zero.GatheredParameters, which writes into the master's file. The update
+is the same C code over the same values chunk by chunk, so the two runs
+must agree bit for bit. Tolerance: none."""
+import tempfile
+
+import pytest
+import torch
+from torch import nn
+
+import harness
+
+WORLDS = [2, 3]
+STEPS = 4
+CHUNK = 1024  # the smallest chunk: every partition spans several
+
+
+def mlp():
+    """~45k parameters: a rank's partition is well over 3 chunks at 3 ranks."""
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(97, 211), nn.GELU(), nn.Linear(211, 113), nn.GELU(),
+                         nn.Linear(113, 29))
+
+
+def train(rank, world, stage, nvme_path):
+    import torch.distributed as dist
+    import zero
+    model = mlp()
+    options = {}
+    if nvme_path is not None:
+        options["offload_optimizer"] = {"device": "nvme", "nvme_path": nvme_path,
+                                        "chunk_elements": CHUNK}
+    engine = zero.initialize(model, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-2),
+                             stage=stage, precision="bf16", gradient_clipping=0.5,
+                             gradient_accumulation_steps=2, **options)
+    facts = {}
+    if nvme_path is not None:
+        facts["chunks"] = min(len(fg.offload.chunks(fg.part_size)) for fg in engine.groups)
+    for step in range(STEPS):
+        g = torch.Generator().manual_seed(100 * step + rank)
+        for _ in range(2):
+            x = torch.randn(8, 97, generator=g)
+            engine.backward(engine(x).float().square().mean())
+            engine.step()
+        if stage == 3 and step == 1:
+            with zero.GatheredParameters([model[0].weight], modifier_rank=0):
+                with torch.no_grad():
+                    model[0].weight[0].mul_(0.5 if rank == 0 else 7.0)
+            if nvme_path is not None:  # the write-back left no master page mapped
+                facts["master_rss"] = sum(_mapped_rss(fg.master) for fg in engine.groups)
+    state = engine.full_state_dict()
+    states = {(fg.index, k): v.clone() for fg in engine.groups for k, v in fg.states.items()}
+    masters = {fg.index: fg.master.clone() for fg in engine.groups}
+    facts["offloaded"] = engine.memory_summary()["offloaded"]
+    engine.close()
+    dist.barrier()
+    return state, states, masters, facts
+
+
+def _mapped_rss(tensor):
+    """Resident bytes of the mapping that holds `tensor` (/proc/self/smaps)."""
+    address, rss, inside = tensor.data_ptr(), 0, False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()[0]
+            if "-" in head and all(c in "0123456789abcdef-" for c in head):
+                lo, hi = (int(x, 16) for x in head.split("-"))
+                inside = lo <= address < hi
+            elif inside and head == "Rss:":
+                rss += int(line.split()[1]) * 1024
+    return rss
+
+
+def both_ways(rank, world):
+    directory = tempfile.mkdtemp(prefix=f"zero-nvme-r{rank}-")
+    return {stage: (train(rank, world, stage, None), train(rank, world, stage, directory))
+            for stage in (1, 2, 3)}
+
+
+@pytest.fixture(scope="module", params=WORLDS, ids=[f"world{w}" for w in WORLDS])
+def runs(request):
+    return request.param, harness.run(request.param, both_ways)
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_offloaded_ranks_equal_the_in_memory_ranks(runs, stage):
+    world, results = runs
+    for rank, result in enumerate(results):
+        (state, states, masters, _), (o_state, o_states, o_masters, facts) = result[stage]
+        where = f"world {world} stage {stage} rank {rank}"
+        assert facts["chunks"] > 3, where  # the windows were reused
+        assert facts["offloaded"] > 0, where
+        for key, value in state.items():
+            assert torch.equal(o_state[key], value), f"{where}: {key}"
+        for key, value in states.items():
+            assert torch.equal(o_states[key], value), f"{where}: state {key}"
+        for key, value in masters.items():
+            assert torch.equal(o_masters[key], value), f"{where}: master {key}"
+        if stage == 3:
+            assert facts["master_rss"] == 0, where
+    # the change through GatheredParameters took rank 0's value everywhere
+    if stage == 3:
+        first = results[0][stage][1][0]["0.weight"]
+        for result in results[1:]:
+            assert torch.equal(result[stage][1][0]["0.weight"], first)
