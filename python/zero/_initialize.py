@@ -14,6 +14,28 @@ from zero.config import Config
 from zero.engine import Engine
 
 
+def resolve_config(config, stage, precision, options) -> Config:
+    """The Config that initialize's arguments describe."""
+    if config is None:
+        cfg = Config()
+    elif isinstance(config, Config):
+        cfg = config
+    else:
+        cfg = Config.from_deepspeed(config)
+    options = dict(options)
+    if stage is not None:
+        options["stage"] = stage
+    if precision is not None:
+        options["precision"] = precision
+    return cfg.replace(**options) if options else cfg
+
+
+def default_optimizer(cfg: Config, model: nn.Module):
+    """The config's optimizer block (default AdamW, lr 1e-3) on the model."""
+    return optimizer_from_config(cfg.optimizer or {"type": "AdamW", "params": {"lr": 1e-3}},
+                                 model.parameters())
+
+
 def initialize(model: nn.Module, *, optimizer=None, stage=None, precision=None,
                config=None, lr_scheduler=None, device=None, **options) -> Engine:
     """Wrap `model` in place and return the Engine that trains it.
@@ -42,24 +64,12 @@ def initialize(model: nn.Module, *, optimizer=None, stage=None, precision=None,
     if previous is not None and previous() is not None:
         # a re-run notebook cell: the old engine's hooks must not fire twice
         previous().close()
-    if config is None:
-        cfg = Config()
-    elif isinstance(config, Config):
-        cfg = config
-    else:
-        cfg = Config.from_deepspeed(config)
-    if stage is not None:
-        options["stage"] = stage
-    if precision is not None:
-        options["precision"] = precision
-    cfg = cfg.replace(**options) if options else cfg
+    cfg = resolve_config(config, stage, precision, options)
     if not any(True for _ in model.parameters()):
         raise ValueError("the model has no parameters; nothing to train")
     device = _engine_device(model, device)
     if optimizer is None:
-        optimizer = optimizer_from_config(cfg.optimizer or {"type": "AdamW",
-                                                            "params": {"lr": 1e-3}},
-                                          model.parameters())
+        optimizer = default_optimizer(cfg, model)
     created = join_process_group(device)
     try:
         comm = Comm(device)

@@ -29,6 +29,7 @@ from torch.utils._pytree import tree_flatten
 from zero._comm import Comm, leave_process_group
 from zero._flat_group import FlatGroup
 from zero._loss_scaler import DynamicLossScaler
+from zero._memory import MemorySummary, zero_formula
 from zero._optimizer_bridge import optimizer_kind, parameter_names, states_for
 from zero._partitioned_init import sharded_record, take_values
 from zero._stage3 import Stage3Schedule
@@ -36,24 +37,6 @@ from zero._step_path import step_path_for
 from zero.config import Config
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-
-
-class MemorySummary(dict):
-    """This rank's bytes by kind; str() is a table beside the ZeRO formula."""
-
-    def __str__(self):
-        rows = [f"{'':<18}{'bytes':>16}{'MiB':>10}"]
-        keys = ["params", "grads", "optimizer_states", "model_states", "buckets",
-                "frozen_params"]
-        if self.get("stage") == 3:
-            keys[3:3] = ["persistent", "gathered_peak"]
-        if self.get("offloaded"):
-            keys.append("offloaded")
-        for key in keys:
-            rows.append(f"{key:<18}{self[key]:>16,}{self[key] / 2**20:>10.2f}")
-        rows.append(f"{'formula':<18}{self['formula_bytes']:>16,}"
-                    f"{self['formula_bytes'] / 2**20:>10.2f}   {self['formula']}")
-        return "\n".join(rows)
 
 
 class Engine(nn.Module):
@@ -441,34 +424,11 @@ class Engine(nn.Module):
                              trainable_params=sum(fg.numel for fg in self.groups))
 
     def _formula(self, totals):
-        psi = sum(fg.numel for fg in self.groups)
-        n = self._comm.world
-        pb = self.compute_dtype.itemsize
-        gb = self.groups[0].grad_part.element_size()  # grad_accum_dtype's
-        master = 4 if self.compute_dtype != torch.float32 else 0
-        # K, optimizer bytes per parameter: the master plus 4 per fp32 state;
-        # groups may hold different states (amsgrad, momentum), so weight them
-        k = master + sum(4 * len(fg.states) * fg.numel for fg in self.groups) / psi
-        k = int(k) if k == int(k) else round(k, 2)
-        offloaded = totals["offloaded"] > 0
-        if offloaded:  # in RAM only the step's window; the rest in files
-            on_disk, k = k, 0
-        if self.stage == 0:
-            text, value = f"({pb}+{gb}+{k})Ψ", (pb + gb + k) * psi
-        elif self.stage == 1:
-            text, value = f"{pb + gb}Ψ + {k}Ψ/N", (pb + gb) * psi + k * psi / n
-        elif self.stage == 2:
-            text, value = f"{pb}Ψ + {gb + k}Ψ/N", pb * psi + (gb + k) * psi / n
-        else:
-            live = totals["persistent"] + totals["gathered_peak"]
-            text = f"({pb}+{gb}+{k})Ψ/N + gathered {live:,} B"
-            value = (pb + gb + k) * psi / n + live
-        if offloaded:
-            window = totals["optimizer_states"]
-            text += f" + step window {window:,} B ({on_disk}Ψ{'/N' if self.stage else ''} " \
-                    "on nvme)"
-            value += window
-        return f"stage {self.stage}: {text}, Ψ={psi:,}, N={n}", int(value)
+        return zero_formula(
+            self.stage, self._comm.world, self.compute_dtype.itemsize,
+            self.groups[0].grad_part.element_size(),  # grad_accum_dtype's
+            self.compute_dtype != torch.float32,
+            [(fg.numel, len(fg.states)) for fg in self.groups], totals)
 
     def comm_summary(self) -> dict:
         """Elements and bytes per collective in the last optimizer step; at

@@ -1,0 +1,123 @@
+"""zero.estimate_memory: the model-state bytes one rank will hold, before
+anything is allocated, for a world size and the options initialize takes.
+
+It lays the model out with the engine's own rules (the same param groups,
+stage 3's per-module units, the same padding and alignment, persistence,
+the offload windows) and counts bytes instead of allocating them, so a
+model built on the meta device (`with torch.device("meta"): model = ...`)
+can be sized at any scale. The figures are exactly what
+Engine.memory_summary() reports on every rank once training runs
+(tests/test_estimate.py), except what only a run decides: stage 3's
+gathered peak and stage 2's bucket peak, given as None.
+"""
+from __future__ import annotations
+
+from torch import nn
+
+from zero._initialize import default_optimizer, resolve_config
+from zero._memory import MemorySummary, zero_formula
+from zero._nvme import PAGE_ELEMENTS, SLOTS
+from zero._optimizer_bridge import optimizer_kind, states_for
+from zero._units import Unit
+from zero.engine import DTYPES, Engine
+
+
+def estimate_memory(model: nn.Module, world_size: int = 1, *, optimizer=None, stage=None,
+                    precision=None, config=None, **options) -> MemorySummary:
+    """One rank's model-state bytes, as memory_summary() will report them,
+    for training `model` on `world_size` ranks; the other arguments are
+    initialize's (optimizer None means the config's, default AdamW)."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"world_size must be an integer >= 1, got {world_size!r}")
+    cfg = resolve_config(config, stage, precision, options)
+    if optimizer is None:
+        optimizer = default_optimizer(cfg, model)
+    kind = optimizer_kind(optimizer)
+    groups = Engine._match_param_groups(model, optimizer)
+    if not any(params for params, _ in groups):
+        raise ValueError("the model has no trainable parameters; nothing to train")
+    owners = Engine._owners(model) if cfg.stage == 3 else None
+    pb = DTYPES[cfg.precision].itemsize
+    gb = DTYPES[cfg.grad_accum_dtype or cfg.precision].itemsize
+    fp32 = cfg.precision == "fp32"
+    totals = {"params": 0, "grads": 0, "optimizer_states": 0, "offloaded": 0,
+              "persistent": 0}
+    shapes = []  # (Ψ of the group, its number of states), for the formula
+    for index, (params, _names) in enumerate(groups):
+        if not params:
+            continue
+        units = _layout(params, Engine._units(params, owners), cfg, world_size)
+        part = sum(u.part for u in units)
+        states = len(states_for(kind, optimizer.param_groups[index]))
+        params_bytes, persistent = _param_bytes(units, part, pb, cfg)
+        totals["params"] += params_bytes
+        totals["persistent"] += persistent
+        totals["grads"] += (units[0].total if cfg.stage <= 1 else part) * gb
+        kept, offloaded = _optimizer_bytes(part, states + (0 if fp32 else 1), cfg)
+        totals["optimizer_states"] += kept
+        totals["offloaded"] += offloaded
+        shapes.append((sum(u.numel for u in units), states))
+    trainable = {id(p) for params, _ in groups for p in params}
+    frozen = [p for p in model.parameters() if id(p) not in trainable]
+    totals["frozen_params"] = _frozen_bytes(frozen, owners, cfg, world_size, pb)
+    totals["gathered_peak"] = None if cfg.stage == 3 else 0
+    totals["buckets"] = None if cfg.stage == 2 else 0
+    totals["model_states"] = totals["params"] + totals["grads"] + totals["optimizer_states"]
+    formula, expected = zero_formula(cfg.stage, world_size, pb, gb, not fp32, shapes, totals)
+    return MemorySummary(totals, formula=formula, formula_bytes=expected,
+                         world_size=world_size, stage=cfg.stage,
+                         trainable_params=sum(numel for numel, _ in shapes), estimate=True)
+
+
+def _layout(params, unit_lists, cfg, world_size):
+    """The group's units, as FlatGroup lays them out (no storage)."""
+    if unit_lists is None:
+        unit_lists = [list(range(len(params)))]
+    partitions = 1 if cfg.stage == 0 else world_size
+    units, first, shard_at, layout_at = [], 0, 0, 0
+    for members in unit_lists:
+        unit = Unit(len(units), range(first, first + len(members)),
+                    [params[i] for i in members], partitions, shard_at, layout_at)
+        units.append(unit)
+        first += len(members)
+        shard_at += unit.part
+        layout_at += unit.total
+    return units
+
+
+def _param_bytes(units, part, pb, cfg):
+    """(parameter bytes, of which persistent at stage 3): stages 0-2 hold
+    the whole group; stage 3 its shard plus the units at or under the
+    persistence threshold, gathered for good."""
+    if cfg.stage != 3:
+        return sum(u.total for u in units) * pb, 0
+    persistent = sum(u.total for u in units
+                     if u.total <= cfg.stage3_param_persistence_threshold) * pb
+    return part * pb + persistent, persistent
+
+
+def _optimizer_bytes(part, files, cfg):
+    """(bytes in RAM, bytes in offload files) of the fp32 master and states:
+    `files` fp32 tensors of `part` elements each; offloaded to nvme, RAM
+    keeps only the step's windows (_nvme.NvmeFiles.window_bytes)."""
+    whole = 4 * part * files
+    offload = cfg.offload_optimizer
+    if offload.device != "nvme" or part == 0:
+        return whole, 0
+    chunk = max(PAGE_ELEMENTS, offload.chunk_elements // PAGE_ELEMENTS * PAGE_ELEMENTS)
+    chunks = -(-part // chunk)
+    return min(SLOTS, chunks) * min(chunk, part) * 4 * files, whole
+
+
+def _frozen_bytes(frozen, owners, cfg, world_size, pb):
+    """Frozen parameters: at stage 3 a group of their own (shard plus
+    persistent units), at stages 0-2 whole, cast to the compute dtype."""
+    if not frozen:
+        return 0
+    if cfg.stage != 3:
+        return sum(p.numel() * (pb if p.is_floating_point() else p.element_size())
+                   for p in frozen)
+    units = _layout(frozen, Engine._units(frozen, owners), cfg, world_size)
+    return _param_bytes(units, sum(u.part for u in units), pb, cfg)[0]

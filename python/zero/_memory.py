@@ -1,0 +1,56 @@
+"""Model-state memory as the engine reports it: the MemorySummary table and
+the ZeRO formula beside it (Engine.memory_summary), shared with
+zero.estimate_memory (_estimate.py), which predicts the same figures
+before anything is allocated."""
+from __future__ import annotations
+
+
+class MemorySummary(dict):
+    """This rank's bytes by kind; str() is a table beside the ZeRO formula."""
+
+    def __str__(self):
+        rows = [f"{'':<18}{'bytes':>16}{'MiB':>10}"]
+        keys = ["params", "grads", "optimizer_states", "model_states", "buckets",
+                "frozen_params"]
+        if self.get("stage") == 3:
+            keys[3:3] = ["persistent", "gathered_peak"]
+        if self.get("offloaded"):
+            keys.append("offloaded")
+        for key in keys:
+            if self.get(key) is None:  # an estimate cannot know it
+                continue
+            rows.append(f"{key:<18}{self[key]:>16,}{self[key] / 2**20:>10.2f}")
+        rows.append(f"{'formula':<18}{self['formula_bytes']:>16,}"
+                    f"{self['formula_bytes'] / 2**20:>10.2f}   {self['formula']}")
+        return "\n".join(rows)
+
+
+def zero_formula(stage, n, pb, gb, has_master, groups, totals):
+    """(text, bytes) of the ZeRO paper's formula for this rank: pb and gb
+    the parameter and gradient bytes per element; groups a list of (Ψ of
+    the group, number of fp32 states); totals the summary's figures (for
+    stage 3's gathered bytes and the offload window)."""
+    psi = sum(numel for numel, _ in groups)
+    master = 4 if has_master else 0
+    # K, optimizer bytes per parameter: the master plus 4 per fp32 state;
+    # groups may hold different states (amsgrad, momentum), so weight them
+    k = master + sum(4 * states * numel for numel, states in groups) / psi
+    k = int(k) if k == int(k) else round(k, 2)
+    offloaded = totals["offloaded"] > 0
+    if offloaded:  # in RAM only the step's window; the rest in files
+        on_disk, k = k, 0
+    if stage == 0:
+        text, value = f"({pb}+{gb}+{k})Ψ", (pb + gb + k) * psi
+    elif stage == 1:
+        text, value = f"{pb + gb}Ψ + {k}Ψ/N", (pb + gb) * psi + k * psi / n
+    elif stage == 2:
+        text, value = f"{pb}Ψ + {gb + k}Ψ/N", pb * psi + (gb + k) * psi / n
+    else:
+        live = totals["persistent"] + (totals["gathered_peak"] or 0)
+        text = f"({pb}+{gb}+{k})Ψ/N + gathered {live:,} B"
+        value = (pb + gb + k) * psi / n + live
+    if offloaded:
+        window = totals["optimizer_states"]
+        text += f" + step window {window:,} B ({on_disk}Ψ{'/N' if stage else ''} on nvme)"
+        value += window
+    return f"stage {stage}: {text}, Ψ={psi:,}, N={n}", int(value)
