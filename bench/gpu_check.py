@@ -4,8 +4,9 @@ device's image has another Python than the build machine), builds it in
 place first (a C compiler and, for the kernels, nvcc), runs tests/gpu (the kernels, and the engine's stages 0-3 against torch),
 times the flat Adam kernel against torch's fused AdamW and against the
 device's copy bandwidth measured in the same run, then a short training
-loop of examples/gpt.py's 30M GPT under the engine (stages 0-3, bf16)
-beside plain torch (autocast bf16, fused AdamW); prints the tables and
+loop of examples/gpt.py's 30M GPT under the engine (stages 0-3, bf16, and
+stage 2 with the states offloaded to host memory) beside plain torch
+(autocast bf16, fused AdamW); prints the tables and
 writes JSON under $OUT when it is set.
 
 Two workloads over one flat parameter tensor of N elements (64M, 256M, 1G):
@@ -140,7 +141,8 @@ def workload(n, mixed, rounds, steps):
 
 def train_loop(runner, steps, batch=16):
     """ms per step (median of `steps` after 3 warm-up steps), the last
-    loss and the peak GPU memory, for one runner: "torch" or "zero<stage>"."""
+    loss and the peak GPU memory, for one runner: "torch", "zero<stage>"
+    or "zero<stage> offload"."""
     torch.manual_seed(0)
     cfg = GPTConfig.about_30m()
     data = MarkovText(cfg.vocab, cfg.seq)
@@ -160,8 +162,10 @@ def train_loop(runner, steps, batch=16):
         engine = None
     else:
         opt = torch.optim.AdamW(model.parameters(), lr=3e-4, weight_decay=0.01)
-        engine = zero.initialize(model, optimizer=opt, stage=int(runner[-1]), precision="bf16",
-                                 gradient_clipping=1.0)
+        # "zero2 offload": the states in host memory, the C core steps them
+        offload = {"device": "cpu"} if runner.endswith("offload") else {}
+        engine = zero.initialize(model, optimizer=opt, stage=int(runner[4]), precision="bf16",
+                                 gradient_clipping=1.0, offload_optimizer=offload)
 
         def step(ids, labels):
             loss = engine(ids, labels)
@@ -234,7 +238,7 @@ def main():
               f"{r['speedup']:>10.2f} {r['ours_gbs']:>10.0f} {r['of_copy']:>8.0%}")
 
     training = []
-    for runner in ("torch", "zero0", "zero1", "zero2", "zero3"):
+    for runner in ("torch", "zero0", "zero1", "zero2", "zero3", "zero2 offload"):
         try:
             training.append(train_loop(runner, args.train_steps))
             torch.cuda.empty_cache()

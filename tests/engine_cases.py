@@ -102,12 +102,12 @@ def engine_run(engine, data):
 
 
 def compare_with_torch(device, stage, optimizer_name="adamw", clip=0.5, tolerance=1e-5,
-                       build="on device"):
+                       build="on device", **options):
     """fp32 training under the engine against torch; returns the engine
     (closed) for further checks. build: "on device" (the model is moved
     before initialize), "on cpu" (initialize(device=) moves it) or
     "partitioned" (built under zero.partitioned_init on the CPU, moved by
-    initialize(device=) one parameter at a time)."""
+    initialize(device=) one parameter at a time). options: initialize's."""
     model, ref = pair(device if build == "on device" else "cpu")
     ref = ref.to(device)
     if build == "partitioned":
@@ -117,7 +117,7 @@ def compare_with_torch(device, stage, optimizer_name="adamw", clip=0.5, toleranc
     engine = zero.initialize(model, optimizer=make_optimizer(optimizer_name, model.parameters()),
                              stage=stage, gradient_accumulation_steps=ACCUMULATION,
                              gradient_clipping=clip, stage3_param_persistence_threshold=0,
-                             device=None if build == "on device" else device)
+                             device=None if build == "on device" else device, **options)
     data = batches(device, STEPS * ACCUMULATION)
     engine_run(engine, data)
     reference_run(ref, make_optimizer(optimizer_name, ref.parameters()), data, clip)

@@ -12,26 +12,33 @@ gathered peak and stage 2's bucket peak, given as None.
 """
 from __future__ import annotations
 
+import torch
 from torch import nn
 
 from zero._initialize import default_optimizer, resolve_config
 from zero._memory import MemorySummary, zero_formula
 from zero._nvme import PAGE_ELEMENTS, SLOTS
 from zero._optimizer_bridge import optimizer_kind, states_for
+from zero._step_path import states_off_device
 from zero._units import Unit
 from zero.engine import DTYPES, Engine
 
 
 def estimate_memory(model: nn.Module, world_size: int = 1, *, optimizer=None, stage=None,
-                    precision=None, config=None, **options) -> MemorySummary:
+                    precision=None, config=None, device=None, **options) -> MemorySummary:
     """One rank's model-state bytes, as memory_summary() will report them,
     for training `model` on `world_size` ranks; the other arguments are
-    initialize's (optimizer None means the config's, default AdamW)."""
+    initialize's (optimizer None means the config's, default AdamW).
+    device: where the model will train, "cpu" or "cuda" (default: where
+    its parameters are; a meta model counts as "cpu"); with "cuda",
+    offload_optimizer "cpu" or "nvme" puts the states in host memory,
+    reported as `host`."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size must be an integer >= 1, got {world_size!r}")
     cfg = resolve_config(config, stage, precision, options)
+    staged = states_off_device(_training_device(model, device), cfg.offload_optimizer)
     if optimizer is None:
         optimizer = default_optimizer(cfg, model)
     kind = optimizer_kind(optimizer)
@@ -42,7 +49,7 @@ def estimate_memory(model: nn.Module, world_size: int = 1, *, optimizer=None, st
     pb = DTYPES[cfg.precision].itemsize
     gb = DTYPES[cfg.grad_accum_dtype or cfg.precision].itemsize
     fp32 = cfg.precision == "fp32"
-    totals = {"params": 0, "grads": 0, "optimizer_states": 0, "offloaded": 0,
+    totals = {"params": 0, "grads": 0, "optimizer_states": 0, "offloaded": 0, "host": 0,
               "persistent": 0}
     shapes = []  # (Ψ of the group, its number of states), for the formula
     for index, (params, _names) in enumerate(groups):
@@ -55,9 +62,14 @@ def estimate_memory(model: nn.Module, world_size: int = 1, *, optimizer=None, st
         totals["params"] += params_bytes
         totals["persistent"] += persistent
         totals["grads"] += (units[0].total if cfg.stage <= 1 else part) * gb
-        kept, offloaded = _optimizer_bytes(part, states + (0 if fp32 else 1), cfg)
-        totals["optimizer_states"] += kept
+        # the master is the parameters only in fp32 on one device
+        own_master = not fp32 or staged
+        kept, offloaded = _optimizer_bytes(part, states + own_master, cfg)
         totals["offloaded"] += offloaded
+        if staged:  # with the staged step's gradient and parameter copies
+            totals["host"] += kept + part * (gb + pb)
+        else:
+            totals["optimizer_states"] += kept
         shapes.append((sum(u.numel for u in units), states))
     trainable = {id(p) for params, _ in groups for p in params}
     frozen = [p for p in model.parameters() if id(p) not in trainable]
@@ -65,10 +77,23 @@ def estimate_memory(model: nn.Module, world_size: int = 1, *, optimizer=None, st
     totals["gathered_peak"] = None if cfg.stage == 3 else 0
     totals["buckets"] = None if cfg.stage == 2 else 0
     totals["model_states"] = totals["params"] + totals["grads"] + totals["optimizer_states"]
-    formula, expected = zero_formula(cfg.stage, world_size, pb, gb, not fp32, shapes, totals)
+    formula, expected = zero_formula(cfg.stage, world_size, pb, gb, not fp32 or staged, shapes,
+                                     totals)
     return MemorySummary(totals, formula=formula, formula_bytes=expected,
                          world_size=world_size, stage=cfg.stage,
                          trainable_params=sum(numel for numel, _ in shapes), estimate=True)
+
+
+def _training_device(model, device):
+    if device is not None:
+        device = torch.device(device)
+        if device.type not in ("cpu", "cuda"):
+            raise ValueError(f"device must be 'cpu' or 'cuda', got {str(device)!r}")
+        return device
+    where = next(model.parameters(), None)
+    if where is None or where.device.type == "meta":
+        return torch.device("cpu")
+    return where.device
 
 
 def _layout(params, unit_lists, cfg, world_size):

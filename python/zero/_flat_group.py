@@ -43,7 +43,7 @@ GATHER_SLICE = 1 << 24
 class FlatGroup:
     def __init__(self, index, params, names, compute_dtype, comm, stage, bucket_elements,
                  units=None, trainable=True, device=torch.device("cpu"), grad_dtype=None,
-                 offload=None):
+                 offload=None, staged=False):
         """units: lists of indices into params, one list per unit (stage 3);
         None makes the whole group one unit. The params are reordered unit
         by unit. trainable=False (stage 3's frozen parameters) keeps no
@@ -51,7 +51,11 @@ class FlatGroup:
         `device`, the model's. grad_dtype: the gradient partition's dtype
         at stages 2-3 (default the compute dtype; buckets stay in it).
         offload: a _nvme.NvmeFiles that holds the fp32 master (where it is
-        not the parameters) and the optimizer states in files."""
+        not the parameters) and the optimizer states in files.
+        staged: the master and the states live in host memory apart from
+        the model (a GPU model under offload_optimizer), and the step stages
+        gradients and parameters through host copies ([Note: staged step]
+        in _step_path.py)."""
         if units is None:
             units = [list(range(len(params)))]
         order = [i for members in units for i in members]
@@ -63,6 +67,8 @@ class FlatGroup:
         self.trainable = trainable
         self.compute_dtype = compute_dtype
         self.device = device
+        self.staged = staged
+        self.state_device = torch.device("cpu") if staged else device
         self.offload = offload if trainable else None
         self.num_partitions = 1 if stage == 0 else comm.world
         self.numel = sum(p.numel() for p in self.params)  # Ψ of this group
@@ -106,7 +112,9 @@ class FlatGroup:
                                          device=device)
             self._plan_buckets(bucket_elements)
         self.tensors["grad"] = self.grad_part
-        self._register("grad", self.grad_part)
+        if self.staged:  # the step copies the reduced partition here first
+            self.tensors["grad"] = self.grad_host = self._host_buffer(self.grad_part.dtype)
+        self._register("grad", self.tensors["grad"])
 
     def _build_buffers(self, compute_dtype):
         """Seed the shard (and fp32 master) from the parameters' values on
@@ -114,17 +122,20 @@ class FlatGroup:
         itself plus one unit in fp32."""
         fp32 = compute_dtype == torch.float32
         releasing = self.stage == 3
-        # an offloaded fp32 master is written straight into its file, so
-        # RAM never holds a second copy of this rank's partition
+        # the master is the parameters themselves only in fp32 with both on
+        # one device; an offloaded master is written straight into its
+        # file, so RAM never holds a second copy of this rank's partition
+        own_master = not fp32 or self.staged
         master_file = None
-        if self.offload is not None and not fp32:
+        if self.offload is not None and own_master:
             master_file = self.offload.create("master", self.part_size)
         if releasing:
             self.shard = torch.empty(self.part_size, dtype=compute_dtype, device=self.device)
             self.master = None
             if self.trainable:
-                self.master = self.shard if fp32 else master_file if master_file is not None \
-                    else torch.empty(self.part_size, dtype=torch.float32, device=self.device)
+                self.master = self.shard if not own_master else master_file \
+                    if master_file is not None else \
+                    torch.empty(self.part_size, dtype=torch.float32, device=self.state_device)
         for unit in self.units:
             full32 = torch.zeros(unit.total, dtype=torch.float32, device=self.device)
             for j, p in enumerate(unit.params):
@@ -136,7 +147,7 @@ class FlatGroup:
             mine = unit.chunk(full32, self.owner)
             if releasing:
                 self.shard[unit.shard_slice].copy_(mine)
-                if self.master is not None and not fp32:
+                if self.master is not None and own_master:
                     self.master[unit.shard_slice].copy_(mine)
                     if master_file is not None:
                         self.offload.drop("master", unit.shard_slice.start,
@@ -147,12 +158,12 @@ class FlatGroup:
                 # stages 0-2: the single unit stays gathered for good
                 unit.full = full32 if fp32 else full32.to(compute_dtype)
                 self.shard = unit.chunk(unit.full, self.owner)
-                if fp32:
+                if not own_master:
                     self.master = self.shard
                 elif master_file is not None:
                     self.master = self.offload.write("master", master_file, mine)
                 else:
-                    self.master = mine.clone()
+                    self.master = mine.to(self.state_device, torch.float32, copy=True)
                 unit.gathered = unit.persistent = True
                 unit.point_params()
             del full32, mine
@@ -161,7 +172,10 @@ class FlatGroup:
         self.buffers, self.tensors = {}, {}
         if self.trainable:
             self.tensors["master"] = self.master
-            self.tensors["copy_out"] = None if self.master is self.shard else self.shard
+            copy_out = self.shard
+            if self.staged:  # the update writes the host copy; the step sends it over
+                copy_out = self.shard_host = self._host_buffer(compute_dtype)
+            self.tensors["copy_out"] = None if self.master is self.shard else copy_out
             for k, t in self.tensors.items():
                 self._register(k, t)
 
@@ -179,7 +193,8 @@ class FlatGroup:
             if self.offload is not None:
                 t = self.offload.create(name, self.part_size, fill)
             else:
-                t = torch.full((self.part_size,), fill, dtype=torch.float32, device=self.device)
+                t = torch.full((self.part_size,), fill, dtype=torch.float32,
+                               device=self.state_device)
             self.states[name] = t
             self.tensors[name] = t
             self._register(name, t)
@@ -190,8 +205,14 @@ class FlatGroup:
         if self.offload is not None:
             self.offload.drop()
 
+    def _host_buffer(self, dtype):
+        """A host tensor of the partition's size for the staged step,
+        page-locked for a GPU (copies at full bus speed)."""
+        return torch.empty(self.part_size, dtype=dtype,
+                           pin_memory=self.device.type == "cuda")
+
     def _register(self, name, tensor):
-        if self.device.type == "cpu":
+        if self.state_device.type == "cpu":
             self.buffers[name] = None if tensor is None else _C.Buffer(tensor)
 
     # ---- stages 0-1: gradients in a full flat buffer -----------------------
@@ -430,7 +451,7 @@ class FlatGroup:
             mine = source[unit.shard_slice].detach()
             if n == 1:
                 out.copy_(mine)
-            elif self.device.type == "cpu":
+            elif source.device.type == "cpu":
                 self.comm.all_gather_into(out, mine.float().clone())
             else:
                 gather_in_slices(self.comm, out, mine, n, GATHER_SLICE)
@@ -445,7 +466,7 @@ class FlatGroup:
             params = self.shard.nbytes + gathered
         if not self.trainable:
             return {"params": params, "grads": 0, "optimizer_states": 0, "offloaded": 0,
-                    "buckets": 0, "persistent": gathered if self.stage == 3 else 0}
+                    "host": 0, "buckets": 0, "persistent": gathered if self.stage == 3 else 0}
         master = 0 if self.master is self.shard else self.master.nbytes
         states = master + sum(t.nbytes for t in self.states.values())
         offloaded = 0
@@ -453,11 +474,15 @@ class FlatGroup:
             # in RAM: the step's windows ([Note: offloaded step] in _nvme.py)
             offloaded = self.offload.nbytes
             states = self.offload.window_bytes(self.part_size)
+        host = 0
+        if self.staged:  # none on the model's device; in host memory with the staging copies
+            host, states = states + self.grad_host.nbytes + self.shard_host.nbytes, 0
         return {
             "params": params,
             "grads": (self.grad_flat if self.grad_flat is not None else self.grad_part).nbytes,
             "optimizer_states": states,
             "offloaded": offloaded,
+            "host": host,
             "buckets": getattr(self, "peak_bucket_bytes", 0),
             "persistent": gathered if self.stage == 3 else 0,
         }

@@ -95,7 +95,8 @@ class GatheredParameters:
         if fg.trainable and fg.master is not fg.shard:
             old = before[lo - unit.offsets[j]:hi - unit.offsets[j]]
             master = fg.master[start:start + hi - lo]
-            master.copy_(torch.where(new != old, new.float(), master))
+            changed = (new != old).to(master.device)  # the master may be on the host
+            master.copy_(torch.where(changed, new.float().to(master.device), master))
             if fg.offload is not None:
                 # the master's file: unmap it all, as reading it mapped
                 # neighbouring pages too (the kernel's fault-around)

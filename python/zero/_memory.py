@@ -14,6 +14,8 @@ class MemorySummary(dict):
                 "frozen_params"]
         if self.get("stage") == 3:
             keys[3:3] = ["persistent", "gathered_peak"]
+        if self.get("host"):
+            keys.append("host")
         if self.get("offloaded"):
             keys.append("offloaded")
         for key in keys:
@@ -37,8 +39,9 @@ def zero_formula(stage, n, pb, gb, has_master, groups, totals):
     k = master + sum(4 * states * numel for numel, states in groups) / psi
     k = int(k) if k == int(k) else round(k, 2)
     offloaded = totals["offloaded"] > 0
-    if offloaded:  # in RAM only the step's window; the rest in files
-        on_disk, k = k, 0
+    staged = totals.get("host", 0) > 0
+    if offloaded or staged:  # off the model's memory: in files, or in host memory
+        moved, k = k, 0
     if stage == 0:
         text, value = f"({pb}+{gb}+{k})Ψ", (pb + gb + k) * psi
     elif stage == 1:
@@ -49,8 +52,12 @@ def zero_formula(stage, n, pb, gb, has_master, groups, totals):
         live = totals["persistent"] + (totals["gathered_peak"] or 0)
         text = f"({pb}+{gb}+{k})Ψ/N + gathered {live:,} B"
         value = (pb + gb + k) * psi / n + live
-    if offloaded:
+    per_rank = f"{moved}Ψ{'/N' if stage else ''}" if offloaded or staged else ""
+    if staged:  # the figures are the device's; the host's are apart
+        where = "on nvme; " if offloaded else ""
+        text += f"; host memory {totals['host']:,} B ({per_rank} {where}states and staging)"
+    elif offloaded:
         window = totals["optimizer_states"]
-        text += f" + step window {window:,} B ({on_disk}Ψ{'/N' if stage else ''} on nvme)"
+        text += f" + step window {window:,} B ({per_rank} on nvme)"
         value += window
     return f"stage {stage}: {text}, Ψ={psi:,}, N={n}", int(value)

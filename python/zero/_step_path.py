@@ -58,6 +58,36 @@ class HostStep:
         fg.offload.paged_update(fg.part_size, update_chunk)
 
 
+class StagedHostStep(HostStep):
+    """[Note: staged step] A model on a GPU whose master and states live in
+    host memory or in files (offload_optimizer "cpu" or "nvme": ZeRO-
+    Offload). The norm is taken where the gradients are, on the device,
+    as without offload;
+    then each group's reduced gradient partition is copied to a host
+    buffer (page-locked), the C core updates the host master and states
+    exactly as for a CPU model (chunk by chunk through windows for
+    "nvme"), writing the rounded parameters to a host buffer, which is
+    copied back over the device's partition before the all-gather. The
+    device holds only parameters and gradients."""
+
+    def __init__(self, device):
+        super().__init__()
+        self.device = device
+        # the norm as the model's device takes it without offload (the
+        # kernels' on a GPU), so offloading changes no clip coefficient
+        self._norm = step_path_for(device)
+        self.name = f"{device.type} model, states on the host: zero C core " \
+                    f"({_C.cpu_info()['simd']})"
+
+    def squared_norm(self, groups, comm, across_ranks: bool) -> float:
+        return self._norm.squared_norm(groups, comm, across_ranks)
+
+    def update(self, kind, optimizer, group, fg, grad_scale):
+        fg.grad_host.copy_(fg.grad_part)
+        super().update(kind, optimizer, group, fg, grad_scale)
+        fg.shard.copy_(fg.shard_host)
+
+
 class TorchStep:
     def __init__(self, device):
         self.device = device
@@ -128,6 +158,14 @@ class CudaStep(TorchStep):
         self._cuda.adam_step(param, grad, exp_avg, exp_avg_sq, step=count, lr=lr,
                              betas=(beta1, beta2), eps=eps, weight_decay=weight_decay,
                              decoupled=decoupled, grad_scale=grad_scale, copy_out=copy_out)
+
+
+def states_off_device(device: torch.device, offload) -> bool:
+    """Whether the master and states live in host memory (or files) apart
+    from a model on `device`: offload_optimizer "cpu" or "nvme" for a model
+    that is not on the host already (tests/test_staged_step.py makes this
+    true for a CPU model, to run the staged step's copies on the CPU)."""
+    return device.type != "cpu" and offload.device in ("cpu", "nvme")
 
 
 def step_path_for(device: torch.device):

@@ -33,6 +33,7 @@ from zero._memory import MemorySummary, zero_formula
 from zero._optimizer_bridge import optimizer_kind, parameter_names, states_for
 from zero._partitioned_init import sharded_record, take_values
 from zero._stage3 import Stage3Schedule
+from zero import _step_path
 from zero._step_path import step_path_for
 from zero.config import Config
 
@@ -53,7 +54,9 @@ class Engine(nn.Module):
         self.compute_dtype = DTYPES[config.precision]
         self.device = comm.device  # the model's; every buffer lives there
         # chosen before any hook is installed: a failure leaves no trace
-        self.step_path = step_path_for(self.device)
+        self._staged = _step_path.states_off_device(self.device, config.offload_optimizer)
+        self.step_path = _step_path.StagedHostStep(self.device) if self._staged \
+            else step_path_for(self.device)
         self.stage = config.stage
         self.micro_steps = 0
         self.global_steps = 0
@@ -81,7 +84,8 @@ class Engine(nn.Module):
                            config.reduce_bucket_size, units=self._units(params, owners),
                            device=self.device,
                            grad_dtype=DTYPES[config.grad_accum_dtype or config.precision],
-                           offload=offload(index))
+                           offload=offload(index),
+                           staged=self._staged)
             for name, fill in states_for(self._kind, optimizer.param_groups[index]).items():
                 fg.add_state(name, fill)
             self.groups.append(fg)
@@ -138,17 +142,10 @@ class Engine(nn.Module):
         module._apply(cast)
 
     def _offload_files(self, offload, comm):
-        """group index -> the NvmeFiles its states live in (None: in RAM)."""
-        if offload.device == "cpu" and self.device.type != "cpu":
-            raise ValueError("offload_optimizer.device='cpu' for a model on "
-                             f"{self.device}: ZeRO-Offload of a GPU model's states to host "
-                             "memory is not implemented yet (a CPU model's states are "
-                             "already there)")
+        """group index -> the NvmeFiles its states live in (None: in memory,
+        the host's for a staged GPU model)."""
         if offload.device != "nvme":
             return lambda index: None
-        if self.device.type != "cpu":
-            raise ValueError(f"offload_optimizer.device='nvme' for a model on {self.device}: "
-                             "implemented for models trained on the CPU only")
         from zero._nvme import NvmeFiles
         return lambda index: NvmeFiles(offload.nvme_path, f"r{comm.rank}-g{index}",
                                        offload.chunk_elements, offload.write_through)
@@ -403,7 +400,7 @@ class Engine(nn.Module):
         """This rank's model-state bytes. At stage 3, `params` is the shard
         plus the persistent units, and `gathered_peak` the most bytes of
         released units gathered at once (current module plus prefetch)."""
-        totals = {"params": 0, "grads": 0, "optimizer_states": 0, "offloaded": 0,
+        totals = {"params": 0, "grads": 0, "optimizer_states": 0, "offloaded": 0, "host": 0,
                   "buckets": 0, "persistent": 0}
         for fg in self.groups:
             for k, v in fg.nbytes().items():
@@ -427,7 +424,7 @@ class Engine(nn.Module):
         return zero_formula(
             self.stage, self._comm.world, self.compute_dtype.itemsize,
             self.groups[0].grad_part.element_size(),  # grad_accum_dtype's
-            self.compute_dtype != torch.float32,
+            self.compute_dtype != torch.float32 or self._staged,  # a master of its own
             [(fg.numel, len(fg.states)) for fg in self.groups], totals)
 
     def comm_summary(self) -> dict:

@@ -1,5 +1,6 @@
-"""offload_optimizer "nvme" on 2 and 3 gloo ranks: each rank's master and
-states in its own files, stepped through the RAM windows in many chunks.
+"""offload_optimizer on 2 and 3 gloo ranks: "nvme", each rank's master and
+states in its own files, stepped through the RAM windows in many chunks;
+and the staged step of a GPU model's host-offloaded states.
 
 In each launch every rank trains the same model twice, states in memory and
 then in files, bf16, with clipping (the norm summed over ranks) and
@@ -18,6 +19,7 @@ import harness
 WORLDS = [2, 3]
 STEPS = 4
 CHUNK = 1024  # the smallest chunk: every partition spans several
+REAL = {}  # a worker's real zero._step_path.states_off_device, kept while it is replaced
 
 
 def mlp():
@@ -27,20 +29,30 @@ def mlp():
                          nn.Linear(113, 29))
 
 
-def train(rank, world, stage, nvme_path):
+def train(rank, world, stage, nvme_path, staged=False):
+    """staged: the master and states in host memory apart from the model,
+    the staged step a GPU model takes (made to run on the CPU here, as in
+    tests/test_staged_step.py)."""
     import torch.distributed as dist
     import zero
+    import zero._step_path as step_path
+    real = REAL.setdefault("states_off_device", step_path.states_off_device)
+    step_path.states_off_device = \
+        (lambda device, offload: offload.device in ("cpu", "nvme")) if staged else real
     model = mlp()
     options = {}
     if nvme_path is not None:
         options["offload_optimizer"] = {"device": "nvme", "nvme_path": nvme_path,
                                         "chunk_elements": CHUNK}
+    elif staged:
+        options["offload_optimizer"] = {"device": "cpu"}
     engine = zero.initialize(model, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-2),
                              stage=stage, precision="bf16", gradient_clipping=0.5,
                              gradient_accumulation_steps=2, **options)
     facts = {}
     if nvme_path is not None:
         facts["chunks"] = min(len(fg.offload.chunks(fg.part_size)) for fg in engine.groups)
+    facts["staged"] = all(fg.staged for fg in engine.groups)
     for step in range(STEPS):
         g = torch.Generator().manual_seed(100 * step + rank)
         for _ in range(2):
@@ -78,7 +90,8 @@ def _mapped_rss(tensor):
 
 def both_ways(rank, world):
     directory = tempfile.mkdtemp(prefix=f"zero-nvme-r{rank}-")
-    return {stage: (train(rank, world, stage, None), train(rank, world, stage, directory))
+    return {stage: (train(rank, world, stage, None), train(rank, world, stage, directory),
+                    train(rank, world, stage, None, staged=True))
             for stage in (1, 2, 3)}
 
 
@@ -91,7 +104,8 @@ def runs(request):
 def test_offloaded_ranks_equal_the_in_memory_ranks(runs, stage):
     world, results = runs
     for rank, result in enumerate(results):
-        (state, states, masters, _), (o_state, o_states, o_masters, facts) = result[stage]
+        (state, states, masters, _), (o_state, o_states, o_masters, facts), staged = \
+            result[stage]
         where = f"world {world} stage {stage} rank {rank}"
         assert facts["chunks"] > 3, where  # the windows were reused
         assert facts["offloaded"] > 0, where
@@ -103,6 +117,15 @@ def test_offloaded_ranks_equal_the_in_memory_ranks(runs, stage):
             assert torch.equal(o_masters[key], value), f"{where}: master {key}"
         if stage == 3:
             assert facts["master_rss"] == 0, where
+        # the staged step (host states apart from the model) agrees too
+        s_state, s_states, s_masters, s_facts = staged
+        assert s_facts["staged"], where
+        for key, value in state.items():
+            assert torch.equal(s_state[key], value), f"{where}: staged {key}"
+        for key, value in states.items():
+            assert torch.equal(s_states[key], value), f"{where}: staged state {key}"
+        for key, value in masters.items():
+            assert torch.equal(s_masters[key], value), f"{where}: staged master {key}"
     # the change through GatheredParameters took rank 0's value everywhere
     if stage == 3:
         first = results[0][stage][1][0]["0.weight"]

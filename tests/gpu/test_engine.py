@@ -18,7 +18,7 @@ import engine_cases
 import zero._comm
 import zero.engine
 from gpu_device import DEVICE, EMULATED, SKIP_REASON, device_path  # noqa: F401 (fixture)
-from zero._step_path import CudaStep
+from zero._step_path import CudaStep, StagedHostStep
 
 if SKIP_REASON:
     pytest.skip(SKIP_REASON, allow_module_level=True)
@@ -93,6 +93,38 @@ def test_memory_summary_is_what_the_gpu_allocator_holds(stage):
     summary = engine.memory_summary()
     reported = summary["params"] + summary["grads"] + summary["optimizer_states"]
     assert abs(taken - reported) <= 2**20, (taken, dict(summary))
+    engine.close()
+
+
+@pytest.mark.skipif(EMULATED, reason="needs CUDA tensors")
+@pytest.mark.parametrize("offload", ["cpu", "nvme"])
+@pytest.mark.parametrize("stage", STAGES)
+def test_states_offloaded_to_the_host_match_torch(tmp_path, stage, offload):
+    """ZeRO-Offload: the master and states in host memory (or files), the
+    C core steps them, the GPU holds parameters and gradients only."""
+    config = {"device": offload, "nvme_path": str(tmp_path), "chunk_elements": 1024}
+    engine = engine_cases.compare_with_torch(DEVICE, stage, offload_optimizer=config)
+    assert isinstance(engine.step_path, StagedHostStep)
+    for fg in engine.groups:
+        assert fg.master.device.type == "cpu" and fg.grad_host.is_pinned()
+        assert all(t.device.type == "cpu" for t in fg.states.values())
+
+
+@pytest.mark.skipif(EMULATED, reason="needs CUDA tensors")
+@pytest.mark.parametrize("stage", [1, 3])
+def test_offloaded_states_take_no_gpu_memory(stage):
+    gc.collect()
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated(DEVICE)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(512, 512) for _ in range(8)])
+    engine = zero.initialize(model, optimizer=torch.optim.AdamW(model.parameters()),
+                             stage=stage, precision="bf16", device=DEVICE,
+                             offload_optimizer={"device": "cpu"})
+    taken = torch.cuda.memory_allocated(DEVICE) - before
+    summary = engine.memory_summary()
+    assert summary["optimizer_states"] == 0 and summary["host"] > 0
+    assert abs(taken - (summary["params"] + summary["grads"])) <= 2**20, (taken, dict(summary))
     engine.close()
 
 
