@@ -200,3 +200,20 @@ def fp16_overflow_skips(device, stage):
     assert not torch.equal(after["head.weight"], before["head.weight"])
     assert all(torch.isfinite(v).all() for v in after.values())
     engine.close()
+
+
+def finish(engine):
+    """(full fp32 state dict, optimizer states by (group, name)) of an
+    engine, which is then closed: what two runs are compared on."""
+    state = engine.full_state_dict()
+    states = {(fg.index, k): v.clone() for fg in engine.groups for k, v in fg.states.items()}
+    engine.close()
+    return state, states
+
+
+def assert_same_finish(got, expected):
+    """Two finish() results equal bit for bit."""
+    for ours, ref in zip(got, expected, strict=True):
+        assert ours.keys() == ref.keys()
+        for key in ref:
+            assert torch.equal(ours[key], ref[key]), key

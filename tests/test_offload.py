@@ -19,7 +19,8 @@ import torch
 
 import zero
 from zero._nvme import SLOTS
-from engine_cases import Net, batches, loss_of, make_optimizer, no_launcher
+from engine_cases import (Net, assert_same_finish, batches, finish, loss_of, make_optimizer,
+                          no_launcher)
 
 
 @pytest.fixture(autouse=True)
@@ -44,13 +45,6 @@ def run(stage, precision, optimizer, nvme_path=None, chunk=1024, steps=4, write_
     return engine
 
 
-def finish(engine):
-    state = engine.full_state_dict()
-    states = {(fg.index, k): v.clone() for fg in engine.groups for k, v in fg.states.items()}
-    engine.close()
-    return state, states
-
-
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 @pytest.mark.parametrize("optimizer", ["adamw", "adagrad", "lion", "sgd_nesterov"])
@@ -61,11 +55,7 @@ def test_offloaded_run_equals_the_in_memory_run(tmp_path, stage, precision, opti
     assert all(fg.offload is not None and len(fg.offload.chunks(fg.part_size)) > 1
                for fg in engine.groups)
     assert os.listdir(tmp_path) == []  # unlinked once mapped: nothing left after a crash
-    got = finish(engine)
-    for ours, ref in zip(got, expected):
-        assert ours.keys() == ref.keys()
-        for key in ref:
-            assert torch.equal(ours[key], ref[key]), key
+    assert_same_finish(finish(engine), expected)
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
@@ -88,19 +78,14 @@ def test_many_chunks_reuse_the_windows_exactly(tmp_path, precision, write_throug
                                           "chunk_elements": 1024,
                                           "write_through": write_through}})
     assert len(engine.groups[0].offload.chunks(engine.groups[0].part_size)) == 17
-    got = finish(engine)
-    for ours, ref in zip(got, expected):
-        for key in ref:
-            assert torch.equal(ours[key], ref[key]), key
+    assert_same_finish(finish(engine), expected)
 
 
 @pytest.mark.parametrize("stage", [1, 3])
 def test_write_through_run_equals_the_in_memory_run(tmp_path, stage):
     expected = finish(run(stage, "bf16", "adamw"))
-    got = finish(run(stage, "bf16", "adamw", nvme_path=tmp_path, write_through=True))
-    for ours, ref in zip(got, expected):
-        for key in ref:
-            assert torch.equal(ours[key], ref[key]), key
+    assert_same_finish(finish(run(stage, "bf16", "adamw", nvme_path=tmp_path,
+                                  write_through=True)), expected)
 
 
 def cached_fraction(engine):
@@ -244,10 +229,7 @@ def test_nothing_to_offload_steps_in_memory(tmp_path):
     expected = finish(run(2, "fp32", "sgd"))
     engine = run(2, "fp32", "sgd", nvme_path=tmp_path)
     assert all(not fg.offload.maps for fg in engine.groups)
-    got = finish(engine)
-    for ours, ref in zip(got, expected):
-        for key in ref:
-            assert torch.equal(ours[key], ref[key]), key
+    assert_same_finish(finish(engine), expected)
 
 
 def test_a_group_of_empty_parameters(tmp_path):

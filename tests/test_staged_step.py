@@ -13,7 +13,8 @@ import torch
 
 import zero
 import zero._step_path as step_path
-from engine_cases import Net, batches, loss_of, make_optimizer, no_launcher
+from engine_cases import (Net, assert_same_finish, batches, finish, loss_of, make_optimizer,
+                          no_launcher)
 
 
 @pytest.fixture(autouse=True)
@@ -36,20 +37,6 @@ def run(stage, precision, optimizer, offload=None, steps=4, accumulation=1):
     return engine
 
 
-def finish(engine):
-    state = engine.full_state_dict()
-    states = {(fg.index, k): v.clone() for fg in engine.groups for k, v in fg.states.items()}
-    engine.close()
-    return state, states
-
-
-def assert_equal(got, expected):
-    for ours, ref in zip(got, expected):
-        assert ours.keys() == ref.keys()
-        for key in ref:
-            assert torch.equal(ours[key], ref[key]), key
-
-
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 @pytest.mark.parametrize("precision", ["fp32", "bf16", "fp16"])
 @pytest.mark.parametrize("optimizer", ["adamw", "adam_amsgrad", "lion", "sgd_nesterov",
@@ -61,7 +48,7 @@ def test_staged_run_equals_the_plain_run(stage, precision, optimizer):
     for fg in engine.groups:
         assert fg.staged and fg.master is not fg.shard
         assert fg.tensors["grad"] is fg.grad_host and fg.tensors["copy_out"] is fg.shard_host
-    assert_equal(finish(engine), expected)
+    assert_same_finish(finish(engine), expected)
 
 
 @pytest.mark.parametrize("stage", [1, 3])
@@ -72,7 +59,7 @@ def test_staged_nvme_run_equals_the_plain_run(tmp_path, stage, write_through):
         "device": "nvme", "nvme_path": str(tmp_path), "chunk_elements": 1024,
         "write_through": write_through})
     assert all(fg.staged and fg.offload.maps for fg in engine.groups)
-    assert_equal(finish(engine), expected)
+    assert_same_finish(finish(engine), expected)
 
 
 @pytest.mark.parametrize("offload", ["cpu", "nvme"])
@@ -130,7 +117,7 @@ def test_gathered_parameters_change_reaches_the_host_master():
             engine.backward(loss_of(engine(tokens), targets))
             engine.step()
         return finish(engine)
-    assert_equal(change_and_train({"device": "cpu"}), change_and_train(None))
+    assert_same_finish(change_and_train({"device": "cpu"}), change_and_train(None))
 
 
 def test_a_cpu_model_is_not_staged_by_default(monkeypatch):

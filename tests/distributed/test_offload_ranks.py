@@ -100,6 +100,13 @@ def runs(request):
     return request.param, harness.run(request.param, both_ways)
 
 
+def same(expected, got, where):
+    """(state dict, states, masters) of two runs equal bit for bit."""
+    for label, ref, ours in zip(("", "state ", "master "), expected, got):
+        for key, value in ref.items():
+            assert torch.equal(ours[key], value), f"{where}: {label}{key}"
+
+
 @pytest.mark.parametrize("stage", [1, 2, 3])
 def test_offloaded_ranks_equal_the_in_memory_ranks(runs, stage):
     world, results = runs
@@ -109,23 +116,12 @@ def test_offloaded_ranks_equal_the_in_memory_ranks(runs, stage):
         where = f"world {world} stage {stage} rank {rank}"
         assert facts["chunks"] > 3, where  # the windows were reused
         assert facts["offloaded"] > 0, where
-        for key, value in state.items():
-            assert torch.equal(o_state[key], value), f"{where}: {key}"
-        for key, value in states.items():
-            assert torch.equal(o_states[key], value), f"{where}: state {key}"
-        for key, value in masters.items():
-            assert torch.equal(o_masters[key], value), f"{where}: master {key}"
+        same((state, states, masters), (o_state, o_states, o_masters), f"{where} nvme")
         if stage == 3:
             assert facts["master_rss"] == 0, where
         # the staged step (host states apart from the model) agrees too
-        s_state, s_states, s_masters, s_facts = staged
-        assert s_facts["staged"], where
-        for key, value in state.items():
-            assert torch.equal(s_state[key], value), f"{where}: staged {key}"
-        for key, value in states.items():
-            assert torch.equal(s_states[key], value), f"{where}: staged state {key}"
-        for key, value in masters.items():
-            assert torch.equal(s_masters[key], value), f"{where}: staged master {key}"
+        assert staged[3]["staged"], where
+        same((state, states, masters), staged[:3], f"{where} staged")
     # the change through GatheredParameters took rank 0's value everywhere
     if stage == 3:
         first = results[0][stage][1][0]["0.weight"]
