@@ -250,11 +250,11 @@ def main():
     base = training[0]["ms"]
     print(f"\ntraining: 30M GPT, batch 16 x 128 tokens, bf16, clip 1.0, "
           f"median of {args.train_steps} steps\n")
-    header = f"{'runner':<7} {'ms/step':>9} {'torch/zero':>10} {'loss':>8} {'peak MiB':>9}  step"
+    header = f"{'runner':<13} {'ms/step':>9} {'torch/zero':>10} {'loss':>8} {'peak MiB':>9}  step"
     print(header)
     print("-" * len(header))
     for r in training:
-        print(f"{r['runner']:<7} {r['ms']:>9.2f} {base / r['ms']:>10.2f} {r['loss']:>8.4f} "
+        print(f"{r['runner']:<13} {r['ms']:>9.2f} {base / r['ms']:>10.2f} {r['loss']:>8.4f} "
               f"{r['peak_mib']:>9.0f}  {r['path']}")
 
     out_dir = os.environ.get("OUT")

@@ -131,6 +131,8 @@ def test_gathering_the_master_in_slices_puts_each_rank_in_its_chunk():
     chunks = [torch.arange(part, dtype=torch.float32) + 100 * r for r in range(n)]
 
     class ThreeRanks:
+        device = torch.device("cpu")  # the model's, where the slices travel
+
         def all_gather_into(self, output, mine):
             lo = int(mine[0].item()) % 100  # rank 1's values: its offset in the chunk
             width = mine.numel()

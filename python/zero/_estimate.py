@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from zero import _flat_group
 from zero._initialize import default_optimizer, resolve_config
 from zero._memory import MemorySummary, zero_formula
 from zero._nvme import PAGE_ELEMENTS, SLOTS
@@ -66,8 +67,9 @@ def estimate_memory(model: nn.Module, world_size: int = 1, *, optimizer=None, st
         own_master = not fp32 or staged
         kept, offloaded = _optimizer_bytes(part, states + own_master, cfg)
         totals["offloaded"] += offloaded
-        if staged:  # with the staged step's gradient and parameter copies
-            totals["host"] += kept + part * (gb + pb)
+        if staged:  # with the staged step's gradient and parameter windows
+            window = max(1, min(_staging_chunk(cfg), part))
+            totals["host"] += kept + window * (gb + pb)
         else:
             totals["optimizer_states"] += kept
         shapes.append((sum(u.numel for u in units), states))
@@ -131,9 +133,21 @@ def _optimizer_bytes(part, files, cfg):
     offload = cfg.offload_optimizer
     if offload.device != "nvme" or part == 0:
         return whole, 0
-    chunk = max(PAGE_ELEMENTS, offload.chunk_elements // PAGE_ELEMENTS * PAGE_ELEMENTS)
+    chunk = _file_chunk(offload)
     chunks = -(-part // chunk)
     return min(SLOTS, chunks) * min(chunk, part) * 4 * files, whole
+
+
+def _staging_chunk(cfg):
+    """Elements of a staged step's windows: the files' chunk for "nvme",
+    else _flat_group.STAGING_CHUNK (read at call time)."""
+    offload = cfg.offload_optimizer
+    return _file_chunk(offload) if offload.device == "nvme" else _flat_group.STAGING_CHUNK
+
+
+def _file_chunk(offload):
+    """NvmeFiles' chunk: whole pages."""
+    return max(PAGE_ELEMENTS, offload.chunk_elements // PAGE_ELEMENTS * PAGE_ELEMENTS)
 
 
 def _frozen_bytes(frozen, owners, cfg, world_size, pb):

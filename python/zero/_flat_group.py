@@ -38,6 +38,7 @@ from zero._units import Unit
 MAX_IN_FLIGHT = 2
 # gather_master's slice per rank on a GPU (16M fp32 elements: 64 MiB a rank)
 GATHER_SLICE = 1 << 24
+STAGING_CHUNK = 1 << 22  # elements a staged step moves between device and host at a time
 
 
 class FlatGroup:
@@ -54,8 +55,8 @@ class FlatGroup:
         not the parameters) and the optimizer states in files.
         staged: the master and the states live in host memory apart from
         the model (a GPU model under offload_optimizer), and the step stages
-        gradients and parameters through host copies ([Note: staged step]
-        in _step_path.py)."""
+        gradients and parameters through small host windows ([Note: staged
+        step] in _step_path.py)."""
         if units is None:
             units = [list(range(len(params)))]
         order = [i for members in units for i in members]
@@ -112,9 +113,16 @@ class FlatGroup:
                                          device=device)
             self._plan_buckets(bucket_elements)
         self.tensors["grad"] = self.grad_part
-        if self.staged:  # the step copies the reduced partition here first
-            self.tensors["grad"] = self.grad_host = self._host_buffer(self.grad_part.dtype)
-        self._register("grad", self.tensors["grad"])
+        self._register("grad", self.grad_part)
+        if self.staged:
+            # page-locked windows the step stages a chunk of the gradients
+            # in and of the rounded parameters out through; chunk-sized, so
+            # locked memory stays small (torch also rounds a page-locked
+            # block up to a power of two)
+            chunk = offload.chunk if self.offload is not None else STAGING_CHUNK
+            self.staging_chunk = max(1, min(chunk, self.part_size))
+            self.host_windows = {"grad": self._host_buffer(self.grad_part.dtype),
+                                 "copy_out": self._host_buffer(compute_dtype)}
 
     def _build_buffers(self, compute_dtype):
         """Seed the shard (and fp32 master) from the parameters' values on
@@ -172,10 +180,7 @@ class FlatGroup:
         self.buffers, self.tensors = {}, {}
         if self.trainable:
             self.tensors["master"] = self.master
-            copy_out = self.shard
-            if self.staged:  # the update writes the host copy; the step sends it over
-                copy_out = self.shard_host = self._host_buffer(compute_dtype)
-            self.tensors["copy_out"] = None if self.master is self.shard else copy_out
+            self.tensors["copy_out"] = None if self.master is self.shard else self.shard
             for k, t in self.tensors.items():
                 self._register(k, t)
 
@@ -206,13 +211,12 @@ class FlatGroup:
             self.offload.drop()
 
     def _host_buffer(self, dtype):
-        """A host tensor of the partition's size for the staged step,
-        page-locked for a GPU (copies at full bus speed)."""
-        return torch.empty(self.part_size, dtype=dtype,
+        """A staging window, page-locked for a GPU (copies at bus speed)."""
+        return torch.empty(self.staging_chunk, dtype=dtype,
                            pin_memory=self.device.type == "cuda")
 
     def _register(self, name, tensor):
-        if self.state_device.type == "cpu":
+        if self.device.type == "cpu":
             self.buffers[name] = None if tensor is None else _C.Buffer(tensor)
 
     # ---- stages 0-1: gradients in a full flat buffer -----------------------
@@ -451,7 +455,7 @@ class FlatGroup:
             mine = source[unit.shard_slice].detach()
             if n == 1:
                 out.copy_(mine)
-            elif source.device.type == "cpu":
+            elif self.device.type == "cpu":
                 self.comm.all_gather_into(out, mine.float().clone())
             else:
                 gather_in_slices(self.comm, out, mine, n, GATHER_SLICE)
@@ -475,8 +479,9 @@ class FlatGroup:
             offloaded = self.offload.nbytes
             states = self.offload.window_bytes(self.part_size)
         host = 0
-        if self.staged:  # none on the model's device; in host memory with the staging copies
-            host, states = states + self.grad_host.nbytes + self.shard_host.nbytes, 0
+        if self.staged:  # none on the model's device; in host memory with the staging windows
+            host = states + sum(t.nbytes for t in self.host_windows.values())
+            states = 0
         return {
             "params": params,
             "grads": (self.grad_flat if self.grad_flat is not None else self.grad_part).nbytes,
@@ -495,7 +500,9 @@ def gather_in_slices(comm, out, mine, n, slice_elements):
     part = mine.numel()
     for lo in range(0, part, slice_elements):
         hi = min(lo + slice_elements, part)
-        gathered = torch.empty(n * (hi - lo), dtype=torch.float32, device=mine.device)
-        comm.all_gather_into(gathered, mine[lo:hi].float())
+        # on the model's device (a staged master is on the host): the
+        # group's collectives may be NCCL only
+        gathered = torch.empty(n * (hi - lo), dtype=torch.float32, device=comm.device)
+        comm.all_gather_into(gathered, mine[lo:hi].to(comm.device, torch.float32))
         # rank r's slice goes to its own chunk, at the same offset
         out.view(n, part)[:, lo:hi].copy_(gathered.view(n, hi - lo))

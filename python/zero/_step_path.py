@@ -58,24 +58,24 @@ class HostStep:
         fg.offload.paged_update(fg.part_size, update_chunk)
 
 
-class StagedHostStep(HostStep):
+class StagedHostStep:
     """[Note: staged step] A model on a GPU whose master and states live in
     host memory or in files (offload_optimizer "cpu" or "nvme": ZeRO-
     Offload). The norm is taken where the gradients are, on the device,
-    as without offload;
-    then each group's reduced gradient partition is copied to a host
-    buffer (page-locked), the C core updates the host master and states
-    exactly as for a CPU model (chunk by chunk through windows for
-    "nvme"), writing the rounded parameters to a host buffer, which is
-    copied back over the device's partition before the all-gather. The
-    device holds only parameters and gradients."""
+    as without offload. The update then walks each group's partition in
+    chunks: a chunk of the reduced gradients is copied into a page-locked
+    host window, the C core updates that chunk of the host master and
+    states (for "nvme", the chunk the files' windows hold: _nvme.py), and
+    writes the rounded parameters into a second window, which is copied
+    over the device's partition before the all-gather. The copies are
+    synchronous (torch's copy_ waits for the stream), so the C core never
+    reads a window still being filled nor refills one still being sent.
+    The device holds only parameters and gradients; the host, the states
+    and two chunk-sized windows."""
 
     def __init__(self, device):
-        super().__init__()
         self.device = device
-        # the norm as the model's device takes it without offload (the
-        # kernels' on a GPU), so offloading changes no clip coefficient
-        self._norm = step_path_for(device)
+        self._norm = _norm_path(device)
         self.name = f"{device.type} model, states on the host: zero C core " \
                     f"({_C.cpu_info()['simd']})"
 
@@ -83,9 +83,23 @@ class StagedHostStep(HostStep):
         return self._norm.squared_norm(groups, comm, across_ranks)
 
     def update(self, kind, optimizer, group, fg, grad_scale):
-        fg.grad_host.copy_(fg.grad_part)
-        super().update(kind, optimizer, group, fg, grad_scale)
-        fg.shard.copy_(fg.shard_host)
+        def update_chunk(lo, hi, windows):
+            n = hi - lo
+            grad, out = fg.host_windows["grad"][:n], fg.host_windows["copy_out"][:n]
+            grad.copy_(fg.grad_part[lo:hi])
+            buffers = {"grad": _C.Buffer(grad), "copy_out": _C.Buffer(out)}
+            for name in ("master", *fg.states):
+                t = windows[name] if name in windows else fg.tensors[name][lo:hi]
+                buffers[name] = _C.Buffer(t)
+            run_update(kind, optimizer, group, buffers, fg.step_count, grad_scale,
+                       HOST_FUNCTIONS)
+            fg.shard[lo:hi].copy_(out)
+        if fg.offload is not None and fg.offload.maps:
+            fg.offload.paged_update(fg.part_size, update_chunk)
+            return
+        step = fg.staging_chunk
+        for lo in range(0, fg.part_size, step):
+            update_chunk(lo, min(lo + step, fg.part_size), {})
 
 
 class TorchStep:
@@ -166,6 +180,15 @@ def states_off_device(device: torch.device, offload) -> bool:
     that is not on the host already (tests/test_staged_step.py makes this
     true for a CPU model, to run the staged step's copies on the CPU)."""
     return device.type != "cpu" and offload.device in ("cpu", "nvme")
+
+
+def _norm_path(device: torch.device):
+    """The step path whose norm a staged step uses: the one the device's
+    step would use, without its warning about the update (which the C core
+    runs here)."""
+    if device.type == "cuda" and _kernels_unusable(device) is not None:
+        return TorchStep(device)
+    return step_path_for(device)
 
 
 def step_path_for(device: torch.device):
