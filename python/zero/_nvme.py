@@ -27,7 +27,9 @@ pages and drops clean ones), so the states take neither process nor
 cache memory and every step reads and writes them on the disk: the
 behaviour of DeepSpeed's NVMe offload. Pages still being written when a
 chunk is dropped stay cached; they are dropped again when its window is
-reused and at the end of the step, by when most have reached the disk.
+reused, and at the end of the step, after fdatasync has waited for the
+last writes, so a step returns with every state on the disk and none
+cached.
 
 The files are unlinked as soon as they are created: they vanish with the
 process, even after a crash, and their space returns when the engine is
@@ -193,6 +195,10 @@ class NvmeFiles:
                   for f in fs])
             raise
         if self.write_through:
+            # the step ends with every state on the disk and out of the
+            # cache: wait for the writeback the chunks started, then drop
+            for fd in self.fds.values():
+                os.fdatasync(fd)
             self._uncache_all(0, numel)
 
     def _allocate_windows(self, slots, elements):
