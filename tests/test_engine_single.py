@@ -178,10 +178,26 @@ def test_nested_blocks_as_keywords():
     for field, value, rule in [("initial_scale_power", -1, "an integer >= 0"),
                                ("loss_scale_window", 0, "an integer >= 1"),
                                ("hysteresis", 1.5, "an integer >= 1"),
-                               ("min_loss_scale", 0.0, "> 0"),
-                               ("static_loss_scale", -1.0, ">= 0")]:
+                               ("hysteresis", "2", "a finite number"),
+                               ("min_loss_scale", -1.0, ">= 0"),
+                               ("static_loss_scale", float("inf"), "a finite number")]:
         with pytest.raises(ValueError, match=f"loss_scaling.{field} must be {rule}, got "):
             zero.Config(loss_scaling={field: value})
+    # what DeepSpeed configs in the wild write is taken as DeepSpeed takes it
+    ds = zero.Config.from_deepspeed({"fp16": {
+        "enabled": True, "loss_scale": 0, "initial_scale_power": 16.0, "loss_scale_window": 1e3,
+        "hysteresis": 2.0, "min_loss_scale": 0}})
+    assert ds.loss_scaling == zero.LossScaling(min_loss_scale=0)
+    assert type(ds.loss_scaling.initial_scale_power) is int
+    auto = zero.Config.from_deepspeed({"fp16": {"enabled": True, "loss_scale": "auto",
+                                                "initial_scale_power": "auto"}})
+    assert auto.precision == "fp16" and auto.loss_scaling == zero.LossScaling()
+    with pytest.raises(ValueError, match="fp16.enabled is 'auto', which HuggingFace"):
+        zero.Config.from_deepspeed({"fp16": {"enabled": "auto"}})
+    # a keyword dict changes those fields of a config file's block, keeps the rest
+    merged = zero.Config.from_deepspeed({"fp16": {"enabled": True, "initial_scale_power": 8}}) \
+        .replace(loss_scaling={"hysteresis": 1})
+    assert (merged.loss_scaling.initial_scale_power, merged.loss_scaling.hysteresis) == (8, 1)
     with pytest.raises(ValueError, match="offload_optimizer has no field 'devices'"):
         zero.Config(offload_optimizer={"devices": "nvme"})
 

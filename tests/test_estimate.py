@@ -13,6 +13,7 @@ from engine_cases import Net, batches, loss_of, make_optimizer, no_launcher
 
 EXACT = ["params", "grads", "optimizer_states", "offloaded", "persistent", "frozen_params",
          "trainable_params"]
+RUN_DECIDES = " + gathered"  # stage 3's formula ends with the run's gathered bytes
 
 
 @pytest.fixture(autouse=True)
@@ -40,9 +41,16 @@ def measured(model, optimizer, **options):
 def check(estimate, summary):
     for key in EXACT:
         assert estimate[key] == summary[key], (key, estimate[key], summary[key])
-    if summary["stage"] < 3:  # stage 3's formula adds the gathered peak of the run
+    if summary["stage"] < 3:
         assert estimate["formula"] == summary["formula"]
         assert estimate["formula_bytes"] == summary["formula_bytes"]
+    else:  # up to the gathered bytes, which only the run knows
+        assert estimate["formula"].split(RUN_DECIDES)[0] == \
+            summary["formula"].split(RUN_DECIDES)[0]
+    if summary["stage"] < 2:  # no buckets
+        assert estimate["buckets"] == summary["buckets"] == 0
+    else:
+        assert estimate["buckets"] is None
     assert estimate["model_states"] == summary["model_states"] - summary["gathered_peak"]
 
 
@@ -85,9 +93,9 @@ def test_offloaded_estimate(tmp_path, stage, chunk):
 
 
 def test_param_groups_and_a_deepspeed_config():
-    """Two groups with different states (Adam with and without amsgrad is
-    not possible in one optimizer; weight decay groups are): the default
-    optimizer comes from the config's block, as in initialize."""
+    """Groups with different states (momentum in one SGD group only; amsgrad
+    in one Adam group only, at stage 3's units); the default optimizer
+    comes from the config's block, as in initialize."""
     model = frozen_net()
     config = {"zero_optimization": {"stage": 2}, "bf16": {"enabled": True},
               "optimizer": {"type": "SGD", "params": {"lr": 0.1, "momentum": 0.9}}}
@@ -99,6 +107,14 @@ def test_param_groups_and_a_deepspeed_config():
     estimate = zero.estimate_memory(model, 1, optimizer=torch.optim.SGD(groups, lr=0.1),
                                     stage=1)
     check(estimate, measured(model, torch.optim.SGD(groups, lr=0.1), stage=1))
+
+    def adam():
+        return torch.optim.Adam(
+            [{"params": [model.embed.weight, model.head.bias], "amsgrad": True},
+             {"params": [p for n, p in model.named_parameters()
+                         if p.requires_grad and n not in ("embed.weight", "head.bias")]}])
+    estimate = zero.estimate_memory(model, 1, optimizer=adam(), stage=3, precision="bf16")
+    check(estimate, measured(model, adam(), stage=3, precision="bf16"))
 
 
 def test_a_meta_model_is_sized_without_memory():
@@ -123,8 +139,20 @@ def test_a_meta_model_is_sized_without_memory():
     assert "stage 3: (2+2+12)Ψ/N" in estimate["formula"]
 
 
+def test_a_model_an_engine_trains_is_refused():
+    model = Net()
+    engine = zero.initialize(model, stage=3, stage3_param_persistence_threshold=0)
+    with pytest.raises(ValueError, match="already trained by an engine: its memory_summary"):
+        zero.estimate_memory(model, 1, stage=3)
+    engine.close()
+    assert zero.estimate_memory(Net(), 1)["trainable_params"] > 0
+
+
 def test_bad_arguments_are_named():
     model = Net()
+    for bad in ("gpu", "mps", 2.5):
+        with pytest.raises(ValueError, match="device must be 'cpu' or 'cuda', got"):
+            zero.estimate_memory(model, 2, device=bad)
     for bad in (0, -2, 1.5, True, "2"):
         with pytest.raises(ValueError, match="world_size must be an integer >= 1, got "):
             zero.estimate_memory(model, bad)

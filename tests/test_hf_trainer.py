@@ -61,12 +61,15 @@ def test_fp16_overflow_leaves_the_lr_schedule_alone(one_process, tmp_path):
                                       "loss_scaling": {"initial_scale_power": 24,
                                                        "hysteresis": 1}},
                            max_steps=10)
-    trainer.train()
-    engine = trainer.engine
-    skipped = 10 - engine.global_steps
-    assert 0 < skipped < 10
-    assert trainer.lr_scheduler.last_epoch == engine.global_steps
-    engine.close()
+    try:
+        trainer.train()
+        engine = trainer.engine
+        skipped = 10 - engine.global_steps
+        assert 0 < skipped < 10
+        assert trainer.lr_scheduler.last_epoch == engine.global_steps
+    finally:
+        if trainer.engine is not None:
+            trainer.engine.close()
 
 
 def test_checkpoint_folder_resumes_exactly_at_another_stage(one_process, tmp_path):

@@ -160,8 +160,16 @@ def test_checkpoints_move_between_files_and_memory(tmp_path):
 def test_refusals(tmp_path, monkeypatch):
     with pytest.raises(ValueError, match="offload_optimizer.device='nvme' needs nvme_path"):
         zero.Config(offload_optimizer={"device": "nvme"})
+    # the directory is checked by initialize, before the model is touched,
+    # not by the Config (which may be read, or a run sized, elsewhere)
+    zero.Config(offload_optimizer={"device": "nvme", "nvme_path": "/no/such/dir"})
+    model = Net()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
     with pytest.raises(ValueError, match=r"nvme_path '/no/such/dir' is not a directory"):
-        zero.Config(offload_optimizer={"device": "nvme", "nvme_path": "/no/such/dir"})
+        zero.initialize(model, stage=2, precision="bf16",
+                        offload_optimizer={"device": "nvme", "nvme_path": "/no/such/dir"})
+    assert all(torch.equal(v, before[k]) and v.dtype == torch.float32
+               for k, v in model.state_dict().items())
     with pytest.raises(ValueError, match="device must be 'none', 'cpu' or 'nvme', got 'gpu'"):
         zero.Config(offload_optimizer={"device": "gpu"})
     with pytest.raises(ValueError, match="unknown DeepSpeed config key.*offload_optimizer.bad"):

@@ -8,7 +8,7 @@ model built on the meta device (`with torch.device("meta"): model = ...`)
 can be sized at any scale. The figures are exactly what
 Engine.memory_summary() reports on every rank once training runs
 (tests/test_estimate.py), except what only a run decides: stage 3's
-gathered peak and stage 2's bucket peak, given as None.
+gathered peak and the bucket peak of stages 2-3, given as None.
 """
 from __future__ import annotations
 
@@ -36,6 +36,11 @@ def estimate_memory(model: nn.Module, world_size: int = 1, *, optimizer=None, st
     reported as `host`."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    engine = getattr(model, "_zero_engine", None)
+    if engine is not None and engine() is not None and not engine()._closed:
+        # stage 3 has released its parameters: their shapes are (0,) now
+        raise ValueError("model is already trained by an engine: its memory_summary() "
+                         "gives these figures")
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size must be an integer >= 1, got {world_size!r}")
     cfg = resolve_config(config, stage, precision, options)
@@ -77,7 +82,7 @@ def estimate_memory(model: nn.Module, world_size: int = 1, *, optimizer=None, st
     frozen = [p for p in model.parameters() if id(p) not in trainable]
     totals["frozen_params"] = _frozen_bytes(frozen, owners, cfg, world_size, pb)
     totals["gathered_peak"] = None if cfg.stage == 3 else 0
-    totals["buckets"] = None if cfg.stage == 2 else 0
+    totals["buckets"] = None if cfg.stage >= 2 else 0
     totals["model_states"] = totals["params"] + totals["grads"] + totals["optimizer_states"]
     formula, expected = zero_formula(cfg.stage, world_size, pb, gb, not fp32 or staged, shapes,
                                      totals)
@@ -88,7 +93,10 @@ def estimate_memory(model: nn.Module, world_size: int = 1, *, optimizer=None, st
 
 def _training_device(model, device):
     if device is not None:
-        device = torch.device(device)
+        try:
+            device = torch.device(device)
+        except (RuntimeError, TypeError):
+            raise ValueError(f"device must be 'cpu' or 'cuda', got {device!r}") from None
         if device.type not in ("cpu", "cuda"):
             raise ValueError(f"device must be 'cpu' or 'cuda', got {str(device)!r}")
         return device

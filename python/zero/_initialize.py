@@ -10,7 +10,7 @@ from torch import nn
 from zero._comm import Comm, join_process_group, leave_process_group
 from zero._optimizer_bridge import optimizer_from_config
 from zero._schedulers import scheduler_from_config
-from zero.config import Config
+from zero.config import Config, check_nvme_path
 from zero.engine import Engine
 
 
@@ -65,6 +65,8 @@ def initialize(model: nn.Module, *, optimizer=None, stage=None, precision=None,
         # a re-run notebook cell: the old engine's hooks must not fire twice
         previous().close()
     cfg = resolve_config(config, stage, precision, options)
+    if cfg.offload_optimizer.device == "nvme":  # before the model is touched
+        check_nvme_path(cfg.offload_optimizer.nvme_path)
     if not any(True for _ in model.parameters()):
         raise ValueError("the model has no parameters; nothing to train")
     device = _engine_device(model, device)

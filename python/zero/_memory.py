@@ -33,6 +33,8 @@ def zero_formula(stage, n, pb, gb, has_master, groups, totals):
     the group, number of fp32 states); totals the summary's figures (for
     stage 3's gathered bytes and the offload window)."""
     psi = sum(numel for numel, _ in groups)
+    if psi == 0:  # only empty parameters to train
+        return f"stage {stage}: no trainable elements, N={n}", 0
     master = 4 if has_master else 0
     # K, optimizer bytes per parameter: the master plus 4 per fp32 state;
     # groups may hold different states (amsgrad, momentum), so weight them

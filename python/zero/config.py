@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 from dataclasses import dataclass, field, fields
 from typing import Any, Optional
@@ -38,18 +39,27 @@ class LossScaling:
     static_loss_scale: float = 0.0    # > 0: a fixed scale, no dynamic changes
 
     def __post_init__(self):
+        # DeepSpeed configs write 16.0 or 1e3 for these integers: taken
+        # when integral, as DeepSpeed's own parsing does
         for name, low in (("initial_scale_power", 0), ("loss_scale_window", 1),
                           ("hysteresis", 1)):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+            value = _number(getattr(self, name), f"loss_scaling.{name}")
+            if value != int(value) or value < low:
                 raise ValueError(f"loss_scaling.{name} must be an integer >= {low}, got "
-                                 f"{value!r}")
-        if not self.min_loss_scale > 0:
-            raise ValueError(f"loss_scaling.min_loss_scale must be > 0, got "
-                             f"{self.min_loss_scale!r}")
-        if not self.static_loss_scale >= 0:
-            raise ValueError(f"loss_scaling.static_loss_scale must be >= 0, got "
-                             f"{self.static_loss_scale!r}")
+                                 f"{getattr(self, name)!r}")
+            object.__setattr__(self, name, int(value))
+        for name in ("min_loss_scale", "static_loss_scale"):  # 0 is common for both
+            value = _number(getattr(self, name), f"loss_scaling.{name}")
+            if value < 0:
+                raise ValueError(f"loss_scaling.{name} must be >= 0, got {value!r}")
+
+
+def _number(value, name):
+    """A finite int or float (not a bool), or a ValueError naming `name`."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or \
+            not math.isfinite(value):
+        raise ValueError(f"{name} must be a finite number, got {value!r}")
+    return value
 
 
 @dataclass(frozen=True)
@@ -70,16 +80,11 @@ class OffloadOptimizer:
         if self.device not in ("none", "cpu", "nvme"):
             raise ValueError(f"offload_optimizer.device must be 'none', 'cpu' or 'nvme', got "
                              f"{self.device!r}")
-        if self.device == "nvme":
-            if not self.nvme_path:
-                raise ValueError("offload_optimizer.device='nvme' needs nvme_path, a directory "
-                                 "on a fast disk")
-            if not os.path.isdir(self.nvme_path):
-                raise ValueError(f"offload_optimizer.nvme_path {self.nvme_path!r} is not a "
-                                 "directory")
-            if not os.access(self.nvme_path, os.W_OK | os.X_OK):
-                raise ValueError(f"offload_optimizer.nvme_path {self.nvme_path!r} is not "
-                                 "writable")
+        # the directory itself is checked where it is used (check_nvme_path,
+        # at initialize): a config may be read, or a run sized, elsewhere
+        if self.device == "nvme" and not self.nvme_path:
+            raise ValueError("offload_optimizer.device='nvme' needs nvme_path, a directory "
+                             "on a fast disk")
         if isinstance(self.chunk_elements, bool) or not isinstance(self.chunk_elements, int) \
                 or self.chunk_elements < 1:
             raise ValueError("offload_optimizer.chunk_elements must be a positive integer, got "
@@ -87,6 +92,15 @@ class OffloadOptimizer:
         if not isinstance(self.write_through, bool):
             raise ValueError("offload_optimizer.write_through must be True or False, got "
                              f"{self.write_through!r}")
+
+
+def check_nvme_path(path):
+    """offload_optimizer.nvme_path must be a directory this process can
+    create files in."""
+    if not os.path.isdir(path):
+        raise ValueError(f"offload_optimizer.nvme_path {path!r} is not a directory")
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise ValueError(f"offload_optimizer.nvme_path {path!r} is not writable")
 
 
 @dataclass(frozen=True)
@@ -152,10 +166,16 @@ class Config:
                 raise ValueError(f"{name} must be an integer >= 0 (elements), got {value!r}")
 
     def replace(self, **changes) -> "Config":
+        """A copy with `changes`; a dict for loss_scaling or
+        offload_optimizer changes those fields of the block and keeps the
+        rest (a config file's fp16 block, say)."""
         unknown = set(changes) - {f.name for f in dataclasses.fields(self)}
         if unknown:
             raise TypeError(f"unknown option(s) {sorted(unknown)}; known: "
                             f"{sorted(f.name for f in dataclasses.fields(self))}")
+        for name in ("loss_scaling", "offload_optimizer"):
+            if isinstance(changes.get(name), dict):
+                changes[name] = {**dataclasses.asdict(getattr(self, name)), **changes[name]}
         return dataclasses.replace(self, **changes)
 
     @classmethod
@@ -237,7 +257,10 @@ def _translate(ds: dict) -> dict:
         offload = _take(block, "zero_optimization.offload_optimizer.",
                         {"device": "device", "nvme_path": "nvme_path"},
                         {"pin_memory", "buffer_count", "buffer_size", "fast_init", "ratio",
-                         "pipeline_read", "pipeline_write"})
+                         "pipeline_read", "pipeline_write", "super_offload",
+                         "convert_grad_on_cpu", "cpuadam_cores_perc"})
+        if offload.get("device") == "auto":  # as DeepSpeed: no offload
+            offload.pop("device")
         options["offload_optimizer"] = OffloadOptimizer(**offload)
     for key in ("reduce_bucket_size", "stage3_param_persistence_threshold",
                 "stage3_prefetch_bucket_size", "stage3_max_live_parameters"):
@@ -245,6 +268,10 @@ def _translate(ds: dict) -> dict:
             zero_opts[key] = int(zero_opts[key])
     options.update(zero_opts)
     options.update(_take(data_types, "data_types.", {"grad_accum_dtype": "grad_accum_dtype"}))
+    for name, block in (("fp16", fp16), ("bf16", bf16)):
+        if block.get("enabled") == "auto":
+            raise ValueError(f"{name}.enabled is 'auto', which HuggingFace's DeepSpeed "
+                             "integration fills in from TrainingArguments; set true or false")
     if fp16.get("enabled") and bf16.get("enabled"):
         raise ValueError("fp16.enabled and bf16.enabled are both true; choose one")
     if bf16.get("enabled"):
@@ -256,6 +283,8 @@ def _translate(ds: dict) -> dict:
             "loss_scale_window": "loss_scale_window", "hysteresis": "hysteresis",
             "min_loss_scale": "min_loss_scale", "loss_scale": "static_loss_scale",
         }, {"auto_cast", "consecutive_hysteresis", "fp16_master_weights_and_grads"})
+        # "auto" (HuggingFace's templates) means DeepSpeed's default
+        scaling = {k: v for k, v in scaling.items() if v != "auto"}
         options["precision"] = "fp16"
         options["loss_scaling"] = LossScaling(**scaling)
     return options
