@@ -21,7 +21,7 @@ from zero._memory import MemorySummary, zero_formula
 from zero._nvme import PAGE_ELEMENTS, SLOTS
 from zero._optimizer_bridge import optimizer_kind, states_for
 from zero._step_path import states_off_device
-from zero._units import Unit
+from zero._units import lay_out
 from zero.engine import DTYPES, Engine
 
 
@@ -110,16 +110,8 @@ def _layout(params, unit_lists, cfg, world_size):
     """The group's units, as FlatGroup lays them out (no storage)."""
     if unit_lists is None:
         unit_lists = [list(range(len(params)))]
-    partitions = 1 if cfg.stage == 0 else world_size
-    units, first, shard_at, layout_at = [], 0, 0, 0
-    for members in unit_lists:
-        unit = Unit(len(units), range(first, first + len(members)),
-                    [params[i] for i in members], partitions, shard_at, layout_at)
-        units.append(unit)
-        first += len(members)
-        shard_at += unit.part
-        layout_at += unit.total
-    return units
+    ordered = [params[i] for members in unit_lists for i in members]
+    return lay_out(ordered, [len(m) for m in unit_lists], 1 if cfg.stage == 0 else world_size)
 
 
 def _param_bytes(units, part, pb, cfg):

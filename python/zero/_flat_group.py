@@ -31,7 +31,7 @@ import torch
 
 from zero import _C
 from zero._partitioned_init import take_values
-from zero._units import Unit
+from zero._units import Unit, lay_out
 
 # Buckets whose reduction may still be running while backward fills the
 # next: two let communication overlap computation without holding more.
@@ -74,23 +74,16 @@ class FlatGroup:
         self.num_partitions = 1 if stage == 0 else comm.world
         self.numel = sum(p.numel() for p in self.params)  # Ψ of this group
         self.owner = 0 if stage == 0 else comm.rank
-        self.units: list[Unit] = []
+        self.units: list[Unit] = lay_out(self.params, [len(m) for m in units],
+                                         self.num_partitions)
         self.unit_of = []      # param index -> its unit
         self.layout_start = []  # param index -> offset in the unsharded layout
-        first, shard_at, layout_at = 0, 0, 0
-        for members in units:
-            unit = Unit(len(self.units), range(first, first + len(members)),
-                        [self.params[i] for i in range(first, first + len(members))],
-                        self.num_partitions, shard_at, layout_at)
-            for j, i in enumerate(unit.members):
+        for unit in self.units:
+            for j in range(len(unit.members)):
                 self.unit_of.append(unit)
-                self.layout_start.append(layout_at + unit.offsets[j])
-            self.units.append(unit)
-            first += len(members)
-            shard_at += unit.part
-            layout_at += unit.total
-        self.part_size = shard_at    # elements of this rank's partition
-        self.layout_size = layout_at  # elements of the unsharded layout
+                self.layout_start.append(unit.layout_offset + unit.offsets[j])
+        self.part_size = sum(u.part for u in self.units)     # this rank's partition
+        self.layout_size = sum(u.total for u in self.units)  # the unsharded layout
         self._build_buffers(compute_dtype)
         self.states: dict[str, torch.Tensor] = {}
         self.step_count = 0

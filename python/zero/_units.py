@@ -75,3 +75,20 @@ class Unit:
         nbytes = self.total * self.full.element_size()
         if self.full.untyped_storage().nbytes() != nbytes:
             self.full.untyped_storage().resize_(nbytes)
+
+
+def lay_out(params, unit_sizes, num_partitions) -> list:
+    """The units of a flat group whose params are in unit order: unit k
+    takes the next unit_sizes[k] of them; each unit's chunk follows the
+    last in a rank's partition, and its whole layout in the unsharded one.
+    Shared by FlatGroup and zero.estimate_memory, which must agree."""
+    units, first, shard_at, layout_at = [], 0, 0, 0
+    for size in unit_sizes:
+        members = range(first, first + size)
+        unit = Unit(len(units), members, [params[i] for i in members], num_partitions,
+                    shard_at, layout_at)
+        units.append(unit)
+        first += size
+        shard_at += unit.part
+        layout_at += unit.total
+    return units
