@@ -48,14 +48,23 @@ class HostStep:
         # chunk read and the last written while this one is updated
         # ([Note: offloaded step] in _nvme.py)
         def update_chunk(lo, hi, windows):
-            buffers = {name: _C.Buffer(t) for name, t in windows.items()}
-            for name in ("master", "grad", "copy_out"):
-                if name not in buffers:
-                    t = fg.tensors[name]
-                    buffers[name] = None if t is None else _C.Buffer(t[lo:hi])
-            run_update(kind, optimizer, group, buffers, fg.step_count, grad_scale,
-                       HOST_FUNCTIONS)
+            run_update(kind, optimizer, group, chunk_buffers(fg, lo, hi, windows),
+                       fg.step_count, grad_scale, HOST_FUNCTIONS)
         fg.offload.paged_update(fg.part_size, update_chunk)
+
+
+def chunk_buffers(fg, lo, hi, windows):
+    """C Buffers over elements [lo, hi) of a group's update operands: the
+    RAM window where `windows` has one (offload files, staging), else the
+    slice of the group's own tensor (None stays None: no copy-out)."""
+    buffers = {}
+    for name in ("master", "grad", "copy_out", *fg.states):
+        t = windows.get(name)
+        if t is None:
+            t = fg.tensors[name]
+            t = None if t is None else t[lo:hi]
+        buffers[name] = None if t is None else _C.Buffer(t)
+    return buffers
 
 
 class StagedHostStep:
@@ -87,10 +96,7 @@ class StagedHostStep:
             n = hi - lo
             grad, out = fg.host_windows["grad"][:n], fg.host_windows["copy_out"][:n]
             grad.copy_(fg.grad_part[lo:hi])
-            buffers = {"grad": _C.Buffer(grad), "copy_out": _C.Buffer(out)}
-            for name in ("master", *fg.states):
-                t = windows[name] if name in windows else fg.tensors[name][lo:hi]
-                buffers[name] = _C.Buffer(t)
+            buffers = chunk_buffers(fg, lo, hi, {**windows, "grad": grad, "copy_out": out})
             run_update(kind, optimizer, group, buffers, fg.step_count, grad_scale,
                        HOST_FUNCTIONS)
             fg.shard[lo:hi].copy_(out)
