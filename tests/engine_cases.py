@@ -217,3 +217,25 @@ def assert_same_finish(got, expected):
         assert ours.keys() == ref.keys()
         for key in ref:
             assert torch.equal(ours[key], ref[key]), key
+
+
+def assert_checkpoint_chain_exact(directory, first, middle, last):
+    """first() trains and saves; middle() loads that and saves; last()
+    loads middle's and saves (each a factory of an engine, built only when
+    the one before is closed). The first and the last checkpoint hold the
+    same weights and optimizer states, compared consolidated, in
+    parameter space."""
+    previous = None
+    for tag, make in (("a", first), ("b", middle), ("c", last)):
+        engine = make()
+        if previous is not None:
+            engine.load_checkpoint(directory / previous)
+        engine.save_checkpoint(directory / tag)
+        engine.close()
+        previous = tag
+    saved, again = (zero.checkpoint.consolidate(directory / tag) for tag in ("a", "c"))
+    for key, value in saved["model"].items():
+        assert torch.equal(again["model"][key], value), key
+    for index, entry in saved["optimizer"]["state"].items():
+        for name, value in entry.items():
+            assert torch.equal(again["optimizer"]["state"][index][name], value), name

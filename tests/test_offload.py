@@ -19,7 +19,7 @@ import torch
 
 import zero
 from zero._nvme import SLOTS
-from engine_cases import (Net, assert_same_finish, batches, finish, loss_of, make_optimizer,
+from engine_cases import (Net, assert_checkpoint_chain_exact, assert_same_finish, batches, finish, loss_of, make_optimizer,
                           no_launcher)
 
 
@@ -138,23 +138,10 @@ def test_checkpoints_move_between_files_and_memory(tmp_path):
     the weights and the optimizer states (compared in parameter space,
     consolidated) come through unchanged."""
     (tmp_path / "nvme").mkdir()
-    offloaded = run(3, "bf16", "adamw", nvme_path=tmp_path / "nvme")
-    offloaded.save_checkpoint(tmp_path / "a")
-    offloaded.close()
-    in_memory = run(1, "bf16", "adamw", steps=1)
-    in_memory.load_checkpoint(tmp_path / "a")
-    in_memory.save_checkpoint(tmp_path / "b")
-    in_memory.close()
-    again = run(2, "bf16", "adamw", nvme_path=tmp_path / "nvme", steps=1)
-    again.load_checkpoint(tmp_path / "b")
-    again.save_checkpoint(tmp_path / "c")
-    again.close()
-    first, last = (zero.checkpoint.consolidate(tmp_path / d) for d in ("a", "c"))
-    for key, value in first["model"].items():
-        assert torch.equal(last["model"][key], value), key
-    for index, entry in first["optimizer"]["state"].items():
-        for name, value in entry.items():
-            assert torch.equal(last["optimizer"]["state"][index][name], value), name
+    assert_checkpoint_chain_exact(
+        tmp_path, lambda: run(3, "bf16", "adamw", nvme_path=tmp_path / "nvme"),
+        lambda: run(1, "bf16", "adamw", steps=1),
+        lambda: run(2, "bf16", "adamw", nvme_path=tmp_path / "nvme", steps=1))
 
 
 def test_refusals(tmp_path, monkeypatch):

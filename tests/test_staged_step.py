@@ -14,7 +14,7 @@ import torch
 import zero
 import zero._flat_group
 import zero._step_path as step_path
-from engine_cases import (Net, assert_same_finish, batches, finish, loss_of, make_optimizer,
+from engine_cases import (Net, assert_checkpoint_chain_exact, assert_same_finish, batches, finish, loss_of, make_optimizer,
                           no_launcher)
 
 
@@ -92,23 +92,10 @@ def test_memory_summary_puts_the_states_on_the_host(tmp_path, offload):
 
 
 def test_checkpoints_move_between_staged_and_plain_engines(tmp_path):
-    staged = run(3, "bf16", "adamw", offload={"device": "cpu"})
-    staged.save_checkpoint(tmp_path / "a")
-    staged.close()
-    plain = run(1, "bf16", "adamw", steps=1)
-    plain.load_checkpoint(tmp_path / "a")
-    plain.save_checkpoint(tmp_path / "b")
-    plain.close()
-    again = run(2, "bf16", "adamw", offload={"device": "cpu"}, steps=1)
-    again.load_checkpoint(tmp_path / "b")
-    again.save_checkpoint(tmp_path / "c")
-    again.close()
-    first, last = (zero.checkpoint.consolidate(tmp_path / d) for d in ("a", "c"))
-    for key, value in first["model"].items():
-        assert torch.equal(last["model"][key], value), key
-    for index, entry in first["optimizer"]["state"].items():
-        for name, value in entry.items():
-            assert torch.equal(last["optimizer"]["state"][index][name], value), name
+    assert_checkpoint_chain_exact(
+        tmp_path, lambda: run(3, "bf16", "adamw", offload={"device": "cpu"}),
+        lambda: run(1, "bf16", "adamw", steps=1),
+        lambda: run(2, "bf16", "adamw", offload={"device": "cpu"}, steps=1))
 
 
 def test_gathered_parameters_change_reaches_the_host_master():
