@@ -19,8 +19,8 @@ import torch
 
 import zero
 from zero._nvme import SLOTS
-from engine_cases import (Net, assert_checkpoint_chain_exact, assert_same_finish, batches, finish, loss_of, make_optimizer,
-                          no_launcher)
+from engine_cases import (Net, assert_checkpoint_chain_exact, assert_same_finish, batches,
+                          finish, loss_of, make_optimizer, no_launcher)
 
 
 @pytest.fixture(autouse=True)

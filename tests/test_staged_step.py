@@ -14,8 +14,8 @@ import torch
 import zero
 import zero._flat_group
 import zero._step_path as step_path
-from engine_cases import (Net, assert_checkpoint_chain_exact, assert_same_finish, batches, finish, loss_of, make_optimizer,
-                          no_launcher)
+from engine_cases import (Net, assert_checkpoint_chain_exact, assert_same_finish, batches,
+                          finish, loss_of, make_optimizer, no_launcher)
 
 
 STAGING_CHUNK = 512  # several chunks a partition, so the windows are reused
