@@ -62,7 +62,7 @@ def _status(field):
 
 def _model(params):
     import torch
-    layers = max(1, round(params / HIDDEN**2))
+    layers = _model_params(params) // HIDDEN**2
     torch.manual_seed(0)
     return torch.nn.Sequential(*[torch.nn.Linear(HIDDEN, HIDDEN, bias=False)
                                  for _ in range(layers)])
@@ -206,6 +206,7 @@ def main(argv=None):
 
 
 def _model_params(params):
+    """The parameters of _model(params): whole square layers, at least one."""
     return max(1, round(params / HIDDEN**2)) * HIDDEN**2
 
 

@@ -248,14 +248,17 @@ class NvmeFiles:
 
     # ---- residency of the mapping and the page cache -----------------------
 
-    def _advise(self, name, advice, lo, hi):
-        mapped = self.maps[name]
-        # madvise takes whole pages; widening to them is harmless, as a
-        # dropped page of a shared file mapping keeps its data in the file
+    def _pages(self, name, lo, hi):
+        """(byte offset, length) of the whole pages that hold elements
+        [lo, hi) of file `name`. Widening to whole pages is harmless: a
+        dropped page of a shared file mapping keeps its data in the file."""
         start = lo // PAGE_ELEMENTS * mmap.PAGESIZE
-        length = min(hi * 4, len(mapped)) - start
+        return start, min(hi * 4, len(self.maps[name])) - start
+
+    def _advise(self, name, advice, lo, hi):
+        start, length = self._pages(name, lo, hi)
         if length > 0:
-            mapped.madvise(advice, start, length)
+            self.maps[name].madvise(advice, start, length)
 
     def drop(self, name: str | None = None, lo: int = 0, hi: int | None = None):
         """Unmap elements [lo, hi) (default: all) of one file or all from
@@ -269,8 +272,7 @@ class NvmeFiles:
     def _uncache(self, name, lo, hi):
         if self.fds is None:  # closed
             return
-        start = lo // PAGE_ELEMENTS * mmap.PAGESIZE
-        length = min(hi * 4, len(self.maps[name])) - start
+        start, length = self._pages(name, lo, hi)
         if length > 0:
             os.posix_fadvise(self.fds[name], start, length, os.POSIX_FADV_DONTNEED)
 
