@@ -91,3 +91,39 @@ def test_pool_survives_fork():
     assert child.exitcode == 0, "child hung or failed"
     assert abs(queue.get(timeout=5) - 0.9) < 1e-6  # p - lr * m_hat / sqrt(v_hat)
     zero.set_num_threads(0)
+
+
+def test_ranks_on_one_machine_share_its_cores():
+    """Under a launcher with LOCAL_WORLD_SIZE ranks a machine, initialize
+    gives the C core this rank's share of the CPUs, unless the user chose a
+    count first."""
+    code = ("import os, torch, zero; cpus = len(os.sched_getaffinity(0));"
+            "{before}"
+            "zero.initialize(torch.nn.Linear(4, 4), stage=0);"
+            "print(cpus, zero.get_num_threads())")
+    out = run_python(code.format(before=""), LOCAL_WORLD_SIZE="2")
+    cpus, threads = map(int, out.stdout.split())
+    assert threads == max(1, cpus // 2)
+    out = run_python(code.format(before="zero.set_num_threads(3);"), LOCAL_WORLD_SIZE="2")
+    assert out.stdout.split()[1] == "3"
+    out = run_python(code.format(before=""), LOCAL_WORLD_SIZE="1")
+    cpus, threads = map(int, out.stdout.split())
+    assert threads == cpus
+
+
+@pytest.mark.parametrize("machine, bound, local, expected", [
+    (16, 16, 8, 2),   # eight GPU ranks on a 16-core node
+    (16, 16, 3, 5),
+    (4, 4, 8, 1),     # more ranks than cores: one each
+    (16, 4, 4, 4),    # the launcher bound the rank to 4 cores: all of them
+])
+def test_core_share_rule(monkeypatch, machine, bound, local, expected):
+    from zero import _threads
+    calls = []
+    monkeypatch.setattr(_threads, "_chosen", False)
+    monkeypatch.setattr(_threads.os, "cpu_count", lambda: machine)
+    monkeypatch.setattr(_threads.os, "sched_getaffinity", lambda pid: set(range(bound)))
+    monkeypatch.setattr(_threads._C, "set_num_threads", calls.append)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", str(local))
+    _threads.share_cores_among_local_ranks()
+    assert calls == ([] if expected == bound else [expected])

@@ -10,6 +10,7 @@ from torch import nn
 from zero._comm import Comm, join_process_group, leave_process_group
 from zero._optimizer_bridge import optimizer_from_config
 from zero._schedulers import scheduler_from_config
+from zero._threads import share_cores_among_local_ranks
 from zero.config import Config, check_nvme_path
 from zero.engine import Engine
 
@@ -72,6 +73,7 @@ def initialize(model: nn.Module, *, optimizer=None, stage=None, precision=None,
     device = _engine_device(model, device)
     if optimizer is None:
         optimizer = default_optimizer(cfg, model)
+    share_cores_among_local_ranks()
     created = join_process_group(device)
     try:
         comm = Comm(device)
