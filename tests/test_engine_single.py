@@ -202,12 +202,47 @@ def test_nested_blocks_as_keywords():
         zero.Config(offload_optimizer={"devices": "nvme"})
 
 
-@pytest.mark.parametrize("stage", [-1, 4, "2"])
+@pytest.mark.parametrize("stage", [-1, 4, "2", True, 2.5])
 def test_stage_outside_range(stage):
     m = model()
     before = [p.data_ptr() for p in m.parameters()]
     with pytest.raises(ValueError, match="stage must be 0, 1, 2 or 3"):
         zero.initialize(m, stage=stage)
+    assert untouched(m, before)
+
+
+def test_stage_as_an_integral_float():
+    assert zero.Config(stage=3.0).stage == 3 and type(zero.Config(stage=3.0).stage) is int
+
+
+@pytest.mark.parametrize("value", ["1", None, float("nan"), -1])
+def test_gradient_clipping_checked(value):
+    with pytest.raises(ValueError, match="gradient_clipping must be"):
+        zero.Config(gradient_clipping=value)
+
+
+def test_lr_scheduler_checked():
+    m = model()
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    with pytest.raises(TypeError, match="lr_scheduler must be a scheduler"):
+        zero.initialize(m, optimizer=opt, lr_scheduler=5)
+    other = torch.optim.SGD(model().parameters(), lr=0.1)
+    with pytest.raises(ValueError, match="lr_scheduler was built on another optimizer"):
+        zero.initialize(m, optimizer=opt,
+                        lr_scheduler=torch.optim.lr_scheduler.StepLR(other, step_size=1))
+    engine = zero.initialize(m, optimizer=opt,
+                             lr_scheduler=lambda o: torch.optim.lr_scheduler.StepLR(o, 1, 0.5))
+    engine.backward(engine(torch.randn(2, 6)).sum())
+    engine.step()
+    assert opt.param_groups[0]["lr"] == 0.05
+    engine.close()
+
+
+def test_sparse_embedding_refused():
+    m = nn.Sequential(nn.Embedding(10, 4, sparse=True), nn.Linear(4, 2))
+    before = [p.data_ptr() for p in m.parameters()]
+    with pytest.raises(ValueError, match="module '0' is an Embedding with sparse=True"):
+        zero.initialize(m)
     assert untouched(m, before)
 
 

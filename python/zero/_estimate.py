@@ -151,12 +151,16 @@ def _file_chunk(offload):
 
 
 def _frozen_bytes(frozen, owners, cfg, world_size, pb):
-    """Frozen parameters: at stage 3 a group of their own (shard plus
-    persistent units), at stages 0-2 whole, cast to the compute dtype."""
-    if not frozen:
-        return 0
-    if cfg.stage != 3:
-        return sum(p.numel() * (pb if p.is_floating_point() else p.element_size())
-                   for p in frozen)
-    units = _layout(frozen, Engine._units(frozen, owners), cfg, world_size)
-    return _param_bytes(units, sum(u.part for u in units), pb, cfg)[0]
+    """Frozen parameters: at stage 3 the floating ones a group of their own
+    (shard plus persistent units), the rest (and all at stages 0-2) whole,
+    floating ones cast to the compute dtype."""
+    if cfg.stage == 3:
+        whole = [p for p in frozen if not p.is_floating_point()]
+        partitioned = [p for p in frozen if p.is_floating_point()]
+    else:
+        whole, partitioned = frozen, []
+    total = sum(p.numel() * (pb if p.is_floating_point() else p.element_size()) for p in whole)
+    if partitioned:
+        units = _layout(partitioned, Engine._units(partitioned, owners), cfg, world_size)
+        total += _param_bytes(units, sum(u.part for u in units), pb, cfg)[0]
+    return total

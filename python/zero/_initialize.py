@@ -70,6 +70,7 @@ def initialize(model: nn.Module, *, optimizer=None, stage=None, precision=None,
         check_nvme_path(cfg.offload_optimizer.nvme_path)
     if not any(True for _ in model.parameters()):
         raise ValueError("the model has no parameters; nothing to train")
+    _check_dense_gradients(model)
     device = _engine_device(model, device)
     if optimizer is None:
         optimizer = default_optimizer(cfg, model)
@@ -89,12 +90,36 @@ def initialize(model: nn.Module, *, optimizer=None, stage=None, precision=None,
             lr_scheduler = scheduler_from_config(cfg.scheduler, optimizer)
         elif callable(lr_scheduler) and not hasattr(lr_scheduler, "step"):
             lr_scheduler = lr_scheduler(optimizer)
+        _check_scheduler(lr_scheduler, optimizer)
         engine = Engine(model, optimizer, cfg, comm, created, lr_scheduler)
         model._zero_engine = weakref.ref(engine)
         return engine
     except BaseException:
         leave_process_group(created)
         raise
+
+
+def _check_dense_gradients(model: nn.Module) -> None:
+    """Sparse gradients (an embedding with sparse=True) cannot go through
+    the flat buckets and partitions, which hold dense gradients."""
+    for name, module in model.named_modules():
+        if isinstance(module, (nn.Embedding, nn.EmbeddingBag)) and module.sparse and \
+                module.weight.requires_grad:
+            raise ValueError(f"module '{name or type(module).__name__}' is an "
+                             f"{type(module).__name__} with sparse=True: zero reduces and "
+                             "partitions dense gradients; build it with sparse=False")
+
+
+def _check_scheduler(lr_scheduler, optimizer) -> None:
+    if lr_scheduler is None:
+        return
+    if not callable(getattr(lr_scheduler, "step", None)):
+        raise TypeError("lr_scheduler must be a scheduler (with a step() method) or a callable "
+                        f"that makes one from the optimizer, got {type(lr_scheduler).__name__}")
+    bound = getattr(lr_scheduler, "optimizer", optimizer)
+    if bound is not optimizer:
+        raise ValueError("lr_scheduler was built on another optimizer than the one the engine "
+                         "trains with; build it on the optimizer passed to initialize")
 
 
 def _engine_device(model: nn.Module, device) -> torch.device:

@@ -16,6 +16,17 @@ the order recorded on earlier passes.
   and the callback releases whatever is left.
 - Inside a backward, forward hooks do not release: that is activation
   checkpointing recomputing, and its backward comes right after.
+- [Note: saved parameters] The module hooks cover the common case, but
+  autograd may read a parameter in backward after its unit was released:
+  a parameter unused on the last step (not yet expected to get a
+  gradient, so its unit went when the others' gradients were in), one
+  read off the path through the module's outputs (an auxiliary loss of
+  the weights computed in forward). So while the root's forward runs,
+  every tensor autograd saves that lies in a unit's storage is saved
+  through a hook whose unpack gathers that unit again first (on demand;
+  the end of the backward releases it). A gradient hook on each parameter
+  does the same before torch accumulates its gradient (shaped like the
+  parameter), for a late parameter no saved tensor names (x + bias).
 - Collective order: every gather is issued from these hooks, in program
   order, and prefetch decisions depend only on the recorded order and the
   unit sizes, so ranks that run the same modules issue the same
@@ -26,8 +37,10 @@ the order recorded on earlier passes.
 from __future__ import annotations
 
 import torch
-from torch.autograd.graph import register_multi_grad_hook
-from torch.utils._pytree import tree_flatten, tree_map
+from torch import nn
+from torch.autograd.graph import register_multi_grad_hook, saved_tensors_hooks
+
+from zero._outputs import map_tensors, tensors_in
 
 
 _HASH_MOD = (1 << 61) - 1
@@ -60,6 +73,9 @@ class Stage3Schedule:
             if fg.trainable:
                 fg.on_unit_grads_done = self._grads_done
         self.place = place
+        self.unit_by_storage = {_storage_key(unit.full): (fg, unit) for fg in groups
+                                for unit in fg.units if not unit.persistent}
+        self._saving = None  # the saved-tensor hooks, pushed while the root's forward runs
         self.root = root
         self.modules = []
         self.units_of = {}
@@ -71,6 +87,18 @@ class Stage3Schedule:
                     needed.append(place[id(p)])
             if needed or module is root:
                 self._hook_module(module, needed)
+        for fg in groups:
+            if not fg.trainable:
+                continue
+            for unit in fg.units:
+                if not unit.persistent:
+                    for p in unit.params:
+                        self.hooks.append(p.register_hook(self._hook_before_accumulate(fg, unit)))
+        for module in root.modules():
+            if isinstance(module, nn.MultiheadAttention):
+                # its forward reads out_proj's weights without calling out_proj
+                for p in module.out_proj.parameters():
+                    self.add_external(module, p)
 
     def _hook_module(self, module, needed):
         self.units_of[module] = needed
@@ -214,6 +242,9 @@ class Stage3Schedule:
                 self.abandon_if_unfinished()
                 if not self.in_backward:
                     self._start_pass("forward")
+                if self._saving is None:
+                    self._saving = saved_tensors_hooks(self._pack, self._unpack)
+                    self._saving.__enter__()
             self._advance(index)
             for fg, unit in self.units_of[module]:
                 unit.active += 1
@@ -222,6 +253,9 @@ class Stage3Schedule:
 
     def _hook_post_forward(self, index, is_root):
         def post_forward(module, args, output):
+            if is_root and self._saving is not None:
+                saving, self._saving = self._saving, None
+                saving.__exit__(None, None, None)
             for _fg, unit in self.units_of[module]:
                 unit.active -= 1
             if not self.in_backward:
@@ -233,8 +267,8 @@ class Stage3Schedule:
             if torch.is_grad_enabled():
                 # leaves (a parameter returned as it is) have no backward to
                 # wait for, and a hook on one would stay for good
-                tensors = [t for t in tree_flatten(output)[0] if torch.is_tensor(t)
-                           and t.requires_grad and t.grad_fn is not None]
+                tensors = [t for t in tensors_in(output)
+                           if t.requires_grad and t.grad_fn is not None]
                 if tensors:
                     register_multi_grad_hook(tensors, self._hook_pre_backward(index, is_root),
                                              mode="any")
@@ -255,8 +289,7 @@ class Stage3Schedule:
         weights at a time in backward, not the whole model."""
         frozen = [u for fg, u in self.units_of[module] if not fg.trainable and not u.persistent]
         # a leaf's hook would stay on it for good (see post_forward)
-        inputs = [t for t in tree_flatten(args)[0] if torch.is_tensor(t) and t.requires_grad
-                  and t.grad_fn is not None]
+        inputs = [t for t in tensors_in(args) if t.requires_grad and t.grad_fn is not None]
         if not frozen or not inputs:
             return  # nothing to wait for: released at the end of the backward
 
@@ -280,10 +313,49 @@ class Stage3Schedule:
                     (t.device, t.untyped_storage().data_ptr()) in freed:
                 return t.clone()
             return t
-        return tree_map(copy_if_view, output)
+        return map_tensors(copy_if_view, output)
+
+    def _hook_before_accumulate(self, fg, unit):
+        def before_accumulate(_grad):
+            # torch's accumulation lays the gradient out like the parameter,
+            # which must then be the gathered one, not the placeholder
+            # ([Note: saved parameters]: a late gradient, e.g. of x + bias)
+            if not unit.gathered:
+                self.ensure(fg, unit)
+        return before_accumulate
+
+    def _pack(self, tensor):
+        """[Note: saved parameters]: a saved tensor in a unit's storage is
+        kept with its unit, to be gathered again if released by then."""
+        if tensor.layout is not torch.strided:
+            return tensor
+        try:
+            entry = self.unit_by_storage.get(_storage_key(tensor))
+        except (RuntimeError, NotImplementedError):  # no storage (a tensor subclass)
+            return tensor
+        if entry is None:
+            return tensor
+        return _SavedInUnit(entry[0], entry[1], tensor)
+
+    def _unpack(self, packed):
+        if not isinstance(packed, _SavedInUnit):
+            return packed
+        self.ensure(packed.fg, packed.unit)
+        if packed.tensor._version != packed.version:
+            raise RuntimeError(
+                "one of the variables needed for gradient computation has been modified by "
+                f"an inplace operation: a parameter of shape {tuple(packed.tensor.shape)} "
+                f"is at version {packed.tensor._version}; expected version {packed.version}")
+        return packed.tensor
 
     def _hook_pre_backward(self, index, is_root):
         def pre_backward(_grad):
+            if torch.is_grad_enabled():
+                raise RuntimeError(
+                    "zero stage 3 does not support a backward with create_graph=True (double "
+                    "backward, as in gradient penalties): the graph it builds would keep "
+                    "parameters that stage 3 releases. Use stage 2, or compute the penalty "
+                    "without differentiating the gradients.")
             if not self.in_backward:
                 self.in_backward = True
                 self._start_pass("backward")
@@ -332,3 +404,19 @@ class Stage3Schedule:
         for h in self.hooks:
             h.remove()
         self.hooks = []
+
+
+def _storage_key(tensor):
+    """The identity of a tensor's storage, the same after the storage is
+    resized (released and gathered again)."""
+    return tensor.untyped_storage()._cdata
+
+
+class _SavedInUnit:
+    """A saved tensor that lies in a stage-3 unit's storage, with the version
+    it had (torch checks versions of what it saves itself; with a hook the
+    hook must)."""
+    __slots__ = ("fg", "unit", "tensor", "version")
+
+    def __init__(self, fg, unit, tensor):
+        self.fg, self.unit, self.tensor, self.version = fg, unit, tensor, tensor._version

@@ -127,15 +127,16 @@ class Config:
     scheduler: Optional[dict] = None  # {"type": "WarmupLR", "params": {...}}
 
     def __post_init__(self):
-        if self.stage not in (0, 1, 2, 3):
+        if isinstance(self.stage, bool) or self.stage not in (0, 1, 2, 3):
             raise ValueError(f"stage must be 0, 1, 2 or 3, got {self.stage!r}")
+        object.__setattr__(self, "stage", int(self.stage))  # 3.0 from a JSON writer
         if self.precision not in PRECISIONS:
             raise ValueError(f"precision must be one of {PRECISIONS}, got {self.precision!r}")
         if not isinstance(self.gradient_accumulation_steps, int) or \
                 self.gradient_accumulation_steps < 1:
             raise ValueError("gradient_accumulation_steps must be an integer >= 1, got "
                              f"{self.gradient_accumulation_steps!r}")
-        if not self.gradient_clipping >= 0:
+        if not _number(self.gradient_clipping, "gradient_clipping") >= 0:
             raise ValueError(f"gradient_clipping must be >= 0, got {self.gradient_clipping!r}")
         if not isinstance(self.reduce_bucket_size, int) or self.reduce_bucket_size < 1:
             raise ValueError(f"reduce_bucket_size must be a positive integer, got "

@@ -24,13 +24,13 @@ import math
 import torch
 from torch import nn
 from torch.autograd.graph import register_multi_grad_hook
-from torch.utils._pytree import tree_flatten
 
 from zero._comm import Comm, leave_process_group
 from zero._flat_group import FlatGroup
 from zero._loss_scaler import DynamicLossScaler
 from zero._memory import MemorySummary, zero_formula
 from zero._optimizer_bridge import optimizer_kind, parameter_names, states_for
+from zero._outputs import tensors_in
 from zero._partitioned_init import sharded_record, take_values
 from zero._stage3 import Stage3Schedule
 from zero import _step_path
@@ -95,7 +95,10 @@ class Engine(nn.Module):
         self.frozen_group = None
         self._schedule = None
         if config.stage == 3:
-            frozen = [(n, p) for n, p in module.named_parameters() if not p.requires_grad]
+            # integer parameters (indices, counters) are not cast nor
+            # partitioned: kept whole on every rank, as at stages 0-2
+            frozen = [(n, p) for n, p in module.named_parameters()
+                      if not p.requires_grad and p.is_floating_point()]
             if frozen:
                 self.frozen_group = FlatGroup(
                     -1, [p for _, p in frozen], [n for n, _ in frozen], self.compute_dtype,
@@ -215,8 +218,7 @@ class Engine(nn.Module):
 
     def _watch_root_output(self, _module, _args, output):
         if torch.is_grad_enabled():
-            tensors = [t for t in tree_flatten(output)[0] if torch.is_tensor(t)
-                       and t.requires_grad and t.grad_fn is not None]
+            tensors = [t for t in tensors_in(output) if t.requires_grad and t.grad_fn is not None]
             if tensors:
                 register_multi_grad_hook(tensors, lambda _grad: self._arm_backward_end(),
                                          mode="any")
@@ -407,11 +409,9 @@ class Engine(nn.Module):
                 totals[k] += v
         item = self.compute_dtype.itemsize
         totals["gathered_peak"] = self._schedule.peak_live * item if self._schedule else 0
-        trainable = {id(p) for fg in self.groups for p in fg.params}
-        if self.frozen_group is not None:
-            frozen = self.frozen_group.nbytes()["params"]
-        else:
-            frozen = sum(p.nbytes for p in self.module.parameters() if id(p) not in trainable)
+        grouped = {id(p) for fg in self.all_groups for p in fg.params}
+        frozen = self.frozen_group.nbytes()["params"] if self.frozen_group is not None else 0
+        frozen += sum(p.nbytes for p in self.module.parameters() if id(p) not in grouped)
         totals["model_states"] = totals["params"] + totals["grads"] + \
             totals["optimizer_states"] + totals["gathered_peak"]
         totals["frozen_params"] = frozen

@@ -1,0 +1,52 @@
+"""The tensors inside what a module returns or takes: nested tuples, lists,
+dicts and namedtuples (torch's pytree), and plain dataclasses, which
+pytree treats as opaque leaves but models return (an output record with
+`loss` and `logits` fields), so a hook looking only at pytree's leaves
+would miss every tensor inside one."""
+from __future__ import annotations
+
+import copy
+import dataclasses
+
+import torch
+from torch.utils._pytree import tree_flatten, tree_map
+
+
+def _is_dataclass_instance(x) -> bool:
+    return dataclasses.is_dataclass(x) and not isinstance(x, type)
+
+
+def tensors_in(value) -> list:
+    """Every tensor in `value`, depth first."""
+    out = []
+    for leaf in tree_flatten(value)[0]:
+        if torch.is_tensor(leaf):
+            out.append(leaf)
+        elif _is_dataclass_instance(leaf):
+            out.extend(tensors_in([getattr(leaf, f.name) for f in dataclasses.fields(leaf)]))
+    return out
+
+
+def map_tensors(fn, value):
+    """`value` with each tensor t replaced by fn(t) (a dataclass is copied
+    only where one of its tensors changed)."""
+    def visit(leaf):
+        if torch.is_tensor(leaf):
+            return fn(leaf)
+        if not _is_dataclass_instance(leaf):
+            return leaf
+        changes = {}
+        for f in dataclasses.fields(leaf):
+            old = getattr(leaf, f.name)
+            new = map_tensors(fn, old)
+            if new is not old:
+                changes[f.name] = new
+        if not changes:
+            return leaf
+        # a shallow copy with the fields set directly: replace() would run
+        # __init__/__post_init__ and cannot set init=False fields
+        duplicate = copy.copy(leaf)
+        for name, new in changes.items():
+            object.__setattr__(duplicate, name, new)
+        return duplicate
+    return tree_map(visit, value)

@@ -1,0 +1,292 @@
+"""Stage 3 on model shapes that read parameters in ways the per-module hooks
+do not see coming, each against the same model trained by plain torch
+(SGD, so that the comparison is exact up to summation order: 1e-6).
+
+Every unit is released after use (persistence threshold 0), as in a model
+too large to keep any of it gathered. The cases:
+- a parameter used only on some steps, inside a module whose other
+  parameter is used on every step (its unit is released once the others'
+  gradients are in, before autograd reads the late one);
+- an auxiliary loss of a module's weights computed in its forward (read by
+  backward off the path through the module's outputs);
+- outputs in plain dataclasses (pytree sees no tensors inside them);
+- integer parameters (kept as they are, never cast nor partitioned);
+- torch's MultiheadAttention, whose forward reads out_proj's weights
+  without calling out_proj;
+and, refused with a clear error, a backward with create_graph=True (which
+stages 0-2 run as torch does).
+See [Note: saved parameters] in python/zero/_stage3.py."""
+import dataclasses
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import zero
+from engine_cases import no_launcher
+
+RELEASED = dict(stage3_param_persistence_threshold=0)
+TOL = 1e-6
+
+
+@pytest.fixture(autouse=True)
+def _no_launcher(monkeypatch):
+    no_launcher(monkeypatch)
+
+
+class SometimesScaled(nn.Module):
+    """`scale` is read on odd steps only; `weight` on every step. `how`
+    picks the op that reads `scale`: one that saves it for backward
+    (mul, linear), or one that does not (add)."""
+
+    def __init__(self, how):
+        super().__init__()
+        self.how = how
+        self.scale = nn.Parameter(torch.rand(8) + 0.5)
+        self.weight = nn.Parameter(torch.randn(8, 8) / 3)
+
+    def forward(self, x, use_scale):
+        if use_scale:
+            if self.how == "mul":
+                x = x * self.scale
+            elif self.how == "linear":
+                x = F.linear(x, torch.diag(self.scale))
+            else:
+                x = x + self.scale
+        return x @ self.weight
+
+
+class GatedNet(nn.Module):
+    """A layer first, so that backward needs the gradients of inner's
+    input, and with them the values of inner's parameters."""
+
+    def __init__(self, how):
+        super().__init__()
+        self.pre = nn.Linear(8, 8)
+        self.inner = SometimesScaled(how)
+        self.head = nn.Linear(8, 3)
+
+    def forward(self, x, use_scale):
+        return self.head(torch.tanh(self.inner(self.pre(x), use_scale)))
+
+
+class WithAuxLoss(nn.Module):
+    """Keeps a penalty of its own weight, computed in forward, for the loss
+    (off the path from its output back to the weight)."""
+
+    def __init__(self):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(8, 8) / 3)
+        self.aux = None
+
+    def forward(self, x):
+        y = x @ self.weight
+        self.aux = self.weight.pow(2).sum() * 1e-2
+        return y
+
+
+class AuxNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.pre = nn.Linear(8, 8)
+        self.block = WithAuxLoss()
+        self.head = nn.Linear(8, 3)
+
+    def forward(self, x):
+        return self.head(torch.tanh(self.block(self.pre(x)))).sum(-1) + self.block.aux
+
+
+@dataclasses.dataclass
+class Hidden:
+    states: torch.Tensor
+    note: str = "kept"
+
+
+class DataclassBlock(nn.Module):
+    """Its own weight (no child module whose output hooks would cover it)."""
+
+    def __init__(self):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(8, 8) / 3)
+
+    def forward(self, x):
+        return Hidden(torch.tanh(x @ self.weight))
+
+
+class DataclassNet(nn.Module):
+    """A child and the root both return dataclasses."""
+
+    def __init__(self):
+        super().__init__()
+        self.pre = nn.Linear(8, 8)
+        self.block = DataclassBlock()
+        self.head = nn.Linear(8, 3)
+
+    def forward(self, x):
+        hidden = self.block(self.pre(x))
+        assert hidden.note == "kept"
+        return Hidden(self.head(hidden.states))
+
+
+class Codebook(nn.Module):
+    """An integer parameter (frozen by necessity) used as indices."""
+
+    def __init__(self):
+        super().__init__()
+        self.codes = nn.Parameter(torch.tensor([3, 1, 16777217 % 8, 2]), requires_grad=False)
+        self.big = nn.Parameter(torch.tensor([16777217]), requires_grad=False)
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x):
+        return self.lin(x)[:, self.codes] + (self.big - 16777216).float()
+
+
+class Attention(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layer = nn.TransformerEncoderLayer(8, 2, dim_feedforward=16, dropout=0.0,
+                                                batch_first=True)
+        self.head = nn.Linear(8, 3)
+
+    def forward(self, x):
+        return self.head(self.layer(x))
+
+
+def pair(cls, *args):
+    torch.manual_seed(0)
+    model, ref = cls(*args), cls(*args)
+    ref.load_state_dict(model.state_dict())
+    return model, ref
+
+
+def output_tensor(out):
+    return out.states if isinstance(out, Hidden) else out
+
+
+def train_both(cls, args, inputs, stage=3, **options):
+    """Train an engine and the plain twin on the same inputs; returns the
+    engine's full state dict, the reference and the engine."""
+    model, ref = pair(cls, *args)
+    engine = zero.initialize(model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                             stage=stage, **options)
+    opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    for call in inputs:
+        engine.backward(output_tensor(engine(*call)).square().mean())
+        engine.step()
+        opt.zero_grad()
+        output_tensor(ref(*call)).square().mean().backward()
+        opt.step()
+    state = engine.full_state_dict()
+    return state, ref, engine
+
+
+def assert_matches(state, ref):
+    for name, value in ref.state_dict().items():
+        torch.testing.assert_close(state[name], value, rtol=TOL, atol=TOL, msg=name)
+
+
+def gated_inputs(steps=4):
+    g = torch.Generator().manual_seed(1)
+    return [(torch.randn(5, 8, generator=g), step % 2 == 1) for step in range(steps)]
+
+
+@pytest.mark.parametrize("how", ["mul", "linear", "add"])
+def test_parameter_used_again_after_an_unused_step(how):
+    state, ref, engine = train_both(GatedNet, (how,), gated_inputs(), **RELEASED)
+    assert_matches(state, ref)
+    engine.close()
+
+
+def test_auxiliary_loss_of_weights_computed_in_forward():
+    g = torch.Generator().manual_seed(2)
+    inputs = [(torch.randn(5, 8, generator=g),) for _ in range(3)]
+    state, ref, engine = train_both(AuxNet, (), inputs, **RELEASED)
+    assert_matches(state, ref)
+    engine.close()
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_dataclass_outputs(stage):
+    g = torch.Generator().manual_seed(3)
+    inputs = [(torch.randn(5, 8, generator=g),) for _ in range(3)]
+    state, ref, engine = train_both(DataclassNet, (), inputs, stage=stage, **RELEASED)
+    assert_matches(state, ref)
+    engine.close()
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_integer_parameters_are_kept_as_they_are(precision):
+    model, ref = pair(Codebook)
+    engine = zero.initialize(model, stage=3, precision=precision, **RELEASED)
+    assert model.codes.dtype == torch.int64 and model.big.dtype == torch.int64
+    assert torch.equal(model.big, torch.tensor([16777217]))  # not rounded through a float
+    x = torch.randn(5, 8)
+    engine.backward(engine(x).float().square().mean())
+    engine.step()
+    state = engine.full_state_dict()
+    assert torch.equal(state["codes"], ref.codes) and torch.equal(state["big"], ref.big)
+    summary = engine.memory_summary()
+    assert summary["frozen_params"] == model.codes.nbytes + model.big.nbytes
+    estimate = zero.estimate_memory(Codebook(), 1, stage=3, precision=precision, **RELEASED)
+    assert estimate["frozen_params"] == summary["frozen_params"]
+    engine.close()
+
+
+def test_multihead_attention_without_registration():
+    g = torch.Generator().manual_seed(4)
+    inputs = [(torch.randn(2, 5, 8, generator=g),) for _ in range(3)]
+    state, ref, engine = train_both(Attention, (), inputs, **RELEASED)
+    assert_matches(state, ref)
+    engine.close()
+
+
+def test_backward_with_create_graph_is_refused():
+    model, _ref = pair(GatedNet, "mul")
+    engine = zero.initialize(model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                             stage=3, **RELEASED)
+    x = torch.randn(5, 8, requires_grad=True)
+    with pytest.raises(RuntimeError, match="create_graph=True"):
+        torch.autograd.grad(engine(x, True).square().sum(), x, create_graph=True)
+    engine.zero_grad()  # the refused backward is dropped; training goes on
+    state, ref, second = train_both(GatedNet, ("mul",), gated_inputs(), **RELEASED)
+    assert_matches(state, ref)
+    second.close()
+    engine.close()
+
+
+def test_parameter_changed_in_place_before_backward_is_caught():
+    """With the saved-tensor hook, the hook keeps torch's version check."""
+    model, _ref = pair(GatedNet, "mul")
+    engine = zero.initialize(model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                             stage=3, **RELEASED)
+    loss = engine(torch.randn(5, 8), True).square().mean()
+    with torch.no_grad():
+        model.inner.scale.mul_(2)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        engine.backward(loss)
+    engine.zero_grad()
+    engine.close()
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2])
+def test_gradient_penalty_below_stage_3(stage):
+    """Stages 0-2 keep every parameter, so a double backward (the gradient
+    of the input's gradient norm in the loss) runs as in torch."""
+    def loss_of(net, x):
+        x = x.clone().requires_grad_(True)
+        out = net(x, True)
+        (grad_x,) = torch.autograd.grad(out.sum(), x, create_graph=True)
+        return out.square().mean() + ((grad_x.norm(dim=1) - 1) ** 2).mean()
+    model, ref = pair(GatedNet, "mul")
+    engine = zero.initialize(model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                             stage=stage)
+    opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    for x, _use in gated_inputs(3):
+        engine.backward(loss_of(engine, x))
+        engine.step()
+        opt.zero_grad()
+        loss_of(ref, x).backward()
+        opt.step()
+    assert_matches(engine.full_state_dict(), ref)
+    engine.close()
