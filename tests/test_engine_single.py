@@ -131,11 +131,13 @@ def test_deepspeed_config_dict_and_file(tmp_path):
     assert engine.stage == 1 and engine.compute_dtype == torch.bfloat16
     assert isinstance(engine.optimizer, torch.optim.AdamW)
     assert engine.optimizer.param_groups[0]["betas"] == (0.9, 0.95)
-    lr0 = engine.optimizer.param_groups[0]["lr"]
-    for _ in range(2):  # one boundary
+    lrs = [engine.optimizer.param_groups[0]["lr"]]
+    for _ in range(4):  # two boundaries
         engine.backward(engine(torch.randn(4, 6)).float().sum())
         engine.step()
-    assert engine.optimizer.param_groups[0]["lr"] > lr0  # warming up
+        lrs.append(engine.optimizer.param_groups[0]["lr"])
+    # DeepSpeed's WarmupLR: min for the first two updates, then warming up
+    assert lrs[0] == lrs[2] == 0.0 and lrs[4] > 0.0
     engine.close()
 
 

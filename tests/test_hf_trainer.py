@@ -53,6 +53,48 @@ def test_matches_the_plain_trainer(one_process, tmp_path, plain_trainer_run, sta
     trainer.engine.close()
 
 
+# HuggingFace's DeepSpeed template, as users bring it: the Trainer's keys
+# "auto" or equal to TrainingArguments, an optimizer and scheduler of "auto"
+DEEPSPEED_TEMPLATE = {
+    "train_batch_size": "auto", "train_micro_batch_size_per_gpu": 4,
+    "gradient_accumulation_steps": "auto", "gradient_clipping": 0.5,
+    "optimizer": {"type": "AdamW", "params": {"lr": "auto", "weight_decay": "auto"}},
+    "scheduler": {"type": "WarmupDecayLR", "params": {"warmup_max_lr": "auto",
+                                                      "total_num_steps": "auto"}},
+    "zero_optimization": {"stage": 2, "reduce_bucket_size": "auto", "overlap_comm": True},
+}
+
+
+def test_deepspeed_config_leaves_the_trainers_keys_to_the_trainer(one_process, tmp_path,
+                                                                  plain_trainer_run):
+    ref_state, ref_losses, _ref_norms = plain_trainer_run
+    trainer = zero_trainer(tmp_path, {"config": DEEPSPEED_TEMPLATE})
+    trainer.train()
+    assert trainer.engine.stage == 2 and trainer.engine.lr_scheduler is None
+    assert trainer.engine.config.gradient_accumulation_steps == 1  # the Trainer accumulates
+    state = trainer.engine.full_state_dict()
+    for ours, ref in zip(logged(trainer, "loss"), ref_losses, strict=True):
+        assert same_logged_loss(ours, ref)
+    for key, ref in ref_state.items():
+        assert max_rel_error(state[key], ref) <= 1e-5, key
+    trainer.engine.close()
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"gradient_accumulation_steps": 2 * 2}, "gradient_accumulation_steps is 4 but "
+                                             "TrainingArguments.gradient_accumulation_steps is 2"),
+    ({"gradient_clipping": 1.0}, "TrainingArguments.max_grad_norm is 0.5"),
+    ({"scheduler": {"type": "WarmupLR", "params": {"warmup_max_lr": 1e-3}}},
+     "the config's scheduler block sets values"),
+    ({"optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}},
+     "the config's optimizer block sets values"),
+])
+def test_deepspeed_config_disagreeing_with_the_trainer_is_refused(one_process, tmp_path,
+                                                                  change, message):
+    with pytest.raises(ValueError, match=message):
+        zero_trainer(tmp_path, {"config": {**DEEPSPEED_TEMPLATE, **change}})
+
+
 def test_fp16_overflow_leaves_the_lr_schedule_alone(one_process, tmp_path):
     """A loss scale of 2^24 overflows fp16 gradients: the engine skips those
     steps, halving the scale, and the Trainer's scheduler must not advance

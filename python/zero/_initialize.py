@@ -32,9 +32,11 @@ def resolve_config(config, stage, precision, options) -> Config:
 
 
 def default_optimizer(cfg: Config, model: nn.Module):
-    """The config's optimizer block (default AdamW, lr 1e-3) on the model."""
-    return optimizer_from_config(cfg.optimizer or {"type": "AdamW", "params": {"lr": 1e-3}},
-                                 model.parameters())
+    """The config's optimizer block on the model, else torch's AdamW with
+    lr 1e-3 and its other defaults."""
+    if cfg.optimizer is None:
+        return torch.optim.AdamW(model.parameters(), lr=1e-3)
+    return optimizer_from_config(cfg.optimizer, model.parameters())
 
 
 def initialize(model: nn.Module, *, optimizer=None, stage=None, precision=None,

@@ -100,8 +100,18 @@ def optimizer_from_config(spec: dict, params):
     """Build the optimizer a DeepSpeed config's "optimizer" block names."""
     kind = spec.get("type", "AdamW")
     kwargs = dict(spec.get("params", {}))
+    for key, value in kwargs.items():
+        if value == "auto":
+            raise ValueError(f"optimizer.params.{key} is 'auto', which HuggingFace's DeepSpeed "
+                             "integration fills in from TrainingArguments; give a value (or "
+                             "train with zero.integrations.hf.ZeroTrainer, which builds the "
+                             "Trainer's optimizer)")
     if "betas" in kwargs:
         kwargs["betas"] = tuple(kwargs["betas"])
+    if kind.lower() in ("adam", "adamw") and not kwargs.get("torch_adam", False):
+        # DeepSpeed's own Adam (FusedAdam, DeepSpeedCPUAdam) defaults to no
+        # weight decay; torch's AdamW, which runs here, to 0.01
+        kwargs.setdefault("weight_decay", 0.0)
     classes = {"adamw": torch.optim.AdamW, "adam": torch.optim.Adam, "sgd": torch.optim.SGD,
                "adagrad": torch.optim.Adagrad, "lion": zero_optim.Lion}
     cls = classes.get(kind.lower())

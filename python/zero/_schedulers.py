@@ -1,46 +1,100 @@
-"""LR schedules named in DeepSpeed configs (WarmupLR, WarmupDecayLR), built
-as torch LambdaLR schedulers on the user's optimizer."""
+"""LR schedules named in DeepSpeed configs (WarmupLR, WarmupDecayLR), as
+torch schedulers on the user's optimizer, with DeepSpeed's numbers: a
+config moved from DeepSpeed must give the same learning rate at every
+update.
+
+DeepSpeed's schedule, per its documentation and measured against
+deepspeed 0.19.8: the optimizer starts at warmup_min_lr; the engine steps
+the scheduler after each update, and the i-th scheduler step (i = 0, 1, ...)
+sets lr = min + (max - min) * gamma(i), where during warm-up (i < W)
+gamma = log(i + 1) / log(W) ("log", the default) or i / W ("linear"), after
+it 1 (WarmupLR) or max(0, (T - i) / max(1, T - W)) (WarmupDecayLR, ending at
+min at step T). gamma(0) = 0, so the first two updates both use min. W is
+warmup_num_steps raised to at least 2, as DeepSpeed does. Every param group
+gets the same learning rate.
+"""
 from __future__ import annotations
 
 import math
 
-import torch
+from torch.optim.lr_scheduler import LRScheduler
+
+_KNOWN = {"warmup_min_lr", "warmup_max_lr", "warmup_num_steps", "warmup_type",
+          "total_num_steps", "last_batch_iteration"}
 
 
-def _warmup_factor(step, warmup_steps, warmup_type):
-    if warmup_steps <= 0 or step >= warmup_steps:
-        return 1.0
-    if warmup_type == "linear":
-        return step / warmup_steps
-    return math.log(step + 1) / math.log(warmup_steps)  # DeepSpeed's default "log"
+class DeepSpeedWarmup(LRScheduler):
+    """WarmupLR (total_steps None) or WarmupDecayLR. torch's step count k
+    (0 at construction) is DeepSpeed's last_batch_iteration + 1."""
+
+    def __init__(self, optimizer, min_lr, max_lr, warmup_steps, warmup_type, total_steps=None,
+                 last_batch_iteration=-1):
+        self.min_lr, self.max_lr = min_lr, max_lr
+        self.warmup_steps = max(2, warmup_steps)
+        self.warmup_type = warmup_type
+        self.total_steps = total_steps
+        if last_batch_iteration != -1:
+            for group in optimizer.param_groups:
+                group.setdefault("initial_lr", group["lr"])
+        super().__init__(optimizer, last_epoch=last_batch_iteration)
+
+    def lr_at(self, k: int) -> float:
+        i = k - 1  # DeepSpeed's iteration; -1: before its first step
+        if i < 0:
+            return self.min_lr
+        return self.min_lr + (self.max_lr - self.min_lr) * self._gamma(i)
+
+    def _gamma(self, i: int) -> float:
+        if i < self.warmup_steps:
+            if self.warmup_type == "linear":
+                return i / self.warmup_steps
+            return math.log(i + 1) / math.log(self.warmup_steps)
+        if self.total_steps is None:
+            return 1.0
+        return max(0.0, (self.total_steps - i) / max(1, self.total_steps - self.warmup_steps))
+
+    def get_lr(self):
+        lr = self.lr_at(self.last_epoch)
+        return [lr for _ in self.optimizer.param_groups]
+
+
+def _number(params, key, default, kind=float, low=None):
+    value = params.get(key, default)
+    if value == "auto":
+        raise ValueError(f"scheduler.params.{key} is 'auto', which HuggingFace's DeepSpeed "
+                         "integration fills in from TrainingArguments; give a number (or "
+                         "train with zero.integrations.hf.ZeroTrainer, which takes the "
+                         "Trainer's schedule)")
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or \
+            not math.isfinite(value) or (kind is int and value != int(value)) or \
+            (low is not None and value < low):
+        rule = "an integer" if kind is int else "a finite number"
+        rule += f" >= {low}" if low is not None else ""
+        raise ValueError(f"scheduler.params.{key} must be {rule}, got {value!r}")
+    return kind(value)
 
 
 def scheduler_from_config(spec: dict, optimizer):
     kind = spec.get("type")
-    params = dict(spec.get("params", {}))
-    known = {"warmup_min_lr", "warmup_max_lr", "warmup_num_steps", "warmup_type",
-             "total_num_steps", "last_batch_iteration"}
-    unknown = set(params) - known
-    if unknown:
-        raise ValueError(f"unknown scheduler.params key(s): {', '.join(sorted(unknown))}")
-    lo = float(params.get("warmup_min_lr", 0.0))
-    hi = float(params.get("warmup_max_lr", 0.001))
-    warm = int(params.get("warmup_num_steps", 1000))
-    wtype = params.get("warmup_type", "log")
-    if kind == "WarmupLR":
-        def lr_at(step):
-            return lo + (hi - lo) * _warmup_factor(step, warm, wtype)
-    elif kind == "WarmupDecayLR":
-        total = int(params["total_num_steps"])
-
-        def lr_at(step):
-            if step < warm:
-                return lo + (hi - lo) * _warmup_factor(step, warm, wtype)
-            return hi * max(0.0, (total - step) / max(1, total - warm))
-    else:
+    if kind not in ("WarmupLR", "WarmupDecayLR"):
         raise ValueError(f"scheduler.type {kind!r} is not supported; choose WarmupLR or "
                          "WarmupDecayLR, or pass lr_scheduler=")
-    for group in optimizer.param_groups:
-        group["lr"] = hi  # LambdaLR multiplies the initial lr
-        group["initial_lr"] = hi
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_at(s) / hi if hi else 0.0)
+    params = dict(spec.get("params", {}))
+    unknown = set(params) - _KNOWN
+    if unknown:
+        raise ValueError(f"unknown scheduler.params key(s): {', '.join(sorted(unknown))}")
+    warmup_type = params.get("warmup_type", "log")
+    if warmup_type not in ("log", "linear"):
+        raise ValueError(f"scheduler.params.warmup_type must be 'log' or 'linear', got "
+                         f"{warmup_type!r}")
+    total = None
+    if kind == "WarmupDecayLR":
+        if "total_num_steps" not in params:
+            raise ValueError("scheduler.params.total_num_steps is required by WarmupDecayLR "
+                             "(the step at which the learning rate is back at warmup_min_lr)")
+        total = _number(params, "total_num_steps", None, int, low=1)
+    return DeepSpeedWarmup(
+        optimizer, _number(params, "warmup_min_lr", 0.0, low=0.0),
+        _number(params, "warmup_max_lr", 0.001, low=0.0),
+        _number(params, "warmup_num_steps", 1000, int, low=1), warmup_type, total,
+        _number(params, "last_batch_iteration", -1, int, low=-1))

@@ -132,7 +132,13 @@ class Config:
         object.__setattr__(self, "stage", int(self.stage))  # 3.0 from a JSON writer
         if self.precision not in PRECISIONS:
             raise ValueError(f"precision must be one of {PRECISIONS}, got {self.precision!r}")
-        if not isinstance(self.gradient_accumulation_steps, int) or \
+        for name in ("train_micro_batch_size_per_gpu", "train_batch_size"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int)
+                                      or value < 1):
+                raise ValueError(f"{name} must be a positive integer or None, got {value!r}")
+        if isinstance(self.gradient_accumulation_steps, bool) or \
+                not isinstance(self.gradient_accumulation_steps, int) or \
                 self.gradient_accumulation_steps < 1:
             raise ValueError("gradient_accumulation_steps must be an integer >= 1, got "
                              f"{self.gradient_accumulation_steps!r}")
@@ -182,10 +188,50 @@ class Config:
     @classmethod
     def from_deepspeed(cls, config: "dict | str | os.PathLike") -> "Config":
         """Read a DeepSpeed JSON config (a dict or a path to a JSON file)."""
-        if not isinstance(config, dict):
-            with open(config) as f:
-                config = json.load(f)
-        return cls(**_translate(config))
+        return cls(**_translate(read_deepspeed(config)))
+
+
+def read_deepspeed(config) -> dict:
+    """The dict of a DeepSpeed config given as a dict or a JSON file's path."""
+    if isinstance(config, dict):
+        return config
+    if not isinstance(config, (str, os.PathLike)):  # open() would take an int as an fd
+        raise TypeError(f"config must be a dict, a path to a JSON file or a zero.Config, got "
+                        f"{type(config).__name__}")
+    with open(config) as f:
+        try:
+            loaded = json.load(f)
+        except json.JSONDecodeError as error:
+            raise ValueError(f"config file {os.fspath(config)!r} is not valid JSON: "
+                             f"{error}") from None
+    if not isinstance(loaded, dict):
+        raise ValueError(f"config file {os.fspath(config)!r} holds a JSON "
+                         f"{type(loaded).__name__}, not an object of DeepSpeed keys")
+    return loaded
+
+
+# HuggingFace's DeepSpeed templates write "auto" where its Trainer fills in a
+# value. Ours: the sizes below take zero's defaults (tuning, not results);
+# the batch sizes, used only for a consistency check, are left out; keys
+# whose value changes the training (accumulation, clipping) are refused
+# with the reason, as an optimizer or scheduler parameter is.
+_AUTO_MEANS_DEFAULT = {"reduce_bucket_size", "stage3_param_persistence_threshold",
+                       "stage3_prefetch_bucket_size", "stage3_max_live_parameters",
+                       "overlap_comm", "contiguous_gradients", "train_batch_size",
+                       "train_micro_batch_size_per_gpu"}
+
+
+def _drop_auto(block: dict, prefix: str) -> dict:
+    out = {}
+    for key, value in block.items():
+        if value != "auto":
+            out[key] = value
+        elif key not in _AUTO_MEANS_DEFAULT:
+            raise ValueError(f"{prefix}{key} is 'auto', which HuggingFace's DeepSpeed "
+                             "integration fills in from TrainingArguments; give a value (or "
+                             "train with zero.integrations.hf.ZeroTrainer, where the Trainer "
+                             "owns it)")
+    return out
 
 
 # DeepSpeed keys that are accepted and have no effect here, with the reason
@@ -226,6 +272,15 @@ def _translate(ds: dict) -> dict:
     top = dict(ds)
     options: dict[str, Any] = {}
     zero_block = top.pop("zero_optimization", {}) or {}
+    if not isinstance(zero_block, dict):
+        raise ValueError(f"zero_optimization must be an object, got {zero_block!r}")
+    fp16, bf16 = top.pop("fp16", None) or {}, top.pop("bf16", None) or {}
+    top = _drop_auto(top, "")
+    zero_block = _drop_auto(zero_block, "zero_optimization.")
+    top["fp16"], top["bf16"] = fp16, bf16
+    # DeepSpeed runs stage 0 when the config names none; zero.Config's own
+    # default (stage 2) is for zero.initialize(model) without a config
+    options["stage"] = zero_block.get("stage", 0)
     data_types = top.pop("data_types", None) or {}
     fp16 = top.pop("fp16", None) or {}
     bf16 = top.pop("bf16", None) or {}
@@ -266,7 +321,10 @@ def _translate(ds: dict) -> dict:
     for key in ("reduce_bucket_size", "stage3_param_persistence_threshold",
                 "stage3_prefetch_bucket_size", "stage3_max_live_parameters"):
         if key in zero_opts:  # DeepSpeed configs often write 5e7
-            zero_opts[key] = int(zero_opts[key])
+            value = _number(zero_opts[key], f"zero_optimization.{key}")
+            if value != int(value):
+                raise ValueError(f"zero_optimization.{key} must be an integer, got {value!r}")
+            zero_opts[key] = int(value)
     options.update(zero_opts)
     options.update(_take(data_types, "data_types.", {"grad_accum_dtype": "grad_accum_dtype"}))
     for name, block in (("fp16", fp16), ("bf16", bf16)):

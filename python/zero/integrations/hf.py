@@ -38,6 +38,7 @@ import torch
 from transformers import Trainer
 
 import zero
+from zero.config import read_deepspeed
 
 ZERO_CHECKPOINT_DIR = "zero_checkpoint"
 SCHEDULER_FILE = "scheduler.pt"  # the Trainer's own name for it
@@ -133,7 +134,46 @@ class ZeroTrainer(Trainer):
         if self.args.load_best_model_at_end and self.args.save_only_model:
             raise ValueError("load_best_model_at_end loads the best folder's zero checkpoint, "
                              "which save_only_model=True does not write; unset one of them")
+        if "config" in options:
+            options["config"] = self._config_for_trainer(options["config"])
         self._route_accelerator_to_engine()
+
+    def _config_for_trainer(self, config):
+        """A DeepSpeed config given in zero_options, less what the Trainer
+        owns. Such a key may be "auto" or agree with TrainingArguments (it
+        is then left to the Trainer, as HuggingFace's DeepSpeed integration
+        does); one that disagrees is refused: the engine applying it on top
+        of the Trainer would accumulate twice, clip twice or schedule twice.
+        An optimizer or scheduler block may only hold "auto" values: the
+        Trainer builds both."""
+        if isinstance(config, zero.Config):
+            return config  # built by the user: its fields are zero_options' own
+        config = dict(read_deepspeed(config))
+        args = self.args
+        owned = {"gradient_accumulation_steps": (args.gradient_accumulation_steps,
+                                                 "gradient_accumulation_steps"),
+                 "gradient_clipping": (args.max_grad_norm, "max_grad_norm"),
+                 "train_micro_batch_size_per_gpu": (args.per_device_train_batch_size,
+                                                    "per_device_train_batch_size")}
+        for key, (theirs, field) in owned.items():
+            if key in config:
+                value = config.pop(key)
+                if value != "auto" and value != theirs:
+                    raise ValueError(f"the config's {key} is {value!r} but TrainingArguments."
+                                     f"{field} is {theirs!r}; the Trainer owns it: set it in "
+                                     "TrainingArguments and write \"auto\" (or leave it out) "
+                                     "in the config")
+        config.pop("train_batch_size", None)  # the Trainer's, across ranks and accumulation
+        for block, where in (("optimizer", "TrainingArguments (optim, learning_rate, "
+                              "weight_decay, adam_beta1/2, adam_epsilon) or optimizers="),
+                             ("scheduler", "TrainingArguments (lr_scheduler_type, "
+                              "warmup_steps) or optimizers=")):
+            spec = config.pop(block, None)
+            if spec and any(v != "auto" for v in (spec.get("params") or {}).values()):
+                raise ValueError(f"the config's {block} block sets values, but the Trainer "
+                                 f"builds the {block}: set {where}, or write \"auto\" for "
+                                 "each of its params")
+        return config
 
     # ---- the engine and the optimizer ------------------------------------------
 

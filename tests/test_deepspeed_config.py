@@ -1,0 +1,168 @@
+"""DeepSpeed configs read as DeepSpeed reads them: the learning-rate
+schedules give DeepSpeed's learning rate at every update, the optimizer
+block DeepSpeed's defaults, and HuggingFace's "auto" values are taken or
+refused by name.
+
+The expected learning rates were printed by deepspeed 0.19.8's own
+WarmupLR and WarmupDecayLR (stepped once after each update, as its engine
+does), on this machine; they are facts about DeepSpeed, typed in here so the
+test needs no DeepSpeed."""
+import json
+
+import pytest
+import torch
+from torch import nn
+
+import zero
+from engine_cases import no_launcher
+from zero._schedulers import scheduler_from_config
+
+DEEPSPEED_LRS = {
+    "decay_linear": (
+        {"type": "WarmupDecayLR", "params": {"total_num_steps": 10, "warmup_min_lr": 1e-4,
+                                             "warmup_max_lr": 1e-3, "warmup_num_steps": 4,
+                                             "warmup_type": "linear"}},
+        [1e-4, 1e-4, 3.25e-4, 5.5e-4, 7.75e-4, 1e-3, 8.5e-4, 7e-4, 5.5e-4, 4e-4, 2.5e-4,
+         1e-4, 1e-4]),
+    "warmup_log": (
+        {"type": "WarmupLR", "params": {"warmup_min_lr": 0.0, "warmup_max_lr": 3e-4,
+                                        "warmup_num_steps": 5}},
+        [0.0, 0.0, 0.0001292029674220179, 0.00020478185834579558, 0.0002584059348440358,
+         3e-4, 3e-4, 3e-4]),
+    # DeepSpeed raises a warm-up of 1 step to 2
+    "warmup_one": (
+        {"type": "WarmupLR", "params": {"warmup_min_lr": 0.0, "warmup_max_lr": 1e-3,
+                                        "warmup_num_steps": 1, "warmup_type": "linear"}},
+        [0.0, 0.0, 5e-4, 1e-3, 1e-3]),
+}
+
+
+@pytest.fixture(autouse=True)
+def _no_launcher(monkeypatch):
+    no_launcher(monkeypatch)
+
+
+def model():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 2))
+
+
+@pytest.mark.parametrize("case", list(DEEPSPEED_LRS))
+def test_schedule_gives_deepspeeds_learning_rates(case):
+    spec, expected = DEEPSPEED_LRS[case]
+    opt = torch.optim.SGD([nn.Parameter(torch.zeros(1)), nn.Parameter(torch.zeros(1))], lr=0.5)
+    opt.param_groups.append({**opt.param_groups[0], "params": [nn.Parameter(torch.zeros(1))],
+                             "lr": 0.7})  # every group gets the schedule's rate
+    scheduler = scheduler_from_config(spec, opt)
+    got = [opt.param_groups[0]["lr"]]
+    for _ in range(len(expected) - 1):
+        opt.step()
+        scheduler.step()
+        got.append(opt.param_groups[0]["lr"])
+        assert opt.param_groups[1]["lr"] == got[-1]
+    assert got == pytest.approx(expected, rel=1e-12, abs=1e-18)
+
+
+def test_engine_steps_the_config_schedule_once_per_update():
+    spec, expected = DEEPSPEED_LRS["decay_linear"]
+    m = model()
+    engine = zero.initialize(m, config={"gradient_accumulation_steps": 2, "scheduler": spec,
+                                        "optimizer": {"type": "SGD", "params": {"lr": 0.1}}})
+    seen = [engine.optimizer.param_groups[0]["lr"]]
+    for _ in range(8):
+        engine.backward(engine(torch.randn(3, 4)).sum())
+        engine.step()
+        if engine.micro_steps % 2 == 0:
+            seen.append(engine.optimizer.param_groups[0]["lr"])
+    assert seen == pytest.approx(expected[:5], rel=1e-12, abs=1e-18)
+    state = engine.lr_scheduler.state_dict()  # plain numbers: saved with checkpoints
+    assert state["last_epoch"] == 4 and state["warmup_steps"] == 4
+    engine.close()
+
+
+def test_resumed_schedule_continues_at_the_iteration_given():
+    spec, expected = DEEPSPEED_LRS["decay_linear"]
+    spec = {"type": spec["type"], "params": {**spec["params"], "last_batch_iteration": 5}}
+    opt = torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=0.5)
+    scheduler = scheduler_from_config(spec, opt)
+    got = [opt.param_groups[0]["lr"]]  # iteration 5's rate, then 6, 7, ...
+    for _ in range(3):
+        opt.step()
+        scheduler.step()
+        got.append(opt.param_groups[0]["lr"])
+    assert got == pytest.approx(expected[6:10], rel=1e-12)
+
+
+@pytest.mark.parametrize("params, message", [
+    ({"warmup_num_steps": 0}, "warmup_num_steps must be an integer >= 1"),
+    ({"warmup_max_lr": "auto"}, "warmup_max_lr is 'auto'"),
+    ({"warmup_type": "cosine"}, "warmup_type must be 'log' or 'linear'"),
+    ({"warmup_min_lr": "0.1"}, "warmup_min_lr must be a finite number"),
+])
+def test_schedule_values_are_checked(params, message):
+    opt = torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=0.5)
+    with pytest.raises(ValueError, match=message):
+        scheduler_from_config({"type": "WarmupLR", "params": params}, opt)
+    with pytest.raises(ValueError, match="total_num_steps is required"):
+        scheduler_from_config({"type": "WarmupDecayLR", "params": {}}, opt)
+
+
+@pytest.mark.parametrize("block, weight_decay", [
+    ({"type": "AdamW", "params": {"lr": 1e-2}}, 0.0),     # DeepSpeed's FusedAdam default
+    ({"type": "Adam", "params": {"lr": 1e-2}}, 0.0),
+    ({"type": "AdamW", "params": {"lr": 1e-2, "torch_adam": True}}, 0.01),  # torch's AdamW
+    ({"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.1}}, 0.1),
+])
+def test_optimizer_block_takes_deepspeeds_defaults(block, weight_decay):
+    engine = zero.initialize(model(), config={"optimizer": block})
+    assert engine.optimizer.param_groups[0]["weight_decay"] == weight_decay
+    engine.close()
+
+
+def test_no_optimizer_at_all_is_torchs_adamw():
+    engine = zero.initialize(model())
+    group = engine.optimizer.param_groups[0]
+    assert isinstance(engine.optimizer, torch.optim.AdamW)
+    assert (group["lr"], group["weight_decay"]) == (1e-3, 0.01)
+    engine.close()
+
+
+def test_stage_defaults_to_deepspeeds():
+    assert zero.Config.from_deepspeed({}).stage == 0
+    assert zero.Config.from_deepspeed({"zero_optimization": {"overlap_comm": True}}).stage == 0
+    assert zero.Config().stage == 2  # zero.initialize(model) without a config
+
+
+def test_huggingface_auto_values():
+    template = {"train_batch_size": "auto", "train_micro_batch_size_per_gpu": "auto",
+                "zero_optimization": {"stage": 3, "overlap_comm": True,
+                                      "reduce_bucket_size": "auto",
+                                      "stage3_prefetch_bucket_size": "auto",
+                                      "stage3_param_persistence_threshold": "auto"}}
+    cfg = zero.Config.from_deepspeed(template)
+    assert cfg.stage == 3 and cfg.reduce_bucket_size == zero.Config().reduce_bucket_size
+    assert cfg.train_batch_size is None
+    for key in ("gradient_accumulation_steps", "gradient_clipping"):
+        with pytest.raises(ValueError, match=f"{key} is 'auto'"):
+            zero.Config.from_deepspeed({**template, key: "auto"})
+    with pytest.raises(ValueError, match="optimizer.params.lr is 'auto'"):
+        zero.initialize(model(), config={"optimizer": {"type": "AdamW",
+                                                       "params": {"lr": "auto"}}})
+
+
+def test_config_sources_are_checked(tmp_path):
+    with pytest.raises(TypeError, match="config must be a dict, a path"):
+        zero.Config.from_deepspeed(2)  # open() would read file descriptor 2
+    bad = tmp_path / "bad.json"
+    bad.write_text("{'stage': 2}")
+    with pytest.raises(ValueError, match="bad.json' is not valid JSON"):
+        zero.Config.from_deepspeed(str(bad))
+    bad.write_text(json.dumps([1, 2]))
+    with pytest.raises(ValueError, match="holds a JSON list"):
+        zero.Config.from_deepspeed(bad)
+    with pytest.raises(ValueError, match="reduce_bucket_size must be a finite number"):
+        zero.Config.from_deepspeed({"zero_optimization": {"reduce_bucket_size": "5e7"}})
+    for key, value in (("gradient_accumulation_steps", True),
+                       ("train_micro_batch_size_per_gpu", -4), ("train_batch_size", "8")):
+        with pytest.raises(ValueError, match=f"{key} must be"):
+            zero.Config.from_deepspeed({key: value})
