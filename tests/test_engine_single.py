@@ -603,3 +603,39 @@ def test_stage3_frozen_base_layers_are_released_during_backward():
     for k, v in ref.state_dict().items():
         assert max_rel_error(full[k], v) <= 1e-5, k
     engine.close()
+
+
+def test_deepspeed_engine_queries():
+    m = model()
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    engine = zero.initialize(m, optimizer=opt, stage=1, precision="bf16",
+                             gradient_accumulation_steps=2, train_micro_batch_size_per_gpu=3)
+    assert (engine.zero_optimization_stage(), engine.gradient_accumulation_steps(),
+            engine.train_micro_batch_size_per_gpu(), engine.train_batch_size()) == (1, 2, 3, 6)
+    assert engine.bfloat16_enabled() and not engine.fp16_enabled()
+    assert (engine.world_size, engine.global_rank) == (1, 0)
+    assert engine.get_lr() == [0.1]
+    assert not engine.is_gradient_accumulation_boundary()
+    engine.backward(engine(torch.randn(3, 6)).float().sum())
+    engine.step()
+    assert engine.is_gradient_accumulation_boundary()
+    engine.backward(engine(torch.randn(3, 6)).float().sum())
+    engine.step()
+    assert engine.was_step_applied() and engine.skipped_steps == 0 and engine.global_steps == 1
+    engine.close()
+
+
+def test_fp16_with_plain_backward_is_refused():
+    """loss.backward() skips the loss scale that step() divides out: the
+    update would be 2^16 times too small, silently."""
+    m = model()
+    engine = zero.initialize(m, optimizer=torch.optim.SGD(m.parameters(), lr=0.1),
+                             precision="fp16")
+    engine(torch.randn(3, 6)).float().sum().backward()
+    with pytest.raises(RuntimeError, match=r"fp16: call engine.backward\(loss\)"):
+        engine.step()
+    engine.zero_grad()
+    engine.backward(engine(torch.randn(3, 6)).float().sum())
+    engine.step()  # taken, or skipped on an overflow at the first scale: counted either way
+    assert engine.global_steps + engine.skipped_steps == 1
+    engine.close()

@@ -61,6 +61,8 @@ class Engine(nn.Module):
         self.micro_steps = 0
         self.global_steps = 0
         self.step_was_skipped = False
+        self.skipped_steps = 0  # fp16 steps skipped on overflow (DeepSpeed's name)
+        self._scaled_backward = False
         self._in_no_sync = False
         self._prepared = None  # (sumsq, norm) once the boundary's reduction ran
         self._clip_norm = None
@@ -282,6 +284,7 @@ class Engine(nn.Module):
     def backward(self, loss: torch.Tensor):
         """loss.backward(), with the fp16 loss scale applied. With bf16 and
         fp32, plain loss.backward() is the same."""
+        self._scaled_backward = True
         (loss * self.loss_scale if self.loss_scaler else loss).backward()
 
     @property
@@ -339,6 +342,12 @@ class Engine(nn.Module):
         return self._prepare_boundary()[1]
 
     def step(self):
+        if self.loss_scaler is not None and not self._scaled_backward:
+            # the gradients would be divided by a scale the loss never had
+            raise RuntimeError("fp16: call engine.backward(loss) rather than loss.backward(): "
+                               "it multiplies the loss by the loss scale, which step() divides "
+                               "the gradients by")
+        self._scaled_backward = False
         if self._in_no_sync:
             return
         boundary = self.is_accumulation_boundary
@@ -351,6 +360,7 @@ class Engine(nn.Module):
         overflow = not math.isfinite(sumsq)
         self.step_was_skipped = bool(overflow and self.loss_scaler)
         if self.step_was_skipped:
+            self.skipped_steps += 1
             self.loss_scaler.update(True)
         else:
             if self.loss_scaler:
@@ -395,6 +405,48 @@ class Engine(nn.Module):
 
     def get_global_grad_norm(self) -> float:
         return getattr(self, "_global_grad_norm", None)
+
+    # ---- DeepSpeed's engine queries, under its names, for code moved over --------
+
+    def get_lr(self) -> list:
+        return [group["lr"] for group in self.optimizer.param_groups]
+
+    def is_gradient_accumulation_boundary(self) -> bool:
+        return self.is_accumulation_boundary
+
+    def gradient_accumulation_steps(self) -> int:
+        return self.config.gradient_accumulation_steps
+
+    def train_micro_batch_size_per_gpu(self):
+        return self.config.train_micro_batch_size_per_gpu
+
+    def train_batch_size(self):
+        """micro batch x accumulation x world size, when the micro batch is
+        known (the config's train_batch_size was checked against it)."""
+        micro = self.config.train_micro_batch_size_per_gpu
+        if micro is None:
+            return self.config.train_batch_size
+        return micro * self.config.gradient_accumulation_steps * self._comm.world
+
+    def zero_optimization_stage(self) -> int:
+        return self.stage
+
+    def was_step_applied(self) -> bool:
+        return not self.step_was_skipped
+
+    def fp16_enabled(self) -> bool:
+        return self.config.precision == "fp16"
+
+    def bfloat16_enabled(self) -> bool:
+        return self.config.precision == "bf16"
+
+    @property
+    def world_size(self) -> int:
+        return self._comm.world
+
+    @property
+    def global_rank(self) -> int:
+        return self._comm.rank
 
     # ---- reporting --------------------------------------------------------------
 
