@@ -293,7 +293,13 @@ def test_refuses_missing_and_foreign_files(saved, tmp_path_factory):
     torch.save({"format": "something else"}, foreign / "zero_meta.pt")
     unchanged_after(engine, lambda: engine.load_checkpoint(empty, tag="foreign"), ValueError,
                     "is not a zero checkpoint")
-    os.remove(saved / "global_step2" / "zero_shard_00000.pt")
+    shard = saved / "global_step2" / "zero_shard_00000.pt"
+    whole = shard.read_bytes()
+    for damaged in (whole[:-100], whole[:len(whole) // 2], b""):
+        shard.write_bytes(damaged)
+        unchanged_after(engine, lambda: engine.load_checkpoint(saved), ValueError,
+                        "zero_shard_00000.pt' cannot be read, so it is truncated or damaged")
+    os.remove(shard)
     unchanged_after(engine, lambda: engine.load_checkpoint(saved), FileNotFoundError,
                     "zero_shard_00000.pt' is missing")
     engine.close()

@@ -290,3 +290,25 @@ def test_gradient_penalty_below_stage_3(stage):
         opt.step()
     assert_matches(engine.full_state_dict(), ref)
     engine.close()
+
+
+def test_state_dict_of_released_parameters_is_refused():
+    """model.state_dict() would hold the empty placeholders (a checkpoint
+    saved from it silently empty); inside GatheredParameters it is whole."""
+    model, _ref = pair(GatedNet, "mul")
+    engine = zero.initialize(model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                             stage=3, **RELEASED)
+    engine.backward(engine(torch.randn(5, 8), True).square().mean())
+    engine.step()
+    for owner in (model, engine):
+        with pytest.raises(RuntimeError, match="state_dict\\(\\) would hold empty placeholders"):
+            owner.state_dict()
+    full = engine.full_state_dict()
+    with zero.GatheredParameters(list(model.parameters())):
+        # copies: the gathered storage is freed on exit
+        state = {k: v.clone() for k, v in model.state_dict().items()}
+    assert all(torch.equal(state[k], full[k]) for k in full)
+    engine.close()
+    kept = zero.initialize(GatedNet("mul"), stage=3)  # small units stay gathered: allowed
+    assert set(kept.module.state_dict()) == set(full)
+    kept.close()

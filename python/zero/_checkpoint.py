@@ -85,7 +85,7 @@ def _meta(engine, client_state, scheduler_state, shard_files) -> dict:
     module, optimizer = engine.module, engine.optimizer
     names = parameter_names(module)
     state_dict, buffers = [], {}
-    for key, t in module.state_dict(keep_vars=True).items():
+    for key, t in engine.module_state_entries().items():
         if id(t) in names:
             state_dict.append((key, "param", names[id(t)]))
         else:
@@ -333,8 +333,7 @@ def _reset_optimizer(engine):
 
 def _buffer_items(engine):
     names = parameter_names(engine.module)
-    return [(k, t) for k, t in engine.module.state_dict(keep_vars=True).items()
-            if id(t) not in names]
+    return [(k, t) for k, t in engine.module_state_entries().items() if id(t) not in names]
 
 
 def _check_buffers(engine, meta):

@@ -24,6 +24,7 @@ strings, lists and dicts, so torch.load(weights_only=True) reads it.
 from __future__ import annotations
 
 import os
+import pickle
 from collections import defaultdict
 
 import torch
@@ -122,7 +123,12 @@ class CheckpointReader:
         if not os.path.isfile(full):
             raise FileNotFoundError(f"checkpoint file {full!r} is missing (every rank's shard "
                                     "must be readable from every loading rank)")
-        return torch.load(full, map_location="cpu", weights_only=True, mmap=mmap)
+        try:
+            return torch.load(full, map_location="cpu", weights_only=True, mmap=mmap)
+        except (RuntimeError, OSError, EOFError, ValueError, pickle.UnpicklingError) as error:
+            raise ValueError(f"checkpoint file {full!r} cannot be read, so it is truncated or "
+                             f"damaged ({type(error).__name__}: {error}); load another "
+                             "checkpoint") from error
 
     def has_state(self, name: str, key: str) -> bool:
         pieces = self.index.get(name)

@@ -76,6 +76,7 @@ class Stage3Schedule:
         self.unit_by_storage = {_storage_key(unit.full): (fg, unit) for fg in groups
                                 for unit in fg.units if not unit.persistent}
         self._saving = None  # the saved-tensor hooks, pushed while the root's forward runs
+        self.reading_state = False  # the engine reads the state dict's names: allowed
         self.root = root
         self.modules = []
         self.units_of = {}
@@ -94,6 +95,9 @@ class Stage3Schedule:
                 if not unit.persistent:
                     for p in unit.params:
                         self.hooks.append(p.register_hook(self._hook_before_accumulate(fg, unit)))
+        # a plain function: torch marks the hook with an attribute
+        self.hooks.append(root.register_state_dict_post_hook(
+            lambda *args: self._refuse_released_state(*args)))
         for module in root.modules():
             if isinstance(module, nn.MultiheadAttention):
                 # its forward reads out_proj's weights without calling out_proj
@@ -314,6 +318,21 @@ class Stage3Schedule:
                 return t.clone()
             return t
         return map_tensors(copy_if_view, output)
+
+    def _refuse_released_state(self, _module, _state, _prefix, _metadata):
+        """model.state_dict() would hold the released parameters' empty
+        placeholders: a checkpoint saved from it is silently empty. (The
+        engine's own readers, which take names and buffers from it, say
+        so with `reading_state`.)"""
+        if self.reading_state:
+            return
+        released = sum(1 for fg in self.groups for u in fg.units if not u.gathered)
+        if released:
+            raise RuntimeError(
+                f"zero stage 3: {released} parameter unit(s) are released, so the model's "
+                "state_dict() would hold empty placeholders. Use engine.full_state_dict() "
+                "(a collective: every rank calls it, and it returns copies) or "
+                "engine.save_checkpoint().")
 
     def _hook_before_accumulate(self, fg, unit):
         def before_accumulate(_grad):

@@ -485,6 +485,18 @@ class Engine(nn.Module):
         waited on demand ("stage3_gathers")."""
         return self._last_comm
 
+    def module_state_entries(self) -> dict:
+        """The model's state_dict(keep_vars=True), for its names and
+        buffers: at stage 3 the released parameters in it are placeholders
+        (which a user's state_dict() call is refused for)."""
+        if self._schedule is None:
+            return self.module.state_dict(keep_vars=True)
+        self._schedule.reading_state = True
+        try:
+            return self.module.state_dict(keep_vars=True)
+        finally:
+            self._schedule.reading_state = False
+
     def full_state_dict(self) -> dict:
         """The whole model's state dict, trainable parameters in fp32 from
         the master copies (gathered from every rank), on every rank, in host
@@ -497,7 +509,7 @@ class Engine(nn.Module):
             fg.release_offloaded()
             for i, p in enumerate(fg.params):
                 by_id[id(p)] = fg.view(master, i).clone()
-        for name, t in self.module.state_dict(keep_vars=True).items():
+        for name, t in self.module_state_entries().items():
             if id(t) in by_id:
                 full[name] = by_id[id(t)]
             else:
