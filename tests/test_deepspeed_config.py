@@ -166,3 +166,37 @@ def test_config_sources_are_checked(tmp_path):
                        ("train_micro_batch_size_per_gpu", -4), ("train_batch_size", "8")):
         with pytest.raises(ValueError, match=f"{key} must be"):
             zero.Config.from_deepspeed({key: value})
+
+
+@pytest.mark.parametrize("given, world, settled", [
+    # (train_batch_size, micro, accumulation) as written; None: not in the config
+    ((32, 4, None), 1, (4, 8)),     # accumulation derived, as DeepSpeed does
+    ((32, 4, None), 2, (4, 4)),
+    ((32, None, 2), 2, (8, 2)),     # micro batch derived
+    ((32, None, None), 2, (16, 1)),  # the total alone: no accumulation
+    ((32, 4, 4), 2, (4, 4)),        # all three, agreeing
+])
+def test_batch_sizes_settled_as_deepspeed_does(given, world, settled):
+    from zero._initialize import settle_batch_sizes
+    keys = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
+    cfg = zero.Config.from_deepspeed({k: v for k, v in zip(keys, given) if v is not None})
+    cfg = settle_batch_sizes(cfg, world)
+    assert (cfg.train_micro_batch_size_per_gpu, cfg.gradient_accumulation_steps) == settled
+
+
+@pytest.mark.parametrize("given", [(32, 4, 3), (30, 4, None), (6, None, 4)])
+def test_batch_sizes_that_cannot_agree_are_refused(given):
+    from zero._initialize import settle_batch_sizes
+    keys = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
+    cfg = zero.Config.from_deepspeed({k: v for k, v in zip(keys, given) if v is not None})
+    with pytest.raises(ValueError, match=f"train_batch_size {given[0]} != micro batch"):
+        settle_batch_sizes(cfg, 2)
+
+
+def test_engine_accumulates_what_the_batch_sizes_imply():
+    engine = zero.initialize(model(), config={"train_batch_size": 8,
+                                              "train_micro_batch_size_per_gpu": 2})
+    assert engine.gradient_accumulation_steps() == 4 and engine.train_batch_size() == 8
+    engine.close()
+    with pytest.raises(ValueError, match=r"derive it\) but train_batch_size"):
+        zero.Config(gradient_accumulation_steps=None)

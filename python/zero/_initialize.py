@@ -80,14 +80,7 @@ def initialize(model: nn.Module, *, optimizer=None, stage=None, precision=None,
     created = join_process_group(device)
     try:
         comm = Comm(device)
-        if cfg.train_batch_size is not None and cfg.train_micro_batch_size_per_gpu:
-            expected = cfg.train_micro_batch_size_per_gpu * cfg.gradient_accumulation_steps \
-                * comm.world
-            if expected != cfg.train_batch_size:
-                raise ValueError(
-                    f"train_batch_size {cfg.train_batch_size} != micro batch "
-                    f"{cfg.train_micro_batch_size_per_gpu} x accumulation "
-                    f"{cfg.gradient_accumulation_steps} x world size {comm.world}")
+        cfg = settle_batch_sizes(cfg, comm.world)
         if lr_scheduler is None and cfg.scheduler:
             lr_scheduler = scheduler_from_config(cfg.scheduler, optimizer)
         elif callable(lr_scheduler) and not hasattr(lr_scheduler, "step"):
@@ -99,6 +92,28 @@ def initialize(model: nn.Module, *, optimizer=None, stage=None, precision=None,
     except BaseException:
         leave_process_group(created)
         raise
+
+
+def settle_batch_sizes(cfg: Config, world: int) -> Config:
+    """DeepSpeed's rule for train_batch_size = micro batch x accumulation x
+    world size: given the total and one of the other two, the third is
+    derived (the total alone: no accumulation); given all three, they must
+    agree."""
+    total, micro, accumulation = (cfg.train_batch_size, cfg.train_micro_batch_size_per_gpu,
+                                  cfg.gradient_accumulation_steps)
+    if total is None:
+        return cfg
+    if accumulation is None:
+        accumulation = 1 if micro is None else total // (micro * world)
+    if micro is None:
+        micro = total // (accumulation * world)
+    if micro < 1 or accumulation < 1 or micro * accumulation * world != total:
+        raise ValueError(
+            f"train_batch_size {total} != micro batch {cfg.train_micro_batch_size_per_gpu} x "
+            f"accumulation {cfg.gradient_accumulation_steps} x world size {world} (None: "
+            "derived, but no whole number fits)")
+    return cfg.replace(train_micro_batch_size_per_gpu=micro,
+                       gradient_accumulation_steps=accumulation)
 
 
 def _check_dense_gradients(model: nn.Module) -> None:

@@ -107,7 +107,8 @@ def check_nvme_path(path):
 class Config:
     stage: int = 2
     precision: str = "fp32"
-    gradient_accumulation_steps: int = 1
+    # None: derived at initialize from train_batch_size (DeepSpeed's rule)
+    gradient_accumulation_steps: Optional[int] = 1
     gradient_clipping: float = 0.0
     reduce_bucket_size: int = DEFAULT_BUCKET_ELEMENTS
     overlap_comm: bool = True
@@ -137,7 +138,11 @@ class Config:
             if value is not None and (isinstance(value, bool) or not isinstance(value, int)
                                       or value < 1):
                 raise ValueError(f"{name} must be a positive integer or None, got {value!r}")
-        if isinstance(self.gradient_accumulation_steps, bool) or \
+        if self.gradient_accumulation_steps is None:
+            if self.train_batch_size is None:
+                raise ValueError("gradient_accumulation_steps is None (derive it) but "
+                                 "train_batch_size, which it is derived from, is not given")
+        elif isinstance(self.gradient_accumulation_steps, bool) or \
                 not isinstance(self.gradient_accumulation_steps, int) or \
                 self.gradient_accumulation_steps < 1:
             raise ValueError("gradient_accumulation_steps must be an integer >= 1, got "
@@ -281,6 +286,8 @@ def _translate(ds: dict) -> dict:
     # DeepSpeed runs stage 0 when the config names none; zero.Config's own
     # default (stage 2) is for zero.initialize(model) without a config
     options["stage"] = zero_block.get("stage", 0)
+    if "train_batch_size" in top and "gradient_accumulation_steps" not in top:
+        options["gradient_accumulation_steps"] = None  # derived by initialize, as DeepSpeed
     data_types = top.pop("data_types", None) or {}
     fp16 = top.pop("fp16", None) or {}
     bf16 = top.pop("bf16", None) or {}
