@@ -200,3 +200,21 @@ def test_engine_accumulates_what_the_batch_sizes_imply():
     engine.close()
     with pytest.raises(ValueError, match=r"derive it\) but train_batch_size"):
         zero.Config(gradient_accumulation_steps=None)
+
+
+@pytest.mark.parametrize("consecutive, scales", [
+    # hysteresis 2; overflow, good, overflow, overflow
+    (False, [2.0 ** 8, 2.0 ** 8, 2.0 ** 7, 2.0 ** 6]),  # the good step does not restore it
+    (True, [2.0 ** 8, 2.0 ** 8, 2.0 ** 8, 2.0 ** 7]),   # only 2 overflows in a row halve
+])
+def test_consecutive_hysteresis(consecutive, scales):
+    from zero._loss_scaler import DynamicLossScaler
+    cfg = zero.Config.from_deepspeed({"fp16": {"enabled": True, "initial_scale_power": 8,
+                                               "hysteresis": 2,
+                                               "consecutive_hysteresis": consecutive}})
+    scaler = DynamicLossScaler(cfg.loss_scaling)
+    seen = []
+    for overflow in (True, False, True, True):
+        scaler.update(overflow)
+        seen.append(scaler.scale)
+    assert seen == scales

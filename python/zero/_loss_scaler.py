@@ -2,7 +2,8 @@
 multiplied by the scale before backward; a step whose gradients hold an inf
 or nan is skipped; `hysteresis` overflows are tolerated before the scale is
 halved (never below min_loss_scale); after `loss_scale_window` steps with no
-overflow it doubles."""
+overflow it doubles. With consecutive_hysteresis, a step without overflow
+restores the hysteresis, so only that many overflows in a row halve it."""
 from __future__ import annotations
 
 from zero.config import LossScaling
@@ -29,6 +30,8 @@ class DynamicLossScaler:
                 self.hysteresis_left -= 1
             return
         self.good_steps += 1
+        if s.consecutive_hysteresis:
+            self.hysteresis_left = s.hysteresis
         if self.good_steps % s.loss_scale_window == 0:
             self.scale *= 2
             self.hysteresis_left = s.hysteresis

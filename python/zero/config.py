@@ -37,6 +37,9 @@ class LossScaling:
     hysteresis: int = 2               # overflows tolerated before halving
     min_loss_scale: float = 1.0
     static_loss_scale: float = 0.0    # > 0: a fixed scale, no dynamic changes
+    # True: any step without overflow restores the hysteresis, so only
+    # `hysteresis` overflows in a row halve the scale
+    consecutive_hysteresis: bool = False
 
     def __post_init__(self):
         # DeepSpeed configs write 16.0 or 1e3 for these integers: taken
@@ -52,6 +55,9 @@ class LossScaling:
             value = _number(getattr(self, name), f"loss_scaling.{name}")
             if value < 0:
                 raise ValueError(f"loss_scaling.{name} must be >= 0, got {value!r}")
+        if not isinstance(self.consecutive_hysteresis, bool):
+            raise ValueError("loss_scaling.consecutive_hysteresis must be true or false, got "
+                             f"{self.consecutive_hysteresis!r}")
 
 
 def _number(value, name):
@@ -348,7 +354,8 @@ def _translate(ds: dict) -> dict:
             "enabled": None, "initial_scale_power": "initial_scale_power",
             "loss_scale_window": "loss_scale_window", "hysteresis": "hysteresis",
             "min_loss_scale": "min_loss_scale", "loss_scale": "static_loss_scale",
-        }, {"auto_cast", "consecutive_hysteresis", "fp16_master_weights_and_grads"})
+            "consecutive_hysteresis": "consecutive_hysteresis",
+        }, {"auto_cast", "fp16_master_weights_and_grads"})
         # "auto" (HuggingFace's templates) means DeepSpeed's default
         scaling = {k: v for k, v in scaling.items() if v != "auto"}
         options["precision"] = "fp16"
