@@ -17,11 +17,13 @@ and, refused with a clear error, a backward with create_graph=True (which
 stages 0-2 run as torch does).
 See [Note: saved parameters] in python/zero/_stage3.py."""
 import dataclasses
+import warnings
 
 import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 import zero
 from engine_cases import no_launcher
@@ -69,6 +71,19 @@ class GatedNet(nn.Module):
 
     def forward(self, x, use_scale):
         return self.head(torch.tanh(self.inner(self.pre(x), use_scale)))
+
+
+class CheckpointedGatedNet(GatedNet):
+    """GatedNet with `inner` under activation checkpointing: its saved
+    tensors go through checkpoint's hooks, not stage 3's."""
+
+    def __init__(self, how, reentrant):
+        super().__init__(how)
+        self.reentrant = reentrant
+
+    def forward(self, x, use_scale):
+        h = checkpoint(self.inner, self.pre(x), use_scale, use_reentrant=self.reentrant)
+        return self.head(torch.tanh(h))
 
 
 class WithAuxLoss(nn.Module):
@@ -292,23 +307,79 @@ def test_gradient_penalty_below_stage_3(stage):
     engine.close()
 
 
-def test_state_dict_of_released_parameters_is_refused():
-    """model.state_dict() would hold the empty placeholders (a checkpoint
-    saved from it silently empty); inside GatheredParameters it is whole."""
+def test_state_dict_of_released_parameters_warns():
+    """model.state_dict() holds the empty placeholders (a checkpoint saved
+    from it lacks them): a warning, since PEFT filters the adapters out of
+    the whole model's state_dict(). Inside GatheredParameters it is whole."""
     model, _ref = pair(GatedNet, "mul")
     engine = zero.initialize(model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
                              stage=3, **RELEASED)
     engine.backward(engine(torch.randn(5, 8), True).square().mean())
     engine.step()
-    for owner in (model, engine):
-        with pytest.raises(RuntimeError, match="state_dict\\(\\) would hold empty placeholders"):
+    for owner in (model, engine, model.inner):  # a submodule too
+        with pytest.warns(RuntimeWarning, match="state_dict\\(\\) holds empty placeholders"):
             owner.state_dict()
     full = engine.full_state_dict()
-    with zero.GatheredParameters(list(model.parameters())):
-        # copies: the gathered storage is freed on exit
-        state = {k: v.clone() for k, v in model.state_dict().items()}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with zero.GatheredParameters(list(model.parameters())):
+            # copies: the gathered storage is freed on exit
+            state = {k: v.clone() for k, v in model.state_dict().items()}
+        with zero.GatheredParameters(list(model.inner.parameters())):
+            model.inner.state_dict()  # its own units gathered: no warning
     assert all(torch.equal(state[k], full[k]) for k in full)
     engine.close()
-    kept = zero.initialize(GatedNet("mul"), stage=3)  # small units stay gathered: allowed
-    assert set(kept.module.state_dict()) == set(full)
+    kept = zero.initialize(GatedNet("mul"), stage=3)  # small units stay gathered
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert set(kept.module.state_dict()) == set(full)
     kept.close()
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_parameter_used_again_under_activation_checkpointing(reentrant):
+    state, ref, engine = train_both(CheckpointedGatedNet, ("mul", reentrant), gated_inputs(),
+                                    **RELEASED)
+    assert_matches(state, ref)
+    engine.close()
+
+
+class CountingLinear(nn.Linear):
+    calls = 0
+
+    def forward(self, x):
+        CountingLinear.calls += 1
+        return super().forward(x)
+
+
+class CountedNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.first = CountingLinear(8, 8)
+        self.head = nn.Linear(8, 3)
+
+    def forward(self, x):
+        return self.head(torch.tanh(self.first(x)))
+
+
+def test_hooks_around_the_engine_still_see_the_activations():
+    """checkpoint(engine, x) pushes its hooks before stage 3 pushes its own:
+    the activations must still reach checkpoint's (it recomputes the
+    forward in backward), the parameters stay with stage 3."""
+    model, ref = pair(CountedNet)
+    engine = zero.initialize(model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                             stage=3, **RELEASED)
+    opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    g = torch.Generator().manual_seed(5)
+    for _ in range(2):
+        x = torch.randn(5, 8, generator=g)
+        CountingLinear.calls = 0
+        out = checkpoint(engine, x, use_reentrant=False)
+        engine.backward(out.square().mean())
+        engine.step()
+        assert CountingLinear.calls == 2  # the forward, and its recomputation
+        opt.zero_grad()
+        ref(x).square().mean().backward()
+        opt.step()
+    assert_matches(engine.full_state_dict(), ref)
+    engine.close()

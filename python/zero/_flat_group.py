@@ -290,7 +290,14 @@ class FlatGroup:
             if self.expected[i]:
                 for b in buckets:
                     self.pending[b] += 1
-        self.unit_pending = [sum(self.expected[i] for i in u.members) for u in self.units]
+        # A unit goes once all its parameters have their gradients. One with
+        # a parameter that got none last time (not expected) waits for the
+        # end of the backward instead: autograd may still read that
+        # parameter after the others' gradients are in, and not every read
+        # goes through stage 3's saved-tensor hook (activation
+        # checkpointing keeps its own).
+        self.unit_pending = [len(u.members) if all(self.expected[i] for i in u.members)
+                             else None for u in self.units]
         self.staging = [None] * len(self.buckets)
         self.next_bucket = 0
         self.fired = bytearray(len(self.params))  # got a gradient this backward
@@ -339,7 +346,7 @@ class FlatGroup:
                 # many buckets never holds them all at once
                 self._launch_ready(force=False)
         p.grad = None
-        if first and self.expected[i]:
+        if first and self.unit_pending[unit.index] is not None:
             self.unit_pending[unit.index] -= 1
             if self.unit_pending[unit.index] == 0 and self.on_unit_grads_done is not None:
                 self.on_unit_grads_done(unit)

@@ -36,6 +36,8 @@ the order recorded on earlier passes.
 """
 from __future__ import annotations
 
+import warnings
+
 import torch
 from torch import nn
 from torch.autograd.graph import register_multi_grad_hook, saved_tensors_hooks
@@ -76,6 +78,7 @@ class Stage3Schedule:
         self.unit_by_storage = {_storage_key(unit.full): (fg, unit) for fg in groups
                                 for unit in fg.units if not unit.persistent}
         self._saving = None  # the saved-tensor hooks, pushed while the root's forward runs
+        self._outer = None   # the (pack, unpack) below ours then, if any
         self.reading_state = False  # the engine reads the state dict's names: allowed
         self.root = root
         self.modules = []
@@ -95,9 +98,10 @@ class Stage3Schedule:
                 if not unit.persistent:
                     for p in unit.params:
                         self.hooks.append(p.register_hook(self._hook_before_accumulate(fg, unit)))
-        # a plain function: torch marks the hook with an attribute
-        self.hooks.append(root.register_state_dict_post_hook(
-            lambda *args: self._refuse_released_state(*args)))
+        for module, units in self.units_of.items():
+            if units:
+                self.hooks.append(module.register_state_dict_post_hook(
+                    self._hook_state_dict(units)))
         for module in root.modules():
             if isinstance(module, nn.MultiheadAttention):
                 # its forward reads out_proj's weights without calling out_proj
@@ -247,6 +251,9 @@ class Stage3Schedule:
                 if not self.in_backward:
                     self._start_pass("forward")
                 if self._saving is None:
+                    # hooks pushed around the engine call (torch.utils.checkpoint of
+                    # the whole model, save_on_cpu) still get every other tensor
+                    self._outer = _outer_saved_tensors_hooks()
                     self._saving = saved_tensors_hooks(self._pack, self._unpack)
                     self._saving.__enter__()
             self._advance(index)
@@ -319,20 +326,23 @@ class Stage3Schedule:
             return t
         return map_tensors(copy_if_view, output)
 
-    def _refuse_released_state(self, _module, _state, _prefix, _metadata):
-        """model.state_dict() would hold the released parameters' empty
-        placeholders: a checkpoint saved from it is silently empty. (The
-        engine's own readers, which take names and buffers from it, say
-        so with `reading_state`.)"""
-        if self.reading_state:
-            return
-        released = sum(1 for fg in self.groups for u in fg.units if not u.gathered)
-        if released:
-            raise RuntimeError(
-                f"zero stage 3: {released} parameter unit(s) are released, so the model's "
-                "state_dict() would hold empty placeholders. Use engine.full_state_dict() "
-                "(a collective: every rank calls it, and it returns copies) or "
-                "engine.save_checkpoint().")
+    def _hook_state_dict(self, units):
+        def warn_if_released(_module, _state, _prefix, _metadata):
+            """state_dict() of a module whose parameters are released holds
+            their empty placeholders: a checkpoint saved from it is empty.
+            A warning, not an error: PEFT takes the whole model's
+            state_dict() and keeps only the adapters. (The engine's own
+            readers say so with `reading_state`.)"""
+            if self.reading_state or all(u.gathered or u.persistent for _fg, u in units):
+                return
+            warnings.warn(
+                "zero stage 3: state_dict() holds empty placeholders for the parameters "
+                "released after use, so a checkpoint saved from it lacks them. Use "
+                "engine.full_state_dict() (a collective: every rank calls it, and it returns "
+                "copies) or engine.save_checkpoint(); within zero.GatheredParameters(...) "
+                "the listed parameters are whole (copy what you keep).",
+                RuntimeWarning, stacklevel=2)
+        return warn_if_released
 
     def _hook_before_accumulate(self, fg, unit):
         def before_accumulate(_grad):
@@ -346,17 +356,22 @@ class Stage3Schedule:
     def _pack(self, tensor):
         """[Note: saved parameters]: a saved tensor in a unit's storage is
         kept with its unit, to be gathered again if released by then."""
-        if tensor.layout is not torch.strided:
+        entry = None
+        if tensor.layout is torch.strided:
+            try:
+                entry = self.unit_by_storage.get(_storage_key(tensor))
+            except (RuntimeError, NotImplementedError):  # no storage (a tensor subclass)
+                pass
+        if entry is not None:
+            return _SavedInUnit(entry[0], entry[1], tensor)
+        if self._outer is None:
             return tensor
-        try:
-            entry = self.unit_by_storage.get(_storage_key(tensor))
-        except (RuntimeError, NotImplementedError):  # no storage (a tensor subclass)
-            return tensor
-        if entry is None:
-            return tensor
-        return _SavedInUnit(entry[0], entry[1], tensor)
+        pack, unpack = self._outer
+        return _SavedByOuter(unpack, pack(tensor))
 
     def _unpack(self, packed):
+        if isinstance(packed, _SavedByOuter):
+            return packed.unpack(packed.packed)
         if not isinstance(packed, _SavedInUnit):
             return packed
         self.ensure(packed.fg, packed.unit)
@@ -439,3 +454,20 @@ class _SavedInUnit:
 
     def __init__(self, fg, unit, tensor):
         self.fg, self.unit, self.tensor, self.version = fg, unit, tensor, tensor._version
+
+
+class _SavedByOuter:
+    """A saved tensor handed to the hooks that were in force when the
+    root's forward began, with their unpack."""
+    __slots__ = ("unpack", "packed")
+
+    def __init__(self, unpack, packed):
+        self.unpack, self.packed = unpack, packed
+
+
+def _outer_saved_tensors_hooks():
+    """The saved-tensor hooks in force (pack, unpack), or None. torch has
+    no public call for this; without the private one, other tensors are
+    saved as they are (as before any outer hooks)."""
+    top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+    return top(False) if top is not None else None
