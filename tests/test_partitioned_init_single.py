@@ -122,3 +122,54 @@ def test_write_to_a_one_element_placeholder_after_the_context_is_refused():
         model.scale.fill_(2.0)  # a one-element placeholder accepts the write
     with pytest.raises(RuntimeError, match="written after the context closed"):
         zero.initialize(model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), stage=3)
+
+
+class FromLists(nn.Module):
+    """Parameters and buffers computed from lists of parameters."""
+
+    def __init__(self):
+        super().__init__()
+        self.q, self.k = nn.Linear(8, 8), nn.Linear(8, 8)
+        self.qk = nn.Parameter(torch.cat([self.q.weight, self.k.weight]))
+        self.stacked = nn.Parameter(torch.stack([self.q.bias, self.k.bias]))
+        self.register_buffer("qv", nn.utils.parameters_to_vector(self.q.parameters()))
+        self.register_buffer("w0", self.q.weight.detach().clone())
+
+    def forward(self, x):
+        return self.q(x) + self.k(x) + self.qk[:8].sum() + self.stacked.sum()
+
+
+def test_ops_on_lists_of_parameters():
+    torch.manual_seed(4)
+    ref = FromLists()
+    torch.manual_seed(4)
+    with zero.partitioned_init():
+        model = FromLists()
+    assert ref.qk.abs().sum() > 0  # zeros would pass a careless comparison
+    assert_engine_holds(model, ref)
+
+
+class AliasBuffer(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.register_buffer("w0", self.lin.weight.detach())  # shares the weight's memory
+
+
+def test_buffer_that_aliases_a_parameter_is_refused():
+    with zero.partitioned_init():
+        with pytest.raises(ValueError, match="buffer 'w0' of AliasBuffer is the memory of a "
+                                             "parameter built in zero.partitioned_init"):
+            AliasBuffer()
+
+
+@pytest.mark.parametrize("cast", ["bfloat16", "half"])
+def test_cast_after_the_context_keeps_the_values(cast):
+    """model.to(torch.bfloat16) between the context and initialize reads
+    the placeholders (zeros) outside the context: the chunks' values are
+    cast instead, as the plain model's would be."""
+    torch.manual_seed(5)
+    ref = getattr(Odd(), cast)()
+    model, _ = build(True)
+    model = getattr(model, cast)()
+    assert_engine_holds(model, ref)

@@ -37,7 +37,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_map
+from torch.utils._pytree import tree_flatten, tree_map
 from torch.utils.weak import WeakIdKeyDictionary
 
 from zero._comm import all_gather_single, backend_for, join_process_group
@@ -135,6 +135,9 @@ class partitioned_init(TorchDispatchMode):
         self._check_same_seed()
         self._hook = nn.modules.module.register_module_parameter_registration_hook(
             self._on_register)
+        self._buffer_hook = nn.modules.module.register_module_buffer_registration_hook(
+            self._on_register_buffer)
+        self._records = []
         return super().__enter__()
 
     def __exit__(self, *exc):
@@ -142,7 +145,16 @@ class partitioned_init(TorchDispatchMode):
             self._evict()
         finally:
             self._hook.remove()
+            self._buffer_hook.remove()
             self._by_storage.clear()
+            mine = {id(record) for record in self._records}
+            for param, record in list(_registry.items()):
+                if id(record) in mine and _storage_key(param) != record.key:
+                    # given other data inside the context (module.half()): its
+                    # own values count, whatever happens to it later
+                    del _registry[param]
+            for record in self._records:
+                record.closed = True
             super().__exit__(*exc)
         return False
 
@@ -175,10 +187,23 @@ class partitioned_init(TorchDispatchMode):
         # parameter is given other data (p.data = ..., module.half()).
         record.storage = ph.untyped_storage()
         record.key = _storage_key(ph)
+        record.closed = False
+        self._records.append(record)
         _registry[ph] = record
         self._replaced[param] = ph
         self._by_storage[record.key] = (ph, _LazyView(ph, []))
         return ph
+
+    def _on_register_buffer(self, module, name, buffer):
+        """A buffer made from a placeholder without an op that computes new
+        values (self.register_buffer("w0", self.lin.weight.detach())) would
+        alias the parameter's memory, which is partitioned: refused."""
+        if buffer is not None and self._tracked(buffer) is not None:
+            raise ValueError(
+                f"buffer '{name}' of {type(module).__name__} is the memory of a parameter built "
+                "in zero.partitioned_init() (a detach or view of it), which each rank holds "
+                "only 1/N of; register a copy (.clone()) instead")
+        return None
 
     # ---- resolving placeholders ---------------------------------------------------
 
@@ -226,7 +251,8 @@ class partitioned_init(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        tensors = [a for a in list(args) + list(kwargs.values()) if isinstance(a, torch.Tensor)]
+        # nested too: cat, stack and the _foreach ops take lists of tensors
+        tensors = [a for a in tree_flatten((args, kwargs))[0] if isinstance(a, torch.Tensor)]
         tracked = [self._tracked(t) for t in tensors]
         if not any(f is not None for f in tracked):
             return func(*args, **kwargs)
@@ -276,11 +302,19 @@ def sharded_record(param):
     """The _Sharded record of a placeholder made by partitioned_init, or
     None. A parameter given other data since (p.data = ..., module.half()
     inside the context) is no longer a placeholder: its record is dropped
-    and its own values count."""
+    and its own values count. A cast after the context closed (a new
+    dtype, the same shape: model.to(torch.bfloat16) before initialize) read
+    the placeholder's zeros; the record is kept and its values are cast."""
     record = _registry.get(param)
     if record is not None and _storage_key(param) != record.key:
-        del _registry[param]
-        return None
+        if record.closed and param.dtype != record.dtype and param.shape == record.shape:
+            # model.to(torch.bfloat16) after the context: a cast of the
+            # placeholder's zeros. The values are the chunks', cast alike.
+            record.key, record.storage = _storage_key(param), param.untyped_storage()
+            record.cast_to = param.dtype
+        else:
+            del _registry[param]
+            return None
     if record is not None:
         # writes inside the context never reach a placeholder's storage; a
         # one-element placeholder (the only kind that accepts a write) that
@@ -304,4 +338,4 @@ def take_values(param):
         return param.detach()
     values = record.gather()
     del _registry[param]
-    return values
+    return values.to(getattr(record, "cast_to", record.dtype))

@@ -74,8 +74,8 @@ class Engine(nn.Module):
 
         groups = self._match_param_groups(module, optimizer)
         self._cast(module, config.stage)
-        for buf in module.buffers():
-            comm.broadcast(buf, src=0)
+        for name, buf in module.named_buffers():
+            _broadcast_buffer(comm, name, buf)
         owners = self._owners(module) if config.stage == 3 else None
         offload = self._offload_files(config.offload_optimizer, comm)
         self.groups: list[FlatGroup] = []
@@ -575,3 +575,23 @@ class Engine(nn.Module):
                 fg.offload.close()
         leave_process_group(self._owns_group)
         self._closed = True
+
+
+def _broadcast_buffer(comm, name, buf):
+    """Rank 0's value of a buffer on every rank. The collective writes
+    numel x itemsize bytes from the data pointer, so a buffer that is not
+    contiguous goes through a contiguous copy; one whose elements share
+    memory (an expanded tensor) cannot take a value per element at all."""
+    if comm.world == 1:
+        return
+    if torch._debug_has_internal_overlap(buf) == 1:
+        raise ValueError(f"buffer '{name}' has elements that share memory (an expanded "
+                         f"tensor, strides {tuple(buf.stride())}), so rank 0's value cannot "
+                         "be written into it; register buf.contiguous() (or clone()) instead")
+    if buf.is_contiguous():
+        comm.broadcast(buf, src=0)
+        return
+    staged = buf.contiguous()
+    comm.broadcast(staged, src=0)
+    buf.copy_(staged)
+
