@@ -47,7 +47,7 @@ def train(engine, first, count, accumulation=1):
 
 def finish(engine):
     state = engine.full_state_dict()
-    facts = (engine.global_steps, engine.micro_steps, engine.loss_scale,
+    facts = (engine.global_steps, engine.micro_steps, engine.skipped_steps, engine.loss_scale,
              [g["lr"] for g in engine.optimizer.param_groups])
     engine.close()
     return state, facts
@@ -92,6 +92,18 @@ def test_fp16_resume_keeps_the_loss_scale(tmp_path, stages):
     """The scale doubles every 2 steps here: a scale not restored changes
     the fp16 gradients' rounding, and the result."""
     resumed_equals_uninterrupted(tmp_path, *stages, precision="fp16", accumulation=2)
+
+
+def test_skipped_step_count_is_restored(tmp_path):
+    first = make_engine(2, "fp16")
+    train(first, 0, 1)
+    first.skipped_steps = 5  # as if 5 fp16 steps had overflowed
+    first.save_checkpoint(tmp_path)
+    first.close()
+    second = make_engine(1, "fp16", seed=1)
+    second.load_checkpoint(tmp_path)
+    assert second.skipped_steps == 5
+    second.close()
 
 
 def test_files_are_plain_and_consolidate_to_the_full_state(tmp_path):

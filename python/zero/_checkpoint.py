@@ -109,7 +109,8 @@ def _meta(engine, client_state, scheduler_state, shard_files) -> dict:
             "precision": engine.config.precision, "optimizer": engine._kind,
             "optimizer_class": type(optimizer).__qualname__, "params": params,
             "state_dict": state_dict, "buffers": buffers, "groups": groups,
-            "engine": {"micro_steps": engine.micro_steps, "global_steps": engine.global_steps},
+            "engine": {"micro_steps": engine.micro_steps, "global_steps": engine.global_steps,
+                       "skipped_steps": engine.skipped_steps},
             "loss_scaler": scaler, "lr_scheduler": scheduler_state,
             "client_state": client_state, "shards": shard_files}
 
@@ -381,6 +382,8 @@ def load(engine, load_dir, tag=None, load_optimizer_states=True,
     if not load_module_only:
         engine.micro_steps = meta["engine"]["micro_steps"]
         engine.global_steps = meta["engine"]["global_steps"]
+        # checkpoints written before it was recorded: none known
+        engine.skipped_steps = meta["engine"].get("skipped_steps", 0)
         if engine.loss_scaler is not None and meta["loss_scaler"] is not None:
             engine.loss_scaler.load_state_dict(meta["loss_scaler"])
         if load_lr_scheduler_states and engine.lr_scheduler is not None and \
