@@ -51,7 +51,7 @@ def estimate_memory(model: nn.Module, world_size: int = 1, *, optimizer=None, st
     groups = Engine._match_param_groups(model, optimizer)
     if not any(params for params, _ in groups):
         raise ValueError("the model has no trainable parameters; nothing to train")
-    owners = Engine._owners(model) if cfg.stage == 3 else None
+    owners = Engine._owners(model, cfg.stage3_leaf_modules) if cfg.stage == 3 else None
     pb = DTYPES[cfg.precision].itemsize
     gb = DTYPES[cfg.grad_accum_dtype or cfg.precision].itemsize
     fp32 = cfg.precision == "fp32"

@@ -280,9 +280,21 @@ class FlatGroup:
         # unused on a step (a pooler under masked-LM training) then does
         # not hold back every bucket after it until the end of backward.
         self.expected = bytearray(b"\x01" * len(self.params))
+        self.never_expected = ()  # see never_expect
         self.reset_buckets()
         self.in_flight = []
         self.peak_bucket_bytes = 0
+
+    def never_expect(self, indices):
+        """Parameters whose gradients come or not depending on the rank's
+        data (stage 3 leaf modules: the experts of a mixture). No bucket
+        waits for them, so every rank launches its reductions at the same
+        points of the backward, whichever experts its tokens chose; their
+        gradients join the bucket while it is open, else a late one."""
+        self.never_expected = tuple(indices)
+        for i in self.never_expected:
+            self.expected[i] = 0
+        self.reset_buckets()
 
     def reset_buckets(self):
         self.pending = [0] * len(self.buckets)
@@ -409,6 +421,8 @@ class FlatGroup:
                 self._launch(b, late)
         self._retire(keep=0)
         self.expected = bytearray(1 if f else 0 for f in flags[:len(self.params)])
+        for i in self.never_expected:
+            self.expected[i] = 0
         self.reset_buckets()
         self.reduced_since_step = True
 

@@ -43,6 +43,7 @@ from torch import nn
 from torch.autograd.graph import register_multi_grad_hook, saved_tensors_hooks
 
 from zero._outputs import map_tensors, tensors_in
+from zero._units import leaf_roots
 
 
 _HASH_MOD = (1 << 61) - 1
@@ -83,12 +84,24 @@ class Stage3Schedule:
         self.root = root
         self.modules = []
         self.units_of = {}
+        leaf_of = leaf_roots(root, config.stage3_leaf_modules)
+        matched = {type(m) for m in leaf_of.values()}
+        for spec in config.stage3_leaf_modules:
+            if not any(t.__name__ == spec if isinstance(spec, str) else issubclass(t, spec)
+                       for t in matched):
+                raise ValueError(f"stage3_leaf_modules: no module of the model is a {spec!r}")
         for module in root.modules():
+            leaf = leaf_of.get(id(module))
+            if leaf is not None and leaf is not module:
+                continue  # inside a leaf: gathered with it, no hooks of its own
+            params = module.parameters() if leaf is module else module._parameters.values()
             needed, seen = [], set()
-            for p in module._parameters.values():
+            for p in params:
                 if p is not None and id(p) in place and id(place[id(p)][1]) not in seen:
                     seen.add(id(place[id(p)][1]))
                     needed.append(place[id(p)])
+            if leaf is module:
+                self._mark_leaf_units(needed)
             if needed or module is root:
                 self._hook_module(module, needed)
         for fg in groups:
@@ -103,10 +116,23 @@ class Stage3Schedule:
                 self.hooks.append(module.register_state_dict_post_hook(
                     self._hook_state_dict(units)))
         for module in root.modules():
-            if isinstance(module, nn.MultiheadAttention):
+            if isinstance(module, nn.MultiheadAttention) and id(module) not in leaf_of:
                 # its forward reads out_proj's weights without calling out_proj
                 for p in module.out_proj.parameters():
                     self.add_external(module, p)
+
+    @staticmethod
+    def _mark_leaf_units(entries):
+        """A leaf module's units: released when its inputs have their
+        gradients (as a frozen unit), and no bucket waits for their
+        parameters (FlatGroup.never_expect)."""
+        by_group = {}
+        for fg, unit in entries:
+            unit.leaf = True
+            if fg.trainable:
+                by_group.setdefault(id(fg), (fg, []))[1].extend(unit.members)
+        for fg, members in by_group.values():
+            fg.never_expect(sorted(set(fg.never_expected) | set(members)))
 
     def _hook_module(self, module, needed):
         self.units_of[module] = needed
@@ -298,7 +324,8 @@ class Stage3Schedule:
         the unit goes then rather than at the end of the backward: a
         frozen base model under adapters (LoRA) then holds one module's
         weights at a time in backward, not the whole model."""
-        frozen = [u for fg, u in self.units_of[module] if not fg.trainable and not u.persistent]
+        frozen = [u for fg, u in self.units_of[module]
+                  if (not fg.trainable or u.leaf) and not u.persistent]
         # a leaf's hook would stay on it for good (see post_forward)
         inputs = [t for t in tensors_in(args) if t.requires_grad and t.grad_fn is not None]
         if not frozen or not inputs:

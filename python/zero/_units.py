@@ -49,6 +49,7 @@ class Unit:
         self.full = None                  # [total] compute dtype
         self.gathered = False
         self.persistent = False
+        self.leaf = False                 # all the parameters of a stage3 leaf module
         self.work = None                  # an all-gather in flight
         self.active = 0                   # forwards running that need it
         self._placeholder = None
@@ -92,3 +93,19 @@ def lay_out(params, unit_sizes, num_partitions) -> list:
         shard_at += unit.part
         layout_at += unit.total
     return units
+
+
+def leaf_roots(module, leaf_modules) -> dict:
+    """id(m) -> the outermost leaf module m is or lies in, for every module
+    of `module` that matches stage3_leaf_modules (a class or class name)
+    and everything below one."""
+    if not leaf_modules:
+        return {}
+    names = {x for x in leaf_modules if isinstance(x, str)}
+    types = tuple(x for x in leaf_modules if isinstance(x, type))
+    roots = {}
+    for m in module.modules():  # parents before children: the outermost wins
+        if id(m) not in roots and (type(m).__name__ in names or isinstance(m, types)):
+            for inner in m.modules():
+                roots.setdefault(id(inner), m)
+    return roots

@@ -122,6 +122,10 @@ class Config:
     stage3_param_persistence_threshold: int = DEFAULT_PERSISTENCE_THRESHOLD
     stage3_prefetch_bucket_size: int = DEFAULT_PREFETCH_ELEMENTS
     stage3_max_live_parameters: int = DEFAULT_MAX_LIVE_ELEMENTS
+    # modules (class names or classes) gathered whole at stage 3: one unit
+    # of all the parameters below each, no hooks inside (a mixture-of-
+    # experts block, whose experts run or not depending on each rank's data)
+    stage3_leaf_modules: tuple = ()
     train_micro_batch_size_per_gpu: Optional[int] = None
     train_batch_size: Optional[int] = None  # checked against micro * accumulation * world
     loss_scaling: LossScaling = field(default_factory=LossScaling)
@@ -134,6 +138,14 @@ class Config:
     scheduler: Optional[dict] = None  # {"type": "WarmupLR", "params": {...}}
 
     def __post_init__(self):
+        leaves = self.stage3_leaf_modules
+        if isinstance(leaves, (str, type)):
+            leaves = (leaves,)
+        if not isinstance(leaves, (list, tuple)) or \
+                not all(isinstance(x, (str, type)) for x in leaves):
+            raise ValueError("stage3_leaf_modules must be a list of module classes or class "
+                             f"names, got {self.stage3_leaf_modules!r}")
+        object.__setattr__(self, "stage3_leaf_modules", tuple(leaves))
         if isinstance(self.stage, bool) or self.stage not in (0, 1, 2, 3):
             raise ValueError(f"stage must be 0, 1, 2 or 3, got {self.stage!r}")
         object.__setattr__(self, "stage", int(self.stage))  # 3.0 from a JSON writer

@@ -33,6 +33,7 @@ from zero._optimizer_bridge import optimizer_kind, parameter_names, states_for
 from zero._outputs import tensors_in
 from zero._partitioned_init import sharded_record, take_values
 from zero._stage3 import Stage3Schedule
+from zero._units import leaf_roots
 from zero import _step_path
 from zero._step_path import step_path_for
 from zero.config import Config
@@ -76,7 +77,8 @@ class Engine(nn.Module):
         self._cast(module, config.stage)
         for name, buf in module.named_buffers():
             _broadcast_buffer(comm, name, buf)
-        owners = self._owners(module) if config.stage == 3 else None
+        owners = self._owners(module, config.stage3_leaf_modules) if config.stage == 3 \
+            else None
         offload = self._offload_files(config.offload_optimizer, comm)
         self.groups: list[FlatGroup] = []
         for index, (params, names) in enumerate(groups):
@@ -156,14 +158,20 @@ class Engine(nn.Module):
                                        offload.chunk_elements, offload.write_through)
 
     @staticmethod
-    def _owners(module):
-        """Parameter id -> (index of the first module that registers it, its
-        place there): stage 3 makes one unit of each module's parameters."""
+    def _owners(module, leaf_modules=()):
+        """Parameter id -> (index of the module whose unit holds it, the
+        index of the first module that registers it, its place there):
+        stage 3 makes one unit of each module's parameters, and one of all
+        the parameters below a leaf module (stage3_leaf_modules)."""
+        modules = list(module.modules())
+        position = {id(m): i for i, m in enumerate(modules)}
+        leaf_of = leaf_roots(module, leaf_modules)
         owners = {}
-        for m_index, m in enumerate(module.modules()):
+        for m_index, m in enumerate(modules):
+            unit_index = position[id(leaf_of[id(m)])] if id(m) in leaf_of else m_index
             for p_index, p in enumerate(m._parameters.values()):
                 if p is not None and id(p) not in owners:
-                    owners[id(p)] = (m_index, p_index)
+                    owners[id(p)] = (unit_index, m_index, p_index)
         return owners
 
     @staticmethod
