@@ -383,3 +383,25 @@ def test_hooks_around_the_engine_still_see_the_activations():
         opt.step()
     assert_matches(engine.full_state_dict(), ref)
     engine.close()
+
+
+class Recursive(nn.Module):
+    """The root calls itself (an inner pass of the same network)."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x, depth=1):
+        h = torch.tanh(self.a(x))
+        if depth:
+            h = h + self(h, depth - 1)
+        return self.b(h) * x.sum()
+
+
+def test_root_that_calls_itself():
+    g = torch.Generator().manual_seed(6)
+    inputs = [(torch.randn(3, 8, generator=g),) for _ in range(3)]
+    state, ref, engine = train_both(Recursive, (), inputs, **RELEASED)
+    assert_matches(state, ref)
+    engine.close()

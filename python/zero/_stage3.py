@@ -81,6 +81,7 @@ class Stage3Schedule:
         self._saving = None  # the saved-tensor hooks, pushed while the root's forward runs
         self._outer = None   # the (pack, unpack) below ours then, if any
         self.reading_state = False  # the engine reads the state dict's names: allowed
+        self.root_depth = 0  # root forwards running (a root may call itself)
         self.root = root
         self.modules = []
         self.units_of = {}
@@ -273,6 +274,8 @@ class Stage3Schedule:
     def _hook_pre_forward(self, index):
         def pre_forward(module, _args):
             if module is self.modules[0]:
+                self.root_depth += 1
+            if module is self.modules[0] and self.root_depth == 1:  # not a recursive call
                 self.abandon_if_unfinished()
                 if not self.in_backward:
                     self._start_pass("forward")
@@ -290,14 +293,18 @@ class Stage3Schedule:
 
     def _hook_post_forward(self, index, is_root):
         def post_forward(module, args, output):
-            if is_root and self._saving is not None:
+            if is_root:
+                self.root_depth -= 1
+            # a root that calls itself: the inner call is an ordinary module
+            outermost = is_root and self.root_depth == 0
+            if outermost and self._saving is not None:
                 saving, self._saving = self._saving, None
                 saving.__exit__(None, None, None)
             for _fg, unit in self.units_of[module]:
                 unit.active -= 1
             if not self.in_backward:
-                leaving = [u for _fg, u in self.units_of[module]] if not is_root else \
-                    [u for fg in self.groups for u in fg.units]
+                leaving = [u for fg in self.groups for u in fg.units] if outermost else \
+                    [u for _fg, u in self.units_of[module]]
                 output = self._detach_from(leaving, output)
                 for unit in leaving:
                     self.release(unit)
@@ -311,7 +318,7 @@ class Stage3Schedule:
                                              mode="any")
                 if not self.in_backward and not is_root:
                     self._release_frozen_after_backward(module, args)
-            if is_root and not self.in_backward:
+            if outermost and not self.in_backward:
                 self._check_same_gathers()
                 self._end_pass()
             return output
