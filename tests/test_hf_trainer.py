@@ -62,6 +62,7 @@ DEEPSPEED_TEMPLATE = {
     "scheduler": {"type": "WarmupDecayLR", "params": {"warmup_max_lr": "auto",
                                                       "total_num_steps": "auto"}},
     "zero_optimization": {"stage": 2, "reduce_bucket_size": "auto", "overlap_comm": True},
+    "fp16": {"enabled": "auto", "loss_scale": 0}, "bf16": {"enabled": "auto"},
 }
 
 

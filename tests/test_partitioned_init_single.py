@@ -173,3 +173,11 @@ def test_cast_after_the_context_keeps_the_values(cast):
     model, _ = build(True)
     model = getattr(model, cast)()
     assert_engine_holds(model, ref)
+
+
+def test_in_place_op_over_a_list_of_parameters_is_refused():
+    with zero.partitioned_init():
+        model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+        with pytest.raises(RuntimeError, match="writes a list of tensors that holds parameters"):
+            with torch.no_grad():
+                torch._foreach_mul_(list(model.parameters()), 3.0)

@@ -405,3 +405,58 @@ def test_root_that_calls_itself():
     state, ref, engine = train_both(Recursive, (), inputs, **RELEASED)
     assert_matches(state, ref)
     engine.close()
+
+
+class Interruptible(nn.Module):
+    armed = None  # an exception class to raise inside the forward
+
+    def forward(self, x):
+        if Interruptible.armed is not None:
+            raise Interruptible.armed()
+        return x
+
+
+class InterruptibleNet(GatedNet):
+    def __init__(self, how):
+        super().__init__(how)
+        self.stop = Interruptible()
+
+    def forward(self, x, use_scale):
+        return self.head(torch.tanh(self.stop(self.inner(self.pre(x), use_scale))))
+
+
+@pytest.mark.parametrize("where", ["pre-hook", "forward"])
+@pytest.mark.parametrize("error", [ValueError, KeyboardInterrupt])
+def test_forward_that_raised_leaves_the_schedule_whole(where, error):
+    """A forward stopped by an exception (a user's pre-hook on the root, a
+    check inside the model) or by KeyboardInterrupt (a notebook's stop
+    button: torch then skips the post-forward hooks) must leave the next
+    passes as they were: late reads still gathered, results as torch's."""
+    model, ref = pair(InterruptibleNet, "mul")
+    armed = {"on": False}
+
+    def check(_module, _args):
+        if armed["on"]:
+            raise error()
+    model.register_forward_pre_hook(check)  # before initialize: runs before stage 3's
+    engine = zero.initialize(model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                             stage=3, **RELEASED)
+    if where == "pre-hook":
+        armed["on"] = True
+    else:
+        Interruptible.armed = error
+    try:
+        with pytest.raises(error):
+            engine(torch.randn(5, 8), True)
+    finally:
+        armed["on"], Interruptible.armed = False, None
+    opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    for x, use in gated_inputs():
+        engine.backward(engine(x, use).square().mean())
+        engine.step()
+        assert engine._schedule.root_depth == 0 and engine._schedule._saving is None
+        opt.zero_grad()
+        ref(x, use).square().mean().backward()
+        opt.step()
+    assert_matches(engine.full_state_dict(), ref)
+    engine.close()

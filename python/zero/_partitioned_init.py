@@ -259,6 +259,15 @@ class partitioned_init(TorchDispatchMode):
         if func.is_view and args and self._tracked(args[0]) is not None:
             return self._view(func, args, kwargs)
         target = self._written(func, args, kwargs)
+        if isinstance(target, (list, tuple)):
+            # _foreach_*_ over parameters: only one full copy is cached at a
+            # time, so writes to the others would go to temporaries
+            if any(self._tracked(t) is not None for t in target):
+                raise RuntimeError(
+                    f"zero.partitioned_init(): {func} writes a list of tensors that holds "
+                    "parameters built in the context; each rank holds 1/N of them, one at "
+                    "a time: apply the op to each parameter in turn")
+            target = None
         found = self._tracked(target)
         primary = (found or next(f for f in tracked if f is not None))[1].base
         overwrite = func in _OVERWRITES and found is not None and target is args[0] \

@@ -36,6 +36,7 @@ the order recorded on earlier passes.
 """
 from __future__ import annotations
 
+import sys
 import warnings
 
 import torch
@@ -82,11 +83,12 @@ class Stage3Schedule:
         self._outer = None   # the (pack, unpack) below ours then, if any
         self.reading_state = False  # the engine reads the state dict's names: allowed
         self.root_depth = 0  # root forwards running (a root may call itself)
+        self.entered = []    # per hooked module: forwards whose pre-hook ran, not yet ended
         self.root = root
         self.modules = []
         self.units_of = {}
         leaf_of = leaf_roots(root, config.stage3_leaf_modules)
-        matched = {type(m) for m in leaf_of.values()}
+        matched = {type(m) for m in root.modules()}
         for spec in config.stage3_leaf_modules:
             if not any(t.__name__ == spec if isinstance(spec, str) else issubclass(t, spec)
                        for t in matched):
@@ -139,6 +141,7 @@ class Stage3Schedule:
         self.units_of[module] = needed
         index = len(self.modules)
         self.modules.append(module)
+        self.entered.append(0)
         self.hooks.append(module.register_forward_pre_hook(self._hook_pre_forward(index)))
         self.hooks.append(module.register_forward_hook(
             self._hook_post_forward(index, module is self.root), always_call=True))
@@ -274,7 +277,10 @@ class Stage3Schedule:
     def _hook_pre_forward(self, index):
         def pre_forward(module, _args):
             if module is self.modules[0]:
+                if self.root_depth and not _inside_forward_of(module):
+                    self._forget_interrupted_forward()
                 self.root_depth += 1
+            self.entered[index] += 1
             if module is self.modules[0] and self.root_depth == 1:  # not a recursive call
                 self.abandon_if_unfinished()
                 if not self.in_backward:
@@ -293,6 +299,9 @@ class Stage3Schedule:
 
     def _hook_post_forward(self, index, is_root):
         def post_forward(module, args, output):
+            if self.entered[index] == 0:
+                return output  # an earlier pre-hook raised: ours never ran for this call
+            self.entered[index] -= 1
             if is_root:
                 self.root_depth -= 1
             # a root that calls itself: the inner call is an ordinary module
@@ -445,6 +454,21 @@ class Stage3Schedule:
         finally:
             self._end_pass()
 
+    def _forget_interrupted_forward(self):
+        """A root forward that ended by KeyboardInterrupt (a notebook's stop
+        button) skipped the post-forward hooks, which torch calls only for
+        an Exception: drop what it left, so the next forward is a pass of
+        its own and not taken for a recursive call."""
+        if self._saving is not None:
+            saving, self._saving = self._saving, None
+            saving.__exit__(None, None, None)
+        self.root_depth = 0
+        self.entered = [0] * len(self.entered)
+        self.phase = None
+        for fg in self.groups:
+            for unit in fg.units:
+                unit.active = 0
+
     def abandon_if_unfinished(self):
         if self.in_backward and torch._C._current_graph_task_id() == -1:
             self._abandon_backward()
@@ -505,3 +529,16 @@ def _outer_saved_tensors_hooks():
     saved as they are (as before any outer hooks)."""
     top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
     return top(False) if top is not None else None
+
+
+def _inside_forward_of(module) -> bool:
+    """Whether a frame of `module`'s forward is on this thread's stack (a
+    root that calls itself), checked only when a root forward seems to be
+    running already."""
+    code = getattr(type(module).forward, "__code__", None)
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code is code and frame.f_locals.get("self") is module:
+            return True
+        frame = frame.f_back
+    return False

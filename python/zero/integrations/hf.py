@@ -164,6 +164,9 @@ class ZeroTrainer(Trainer):
                                      "TrainingArguments and write \"auto\" (or leave it out) "
                                      "in the config")
         config.pop("train_batch_size", None)  # the Trainer's, across ranks and accumulation
+        for block in ("fp16", "bf16"):  # "auto": the Trainer's autocast, which is off here
+            if isinstance(config.get(block), dict) and config[block].get("enabled") == "auto":
+                config[block] = {**config[block], "enabled": False}
         for block, where in (("optimizer", "TrainingArguments (optim, learning_rate, "
                               "weight_decay, adam_beta1/2, adam_epsilon) or optimizers="),
                              ("scheduler", "TrainingArguments (lr_scheduler_type, "
