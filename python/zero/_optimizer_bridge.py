@@ -8,6 +8,7 @@ from __future__ import annotations
 import torch
 
 from zero import optim as zero_optim
+from zero.config import auto_refused
 
 SUPPORTED = "torch.optim.AdamW, Adam, SGD, Adagrad and zero.optim's AdamW, Adam, SGD, Lion, Adagrad"
 
@@ -102,10 +103,7 @@ def optimizer_from_config(spec: dict, params):
     kwargs = dict(spec.get("params", {}))
     for key, value in kwargs.items():
         if value == "auto":
-            raise ValueError(f"optimizer.params.{key} is 'auto', which HuggingFace's DeepSpeed "
-                             "integration fills in from TrainingArguments; give a value (or "
-                             "train with zero.integrations.hf.ZeroTrainer, which builds the "
-                             "Trainer's optimizer)")
+            raise auto_refused(f"optimizer.params.{key}")
     if "betas" in kwargs:
         kwargs["betas"] = tuple(kwargs["betas"])
     if kind.lower() in ("adam", "adamw") and not kwargs.get("torch_adam", False):

@@ -41,6 +41,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 from torch.utils.weak import WeakIdKeyDictionary
 
 from zero._comm import all_gather_single, backend_for, join_process_group
+from zero._units import storage_key
 
 _CHUNK_ALIGN = 16
 # ops that overwrite every element of their target, so the old values need
@@ -100,13 +101,6 @@ class _LazyView:
         self.chain = chain    # [(view op, args after the tensor, kwargs)]
 
 
-def _storage_key(t):
-    try:
-        return t.untyped_storage()._cdata
-    except (RuntimeError, NotImplementedError):
-        return None  # a tensor without storage: never a placeholder
-
-
 class partitioned_init(TorchDispatchMode):
     """Context manager: parameters created inside live as 1/N chunks."""
 
@@ -149,7 +143,7 @@ class partitioned_init(TorchDispatchMode):
             self._by_storage.clear()
             mine = {id(record) for record in self._records}
             for param, record in list(_registry.items()):
-                if id(record) in mine and _storage_key(param) != record.key:
+                if id(record) in mine and storage_key(param) != record.key:
                     # given other data inside the context (module.half()): its
                     # own values count, whatever happens to it later
                     del _registry[param]
@@ -186,7 +180,7 @@ class partitioned_init(TorchDispatchMode):
         # reused by another tensor while the record lives, even if the
         # parameter is given other data (p.data = ..., module.half()).
         record.storage = ph.untyped_storage()
-        record.key = _storage_key(ph)
+        record.key = storage_key(ph)
         record.closed = False
         self._records.append(record)
         _registry[ph] = record
@@ -229,7 +223,7 @@ class partitioned_init(TorchDispatchMode):
         or an alias of either (w.data shares the placeholder's storage)."""
         if not isinstance(t, torch.Tensor) or t.device.type != "cpu":
             return None
-        return self._by_storage.get(_storage_key(t))
+        return self._by_storage.get(storage_key(t))
 
     def _resolve(self, t, primary, overwrite):
         """The real tensor for t: the cached full values for the primary
@@ -303,7 +297,7 @@ class partitioned_init(TorchDispatchMode):
         for op, a, k in chain:
             probe = op(probe, *a, **k)
         ph = _placeholder(probe.shape, probe.dtype)
-        self._by_storage[_storage_key(ph)] = (ph, _LazyView(view.base, chain))
+        self._by_storage[storage_key(ph)] = (ph, _LazyView(view.base, chain))
         return ph
 
 
@@ -315,11 +309,11 @@ def sharded_record(param):
     dtype, the same shape: model.to(torch.bfloat16) before initialize) read
     the placeholder's zeros; the record is kept and its values are cast."""
     record = _registry.get(param)
-    if record is not None and _storage_key(param) != record.key:
+    if record is not None and storage_key(param) != record.key:
         if record.closed and param.dtype != record.dtype and param.shape == record.shape:
             # model.to(torch.bfloat16) after the context: a cast of the
             # placeholder's zeros. The values are the chunks', cast alike.
-            record.key, record.storage = _storage_key(param), param.untyped_storage()
+            record.key, record.storage = storage_key(param), param.untyped_storage()
             record.cast_to = param.dtype
         else:
             del _registry[param]

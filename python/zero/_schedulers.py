@@ -19,6 +19,8 @@ import math
 
 from torch.optim.lr_scheduler import LRScheduler
 
+from zero.config import auto_refused
+
 _KNOWN = {"warmup_min_lr", "warmup_max_lr", "warmup_num_steps", "warmup_type",
           "total_num_steps", "last_batch_iteration"}
 
@@ -61,10 +63,7 @@ class DeepSpeedWarmup(LRScheduler):
 def _number(params, key, default, kind=float, low=None):
     value = params.get(key, default)
     if value == "auto":
-        raise ValueError(f"scheduler.params.{key} is 'auto', which HuggingFace's DeepSpeed "
-                         "integration fills in from TrainingArguments; give a number (or "
-                         "train with zero.integrations.hf.ZeroTrainer, which takes the "
-                         "Trainer's schedule)")
+        raise auto_refused(f"scheduler.params.{key}")
     if isinstance(value, bool) or not isinstance(value, (int, float)) or \
             not math.isfinite(value) or (kind is int and value != int(value)) or \
             (low is not None and value < low):

@@ -44,7 +44,7 @@ from torch import nn
 from torch.autograd.graph import register_multi_grad_hook, saved_tensors_hooks
 
 from zero._outputs import map_tensors, tensors_in
-from zero._units import leaf_roots
+from zero._units import leaf_roots, storage_key
 
 
 _HASH_MOD = (1 << 61) - 1
@@ -77,12 +77,11 @@ class Stage3Schedule:
             if fg.trainable:
                 fg.on_unit_grads_done = self._grads_done
         self.place = place
-        self.unit_by_storage = {_storage_key(unit.full): (fg, unit) for fg in groups
+        self.unit_by_storage = {storage_key(unit.full): (fg, unit) for fg in groups
                                 for unit in fg.units if not unit.persistent}
         self._saving = None  # the saved-tensor hooks, pushed while the root's forward runs
         self._outer = None   # the (pack, unpack) below ours then, if any
         self.reading_state = False  # the engine reads the state dict's names: allowed
-        self.root_depth = 0  # root forwards running (a root may call itself)
         self.entered = []    # per hooked module: forwards whose pre-hook ran, not yet ended
         self.root = root
         self.modules = []
@@ -276,10 +275,9 @@ class Stage3Schedule:
 
     def _hook_pre_forward(self, index):
         def pre_forward(module, _args):
-            if module is self.modules[0]:
-                if self.root_depth and not _inside_forward_of(module):
-                    self._forget_interrupted_forward()
-                self.root_depth += 1
+            if module is self.modules[0] and self.root_depth and \
+                    not _inside_forward_of(module):
+                self._forget_interrupted_forward()
             self.entered[index] += 1
             if module is self.modules[0] and self.root_depth == 1:  # not a recursive call
                 self.abandon_if_unfinished()
@@ -302,13 +300,10 @@ class Stage3Schedule:
             if self.entered[index] == 0:
                 return output  # an earlier pre-hook raised: ours never ran for this call
             self.entered[index] -= 1
-            if is_root:
-                self.root_depth -= 1
             # a root that calls itself: the inner call is an ordinary module
             outermost = is_root and self.root_depth == 0
-            if outermost and self._saving is not None:
-                saving, self._saving = self._saving, None
-                saving.__exit__(None, None, None)
+            if outermost:
+                self._pop_saved_tensors_hooks()
             for _fg, unit in self.units_of[module]:
                 unit.active -= 1
             if not self.in_backward:
@@ -399,12 +394,7 @@ class Stage3Schedule:
     def _pack(self, tensor):
         """[Note: saved parameters]: a saved tensor in a unit's storage is
         kept with its unit, to be gathered again if released by then."""
-        entry = None
-        if tensor.layout is torch.strided:
-            try:
-                entry = self.unit_by_storage.get(_storage_key(tensor))
-            except (RuntimeError, NotImplementedError):  # no storage (a tensor subclass)
-                pass
+        entry = self.unit_by_storage.get(storage_key(tensor))  # None: no storage
         if entry is not None:
             return _SavedInUnit(entry[0], entry[1], tensor)
         if self._outer is None:
@@ -454,15 +444,22 @@ class Stage3Schedule:
         finally:
             self._end_pass()
 
+    @property
+    def root_depth(self) -> int:
+        """Root forwards running (a root may call itself)."""
+        return self.entered[0]
+
+    def _pop_saved_tensors_hooks(self):
+        if self._saving is not None:
+            saving, self._saving = self._saving, None
+            saving.__exit__(None, None, None)
+
     def _forget_interrupted_forward(self):
         """A root forward that ended by KeyboardInterrupt (a notebook's stop
         button) skipped the post-forward hooks, which torch calls only for
         an Exception: drop what it left, so the next forward is a pass of
         its own and not taken for a recursive call."""
-        if self._saving is not None:
-            saving, self._saving = self._saving, None
-            saving.__exit__(None, None, None)
-        self.root_depth = 0
+        self._pop_saved_tensors_hooks()
         self.entered = [0] * len(self.entered)
         self.phase = None
         for fg in self.groups:
@@ -496,12 +493,6 @@ class Stage3Schedule:
         for h in self.hooks:
             h.remove()
         self.hooks = []
-
-
-def _storage_key(tensor):
-    """The identity of a tensor's storage, the same after the storage is
-    resized (released and gathered again)."""
-    return tensor.untyped_storage()._cdata
 
 
 class _SavedInUnit:

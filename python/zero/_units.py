@@ -109,3 +109,13 @@ def leaf_roots(module, leaf_modules) -> dict:
             for inner in m.modules():
                 roots.setdefault(id(inner), m)
     return roots
+
+
+def storage_key(t):
+    """The identity of a tensor's storage, the same after the storage is
+    resized (a unit released and gathered again), or None for a tensor
+    without one (sparse, some subclasses)."""
+    try:
+        return t.untyped_storage()._cdata
+    except (RuntimeError, NotImplementedError):
+        return None

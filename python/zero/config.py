@@ -244,16 +244,21 @@ _AUTO_MEANS_DEFAULT = {"reduce_bucket_size", "stage3_param_persistence_threshold
                        "train_micro_batch_size_per_gpu"}
 
 
+def auto_refused(name: str, instead: str = "give a value") -> ValueError:
+    """The error for an "auto" that only HuggingFace's DeepSpeed integration
+    can fill in, where the value changes the result."""
+    return ValueError(f"{name} is 'auto', which HuggingFace's DeepSpeed integration fills in "
+                      f"from TrainingArguments; {instead} (or train with "
+                      "zero.integrations.hf.ZeroTrainer, where the Trainer owns it)")
+
+
 def _drop_auto(block: dict, prefix: str) -> dict:
     out = {}
     for key, value in block.items():
         if value != "auto":
             out[key] = value
         elif key not in _AUTO_MEANS_DEFAULT:
-            raise ValueError(f"{prefix}{key} is 'auto', which HuggingFace's DeepSpeed "
-                             "integration fills in from TrainingArguments; give a value (or "
-                             "train with zero.integrations.hf.ZeroTrainer, where the Trainer "
-                             "owns it)")
+            raise auto_refused(f"{prefix}{key}")
     return out
 
 
@@ -354,8 +359,7 @@ def _translate(ds: dict) -> dict:
     options.update(_take(data_types, "data_types.", {"grad_accum_dtype": "grad_accum_dtype"}))
     for name, block in (("fp16", fp16), ("bf16", bf16)):
         if block.get("enabled") == "auto":
-            raise ValueError(f"{name}.enabled is 'auto', which HuggingFace's DeepSpeed "
-                             "integration fills in from TrainingArguments; set true or false")
+            raise auto_refused(f"{name}.enabled", "set true or false")
     if fp16.get("enabled") and bf16.get("enabled"):
         raise ValueError("fp16.enabled and bf16.enabled are both true; choose one")
     if bf16.get("enabled"):

@@ -496,7 +496,7 @@ class Engine(nn.Module):
     def module_state_entries(self) -> dict:
         """The model's state_dict(keep_vars=True), for its names and
         buffers: at stage 3 the released parameters in it are placeholders
-        (which a user's state_dict() call is refused for)."""
+        (which a user's state_dict() call warns about)."""
         if self._schedule is None:
             return self.module.state_dict(keep_vars=True)
         self._schedule.reading_state = True
