@@ -632,7 +632,7 @@ def test_fp16_with_plain_backward_is_refused():
     engine = zero.initialize(m, optimizer=torch.optim.SGD(m.parameters(), lr=0.1),
                              precision="fp16")
     engine(torch.randn(3, 6)).float().sum().backward()
-    with pytest.raises(RuntimeError, match=r"fp16: call engine.backward\(loss\)"):
+    with pytest.raises(RuntimeError, match=r"fp16: step\(\) needs an engine.backward\(loss\)"):
         engine.step()
     engine.zero_grad()
     engine.backward(engine(torch.randn(3, 6)).float().sum())

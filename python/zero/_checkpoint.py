@@ -17,6 +17,7 @@ from zero._checkpoint_format import (FORMAT, LATEST_FILE, META_FILE, REPLICATED_
                                      VERSION, CheckpointReader, check_plain, owned_pieces,
                                      resolve_tag, shard_file)
 from zero._optimizer_bridge import parameter_names, states_for
+from zero._param_writes import bump_versions, take_in_parameter_writes
 
 
 def _host_copy(t: torch.Tensor) -> torch.Tensor:
@@ -171,6 +172,7 @@ def save(engine, save_dir, tag=None, client_state=None, save_latest=True) -> str
     try:  # this rank's checks and shard; a failure is raised on every rank by _all_ok
         client_state = {} if client_state is None else client_state
         check_plain(client_state, "client_state")
+        take_in_parameter_writes(engine.all_groups)
         scheduler_state = engine.lr_scheduler.state_dict() if engine.lr_scheduler else None
         check_plain(scheduler_state, "lr_scheduler.state_dict()")
         os.makedirs(path, exist_ok=True)
@@ -371,6 +373,10 @@ def load(engine, load_dir, tag=None, load_optimizer_states=True,
     _all_ok(engine._comm, error, "loading")
     engine.zero_grad()
     _load_partitions(engine, reader, with_optimizer)
+    for fg in engine.all_groups:
+        # the loaded values replace any write since the last step, and a
+        # graph built before the load must not be backpropagated after it
+        bump_versions(fg)
     _load_buffers(engine, meta)
     if with_optimizer:
         for group, saved in zip(engine.optimizer.param_groups, meta["groups"]):

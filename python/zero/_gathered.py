@@ -18,6 +18,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from zero._param_writes import take_in_parameter_writes, write_into_partition
+
 
 class GatheredParameters:
     def __init__(self, params, modifier_rank=None, enabled=True):
@@ -45,12 +47,15 @@ class GatheredParameters:
             place = getattr(p, "_zero_place", None)
             if place is None:
                 continue  # not managed by an engine: nothing to gather
-            if id(place[1]) not in seen:
-                seen.add(id(place[1]))
+            if id(place.unit) not in seen:
+                seen.add(id(place.unit))
                 self._units.append(place)
-            j = next(j for j, q in enumerate(place[1].params) if q is p)
-            self._listed.append((place[0], place[1], j))
-        for fg, unit, schedule in self._units:
+            j = next(j for j, q in enumerate(place.unit.params) if q is p)
+            self._listed.append((place.fg, place.unit, j))
+        # a value written into a listed parameter before entry is taken in
+        # first, or the write-back (only what changed inside) would miss it
+        take_in_parameter_writes(list({id(place.fg): place.fg for place in self._units}.values()))
+        for fg, unit, schedule, _engine in self._units:
             unit.active += 1
             if schedule is not None:
                 schedule.ensure(fg, unit)
@@ -67,7 +72,7 @@ class GatheredParameters:
                 for fg, unit, j, before in self._listed:
                     self._write_back(fg, unit, j, before)
         finally:
-            for _fg, unit, schedule in self._units:
+            for _fg, unit, schedule, _engine in self._units:
                 unit.active -= 1
                 if schedule is not None:
                     schedule.release(unit)
@@ -82,22 +87,7 @@ class GatheredParameters:
         values = self._values(unit, j)
         if fg.comm.world > 1:
             fg.comm.broadcast(values, src=self.modifier_rank)
-        # this rank's chunk of the unit, intersected with parameter j
-        lo = max(unit.offsets[j], fg.owner * unit.part)
-        hi = min(unit.offsets[j] + unit.numels[j], (fg.owner + 1) * unit.part)
-        if lo >= hi:
-            return
-        new = unit.full[lo:hi]
-        start = unit.shard_offset + lo - fg.owner * unit.part
-        shard = fg.shard[start:start + hi - lo]
-        if shard.data_ptr() != new.data_ptr():
-            shard.copy_(new)
-        if fg.trainable and fg.master is not fg.shard:
-            old = before[lo - unit.offsets[j]:hi - unit.offsets[j]]
-            master = fg.master[start:start + hi - lo]
-            changed = (new != old).to(master.device)  # the master may be on the host
-            master.copy_(torch.where(changed, new.float().to(master.device), master))
-            if fg.offload is not None:
-                # the master's file: unmap it all, as reading it mapped
-                # neighbouring pages too (the kernel's fault-around)
-                fg.offload.drop("master")
+        write_into_partition(fg, unit, j, before)
+        # taken in now: not a change for the next step to find ([Note:
+        # parameter writes] in _param_writes.py)
+        fg.seen_versions[unit.members.start + j] = unit.params[j]._version

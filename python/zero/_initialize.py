@@ -61,12 +61,20 @@ def initialize(model: nn.Module, *, optimizer=None, stage=None, precision=None,
     options: any other zero.Config field (gradient_accumulation_steps,
         gradient_clipping, reduce_bucket_size, ...).
     """
+    if isinstance(model, Engine):
+        # `model = zero.initialize(model)` run twice (a re-run notebook cell)
+        model = model.module
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    if torch.is_inference_mode_enabled():
+        raise RuntimeError("zero.initialize was called inside torch.inference_mode(): the "
+                           "engine's parameters would be inference tensors, which cannot be "
+                           "trained. Call it outside")
     previous = getattr(model, "_zero_engine", None)
     if previous is not None and previous() is not None:
         # a re-run notebook cell: the old engine's hooks must not fire twice
         previous().close()
+    _check_parameters_free(model)
     cfg = resolve_config(config, stage, precision, options)
     if cfg.offload_optimizer.device == "nvme":  # before the model is touched
         check_nvme_path(cfg.offload_optimizer.nvme_path)
@@ -92,6 +100,26 @@ def initialize(model: nn.Module, *, optimizer=None, stage=None, precision=None,
     except BaseException:
         leave_process_group(created)
         raise
+
+
+def _check_parameters_free(model: nn.Module) -> None:
+    """Refuse parameters another live engine trains (a model containing an
+    engine's model, or a part of one) and stage-3 placeholders whose
+    values are gone (an engine dropped without close(), or an initialize
+    that failed half-way)."""
+    for name, p in model.named_parameters():
+        place = p.__dict__.get("_zero_place")
+        owner = place.engine() if place is not None else None
+        if owner is not None and not owner._closed:
+            raise ValueError(f"parameter '{name}' is trained by another zero engine (this "
+                             "model contains that engine's model, or is a part of it): call "
+                             "that engine's close() first")
+        lost = p.__dict__.get("_zero_lost", False) or \
+            (place is not None and not place.unit.gathered and p.numel() == 0)
+        if lost:
+            raise ValueError(f"parameter '{name}' holds no values: a stage-3 engine released "
+                             "it, and then its initialize failed or it was dropped without "
+                             "close(), which gives the values back. Build the model again")
 
 
 def settle_batch_sizes(cfg: Config, world: int) -> Config:

@@ -77,8 +77,9 @@ class Stage3Schedule:
             if fg.trainable:
                 fg.on_unit_grads_done = self._grads_done
         self.place = place
+        # persistent units too: their saved tensors get the version check
         self.unit_by_storage = {storage_key(unit.full): (fg, unit) for fg in groups
-                                for unit in fg.units if not unit.persistent}
+                                for unit in fg.units}
         self._saving = None  # the saved-tensor hooks, pushed while the root's forward runs
         self._outer = None   # the (pack, unpack) below ours then, if any
         self.reading_state = False  # the engine reads the state dict's names: allowed
@@ -87,11 +88,6 @@ class Stage3Schedule:
         self.modules = []
         self.units_of = {}
         leaf_of = leaf_roots(root, config.stage3_leaf_modules)
-        matched = {type(m) for m in root.modules()}
-        for spec in config.stage3_leaf_modules:
-            if not any(t.__name__ == spec if isinstance(spec, str) else issubclass(t, spec)
-                       for t in matched):
-                raise ValueError(f"stage3_leaf_modules: no module of the model is a {spec!r}")
         for module in root.modules():
             leaf = leaf_of.get(id(module))
             if leaf is not None and leaf is not module:

@@ -103,6 +103,11 @@ def leaf_roots(module, leaf_modules) -> dict:
         return {}
     names = {x for x in leaf_modules if isinstance(x, str)}
     types = tuple(x for x in leaf_modules if isinstance(x, type))
+    matched = {type(m) for m in module.modules()}
+    for spec in leaf_modules:
+        if not any(t.__name__ == spec if isinstance(spec, str) else issubclass(t, spec)
+                   for t in matched):
+            raise ValueError(f"stage3_leaf_modules: no module of the model is a {spec!r}")
     roots = {}
     for m in module.modules():  # parents before children: the outermost wins
         if id(m) not in roots and (type(m).__name__ in names or isinstance(m, types)):

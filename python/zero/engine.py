@@ -20,17 +20,21 @@ from __future__ import annotations
 
 import contextlib
 import math
+import weakref
 
 import torch
 from torch import nn
 from torch.autograd.graph import register_multi_grad_hook
 
+from zero._agreement import check_ranks_agree
 from zero._comm import Comm, leave_process_group
 from zero._flat_group import FlatGroup
 from zero._loss_scaler import DynamicLossScaler
 from zero._memory import MemorySummary, zero_formula
 from zero._optimizer_bridge import optimizer_kind, parameter_names, states_for
 from zero._outputs import tensors_in
+from zero._param_writes import (Place, bump_versions, check_parameters_in_place,
+                                record_parameters, take_in_parameter_writes)
 from zero._partitioned_init import sharded_record, take_values
 from zero._stage3 import Stage3Schedule
 from zero._units import leaf_roots
@@ -73,12 +77,39 @@ class Engine(nn.Module):
         self.loss_scaler = DynamicLossScaler(config.loss_scaling) \
             if config.precision == "fp16" else None
 
+        # what can be refused is refused before the model is changed
         groups = self._match_param_groups(module, optimizer)
+        owners = self._owners(module, config.stage3_leaf_modules) if config.stage == 3 \
+            else None
+        if not any(params for params, _names in groups):
+            raise ValueError("the model has no trainable parameters (every parameter has "
+                             "requires_grad=False); nothing to train")
+        check_ranks_agree(comm, module, optimizer, config)
+        self._schedule = None
+        try:
+            self._build(module, optimizer, config, comm, groups, owners)
+        except BaseException:
+            for h in self._hooks:
+                h.remove()
+            if self._schedule is not None:
+                self._schedule.remove()
+            if config.stage == 3:
+                # released parameters hold no values now: say so to the
+                # next initialize instead of training empty placeholders
+                for p in module.parameters():
+                    p._zero_lost = True
+            raise
+
+    def _build(self, module, optimizer, config, comm, groups, owners):
         self._cast(module, config.stage)
         for name, buf in module.named_buffers():
             _broadcast_buffer(comm, name, buf)
-        owners = self._owners(module, config.stage3_leaf_modules) if config.stage == 3 \
-            else None
+        # parameters outside the flat groups (which broadcast their own):
+        # frozen ones at stages 0-2, integer ones at stage 3
+        with torch.no_grad():
+            for name, p in module.named_parameters():
+                if not p.requires_grad and (config.stage < 3 or not p.is_floating_point()):
+                    _broadcast_buffer(comm, name, p.data, kind="parameter")
         offload = self._offload_files(config.offload_optimizer, comm)
         self.groups: list[FlatGroup] = []
         for index, (params, names) in enumerate(groups):
@@ -93,11 +124,7 @@ class Engine(nn.Module):
             for name, fill in states_for(self._kind, optimizer.param_groups[index]).items():
                 fg.add_state(name, fill)
             self.groups.append(fg)
-        if not self.groups:
-            raise ValueError("the model has no trainable parameters (every parameter has "
-                             "requires_grad=False); nothing to train")
         self.frozen_group = None
-        self._schedule = None
         if config.stage == 3:
             # integer parameters (indices, counters) are not cast nor
             # partitioned: kept whole on every rank, as at stages 0-2
@@ -110,20 +137,23 @@ class Engine(nn.Module):
                     units=self._units([p for _, p in frozen], owners), trainable=False,
                     device=self.device)
             self._schedule = Stage3Schedule(module, self.all_groups, comm, config)
+        self._param_groups_seen = len(optimizer.param_groups)
+        me = weakref.ref(self)
         for fg in self.all_groups:
             for unit in fg.units:
                 for p in unit.params:
-                    p._zero_place = (fg, unit, self._schedule)
+                    p._zero_place = Place(fg, unit, self._schedule, me)
         if config.stage <= 1:
             for fg in self.groups:
                 if fg.accumulate_by_hook:
-                    self._on_each_grad(fg, fg.accumulate_grad)
+                    self._on_each_grad(fg, FlatGroup.accumulate_grad)
         elif config.stage == 2:
             self._register_stage2_hooks()
         elif config.stage == 3:
             for fg in self.groups:
-                self._on_each_grad(fg, fg.on_grad_ready)
+                self._on_each_grad(fg, FlatGroup.on_grad_ready)
         self._guard_optimizer()
+        record_parameters(self.all_groups)
 
     @property
     def all_groups(self) -> list[FlatGroup]:
@@ -221,17 +251,21 @@ class Engine(nn.Module):
         parameters (it then reduces zeros: the collectives stay matched)."""
         self._backward_armed = False
         for fg in self.groups:
-            self._on_each_grad(fg, self._stage2_grad_ready(fg))
+            self._on_each_grad(fg, _stage2_grad_ready)
+        me = weakref.ref(self)
         self._hooks.append(self.module.register_forward_pre_hook(
-            lambda _m, _a: self._abandon_unfinished_backward()))
-        self._hooks.append(self.module.register_forward_hook(self._watch_root_output))
+            lambda _m, _a: _call_alive(me, Engine._abandon_unfinished_backward)))
+        self._hooks.append(self.module.register_forward_hook(
+            lambda _m, _a, output: _call_alive(me, Engine._watch_root_output, output)))
 
-    def _watch_root_output(self, _module, _args, output):
+    def _watch_root_output(self, output):
         if torch.is_grad_enabled():
             tensors = [t for t in tensors_in(output) if t.requires_grad and t.grad_fn is not None]
             if tensors:
-                register_multi_grad_hook(tensors, lambda _grad: self._arm_backward_end(),
-                                         mode="any")
+                me = weakref.ref(self)
+                register_multi_grad_hook(
+                    tensors, lambda _grad: _call_alive(me, Engine._arm_backward_end),
+                    mode="any")
 
     def _arm_backward_end(self):
         if not self._backward_armed:
@@ -256,29 +290,86 @@ class Engine(nn.Module):
             self._backward_armed = False
 
     def _on_each_grad(self, fg, body):
-        """body(i) once parameter i of fg has its gradient accumulated."""
+        """body(fg, i) (or body(engine, fg, i) for an Engine function) once
+        parameter i of fg has its gradient accumulated. The hook holds the
+        engine and fg weakly: torch keeps a parameter's hooks where Python's
+        garbage collector does not look, so a strong reference would keep a
+        dropped engine, its buffers and its offload files until exit."""
+        me, group = weakref.ref(self), weakref.ref(fg)
+        takes_engine = body is _stage2_grad_ready
         for i, p in enumerate(fg.params):
-            self._hooks.append(p.register_post_accumulate_grad_hook(
-                lambda _p, i=i: body(i)))
-
-    def _stage2_grad_ready(self, fg):
-        def body(i):
-            self._arm_backward_end()  # a backward that did not start at the root's output
-            fg.on_grad_ready(i)
-        return body
+            def hook(_p, i=i):
+                engine, target = me(), group()
+                if engine is None or target is None or engine._closed:
+                    return
+                if takes_engine:
+                    body(engine, target, i)
+                else:
+                    body(target, i)
+            self._hooks.append(p.register_post_accumulate_grad_hook(hook))
 
     def _guard_optimizer(self):
+        """optimizer.step() is refused; optimizer.zero_grad() is the
+        engine's, so it also drops gradients stages 2-3 reduced already (a
+        discarded backward would otherwise still be applied). torch has no
+        zero_grad hook: the optimizer object gets an attribute of its own,
+        removed by close()."""
+        me = weakref.ref(self)
+
         def refuse(*_args, **_kwargs):
-            raise RuntimeError("this optimizer is driven by a zero Engine: call engine.step(), "
-                               "not optimizer.step()")
+            if me() is not None:  # a dropped engine leaves the optimizer to the user
+                raise RuntimeError("this optimizer is driven by a zero Engine: call "
+                                   "engine.step(), not optimizer.step()")
         self._hooks.append(self.optimizer.register_step_pre_hook(refuse))
         release = getattr(self.optimizer, "_release_buffers", None)
         if release is not None:
             release()
+        self.optimizer.zero_grad = _EngineZeroGrad(self)
+        self._hooks.append(_AttributeRemoval(self.optimizer, "zero_grad"))
+
+    def _check_optimizer_unchanged(self):
+        """The engine laid out its partitions and states for the optimizer's
+        groups and the trainable parameters as they were at initialize: a
+        change since would be ignored silently, so it is refused."""
+        groups = self.optimizer.param_groups
+        if len(groups) != self._param_groups_seen:
+            raise RuntimeError(
+                f"the optimizer has {len(groups)} param groups, but had "
+                f"{self._param_groups_seen} at zero.initialize (add_param_group after "
+                "initialize): the engine partitions only the groups it was given. Call "
+                "zero.initialize again with the optimizer as it is now")
+        for fg in self.groups:
+            missing = set(states_for(self._kind, groups[fg.index])) - set(fg.states)
+            if missing:
+                raise ValueError(
+                    f"param group {fg.index} now needs optimizer state {sorted(missing)} "
+                    "(amsgrad or momentum turned on after zero.initialize), which the engine "
+                    "did not allocate: set it before initialize, or call zero.initialize again")
+        for name, p in self.module.named_parameters():
+            place = getattr(p, "_zero_place", None)
+            trained = place is not None and place.engine() is self and place.fg.trainable
+            if p.requires_grad and not trained and p.is_floating_point():
+                raise RuntimeError(
+                    f"parameter '{name}' requires grad, but was frozen (or not in the model) at "
+                    "zero.initialize, so the engine does not train it. Call zero.initialize "
+                    "again after changing which parameters train")
+            if trained and not p.requires_grad:
+                raise RuntimeError(
+                    f"parameter '{name}' was set to requires_grad=False after zero.initialize; "
+                    "the engine would still update it. Call zero.initialize again after "
+                    "changing which parameters train")
 
     # ---- training API ---------------------------------------------------------
 
+    def _check_open(self):
+        if self._closed:
+            raise RuntimeError("this engine was closed (close(), or zero.initialize was called "
+                               "again on its model): train with the engine zero.initialize "
+                               "returned last")
+
     def forward(self, *args, **kwargs):
+        self._check_open()
+        check_parameters_in_place(self.all_groups)
         cast = lambda x: x.to(self.compute_dtype) if torch.is_tensor(x) and \
             x.is_floating_point() else x  # noqa: E731
         args = tuple(cast(a) for a in args)
@@ -292,8 +383,11 @@ class Engine(nn.Module):
     def backward(self, loss: torch.Tensor):
         """loss.backward(), with the fp16 loss scale applied. With bf16 and
         fp32, plain loss.backward() is the same."""
-        self._scaled_backward = True
+        self._check_open()
         (loss * self.loss_scale if self.loss_scaler else loss).backward()
+        # only once it finished: a backward that raised leaves unscaled
+        # partial gradients, which zero_grad() drops
+        self._scaled_backward = True
 
     @property
     def is_accumulation_boundary(self) -> bool:
@@ -341,6 +435,7 @@ class Engine(nn.Module):
         boundary micro-batch, before step()."""
         if not max_norm > 0:
             raise ValueError(f"max_norm must be > 0, got {max_norm}")
+        self._check_open()
         if not self.is_accumulation_boundary:
             raise RuntimeError(
                 "clip_grad_norm_ reduces the gradients: call it only after the backward of "
@@ -350,15 +445,22 @@ class Engine(nn.Module):
         return self._prepare_boundary()[1]
 
     def step(self):
+        self._check_open()
         if self.loss_scaler is not None and not self._scaled_backward:
             # the gradients would be divided by a scale the loss never had
-            raise RuntimeError("fp16: call engine.backward(loss) rather than loss.backward(): "
-                               "it multiplies the loss by the loss scale, which step() divides "
-                               "the gradients by")
-        self._scaled_backward = False
+            raise RuntimeError("fp16: step() needs an engine.backward(loss) since the last "
+                               "step() or zero_grad(): a plain loss.backward() does not "
+                               "multiply the loss by the loss scale, which step() divides the "
+                               "gradients by")
         if self._in_no_sync:
+            self._scaled_backward = False
             return
         boundary = self.is_accumulation_boundary
+        if boundary:
+            # everything that can refuse, before anything changes
+            self._check_optimizer_unchanged()
+            take_in_parameter_writes(self.all_groups)
+        self._scaled_backward = False
         self.micro_steps += 1
         if not boundary:
             return
@@ -376,9 +478,16 @@ class Engine(nn.Module):
             coef = min(1.0, max_norm / (norm + 1e-6)) if max_norm else 1.0
             for fg in self.groups:
                 fg.step_count += 1
-                self.step_path.update(self._kind, self.optimizer,
-                                      self.optimizer.param_groups[fg.index], fg, base * coef)
+                try:
+                    self.step_path.update(self._kind, self.optimizer,
+                                          self.optimizer.param_groups[fg.index], fg, base * coef)
+                except BaseException:
+                    fg.step_count -= 1  # its states are as they were
+                    raise
                 fg.all_gather_params()
+                # autograd then refuses a backward through a graph that
+                # saved the old values, as after torch.optim's step
+                bump_versions(fg)
             self.global_steps += 1
             # The engine stepped on the optimizer's behalf; torch's schedulers
             # read this flag to warn about stepping before the optimizer.
@@ -395,8 +504,13 @@ class Engine(nn.Module):
     def zero_grad(self, set_to_none: bool = True):
         """Zero the gradients (they stay views of the flat buffers). After a
         backward that raised, this also drops what that backward left in
-        flight, so none of it is added in later."""
+        flight, so none of it is added in later. optimizer.zero_grad()
+        comes here too."""
+        self._check_open()
         self._abandon_unfinished_backward()
+        # a norm taken of the dropped gradients must not clip the next step
+        self._prepared, self._clip_norm = None, None
+        self._scaled_backward = False
         for fg in self.groups:
             fg.zero_grads()
             if fg.grad_flat is not None:
@@ -510,6 +624,7 @@ class Engine(nn.Module):
         the master copies (gathered from every rank), on every rank, in host
         memory whatever the model's device. A collective: every rank must
         call it."""
+        take_in_parameter_writes(self.all_groups)
         full = {}
         by_id = {}
         for fg in self.all_groups:
@@ -585,7 +700,46 @@ class Engine(nn.Module):
         self._closed = True
 
 
-def _broadcast_buffer(comm, name, buf):
+def _call_alive(engine_ref, function, *args):
+    """function(engine, *args) for a hook that holds its engine weakly; nothing
+    once the engine is gone or closed."""
+    engine = engine_ref()
+    if engine is not None and not engine._closed:
+        return function(engine, *args)
+    return None
+
+
+def _stage2_grad_ready(engine, fg, i):
+    engine._arm_backward_end()  # a backward that did not start at the root's output
+    fg.on_grad_ready(i)
+
+
+class _EngineZeroGrad:
+    """optimizer.zero_grad while an engine drives the optimizer: the
+    engine's zero_grad (held weakly, like the hooks)."""
+
+    def __init__(self, engine):
+        self._engine = weakref.ref(engine)
+
+    def __call__(self, set_to_none: bool = True):
+        engine = self._engine()
+        if engine is not None and not engine._closed:
+            engine.zero_grad(set_to_none)
+
+
+class _AttributeRemoval:
+    """A handle, like a hook's, that removes an attribute set on an object."""
+
+    def __init__(self, obj, name):
+        self._obj, self._name = weakref.ref(obj), name
+
+    def remove(self):
+        obj = self._obj()
+        if obj is not None:
+            obj.__dict__.pop(self._name, None)
+
+
+def _broadcast_buffer(comm, name, buf, kind="buffer"):
     """Rank 0's value of a buffer on every rank. The collective writes
     numel x itemsize bytes from the data pointer, so a buffer that is not
     contiguous goes through a contiguous copy; one whose elements share
@@ -593,7 +747,7 @@ def _broadcast_buffer(comm, name, buf):
     if comm.world == 1:
         return
     if torch._debug_has_internal_overlap(buf) == 1:
-        raise ValueError(f"buffer '{name}' has elements that share memory (an expanded "
+        raise ValueError(f"{kind} '{name}' has elements that share memory (an expanded "
                          f"tensor, strides {tuple(buf.stride())}), so rank 0's value cannot "
                          "be written into it; register buf.contiguous() (or clone()) instead")
     if buf.is_contiguous():

@@ -1,0 +1,134 @@
+"""Values written straight into the parameters, outside the engine: kept.
+
+[Note: parameter writes] The engine owns each parameter's value in its
+partition (the fp32 master, stage 3's shard) and copies the update out into
+the parameters, so a value written into a parameter after initialize
+(model.load_state_dict, nn.init under no_grad, p.data = ..., a
+model.float() and back) would be overwritten by the next step.
+- Each parameter's version counter (torch bumps it on every in-place op
+  through the parameter) is recorded after every step; where its unit is
+  gathered, the parameter must still be a view of the unit's buffer.
+- Before a step, a checkpoint or full_state_dict, a parameter whose
+  counter moved, or whose .data was replaced by a tensor of the same
+  dtype, shape and device, is taken in: its values go into the unit's
+  buffer, and the elements that differ from the rounded master go into
+  this rank's partition (so untouched elements keep their fp32 bits, as
+  with GatheredParameters(modifier_rank=...)). Every rank takes in its
+  own values, so write the same values on every rank (as DDP expects).
+- A parameter cast or moved (another dtype or device) is refused by
+  name, and so is a change to a released stage-3 parameter (an empty
+  placeholder: the values were never there).
+- After a step the counters are bumped, so autograd refuses a backward
+  through a graph built before the step, as it does after torch.optim's.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+from torch.autograd.graph import increment_version
+
+
+class Place(NamedTuple):
+    """Where a managed parameter lives (the `_zero_place` attribute)."""
+    fg: object          # its FlatGroup
+    unit: object        # its Unit
+    schedule: object    # stage 3's schedule, or None
+    engine: object      # weakref to the Engine
+
+
+def record_parameters(groups):
+    for fg in groups:
+        fg.seen_versions = [p._version for p in fg.params]
+
+
+def bump_versions(fg):
+    increment_version(fg.params)
+    fg.seen_versions = [p._version for p in fg.params]
+
+
+def _slot(unit, j):
+    off, n = unit.offsets[j], unit.numels[j]
+    return unit.full[off:off + n].view(unit.shapes[j])
+
+
+def check_parameters_in_place(groups):
+    """Re-point a parameter of a gathered unit whose .data was replaced by
+    an equal kind of tensor (its values are copied in and taken in at the
+    next step); refuse one cast or moved. Returns nothing; marks."""
+    for fg in groups:
+        for unit in fg.units:
+            if not unit.gathered or unit.work is not None or unit.full is None:
+                continue
+            item = unit.full.element_size()
+            base = unit.full.data_ptr()
+            for j, p in enumerate(unit.params):
+                if p.data_ptr() == base + unit.offsets[j] * item and \
+                        p.dtype == unit.full.dtype:
+                    continue
+                name = fg.names[unit.members.start + j]
+                if p.dtype != unit.full.dtype or p.device != unit.full.device or \
+                        p.shape != unit.shapes[j]:
+                    raise RuntimeError(
+                        f"parameter '{name}' is now {p.dtype} {tuple(p.shape)} on {p.device}, "
+                        f"but the engine trains it as {unit.full.dtype} "
+                        f"{tuple(unit.shapes[j])} on {unit.full.device}: the model was cast or "
+                        "moved after zero.initialize (model.float(), .half(), .to(...)). Cast "
+                        f"it back (model.to({unit.full.dtype})), or call zero.initialize "
+                        "again")
+                slot = _slot(unit, j)
+                with torch.no_grad():
+                    slot.copy_(p.detach())
+                p.data = slot
+                fg.seen_versions[unit.members.start + j] = -1  # taken in at the next step
+
+
+def take_in_parameter_writes(groups):
+    """Before a step or a read of the partitions: see [Note: parameter
+    writes]."""
+    check_parameters_in_place(groups)
+    for fg in groups:
+        for unit in fg.units:
+            for j, p in enumerate(unit.params):
+                i = unit.members.start + j
+                if p._version == fg.seen_versions[i]:
+                    continue
+                if not unit.gathered or unit.work is not None:
+                    raise RuntimeError(
+                        f"parameter '{fg.names[i]}' was changed in place where stage 3 cannot "
+                        "keep the change (released: an empty placeholder outside its module's "
+                        "forward; or inside zero.GatheredParameters without modifier_rank), "
+                        "so it was lost. Change parameters inside "
+                        "zero.GatheredParameters(params, modifier_rank=0), or load weights "
+                        "with engine.load_checkpoint")
+                write_into_partition(fg, unit, j, None)
+                fg.seen_versions[i] = p._version
+
+
+def write_into_partition(fg, unit, j, before):
+    """This rank's chunk of unit parameter j, from the unit's buffer, into
+    the shard and the master: the elements that differ from `before` (the
+    values on entry to GatheredParameters), or, with before=None, from the
+    master rounded to the compute dtype."""
+    lo = max(unit.offsets[j], fg.owner * unit.part)
+    hi = min(unit.offsets[j] + unit.numels[j], (fg.owner + 1) * unit.part)
+    if lo >= hi:
+        return
+    new = unit.full[lo:hi]
+    start = unit.shard_offset + lo - fg.owner * unit.part
+    shard = fg.shard[start:start + hi - lo]
+    if shard.data_ptr() != new.data_ptr():
+        shard.copy_(new)
+    if not fg.trainable or fg.master is fg.shard:
+        return
+    master = fg.master[start:start + hi - lo]
+    new = new.to(master.device)  # the master may be on the host
+    if before is None:
+        old = master.to(new.dtype)
+    else:
+        old = before[lo - unit.offsets[j]:hi - unit.offsets[j]].to(master.device)
+    master.copy_(torch.where(new != old, new.float(), master))
+    if fg.offload is not None:
+        # the master's file: unmap it all, as reading it mapped
+        # neighbouring pages too (the kernel's fault-around)
+        fg.offload.drop("master")

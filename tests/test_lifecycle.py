@@ -1,0 +1,398 @@
+"""An engine's life as a notebook or a training script lives it (one
+process): values written into the parameters after initialize, casts,
+zero_grad between backwards, the skip-a-bad-batch pattern, changes to the
+optimizer, failed or repeated initializes, closed and dropped engines.
+Each is compared with plain torch on an unsharded copy, or with an engine
+built directly in the state the change leads to, or must raise a clear
+error. Before the fixes these trained silently wrong (writes lost at the
+next step, discarded gradients applied, a stale clip norm), crashed later
+with unrelated errors, or leaked the engine."""
+import copy
+import gc
+import weakref
+
+import pytest
+import torch
+from torch import nn
+
+import zero
+
+STAGES = [0, 1, 2, 3]
+
+
+def _model(seed=0):
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(),
+                         nn.Linear(16, 3))
+
+
+def _batch(i):
+    g = torch.Generator().manual_seed(100 + i)
+    return torch.randn(4, 8, generator=g), torch.randn(4, 3, generator=g)
+
+
+def _loss(out, y):
+    return (out.float() - y).square().mean()
+
+
+def _engine(model, stage, precision="fp32", opt=torch.optim.AdamW, **options):
+    options.setdefault("stage3_param_persistence_threshold", 0)  # units really released
+    return zero.initialize(model, optimizer=opt(model.parameters(), lr=1e-2), stage=stage,
+                           precision=precision, **options)
+
+
+def _train(engine, steps, start=0):
+    for i in range(start, start + steps):
+        x, y = _batch(i)
+        engine.backward(_loss(engine(x), y))
+        engine.step()
+
+
+def _masters(engine):
+    return engine.full_state_dict()
+
+
+def _assert_same(a, b, atol=0.0):
+    assert a.keys() == b.keys()
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], atol=atol, rtol=0, msg=k)
+
+
+def _bf16_exact(state):
+    """Values a bf16 parameter holds exactly, so a master taken in from it
+    has the same bits as one built from the fp32 values."""
+    return {k: v.to(torch.bfloat16).float() for k, v in state.items()}
+
+
+# ---- values written into parameters after initialize --------------------------
+
+class _nothing:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+def _write(model, how, new):
+    """One of the ways users write weights; returns the expected state."""
+    with torch.no_grad():
+        if how == "model.load_state_dict":
+            model.load_state_dict(new)
+        elif how == "nn.init":
+            nn.init.zeros_(model[4].weight)
+        else:  # one row of one weight
+            model[2].weight[0].fill_(0.5)
+
+
+def _expected(before, how, new):
+    if how == "model.load_state_dict":
+        return dict(new)
+    after = {k: v.clone() for k, v in before.items()}
+    if how == "nn.init":
+        after["4.weight"].zero_()
+    else:  # the other elements keep their fp32 master bits
+        after["2.weight"][0] = 0.5
+    return after
+
+
+@pytest.mark.parametrize("stage,persistent", [(0, False), (1, False), (2, False), (3, False),
+                                              (3, True)])
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+@pytest.mark.parametrize("how", ["model.load_state_dict", "nn.init", "partial"])
+def test_a_write_into_parameters_reaches_the_master_and_the_next_steps(
+        stage, persistent, precision, how, tmp_path):
+    """The master right after the write is the old one with exactly the
+    written elements changed (bit for bit: the reference is the master read
+    before); training on from there equals a resume of a checkpoint saved
+    right after the write (which was lost at the next step before). Stage
+    3 needs the parameters gathered: GatheredParameters(modifier_rank=0),
+    or persistent units; stages 0-2 take a plain write."""
+    new = _bf16_exact(_model(seed=7).state_dict())
+    model = _model()
+    options = {"stage3_param_persistence_threshold": 10**9} if persistent else {}
+    engine = _engine(model, stage, precision, **options)
+    _train(engine, 1)
+    before = engine.full_state_dict()
+    context = zero.GatheredParameters(list(model.parameters()), modifier_rank=0) \
+        if stage == 3 and not persistent else _nothing()
+    with context:
+        _write(model, how, new)
+    _assert_same(engine.full_state_dict(), _expected(before, how, new))
+    engine.save_checkpoint(tmp_path, tag="written")
+    resumed_model = _model(seed=3)
+    resumed = _engine(resumed_model, stage, precision, **options)
+    resumed.load_checkpoint(tmp_path, tag="written")
+    _train(engine, 2, start=1)
+    _train(resumed, 2, start=1)
+    _assert_same(engine.full_state_dict(), resumed.full_state_dict())
+    engine.close()
+    resumed.close()
+
+
+def test_a_write_into_a_released_stage3_parameter_is_refused():
+    model = _model()
+    engine = _engine(model, 3)
+    _train(engine, 1)
+    with torch.no_grad():
+        nn.init.zeros_(model[2].weight)  # an empty placeholder: nothing is written
+    x, y = _batch(1)
+    engine.backward(_loss(engine(x), y))
+    with pytest.raises(RuntimeError, match=r"parameter '2.weight' was changed in place where "
+                                           r"stage 3 cannot keep the change"):
+        engine.step()
+    engine.close()
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_a_cast_there_and_back_trains_on(stage):
+    """model.float() for an evaluation, then model.to(bf16): the
+    parameters are new tensors; the engine takes them back."""
+    runs = []
+    for round_trip in (False, True):
+        model = _model()
+        engine = _engine(model, stage, "bf16", stage3_param_persistence_threshold=10**9)
+        _train(engine, 2)
+        if round_trip:
+            model.float()
+            model.to(torch.bfloat16)
+        _train(engine, 2, start=2)
+        runs.append((engine.full_state_dict(),
+                     {k: v.detach().float().clone() for k, v in model.state_dict().items()}))
+        engine.close()
+    _assert_same(runs[0][0], runs[1][0])
+    _assert_same(runs[0][1], runs[1][1])  # the live parameters too
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_a_cast_left_in_place_is_refused_by_name(stage):
+    model = _model()
+    engine = _engine(model, stage, "bf16", stage3_param_persistence_threshold=10**9)
+    model.float()
+    with pytest.raises(RuntimeError, match=r"parameter '0.weight' is now torch.float32 .* "
+                                           r"trains it as torch.bfloat16"):
+        engine(_batch(0)[0])
+    engine.close()
+
+
+# ---- gradients, clipping and the step ---------------------------------------------
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_optimizer_zero_grad_between_backwards_drops_the_first(stage):
+    model, ref = _model(), _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    engine = zero.initialize(model, optimizer=opt, stage=stage)
+    x, y = _batch(0)
+    for m, o in ((engine, opt), (ref, ref_opt)):
+        _loss(m(x * 3), y).backward()  # discarded
+        o.zero_grad()
+        _loss(m(x), y).backward()
+    engine.step()
+    ref_opt.step()
+    _assert_same(engine.full_state_dict(), ref.state_dict(), atol=1e-7)
+    engine.close()
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_a_skipped_batch_does_not_leave_its_clip_norm(stage):
+    """backward; norm = clip_grad_norm_(1.0); a huge norm: zero_grad() and
+    skip the batch. The next batch gets its own norm."""
+    model, ref = _model(), _model()
+    engine = zero.initialize(model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                             stage=stage)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    for i in range(4):
+        x, y = _batch(i)
+        if i == 1:
+            y = y * 1000
+        engine.backward(_loss(engine(x), y))
+        norm = engine.clip_grad_norm_(1.0)
+        ref_opt.zero_grad()
+        _loss(ref(x), y).backward()
+        ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0).item()
+        assert norm == pytest.approx(ref_norm, rel=1e-5)
+        if ref_norm > 50:
+            engine.zero_grad()
+            continue
+        engine.step()
+        ref_opt.step()
+    _assert_same(engine.full_state_dict(), ref.state_dict(), atol=1e-6)
+    engine.close()
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_a_refused_step_changes_nothing(stage):
+    """amsgrad turned on after initialize is refused before any state
+    moves; turned off again, training goes on exactly as torch's."""
+    model, ref = _model(), _model()
+    engine = _engine(model, stage)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    for i in range(3):
+        x, y = _batch(i)
+        engine.backward(_loss(engine(x), y))
+        ref_opt.zero_grad()
+        _loss(ref(x), y).backward()
+        if i == 1:
+            engine.optimizer.param_groups[0]["amsgrad"] = True
+            with pytest.raises(ValueError, match=r"param group 0 now needs optimizer state "
+                                                 r"\['max_exp_avg_sq'\]"):
+                engine.step()
+            engine.optimizer.param_groups[0]["amsgrad"] = False
+        engine.step()
+        ref_opt.step()
+    assert engine.groups[0].step_count == 3 and engine.global_steps == 3
+    _assert_same(engine.full_state_dict(), ref.state_dict(), atol=1e-6)
+    engine.close()
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_changes_to_what_trains_are_refused(stage):
+    model = _model()
+    model[0].requires_grad_(False)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    engine = zero.initialize(model, optimizer=opt, stage=stage)
+    x, y = _batch(0)
+
+    def one_step():
+        engine.backward(_loss(engine(x), y))
+        engine.step()
+    model[0].requires_grad_(True)  # unfreezing, as in progressive fine-tuning
+    opt.add_param_group({"params": list(model[0].parameters())})
+    with pytest.raises(RuntimeError, match=r"the optimizer has 2 param groups, but had 1"):
+        one_step()
+    opt.param_groups.pop()
+    engine.zero_grad()
+    with pytest.raises(RuntimeError, match=r"parameter '0.weight' requires grad, but was "
+                                           r"frozen"):
+        one_step()
+    model[0].requires_grad_(False)
+    model[2].weight.requires_grad_(False)
+    engine.zero_grad()
+    with pytest.raises(RuntimeError, match=r"parameter '2.weight' was set to "
+                                           r"requires_grad=False after zero.initialize"):
+        one_step()
+    engine.close()
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_a_backward_through_a_graph_from_before_the_step_is_refused(stage):
+    """As after torch.optim's step: the step changed the saved weights."""
+    engine = _engine(_model(), stage, stage3_param_persistence_threshold=0)
+    x, y = _batch(0)
+    loss = _loss(engine(x), y)
+    engine.step()
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        loss.backward()
+    engine.close()
+
+
+@pytest.mark.parametrize("stage", [0, 2])
+def test_fp16_plain_backward_after_a_failed_engine_backward_is_refused(stage):
+    model = _model()
+    engine = _engine(model, stage, "fp16")
+    _train(engine, 1)
+    x, y = _batch(1)
+
+    def boom(*_args):
+        raise RuntimeError("boom")
+    handle = model[2].register_full_backward_hook(boom)
+    with pytest.raises(RuntimeError, match="boom"):
+        engine.backward(_loss(engine(x), y))
+    handle.remove()
+    engine.zero_grad()
+    _loss(engine(x), y).backward()  # plain: the loss scale is not applied
+    with pytest.raises(RuntimeError, match=r"fp16: step\(\) needs an engine.backward"):
+        engine.step()
+    engine.close()
+
+
+# ---- initialize again, closed and dropped engines ---------------------------------
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_initialize_of_the_engine_itself_rewraps_the_model(stage):
+    """`model = zero.initialize(model)` run twice (a re-run cell)."""
+    model, ref = _model(), _model()
+    first = _engine(model, stage)
+    second = zero.initialize(first, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-2),
+                             stage=stage, stage3_param_persistence_threshold=0)
+    assert second.module is model
+    with pytest.raises(RuntimeError, match="this engine was closed"):
+        first(_batch(0)[0])
+    with pytest.raises(RuntimeError, match="this engine was closed"):
+        first.step()
+    _train(second, 2)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    for i in range(2):
+        x, y = _batch(i)
+        ref_opt.zero_grad()
+        _loss(ref(x), y).backward()
+        ref_opt.step()
+    _assert_same(second.full_state_dict(), ref.state_dict(), atol=1e-6)
+    second.close()
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_a_model_holding_another_engines_parameters_is_refused(stage):
+    inner = _model()
+    engine = _engine(inner, stage)
+    outer = nn.Sequential(inner, nn.Linear(3, 3))
+    with pytest.raises(ValueError, match=r"parameter '0.0.weight' is trained by another zero "
+                                         r"engine"):
+        zero.initialize(outer, stage=stage)
+    with pytest.raises(ValueError, match=r"parameter 'weight' is trained by another zero "
+                                         r"engine"):
+        zero.initialize(inner[0], stage=stage)
+    engine.close()
+    zero.initialize(outer, stage=stage).close()  # free once that engine is closed
+
+
+def test_a_failed_stage3_initialize_leaves_the_model_whole():
+    model = _model()
+    shapes = [p.shape for p in model.parameters()]
+    with pytest.raises(ValueError, match="stage3_leaf_modules: no module of the model is a "
+                                         "'Linaer'"):
+        _engine(model, 3, stage3_leaf_modules=["Linaer"])
+    assert [p.shape for p in model.parameters()] == shapes
+    _engine(model, 3).close()
+
+
+def test_a_stage3_model_whose_engine_was_dropped_is_refused():
+    """Dropped without close(), a stage-3 engine takes the released values
+    with it; initializing the empty placeholders would train nothing."""
+    model = _model()
+    engine = _engine(model, 3)
+    _train(engine, 1)
+    del engine
+    gc.collect()
+    with pytest.raises(ValueError, match=r"parameter '0.weight' holds no values"):
+        _engine(model, 3)
+
+
+def test_initialize_inside_inference_mode_is_refused():
+    with torch.inference_mode():
+        with pytest.raises(RuntimeError, match="inside torch.inference_mode"):
+            zero.initialize(_model())
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_a_dropped_engine_is_collected(stage):
+    """Its hooks hold it weakly: torch keeps a parameter's hooks where the
+    garbage collector does not look, so it used to live (with its buffers
+    and offload files) until exit."""
+    engine = _engine(_model(), stage)
+    _train(engine, 1)
+    ref = weakref.ref(engine)
+    del engine
+    gc.collect()
+    assert ref() is None
+
+
+def test_a_deep_copy_before_initialize_trains_independently():
+    """Sanity: an EMA-style copy made before initialize is a plain model."""
+    model = _model()
+    shadow = copy.deepcopy(model)
+    engine = _engine(model, 2)
+    _train(engine, 1)
+    assert not any(hasattr(p, "_zero_place") for p in shadow.parameters())
+    engine.close()
