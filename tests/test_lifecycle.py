@@ -396,3 +396,92 @@ def test_a_deep_copy_before_initialize_trains_independently():
     _train(engine, 1)
     assert not any(hasattr(p, "_zero_place") for p in shadow.parameters())
     engine.close()
+
+
+_KEPT_VIEW = r"""
+import torch, zero
+from torch import nn
+torch.manual_seed(0)
+model = nn.Sequential(nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 3))
+engine = zero.initialize(model, stage=3, stage3_param_persistence_threshold=0)
+kept = {}
+def keep(module, args, output):
+    kept.setdefault("w", module.weight.detach())
+model[0].register_forward_hook(keep, prepend=True)  # before the release
+x = torch.randn(2, 64)
+engine.backward(engine(x).square().sum())
+with zero.GatheredParameters([model[0].weight]):
+    inside = model[0].weight.detach()
+    expected = inside.clone()
+after_exit = inside.sum().item()          # read after the context released it
+logged = kept["w"].sum().item()           # read after the forward released it
+engine.step()                             # the next gathers go to a new storage
+engine.backward(engine(x).square().sum())
+engine.step()
+assert after_exit == expected.sum().item()
+assert abs(logged - expected.sum().item()) < 1e-6  # the same values: no step between
+print("ok")
+"""
+
+
+def test_a_view_kept_past_a_release_reads_its_values_not_freed_memory(tmp_path):
+    """In a child process: reading freed storage used to segfault."""
+    import subprocess
+    import sys
+    script = tmp_path / "kept_view.py"
+    script.write_text(_KEPT_VIEW)
+    run = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                         timeout=120)
+    assert run.returncode == 0, (run.returncode, run.stderr[-2000:])
+    assert run.stdout.strip().endswith("ok")
+
+
+# ---- copies and pickles of a trained model -----------------------------------------
+
+@pytest.mark.parametrize("stage,persistent", [(0, False), (1, False), (2, False), (3, True)])
+def test_a_copy_of_a_trained_model_is_a_plain_model(stage, persistent):
+    """copy.deepcopy (an EMA or a teacher copy) and pickle give a plain
+    torch model with the current weights: its forward runs none of the
+    engine's hooks, it trains on its own, and initializing it does not
+    close the original engine, which trains on as torch does."""
+    import pickle
+    model, ref = _model(), _model()
+    options = {"stage3_param_persistence_threshold": 10**9} if persistent else {}
+    engine = _engine(model, stage, **options)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+
+    def ref_step(i):
+        x, y = _batch(i)
+        ref_opt.zero_grad()
+        _loss(ref(x), y).backward()
+        ref_opt.step()
+    _train(engine, 1)
+    ref_step(0)
+    for clone in (copy.deepcopy(model), pickle.loads(pickle.dumps(model))):
+        _assert_same({k: v.detach() for k, v in clone.state_dict().items()},
+                     engine.full_state_dict())
+        opt = torch.optim.SGD(clone.parameters(), lr=0.1)
+        x, y = _batch(5)
+        _loss(clone(x), y).backward()
+        opt.step()  # a plain optimizer on a plain model
+        assert getattr(clone, "_zero_engine", None) is None
+        zero.initialize(clone, stage=stage).close()
+    _train(engine, 2, start=1)
+    ref_step(1)
+    ref_step(2)
+    _assert_same(engine.full_state_dict(), ref.state_dict(), atol=1e-6)
+    engine.close()
+
+
+def test_a_copy_of_a_released_stage3_model_is_refused_and_made_inside_gathered():
+    model = _model()
+    engine = _engine(model, 3)
+    _train(engine, 1)
+    with pytest.raises(RuntimeError, match="its released parameters are empty placeholders"):
+        copy.deepcopy(model)
+    with zero.GatheredParameters(list(model.parameters())):
+        clone = copy.deepcopy(model)
+    _assert_same({k: v.detach() for k, v in clone.state_dict().items()},
+                 engine.full_state_dict())
+    assert clone(_batch(0)[0]).shape == (4, 3)
+    engine.close()

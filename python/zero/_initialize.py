@@ -2,12 +2,12 @@
 from __future__ import annotations
 
 import os
-import weakref
 
 import torch
 from torch import nn
 
 from zero._comm import Comm, join_process_group, leave_process_group
+from zero._copying import EngineRef
 from zero._optimizer_bridge import optimizer_from_config
 from zero._schedulers import scheduler_from_config
 from zero._threads import share_cores_among_local_ranks
@@ -95,7 +95,7 @@ def initialize(model: nn.Module, *, optimizer=None, stage=None, precision=None,
             lr_scheduler = lr_scheduler(optimizer)
         _check_scheduler(lr_scheduler, optimizer)
         engine = Engine(model, optimizer, cfg, comm, created, lr_scheduler)
-        model._zero_engine = weakref.ref(engine)
+        model._zero_engine = EngineRef(engine)
         return engine
     except BaseException:
         leave_process_group(created)

@@ -30,11 +30,22 @@ from torch.autograd.graph import increment_version
 
 
 class Place(NamedTuple):
-    """Where a managed parameter lives (the `_zero_place` attribute)."""
+    """Where a managed parameter lives (the `_zero_place` attribute). A
+    pickled parameter (torch.save(model)) gets None: see _copying.py."""
     fg: object          # its FlatGroup
     unit: object        # its Unit
     schedule: object    # stage 3's schedule, or None
     engine: object      # weakref to the Engine
+
+    def __deepcopy__(self, memo):
+        return None
+
+    def __reduce__(self):
+        return (_none, ())
+
+
+def _none():
+    return None
 
 
 def record_parameters(groups):

@@ -36,6 +36,7 @@ the order recorded on earlier passes.
 """
 from __future__ import annotations
 
+import bisect
 import sys
 import warnings
 
@@ -43,6 +44,7 @@ import torch
 from torch import nn
 from torch.autograd.graph import register_multi_grad_hook, saved_tensors_hooks
 
+from zero._copying import ModuleHook
 from zero._outputs import map_tensors, tensors_in
 from zero._units import leaf_roots, storage_key
 
@@ -112,7 +114,7 @@ class Stage3Schedule:
         for module, units in self.units_of.items():
             if units:
                 self.hooks.append(module.register_state_dict_post_hook(
-                    self._hook_state_dict(units)))
+                    ModuleHook(self._hook_state_dict(units))))
         for module in root.modules():
             if isinstance(module, nn.MultiheadAttention) and id(module) not in leaf_of:
                 # its forward reads out_proj's weights without calling out_proj
@@ -137,9 +139,18 @@ class Stage3Schedule:
         index = len(self.modules)
         self.modules.append(module)
         self.entered.append(0)
-        self.hooks.append(module.register_forward_pre_hook(self._hook_pre_forward(index)))
+        # a copy of the module gets hooks that do nothing, or none at all
+        # while its parameters are released (see _copying.py)
+        whole = self._whole_check(module)
+        self.hooks.append(module.register_forward_pre_hook(
+            ModuleHook(self._hook_pre_forward(index), whole)))
         self.hooks.append(module.register_forward_hook(
-            self._hook_post_forward(index, module is self.root), always_call=True))
+            ModuleHook(self._hook_post_forward(index, module is self.root), whole),
+            always_call=True))
+
+    def _whole_check(self, module):
+        units = self.units_of[module]  # the list itself: add_external extends it
+        return lambda: all(u.gathered or u.persistent for _fg, u in units)
 
     def add_external(self, module, param):
         """Gather param's unit around module's forward too (a parameter the
@@ -196,7 +207,10 @@ class Stage3Schedule:
             unit.work = None
             unit.gathered = True
         if unit.gathered:
-            unit.release()
+            old_key = storage_key(unit.full)
+            if unit.release():  # a new storage: see [Note: released parameters]
+                entry = self.unit_by_storage.pop(old_key)
+                self.unit_by_storage[storage_key(unit.full)] = entry
             self.live -= unit.total
 
     def release_all(self):
@@ -389,10 +403,14 @@ class Stage3Schedule:
 
     def _pack(self, tensor):
         """[Note: saved parameters]: a saved tensor in a unit's storage is
-        kept with its unit, to be gathered again if released by then."""
+        kept as where it lies in its unit, to be gathered again if released
+        by then (not as a view: see [Note: released parameters])."""
         entry = self.unit_by_storage.get(storage_key(tensor))  # None: no storage
         if entry is not None:
-            return _SavedInUnit(entry[0], entry[1], tensor)
+            fg, unit = entry
+            if tensor.dtype == unit.full.dtype:
+                return _SavedInUnit(fg, unit, tensor)
+            return _SavedView(fg, unit, tensor)  # reinterpreted bytes: kept as it is
         if self._outer is None:
             return tensor
         pack, unpack = self._outer
@@ -401,15 +419,19 @@ class Stage3Schedule:
     def _unpack(self, packed):
         if isinstance(packed, _SavedByOuter):
             return packed.unpack(packed.packed)
+        if isinstance(packed, _SavedView):
+            self.ensure(packed.fg, packed.unit)
+            return packed.tensor
         if not isinstance(packed, _SavedInUnit):
             return packed
         self.ensure(packed.fg, packed.unit)
-        if packed.tensor._version != packed.version:
+        param = packed.param
+        if param is not None and param._version != packed.version:
             raise RuntimeError(
                 "one of the variables needed for gradient computation has been modified by "
-                f"an inplace operation: a parameter of shape {tuple(packed.tensor.shape)} "
-                f"is at version {packed.tensor._version}; expected version {packed.version}")
-        return packed.tensor
+                f"an inplace operation: a parameter of shape {tuple(param.shape)} is at "
+                f"version {param._version}; expected version {packed.version}")
+        return packed.unit.full.as_strided(packed.size, packed.stride, packed.offset)
 
     def _hook_pre_backward(self, index, is_root):
         def pre_backward(_grad):
@@ -492,13 +514,28 @@ class Stage3Schedule:
 
 
 class _SavedInUnit:
-    """A saved tensor that lies in a stage-3 unit's storage, with the version
-    it had (torch checks versions of what it saves itself; with a hook the
-    hook must)."""
-    __slots__ = ("fg", "unit", "tensor", "version")
+    """A saved tensor that lies in a stage-3 unit's storage: where (its
+    size, strides and offset in the unit's buffer), and the parameter it
+    lies in with that parameter's version (torch checks versions of what it
+    saves itself; with a hook the hook must; the step bumps them)."""
+    __slots__ = ("fg", "unit", "size", "stride", "offset", "param", "version")
 
     def __init__(self, fg, unit, tensor):
-        self.fg, self.unit, self.tensor, self.version = fg, unit, tensor, tensor._version
+        self.fg, self.unit = fg, unit
+        self.size, self.stride = tensor.shape, tensor.stride()
+        self.offset = tensor.storage_offset()
+        j = bisect.bisect_right(unit.offsets, self.offset) - 1
+        self.param = unit.params[j] if j >= 0 else None
+        self.version = self.param._version if self.param is not None else 0
+
+
+class _SavedView:
+    """A saved tensor of a unit's storage under another dtype, kept as it
+    is (the unit is gathered again into its storage before it is read)."""
+    __slots__ = ("fg", "unit", "tensor")
+
+    def __init__(self, fg, unit, tensor):
+        self.fg, self.unit, self.tensor = fg, unit, tensor
 
 
 class _SavedByOuter:

@@ -8,12 +8,14 @@ in _flat_group.py.
 [Note: released parameters] A released unit's parameters point at an empty
 placeholder (shape (0,)), as under DeepSpeed's stage 3, so code that reads
 them by mistake fails on a shape mismatch instead of reading freed memory.
-The `full` buffer's storage is resized to zero bytes rather than dropped:
-autograd may hold views of it (mm saves weight.t()), and those views see
-the data again once the unit is re-gathered into the same storage before
-the module's backward. Version counters are untouched: the parameters are
-re-pointed with .data, and the gather writes through `full`, a different
-tensor from the views autograd saved.
+The `full` buffer's storage is resized to zero bytes, so the next gather
+reuses the same storage object. But a tensor that still views it (a
+forward hook that kept m.weight.detach() for logging, a view kept past a
+GatheredParameters block) would then read freed memory: a segfault. So
+when anything but `full` still holds the storage, the unit leaves it to
+them, with the values it had, and takes a new storage for its next gather.
+Stage 3's saved-tensor hook keeps no view of a unit (only where in it),
+so autograd's saved tensors never hold the storage.
 """
 from __future__ import annotations
 
@@ -61,15 +63,23 @@ class Unit:
         for p, off, n, shape in zip(self.params, self.offsets, self.numels, self.shapes):
             p.data = self.full[off:off + n].view(shape)
 
-    def release(self):
-        """Free the gathered values (see [Note: released parameters])."""
+    def release(self) -> bool:
+        """Free the gathered values (see [Note: released parameters]).
+        True when `full` got a new storage (another holder kept the old)."""
         if self._placeholder is None:
             self._placeholder = torch.empty(0, dtype=self.full.dtype,
                                             device=self.full.device)
         for p in self.params:
             p.data = self._placeholder
-        self.full.untyped_storage().resize_(0)
         self.gathered = False
+        storage = self.full.untyped_storage()
+        # holders: `full` and `storage` here; any more is somebody's view
+        if torch._C._storage_Use_Count(storage._cdata) > 2:
+            self.full = torch.empty(self.total, dtype=self.full.dtype, device=self.full.device)
+            self.full.untyped_storage().resize_(0)
+            return True
+        storage.resize_(0)
+        return False
 
     def reserve(self):
         """Storage for a gather into `full` (the same storage object)."""

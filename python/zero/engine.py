@@ -28,6 +28,7 @@ from torch.autograd.graph import register_multi_grad_hook
 
 from zero._agreement import check_ranks_agree
 from zero._comm import Comm, leave_process_group
+from zero._copying import ModuleHook
 from zero._flat_group import FlatGroup
 from zero._loss_scaler import DynamicLossScaler
 from zero._memory import MemorySummary, zero_formula
@@ -253,10 +254,10 @@ class Engine(nn.Module):
         for fg in self.groups:
             self._on_each_grad(fg, _stage2_grad_ready)
         me = weakref.ref(self)
-        self._hooks.append(self.module.register_forward_pre_hook(
-            lambda _m, _a: _call_alive(me, Engine._abandon_unfinished_backward)))
-        self._hooks.append(self.module.register_forward_hook(
-            lambda _m, _a, output: _call_alive(me, Engine._watch_root_output, output)))
+        self._hooks.append(self.module.register_forward_pre_hook(ModuleHook(
+            lambda _m, _a: _call_alive(me, Engine._abandon_unfinished_backward))))
+        self._hooks.append(self.module.register_forward_hook(ModuleHook(
+            lambda _m, _a, output: _call_alive(me, Engine._watch_root_output, output))))
 
     def _watch_root_output(self, output):
         if torch.is_grad_enabled():

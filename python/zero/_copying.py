@@ -1,0 +1,80 @@
+"""What copy.deepcopy, pickle and torch.save make of a model an engine
+trains: a plain torch model.
+
+The engine leaves three kinds of things on the user's model: hooks on its
+modules, a `_zero_place` on each parameter, and `_zero_engine` on the root.
+Copied as they are, a copy's forward ran the original engine's hooks (at
+stage 3 a KeyError; at stage 2 its backward fed the original's buckets),
+re-initializing a copy closed the original, and pickling failed on the C
+buffers or on local functions. So each of them copies and pickles to
+nothing: a module hook to a hook that does nothing, the attributes to None.
+
+At stage 3 a released parameter is an empty placeholder, so a copy would
+have no weights: the hooks of a module whose parameters are released
+refuse to be copied, and say how to copy instead. Inside
+zero.GatheredParameters(list(model.parameters())) the copy gets every
+value.
+"""
+from __future__ import annotations
+
+import weakref
+
+
+def _none():
+    return None
+
+
+def noop_hook(*_args, **_kwargs):
+    """What a copied or unpickled model has where the engine had a hook."""
+    return None
+
+
+def _noop():
+    return noop_hook
+
+
+class EngineRef:
+    """model._zero_engine: the engine that trains the model, held weakly."""
+    __slots__ = ("_ref", "__weakref__")
+
+    def __init__(self, engine):
+        self._ref = weakref.ref(engine)
+
+    def __call__(self):
+        return self._ref()
+
+    def __deepcopy__(self, memo):
+        return None
+
+    def __reduce__(self):
+        return (_none, ())
+
+
+class ModuleHook:
+    """A module hook of the engine's. `whole()` says whether the module's
+    parameters are all there to copy (stage 3: gathered). No __slots__:
+    torch marks some hooks with an attribute of its own."""
+
+    def __init__(self, function, whole=None):
+        self.function = function
+        self.whole = whole
+
+    def __call__(self, *args, **kwargs):
+        return self.function(*args, **kwargs)
+
+    def _check_whole(self):
+        if self.whole is not None and not self.whole():
+            raise RuntimeError(
+                "copying (copy.deepcopy, pickle, torch.save) a model that a zero stage-3 "
+                "engine trains: its released parameters are empty placeholders, so the copy "
+                "would have no weights. Copy it inside `with "
+                "zero.GatheredParameters(list(model.parameters())):`, or load "
+                "engine.full_state_dict() into a new model")
+
+    def __deepcopy__(self, memo):
+        self._check_whole()
+        return noop_hook
+
+    def __reduce__(self):
+        self._check_whole()
+        return (_noop, ())
