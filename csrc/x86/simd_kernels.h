@@ -7,7 +7,11 @@
  *   vsum vsum_zero vsum_add vsum_total.
  *
  * Each kernel mirrors its scalar definition in scalar.c operation by
- * operation, runs whole vectors, and hands the tail to the scalar kernel
+ * operation, with no fused multiply-add where the scalar code rounds twice
+ * (built in ISO C mode, gcc does not contract either), so every ISA gives
+ * the scalar reference's bits: an element's result does not depend on
+ * whether it falls in a vector or a tail, nor on the machine a run resumes
+ * on. Each runs whole vectors, and hands the tail to the scalar kernel
  * ([Note: kernel ranges] in internal.h). The dtype of the gradient and of
  * the copy-out are passed to always-inline bodies as constants, so the
  * compiler emits one loop per combination with no per-element branching.
@@ -107,11 +111,11 @@ static ISA_TARGET ALWAYS_INLINE void adam_body(const optim_args *a,
     for (; i + W <= end; i += W) {
         vec p = vload(a->param + i);
         vec g = vmul(load_vec(a->grad, grad_dtype, i), scale);
-        g = vfmadd(l2, p, g);
+        g = vadd(g, vmul(l2, p));
         p = vmul(p, weight_factor);
         vec m = vlerp(vload(a->state1 + i), g, one_minus_beta1, beta1, small);
-        vec v = vfmadd(vload(a->state2 + i), beta2,
-                       vmul(vmul(one_minus_beta2, g), g));
+        vec v = vadd(vmul(vload(a->state2 + i), beta2),
+                     vmul(vmul(one_minus_beta2, g), g));
         vstore(a->state1 + i, m);
         vstore(a->state2 + i, v);
         if (k->amsgrad) {
@@ -119,7 +123,7 @@ static ISA_TARGET ALWAYS_INLINE void adam_body(const optim_args *a,
             vstore(a->state3 + i, v);
         }
         vec denom = vadd(vdiv(vsqrt(v), bias_correction2_sqrt), eps);
-        p = vfnmadd(step_size, vdiv(m, denom), p);
+        p = vsub(p, vmul(step_size, vdiv(m, denom)));
         store_param(a, i, p, copy_mode);
     }
     scalar_kernels.adam(a, i, end);
@@ -145,16 +149,16 @@ static ISA_TARGET ALWAYS_INLINE void sgd_body(const optim_args *a,
     for (; i + W <= end; i += W) {
         vec p = vload(a->param + i);
         vec g = vmul(load_vec(a->grad, grad_dtype, i), scale);
-        g = vfmadd(l2, p, g);
+        g = vadd(g, vmul(l2, p));
         if (a->state1) {
             vec buf = k->first_step
                           ? g
-                          : vfmadd(vload(a->state1 + i), momentum,
-                                   vmul(one_minus_dampening, g));
+                          : vadd(vmul(vload(a->state1 + i), momentum),
+                                 vmul(one_minus_dampening, g));
             vstore(a->state1 + i, buf);
-            g = k->nesterov ? vfmadd(momentum, buf, g) : buf;
+            g = k->nesterov ? vadd(g, vmul(momentum, buf)) : buf;
         }
-        p = vfnmadd(lr, g, p);
+        p = vsub(p, vmul(lr, g));
         store_param(a, i, p, copy_mode);
     }
     scalar_kernels.sgd(a, i, end);
@@ -211,10 +215,10 @@ static ISA_TARGET ALWAYS_INLINE void adagrad_body(const optim_args *a,
     for (; i + W <= end; i += W) {
         vec p = vload(a->param + i);
         vec g = vmul(load_vec(a->grad, grad_dtype, i), scale);
-        g = vfmadd(l2, p, g);
-        vec sum = vfmadd(g, g, vload(a->state1 + i));
+        g = vadd(g, vmul(l2, p));
+        vec sum = vadd(vload(a->state1 + i), vmul(g, g));
         vstore(a->state1 + i, sum);
-        p = vfnmadd(clr, vdiv(g, vadd(vsqrt(sum), eps)), p);
+        p = vsub(p, vmul(clr, vdiv(g, vadd(vsqrt(sum), eps))));
         store_param(a, i, p, copy_mode);
     }
     scalar_kernels.adagrad(a, i, end);
