@@ -639,3 +639,11 @@ def test_fp16_with_plain_backward_is_refused():
     engine.step()  # taken, or skipped on an overflow at the first scale: counted either way
     assert engine.global_steps + engine.skipped_steps == 1
     engine.close()
+
+
+def test_a_half_set_launcher_environment_names_what_is_missing(monkeypatch):
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(RuntimeError, match=r"launcher variables RANK, WORLD_SIZE are set but "
+                                           r"MASTER_ADDR, MASTER_PORT are not"):
+        zero.initialize(model())

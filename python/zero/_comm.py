@@ -83,11 +83,13 @@ def join_process_group(device: torch.device, backend: str | None = None) -> bool
         atexit.register(_destroy_at_exit)
         return False
     else:
-        missing = [v for v in _LAUNCHER_VARS if v in os.environ]
-        if missing and os.environ.get("WORLD_SIZE", "1") != "1":
+        present = [v for v in _LAUNCHER_VARS if v in os.environ]
+        missing = [v for v in _LAUNCHER_VARS if v not in os.environ]
+        if present and os.environ.get("WORLD_SIZE", "1") != "1":
             raise RuntimeError(
-                f"some launcher variables are set ({', '.join(missing)}) but not all of "
-                f"{', '.join(_LAUNCHER_VARS)}; start with torchrun or unset them")
+                f"launcher variables {', '.join(present)} are set but "
+                f"{', '.join(missing)} {'is' if len(missing) == 1 else 'are'} not; start "
+                "with torchrun, set the missing ones, or unset them")
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, **bind)
     _owned["count"] += 1
     return True
