@@ -8,14 +8,15 @@ machines).
 """
 from __future__ import annotations
 
+import errno
 import os
 
 import torch
 
 import zero
 from zero._checkpoint_format import (FORMAT, LATEST_FILE, META_FILE, REPLICATED_GROUP,
-                                     VERSION, CheckpointReader, check_plain, owned_pieces,
-                                     resolve_tag, shard_file)
+                                     VERSION, CheckpointReader, check_plain, check_tag,
+                                     owned_pieces, resolve_tag, shard_file)
 from zero._optimizer_bridge import parameter_names, states_for
 from zero._param_writes import bump_versions, take_in_parameter_writes
 
@@ -121,13 +122,67 @@ def _write(obj, path):
     crash (or a power cut) never leaves a half-written file under the real
     name, and `latest` is written only after every file it covers is on
     the disk."""
+    _write_through_temporary(path, lambda f: torch.save(obj, f))
+
+
+class _RecordingFile:
+    """A file whose first write error is kept: torch.save reports a failed
+    write as a RuntimeError without its errno ("unexpected pos")."""
+
+    def __init__(self, f):
+        self.f, self.error = f, None
+
+    def write(self, data):
+        try:
+            return self.f.write(data)
+        except OSError as error:
+            self.error = self.error or error
+            raise
+
+    def flush(self):
+        return self.f.flush()
+
+
+_WRITE_FAILURES = {
+    errno.ENOSPC: "the disk is full; free space and save again",
+    errno.EDQUOT: "the disk quota is exceeded; free space and save again",
+    errno.EFBIG: "the file size limit (ulimit -f) is reached; raise it and save again",
+}
+
+
+def _write_through_temporary(path, fill):
+    """fill(file) into path + ".tmp", fsynced, renamed to path. On any
+    failure the temporary file is removed and an OSError names `path`."""
     tmp = path + ".tmp"
-    with open(tmp, "wb") as f:
-        torch.save(obj, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    recording = None
+    try:
+        with open(tmp, "wb") as f:
+            recording = _RecordingFile(f)
+            fill(recording)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException as error:
+        _remove_if_there(tmp)
+        if not isinstance(error, (OSError, RuntimeError)):
+            raise
+        raise _write_error(path, recording.error if recording and recording.error
+                           else error) from error
     _sync_directory(os.path.dirname(path))
+
+
+def _write_error(path, cause) -> OSError:
+    code = getattr(cause, "errno", None)
+    why = _WRITE_FAILURES.get(code, f"the write failed ({type(cause).__name__}: {cause})")
+    message = f"cannot write checkpoint file {path!r}: {why}"
+    return OSError(code, message) if code is not None else OSError(message)
+
+
+def _remove_if_there(path):
+    try:
+        os.remove(path)
+    except OSError:  # gone already, or not removable: the write's error is the news
+        pass
 
 
 def _sync_directory(path):
@@ -148,13 +203,6 @@ def _all_ok(comm, error, doing="saving") -> None:
     if failed:
         raise RuntimeError(f"{doing} the checkpoint failed on {int(failed)} other rank(s); "
                            "see their errors")
-
-
-def check_tag(tag) -> str:
-    tag = str(tag)
-    if not tag or tag in (".", "..") or "/" in tag or os.sep in tag:
-        raise ValueError(f"tag {tag!r} must be a plain directory name (no path separators)")
-    return tag
 
 
 def save(engine, save_dir, tag=None, client_state=None, save_latest=True) -> str:
@@ -202,13 +250,8 @@ def save(engine, save_dir, tag=None, client_state=None, save_latest=True) -> str
     if save_latest:
         try:
             if comm.rank == 0:
-                latest = os.path.join(os.fspath(save_dir), LATEST_FILE)
-                with open(latest + ".tmp", "w") as f:
-                    f.write(tag)
-                    f.flush()
-                    os.fsync(f.fileno())
-                os.replace(latest + ".tmp", latest)
-                _sync_directory(os.fspath(save_dir))
+                _write_through_temporary(os.path.join(os.fspath(save_dir), LATEST_FILE),
+                                         lambda f: f.write(tag.encode("utf-8")))
         except Exception as e:
             error = e
         _all_ok(comm, error)
@@ -340,7 +383,14 @@ def _buffer_items(engine):
 
 
 def _check_buffers(engine, meta):
-    for key, t in _buffer_items(engine):
+    """The same buffers, by name and shape, as the parameters are checked:
+    a saved buffer the model lacks means another model."""
+    ours = dict(_buffer_items(engine))
+    extra = [key for key in meta["buffers"] if key not in ours]
+    if extra:
+        raise ValueError(f"the checkpoint's buffer {extra[0]!r} is not in the model"
+                         + (f" (nor {len(extra) - 1} more)" if len(extra) > 1 else ""))
+    for key, t in ours.items():
         saved = meta["buffers"].get(key)
         if saved is None:
             raise ValueError(f"the checkpoint has no buffer {key!r}")
@@ -360,7 +410,7 @@ def load(engine, load_dir, tag=None, load_optimizer_states=True,
     with_optimizer = load_optimizer_states and not load_module_only
     error = None
     try:
-        path = resolve_tag(load_dir, tag if tag is None else check_tag(tag))
+        path = resolve_tag(load_dir, tag)
         reader = CheckpointReader(path)
         meta = reader.meta
         _check_params(engine, meta)

@@ -75,48 +75,244 @@ def check_plain(value, where: str):
                         "dicts of them (so it loads with torch.load(weights_only=True))")
 
 
+def check_tag(tag) -> str:
+    """A tag names a directory inside the checkpoint directory, never a
+    path out of it (an absolute path, or one through '..')."""
+    tag = str(tag)
+    separators = {"/", os.sep, os.altsep} - {None}
+    if not tag or tag in (".", "..") or any(s in tag for s in separators):
+        raise ValueError(f"tag {tag!r} must be a plain directory name (no path separators)")
+    return tag
+
+
+def _tag_directory_hint(save_dir) -> str:
+    """The checkpoint directory given as one of its tag directories
+    (ckpt/global_step5 for ckpt/) is an easy slip: say so."""
+    if not os.path.isfile(os.path.join(save_dir, META_FILE)):
+        return ""
+    parent, name = os.path.split(os.path.abspath(save_dir))
+    return (f"{save_dir!r} is itself a checkpoint's tag directory (it holds {META_FILE}): "
+            f"pass its parent {parent!r} and the tag {name!r} (tag= in Python, --tag on the "
+            "command line)")
+
+
+def _latest_tag(save_dir) -> str:
+    latest = os.path.join(save_dir, LATEST_FILE)
+    if not os.path.isfile(latest):
+        raise FileNotFoundError(_tag_directory_hint(save_dir) or
+                                f"{latest!r} does not exist: pass tag= (--tag on the command "
+                                "line) to say which checkpoint in this directory to load")
+    try:
+        with open(latest, encoding="utf-8") as f:
+            tag = f.read().strip()
+        return check_tag(tag)
+    except ValueError as error:  # a damaged file, or one naming a path out of save_dir
+        raise ValueError(f"{latest!r} does not name a tag directory inside {save_dir!r} "
+                         f"({error}); pass tag= (--tag on the command line)") from error
+
+
 def resolve_tag(save_dir, tag=None) -> str:
     """The tag directory to read: `tag`, or the one named in <save_dir>/latest."""
     save_dir = os.fspath(save_dir)
     if not os.path.isdir(save_dir):
         raise FileNotFoundError(f"checkpoint directory {save_dir!r} does not exist")
-    if tag is None:
-        latest = os.path.join(save_dir, LATEST_FILE)
-        if not os.path.isfile(latest):
-            raise FileNotFoundError(f"{latest!r} does not exist: pass tag= to say which "
-                                    "checkpoint in this directory to load")
-        with open(latest) as f:
-            tag = f.read().strip()
-    path = os.path.join(save_dir, str(tag))
+    tag = _latest_tag(save_dir) if tag is None else check_tag(tag)
+    path = os.path.join(save_dir, tag)
     if not os.path.isfile(os.path.join(path, META_FILE)):
-        raise FileNotFoundError(f"{path!r} holds no zero checkpoint ({META_FILE} is missing)")
+        hint = _tag_directory_hint(save_dir)
+        raise FileNotFoundError(f"{path!r} holds no zero checkpoint ({META_FILE} is missing)"
+                                + (f"; {hint}" if hint else ""))
     return path
+
+
+# ---- checks of a file's structure: a damaged file is refused by name, before
+# anything is read from it (and before a loading engine changes) ----------------
+
+
+def _damaged(file, what) -> ValueError:
+    return ValueError(f"checkpoint file {file!r} is damaged: {what}; load another checkpoint")
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _field(obj, key, kinds, file, where):
+    """obj[key], which must be one of `kinds` (int excluding bool)."""
+    if not isinstance(obj, dict):
+        raise _damaged(file, f"{where} is a {type(obj).__name__}, not a dict")
+    if key not in obj:
+        raise _damaged(file, f"{where} has no {key!r}")
+    value = obj[key]
+    if not isinstance(value, kinds) or (kinds is int and isinstance(value, bool)):
+        raise _damaged(file, f"{where}[{key!r}] is a {type(value).__name__}")
+    return value
+
+
+def _check_header(obj, file):
+    if not isinstance(obj, dict) or obj.get("format") != FORMAT:
+        found = obj.get("format") if isinstance(obj, dict) else type(obj).__name__
+        raise ValueError(f"{file!r} is not a zero checkpoint file (format {found!r})")
+    if obj.get("version") != VERSION:
+        raise ValueError(f"{file!r} has checkpoint version {obj.get('version')!r}; this zero "
+                         f"reads version {VERSION!r}")
+
+
+def _check_params(params, file):
+    for name, info in params.items():
+        where = f"params[{name!r}]"
+        shape = _field(info, "shape", (list, tuple), file, where)
+        numel = _field(info, "numel", int, file, where)
+        _field(info, "trainable", bool, file, where)
+        if not all(_is_int(n) and n >= 0 for n in shape) or \
+                numel != torch.Size(shape).numel():
+            raise _damaged(file, f"{where} has shape {shape!r} and numel {numel!r}")
+
+
+def _check_names(names, params, file, where):
+    if not all(isinstance(n, str) and n in params for n in names):
+        raise _damaged(file, f"{where} names a parameter not in its 'params'")
+
+
+def _state_entry_ok(entry, params, buffers) -> bool:
+    """(key, "param", parameter name) or (key, "buffer", None)."""
+    if not isinstance(entry, (list, tuple)) or len(entry) != 3 or \
+            not all(isinstance(s, str) for s in entry[:2]):
+        return False
+    key, kind, name = entry
+    return kind == "param" and isinstance(name, str) and name in params or \
+        kind == "buffer" and key in buffers
+
+
+def _check_meta(meta, file):
+    """What load and consolidate read from the meta is there, of its type."""
+    top = "the meta"
+    params = _field(meta, "params", dict, file, top)
+    _check_params(params, file)
+    # plain names: a shard is read from the tag directory only
+    if not all(isinstance(f, str) and f not in ("", ".", "..") and os.path.basename(f) == f
+               for f in _field(meta, "shards", list, file, top)):
+        raise _damaged(file, "its 'shards' is not a list of file names")
+    buffers = _field(meta, "buffers", dict, file, top)
+    if not all(isinstance(t, torch.Tensor) for t in buffers.values()):
+        raise _damaged(file, "its 'buffers' holds something other than tensors")
+    for i, entry in enumerate(_field(meta, "state_dict", list, file, top)):
+        if not _state_entry_ok(entry, params, buffers):
+            raise _damaged(file, f"state_dict[{i}] is {entry!r}")
+    for gi, group in enumerate(_field(meta, "groups", list, file, top)):
+        where = f"groups[{gi}]"
+        _check_names(_field(group, "param_names", list, file, where), params, file, where)
+        _field(group, "hyper", dict, file, where)
+        _field(group, "step", int, file, where)
+        _field(group, "states", list, file, where)
+    engine = _field(meta, "engine", dict, file, top)
+    for key in ("micro_steps", "global_steps"):
+        _field(engine, key, int, file, "its 'engine'")
+    for key in ("optimizer", "optimizer_class"):
+        _field(meta, key, str, file, top)
+    _field(meta, "loss_scaler", (dict, type(None)), file, top)
+    _field(meta, "lr_scheduler", (dict, type(None)), file, top)
+    _field(meta, "client_state", object, file, top)
+
+
+def _check_tensors(group, file, where) -> dict:
+    """The group's partition tensors: 1-D, one per key."""
+    tensors = _field(group, "tensors", dict, file, where)
+    for key, t in tensors.items():
+        if not isinstance(key, str) or not isinstance(t, torch.Tensor) or t.dim() != 1:
+            raise _damaged(file, f"{where}['tensors'][{key!r}] is not a 1-D tensor")
+    return tensors
+
+
+def _check_piece(piece, params, size, file, where):
+    """(name, lo, hi, offset): elements [lo, hi) of a parameter the meta
+    names, within the `size` elements of every tensor of its group."""
+    def bad(why):
+        return _damaged(file, f"{where} piece {piece!r} {why}")
+    if not isinstance(piece, (list, tuple)) or len(piece) != 4:
+        raise bad("is not (name, lo, hi, offset)")
+    name, lo, hi, offset = piece
+    if not isinstance(name, str) or name not in params:
+        raise bad(f"names no parameter of {META_FILE}")
+    if not all(_is_int(v) for v in (lo, hi, offset)):
+        raise bad("has a bound that is not an integer")
+    if not 0 <= lo < hi <= params[name]["numel"]:
+        raise bad(f"is not a stretch of the parameter's {params[name]['numel']} elements")
+    if offset < 0 or offset + (hi - lo) > size:
+        raise bad(f"runs outside its group's tensors ({size} elements)")
+    return name, lo, hi, offset
+
+
+def _overlapping(spans):
+    """The labels of two of the (start, end, label) spans that overlap, or
+    None."""
+    ordered = sorted(spans, key=lambda span: span[:2])
+    for (_start, end, first), (start, _end, second) in zip(ordered, ordered[1:]):
+        if start < end:
+            return first, second
+    return None
+
+
+def _stretch(source, start, n, file):
+    """source[start:start + n], whole: a slice would silently come out
+    shorter where the file's table of pieces points past the tensor."""
+    if start < 0 or start + n > source.numel():
+        raise _damaged(file, f"a piece runs outside its tensor of {source.numel()} elements")
+    return source.narrow(0, start, n)
 
 
 class CheckpointReader:
     """Reads any stretch of any parameter's value or optimizer state from a
     checkpoint directory, whatever world size and stage wrote it. Shard
-    files are memory-mapped: only the stretches asked for are read."""
+    files are memory-mapped: only the stretches asked for are read. Every
+    file's structure and every piece is checked when it is opened, so a
+    damaged file is refused before anything is read from it."""
 
     def __init__(self, path: str):
         self.path = path
+        meta_file = os.path.join(path, META_FILE)
         self.meta = self._load(META_FILE)
-        if self.meta.get("format") != FORMAT:
-            raise ValueError(f"{path!r} is not a zero checkpoint (format "
-                             f"{self.meta.get('format')!r})")
-        if self.meta.get("version") != VERSION:
-            raise ValueError(f"{path!r} has checkpoint version {self.meta.get('version')}; "
-                             f"this zero reads version {VERSION}")
-        self.index = defaultdict(list)  # name -> [(lo, hi, tensors, offset)]
+        _check_header(self.meta, meta_file)
+        _check_meta(self.meta, meta_file)
+        self.index = defaultdict(list)  # name -> [(lo, hi, tensors, offset, file)]
         for file in self.meta["shards"]:
-            shard = self._load(file, mmap=True)
-            if shard.get("save_id") != self.meta.get("save_id"):
-                raise ValueError(f"{os.path.join(path, file)!r} belongs to another save than "
-                                 f"{META_FILE} (a save into this tag that did not finish?); "
-                                 "load another checkpoint")
-            for group in shard["groups"]:
-                for name, lo, hi, offset in group["pieces"]:
-                    self.index[name].append((lo, hi, group["tensors"], offset))
+            self._add_shard(file)
+        self._check_overlaps()
+
+    def _add_shard(self, file):
+        full = os.path.join(self.path, file)
+        shard = self._load(file, mmap=True)
+        _check_header(shard, full)
+        if shard.get("save_id") != self.meta.get("save_id"):
+            raise ValueError(f"{full!r} belongs to another save than {META_FILE} (a save into "
+                             "this tag that did not finish?); load another checkpoint")
+        params = self.meta["params"]
+        for gi, group in enumerate(_field(shard, "groups", list, full, "the shard")):
+            where = f"groups[{gi}]"
+            tensors = _check_tensors(group, full, where)
+            size = min((t.numel() for t in tensors.values()), default=0)
+            pieces = [_check_piece(piece, params, size, full, where)
+                      for piece in _field(group, "pieces", list, full, where)]
+            # two pieces stored in the same elements: one parameter would
+            # load another's values
+            shared = _overlapping((p[3], p[3] + p[2] - p[1], p) for p in pieces)
+            if shared:
+                raise _damaged(full, f"{where} pieces {shared[0]!r} and {shared[1]!r} are "
+                               "stored in the same elements")
+            for name, lo, hi, offset in pieces:
+                self.index[name].append((lo, hi, tensors, offset, full))
+
+    def _check_overlaps(self):
+        """Two pieces holding the same elements of one state would make the
+        value read depend on the order of the files."""
+        for name, pieces in self.index.items():
+            for key in {key for piece in pieces for key in piece[2]}:
+                shared = _overlapping((lo, hi, (file, lo, hi)) for lo, hi, tensors, _o, file
+                                      in pieces if key in tensors)
+                if shared:
+                    (_f, lo, hi), (file, lo2, hi2) = shared
+                    raise _damaged(file, f"its piece of '{name}' elements [{lo2}, {hi2}) "
+                                   f"overlaps another piece's [{lo}, {hi}) of {key!r}")
 
     def _load(self, file, mmap=False):
         full = os.path.join(self.path, file)
@@ -125,26 +321,30 @@ class CheckpointReader:
                                     "must be readable from every loading rank)")
         try:
             return torch.load(full, map_location="cpu", weights_only=True, mmap=mmap)
-        except (RuntimeError, OSError, EOFError, ValueError, pickle.UnpicklingError) as error:
+        # the weights-only unpickler raises KeyError, IndexError or
+        # TypeError on damaged pickle bytes (a memo index, an empty stack)
+        except (RuntimeError, OSError, EOFError, ValueError, KeyError, IndexError, TypeError,
+                pickle.UnpicklingError) as error:
             raise ValueError(f"checkpoint file {full!r} cannot be read, so it is truncated or "
                              f"damaged ({type(error).__name__}: {error}); load another "
                              "checkpoint") from error
 
     def has_state(self, name: str, key: str) -> bool:
         pieces = self.index.get(name)
-        return bool(pieces) and all(key in tensors for _lo, _hi, tensors, _o in pieces)
+        return bool(pieces) and all(key in piece[2] for piece in pieces)
 
     def _stretches(self, name: str, key: str, lo: int, hi: int):
         """(a, b, source) for each stored stretch [a, b) of [lo, hi); raises
         unless together they cover it."""
         found, covered = [], 0
-        for p_lo, p_hi, tensors, offset in self.index.get(name, ()):
+        for p_lo, p_hi, tensors, offset, file in self.index.get(name, ()):
             a, b = max(lo, p_lo), min(hi, p_hi)
             if a >= b:
                 continue
             if key not in tensors:
-                raise KeyError(f"the checkpoint has no {key!r} for parameter '{name}'")
-            found.append((a, b, tensors[key][offset + a - p_lo:offset + b - p_lo]))
+                raise ValueError(f"checkpoint file {file!r} has no {key!r} for parameter "
+                                 f"'{name}'; load another checkpoint")
+            found.append((a, b, _stretch(tensors[key], offset + a - p_lo, b - a, file)))
             covered += b - a
         if covered != hi - lo:
             raise ValueError(f"the checkpoint holds {covered} of elements [{lo}, {hi}) of "

@@ -14,11 +14,12 @@ or from a shell, the model's fp32 state dict alone:
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 import torch
 
-from zero._checkpoint_format import CheckpointReader, resolve_tag
+from zero._checkpoint_format import LATEST_FILE, CheckpointReader, resolve_tag
 
 __all__ = ["consolidate"]
 
@@ -48,7 +49,11 @@ def consolidate(save_dir, tag=None, with_optimizer: bool = True) -> dict:
     name), "optimizer": torch.optim's state dict for the saved optimizer
     (None if with_optimizer is False), "lr_scheduler", "client_state",
     "global_steps", "meta": what else the checkpoint records}."""
-    reader = CheckpointReader(resolve_tag(save_dir, tag))
+    return _read(resolve_tag(save_dir, tag), with_optimizer)
+
+
+def _read(path, with_optimizer) -> dict:
+    reader = CheckpointReader(path)
     meta = reader.meta
     values = {name: reader.read(name) for name in meta["params"]}
     model = {}
@@ -76,13 +81,43 @@ def main(argv=None) -> int:
     parser.add_argument("--with-optimizer", action="store_true",
                         help="write {'model', 'optimizer'} instead of the model alone")
     args = parser.parse_args(argv)
-    state = consolidate(args.save_dir, args.tag, with_optimizer=args.with_optimizer)
-    out = {"model": state["model"], "optimizer": state["optimizer"]} \
-        if args.with_optimizer else state["model"]
-    torch.save(out, args.output)
+    try:
+        path = resolve_tag(args.save_dir, args.tag)
+        _check_output(args.output, path, args.save_dir)
+        state = _read(path, args.with_optimizer)
+        out = {"model": state["model"], "optimizer": state["optimizer"]} \
+            if args.with_optimizer else state["model"]
+        _save(out, args.output)
+    except (ValueError, OSError) as error:  # OSError: FileNotFoundError too
+        parser.error(str(error))
     n = sum(t.numel() for t in state["model"].values())
     print(f"wrote {args.output}: {len(state['model'])} tensors, {n:,} elements")
     return 0
+
+
+def _check_output(output, tag_dir, save_dir):
+    """The output must not replace a file of the checkpoint it is made of."""
+    out, tag_dir = os.path.realpath(output), os.path.realpath(tag_dir)
+    ours = [os.path.join(tag_dir, f) for f in os.listdir(tag_dir)]
+    ours.append(os.path.join(save_dir, LATEST_FILE))
+    if os.path.commonpath([out, tag_dir]) == tag_dir or any(_same_file(f, out) for f in ours):
+        raise ValueError(f"output {output!r} would overwrite the checkpoint in {tag_dir!r}; "
+                         "write it outside the checkpoint's tag directory")
+
+
+def _same_file(path, real) -> bool:
+    """path is the file at the resolved path `real`, also through a link."""
+    return os.path.realpath(path) == real or \
+        os.path.exists(path) and os.path.exists(real) and os.path.samefile(path, real)
+
+
+def _save(obj, output):
+    """torch.save reports a missing directory or a failed write as a
+    RuntimeError; an OSError naming the output instead."""
+    try:
+        torch.save(obj, output)
+    except RuntimeError as error:
+        raise OSError(f"cannot write output {output!r}: {error}") from error
 
 
 if __name__ == "__main__":

@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import numbers
 import os
 from dataclasses import dataclass, field, fields
 from typing import Any, Optional
@@ -88,21 +89,37 @@ class OffloadOptimizer:
                              f"{self.device!r}")
         # the directory itself is checked where it is used (check_nvme_path,
         # at initialize): a config may be read, or a run sized, elsewhere
+        if self.nvme_path is not None:
+            object.__setattr__(self, "nvme_path", _path(self.nvme_path,
+                                                        "offload_optimizer.nvme_path"))
         if self.device == "nvme" and not self.nvme_path:
             raise ValueError("offload_optimizer.device='nvme' needs nvme_path, a directory "
                              "on a fast disk")
-        if isinstance(self.chunk_elements, bool) or not isinstance(self.chunk_elements, int) \
-                or self.chunk_elements < 1:
+        # numpy's integers too (a size computed with numpy)
+        if isinstance(self.chunk_elements, bool) or \
+                not isinstance(self.chunk_elements, numbers.Integral) or self.chunk_elements < 1:
             raise ValueError("offload_optimizer.chunk_elements must be a positive integer, got "
                              f"{self.chunk_elements!r}")
+        object.__setattr__(self, "chunk_elements", int(self.chunk_elements))
         if not isinstance(self.write_through, bool):
             raise ValueError("offload_optimizer.write_through must be True or False, got "
                              f"{self.write_through!r}")
 
 
+def _path(value, name) -> str:
+    """A str or os.PathLike path, as a str. Bytes are refused: the files
+    under it are named with str."""
+    path = os.fspath(value) if isinstance(value, os.PathLike) else value
+    if not isinstance(path, str):
+        raise TypeError(f"{name} must be a str or an os.PathLike path, got "
+                        f"{type(value).__name__} {value!r}")
+    return path
+
+
 def check_nvme_path(path):
     """offload_optimizer.nvme_path must be a directory this process can
     create files in."""
+    path = _path(path, "offload_optimizer.nvme_path")
     if not os.path.isdir(path):
         raise ValueError(f"offload_optimizer.nvme_path {path!r} is not a directory")
     if not os.access(path, os.W_OK | os.X_OK):
@@ -296,6 +313,14 @@ def _take(block: dict, prefix: str, known: dict, ignored=frozenset()) -> dict:
     return out
 
 
+def _offload_block(zero_block, key) -> dict:
+    block = zero_block.get(key)
+    if block is not None and not isinstance(block, dict):
+        raise ValueError(f"zero_optimization.{key} must be an object such as "
+                         f'{{"device": "cpu"}}, got {block!r}')
+    return block
+
+
 def _translate(ds: dict) -> dict:
     top = dict(ds)
     options: dict[str, Any] = {}
@@ -330,11 +355,11 @@ def _translate(ds: dict) -> dict:
         "stage3_prefetch_bucket_size": "stage3_prefetch_bucket_size",
         "stage3_max_live_parameters": "stage3_max_live_parameters",
     }, _ZERO_IGNORED)
-    block = zero_block.get("offload_param")
+    block = _offload_block(zero_block, "offload_param")
     if block and block.get("device", "none") != "none":
         raise ValueError(f"zero_optimization.offload_param.device={block['device']!r} is not "
                          "supported: parameter offload is not implemented in this version")
-    block = zero_block.get("offload_optimizer")
+    block = _offload_block(zero_block, "offload_optimizer")
     if block:
         # buffer_size/buffer_count size DeepSpeed's pinned I/O buffers
         # (often 1e8 elements); our windows are 3 x chunk_elements per file,
