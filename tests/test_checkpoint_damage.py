@@ -261,3 +261,46 @@ def test_chunk_elements_takes_any_integer():
 def test_deepspeed_offload_blocks_must_be_objects(key):
     with pytest.raises(ValueError, match=f"zero_optimization.{key} must be an object"):
         zero.Config.from_deepspeed({"zero_optimization": {"stage": 2, key: "cpu"}})
+
+
+def flip_a_data_byte(path, record_suffix, xor=0x40):
+    """One bit of the middle of the record whose name ends in
+    `record_suffix`, changed in place, as a bad disk or copy would."""
+    import zipfile
+    with zipfile.ZipFile(path) as archive:
+        info = next(i for i in archive.infolist() if i.filename.endswith(record_suffix))
+    with open(path, "r+b") as f:
+        f.seek(info.header_offset + 26)
+        name_len, extra_len = np.frombuffer(f.read(4), dtype="<u2")
+        at = info.header_offset + 30 + int(name_len) + int(extra_len) + info.file_size // 2
+        f.seek(at)
+        byte = f.read(1)[0]
+        f.seek(at)
+        f.write(bytes([byte ^ xor]))
+
+
+def test_a_changed_byte_in_a_shards_data_is_refused_before_anything_changes(saved, other):
+    """torch.save records a CRC-32 per record that torch.load never checks:
+    before, this loaded a parameter off by a few ulps to ~50, silently."""
+    flip_a_data_byte(saved / "t" / SHARD, "data/0")
+    match = rf"{SHARD}' is damaged: its record '.*data/0' does not match the CRC-32"
+    unchanged_after(other, lambda: other.load_checkpoint(saved, tag="t"), ValueError, match)
+    with pytest.raises(ValueError, match=match):
+        consolidate(saved, "t")
+
+
+def test_a_changed_byte_in_a_buffer_of_the_meta_is_refused(tmp_path):
+    """The meta holds the buffers: a changed byte there loaded inf."""
+    def with_buffer(seed):
+        torch.manual_seed(seed)
+        model = torch.nn.Linear(4, 4)
+        model.register_buffer("scale", torch.randn(1000))
+        return zero.initialize(model, stage=1)
+    engine = with_buffer(0)
+    engine.save_checkpoint(tmp_path, tag="t")
+    engine.close()
+    flip_a_data_byte(tmp_path / "t" / "zero_meta.pt", "data/0")
+    other = with_buffer(1)
+    unchanged_after(other, lambda: other.load_checkpoint(tmp_path, tag="t"), ValueError,
+                    r"zero_meta.pt' is damaged: its record '.*data/0' does not match")
+    other.close()

@@ -29,6 +29,8 @@ from collections import defaultdict
 
 import torch
 
+from zero._zip_checksums import damaged_record
+
 FORMAT = "zeroshard.checkpoint"
 VERSION = 1
 META_FILE = "zero_meta.pt"
@@ -273,6 +275,8 @@ class CheckpointReader:
         meta_file = os.path.join(path, META_FILE)
         self.meta = self._load(META_FILE)
         _check_header(self.meta, meta_file)
+        self._verified = set()  # files whose bytes matched their checksums
+        self._verify(meta_file)
         _check_meta(self.meta, meta_file)
         self.index = defaultdict(list)  # name -> [(lo, hi, tensors, offset, file)]
         for file in self.meta["shards"]:
@@ -329,6 +333,21 @@ class CheckpointReader:
                              f"damaged ({type(error).__name__}: {error}); load another "
                              "checkpoint") from error
 
+    def _verify(self, file):
+        """Refuse a file whose bytes differ from the CRC-32 torch.save wrote
+        for each record (_zip_checksums.py): a changed byte in a tensor's
+        data loaded as a wrong number. A shard is checked the first time a
+        stretch is read from it (engine.load_checkpoint reads every stretch
+        it will load in its checks, before anything changes)."""
+        if file in self._verified:
+            return
+        record = damaged_record(file)
+        if record is not None:
+            raise ValueError(f"checkpoint file {file!r} is damaged: its record {record!r} does "
+                             "not match the CRC-32 torch.save wrote for it (a byte changed on "
+                             "the disk or in a copy); load another checkpoint")
+        self._verified.add(file)
+
     def has_state(self, name: str, key: str) -> bool:
         pieces = self.index.get(name)
         return bool(pieces) and all(key in piece[2] for piece in pieces)
@@ -344,6 +363,7 @@ class CheckpointReader:
             if key not in tensors:
                 raise ValueError(f"checkpoint file {file!r} has no {key!r} for parameter "
                                  f"'{name}'; load another checkpoint")
+            self._verify(file)
             found.append((a, b, _stretch(tensors[key], offset + a - p_lo, b - a, file)))
             covered += b - a
         if covered != hi - lo:
