@@ -485,3 +485,24 @@ def test_a_copy_of_a_released_stage3_model_is_refused_and_made_inside_gathered()
                  engine.full_state_dict())
     assert clone(_batch(0)[0]).shape == (4, 3)
     engine.close()
+
+
+@pytest.mark.parametrize("stage", STAGES)
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_share_memory_after_initialize_trains_on(stage, precision):
+    """model.share_memory() (or sending the model to a torch.multiprocessing
+    child) moves the parameters' and gradients' storage and frees the old
+    memory: the C core's registered pointers are re-made, where before the
+    step wrote into freed memory (a silently lost update, or heap damage)."""
+    runs = []
+    for share in (False, True):
+        model = _model()
+        engine = _engine(model, stage, precision, stage3_param_persistence_threshold=10**9)
+        _train(engine, 1)
+        if share:
+            model.share_memory()
+            assert model[0].weight.is_shared()
+        _train(engine, 3, start=1)
+        runs.append(engine.full_state_dict())
+        engine.close()
+    _assert_same(runs[0], runs[1])

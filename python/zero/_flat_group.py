@@ -170,7 +170,7 @@ class FlatGroup:
             del full32, mine
         # the update's operands as tensors (the GPU step), and on the CPU
         # also registered with the C core once, so a step passes no DLPack
-        self.buffers, self.tensors = {}, {}
+        self.buffers, self.tensors, self._registered_at = {}, {}, {}
         if self.trainable:
             self.tensors["master"] = self.master
             self.tensors["copy_out"] = None if self.master is self.shard else self.shard
@@ -211,6 +211,18 @@ class FlatGroup:
     def _register(self, name, tensor):
         if self.device.type == "cpu":
             self.buffers[name] = None if tensor is None else _C.Buffer(tensor)
+            self._registered_at[name] = None if tensor is None else tensor.data_ptr()
+
+    def current_buffers(self) -> dict:
+        """The registered Buffers, re-made for a tensor whose memory moved
+        since: share_memory_() (model.share_memory(), or sending the model
+        to a torch.multiprocessing child) moves a storage's memory and frees
+        the old block, and a Buffer's pointer would then write into freed
+        memory."""
+        for name, t in self.tensors.items():
+            if t is not None and t.data_ptr() != self._registered_at[name]:
+                self._register(name, t)
+        return self.buffers
 
     # ---- stages 0-1: gradients in a full flat buffer -----------------------
 

@@ -41,8 +41,8 @@ class HostStep:
 
     def update(self, kind, optimizer, group, fg, grad_scale):
         if fg.offload is None or not fg.offload.maps:  # nothing in files (fp32 plain SGD)
-            run_update(kind, optimizer, group, fg.buffers, fg.step_count, grad_scale,
-                       HOST_FUNCTIONS)
+            run_update(kind, optimizer, group, fg.current_buffers(), fg.step_count,
+                       grad_scale, HOST_FUNCTIONS)
             return
         # states in files: chunk by chunk through RAM windows, the next
         # chunk read and the last written while this one is updated
