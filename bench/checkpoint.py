@@ -177,6 +177,9 @@ def main(argv=None):
     ap.add_argument("--json")
     args = ap.parse_args(argv)
     keys = args.runners.split(",")
+    unknown = [k for k in keys if k not in RUNNERS]
+    if unknown:
+        ap.error(f"unknown runner(s) {', '.join(unknown)}; choose from {', '.join(RUNNERS)}")
     if "zero3" not in keys:
         keys.insert(0, "zero3")  # it also measures the disk
     os.makedirs(args.dir, exist_ok=True)
