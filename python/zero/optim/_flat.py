@@ -19,21 +19,34 @@ the C core over the whole segment instead of one kernel per tensor.
 - Per-parameter state in self.state[p] holds views into the flat buffers,
   so state_dict() has torch.optim's layout and loads into torch's optimizer
   of the same kind.
+
+[Note: changes made outside step()]
+torch.optim reads the parameters and self.state afresh at every step, so
+users change them freely between steps. The core holds raw pointers and
+the flat buffers hold the values, so before each step (and state_dict,
+load_state_dict) _sync() takes in what was changed since the last one:
+- storage moved under a buffer (p.share_memory_()): its _C.Buffer is made
+  again, as the old pointer is freed memory;
+- p.data replaced: an equal kind of tensor is copied into the slot and p
+  re-pointed to it; a cast, moved or resized one is refused by name;
+- a 16-bit parameter written in place (its version counter moved): the
+  elements that differ from the rounded master go into the master;
+- self.state entries that are not the views published here (state.clear(),
+  a replaced tensor): missing ones start afresh, replaced ones are copied in.
 """
 from __future__ import annotations
 
 import math
+from collections import defaultdict
 from dataclasses import dataclass, field
 
 import torch
+from torch.autograd.graph import increment_version
 
 from zero import _C
+from zero._param_writes import record_parameters
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-
-
-def _buffer(tensor: torch.Tensor) -> _C.Buffer:
-    return _C.Buffer(tensor.detach())
 
 
 @dataclass
@@ -41,22 +54,50 @@ class _Segment:
     """The parameters of one group that share a dtype, laid out flat."""
 
     params: list
+    indices: list               # each parameter's index in its group
     offsets: list               # element offset of each parameter
+    shapes: list                # each parameter's shape when laid out
     param_flat: torch.Tensor    # [numel] the parameters' own storage
     master: torch.Tensor        # [numel] fp32; param_flat itself for fp32
     grad_flat: torch.Tensor     # [numel] param dtype
     steps: torch.Tensor         # [len(params)] float32 per-parameter counts
+    group_index: int = 0
     states: dict = field(default_factory=dict)   # name -> [numel] fp32
     buffers: dict = field(default_factory=dict)  # name -> _C.Buffer
+    pointers: dict = field(default_factory=dict)  # name -> data_ptr its Buffer holds
+    started: list = field(default_factory=list)  # per param: lazy states exist
+    published: list = field(default_factory=list)  # per param: (entry, its items)
+    seen_versions: list = field(default_factory=list)  # see _param_writes
 
     @property
     def numel(self) -> int:
         return self.param_flat.numel()
 
     def view(self, flat: torch.Tensor, index: int) -> torch.Tensor:
-        p = self.params[index]
         start = self.offsets[index]
-        return flat[start:start + p.numel()].view_as(p)
+        shape = self.shapes[index]
+        return flat[start:start + shape.numel()].view(shape)
+
+    def tensor_of(self, name: str) -> torch.Tensor:
+        if name == "master":
+            return self.master
+        if name == "grad":
+            return self.grad_flat
+        if name == "copy_out":
+            return self.param_flat
+        return self.states[name]
+
+    def make_buffer(self, name: str):
+        tensor = self.tensor_of(name)
+        self.buffers[name] = _C.Buffer(tensor.detach())
+        self.pointers[name] = tensor.data_ptr()
+
+    def is_slot(self, flat: torch.Tensor, tensor: torch.Tensor, index: int) -> bool:
+        """Whether tensor is exactly the view of flat at index: the same
+        address alone also matches a transposed view of it."""
+        slot = self.view(flat, index)
+        return (tensor.data_ptr() == slot.data_ptr() and tensor.dtype == slot.dtype
+                and tensor.shape == slot.shape and tensor.stride() == slot.stride())
 
 
 def check_hyperparameters(**values) -> list:
@@ -75,50 +116,100 @@ def check_hyperparameters(**values) -> list:
     return floats
 
 
+def _where(seg: _Segment, i: int) -> str:
+    return f"parameter {seg.indices[i]} of param group {seg.group_index}"
+
+
 class FlatOptimizer(torch.optim.Optimizer):
     """Base class: flattening, gradient gathering, runs and state dicts.
 
     Subclasses name their fp32 states (STATE_NAMES), say which are in use for
-    a group (_states_in_use) and run the core for one run (_update).
+    a group (_states_in_use) and run the core for one run (_update). States
+    in LAZY_STATES exist, as in torch, only from a parameter's first step
+    with them in use; until then they are not published.
     """
 
     STATE_NAMES: tuple = ()
+    LAZY_STATES: tuple = ()
 
     def __init__(self, params, defaults):
-        self._segments: list[list[_Segment]] = []
-        self._off_host = None  # why the parameters cannot be flattened here
+        self._init_layout()
         super().__init__(params, defaults)
+
+    def _init_layout(self):
+        self._segments: list[list[_Segment]] = []
+        self._laid_out: list | None = []  # each group's params as laid out
+        self._off_host = None  # why the parameters cannot be flattened here
+
+    # ---- copies -------------------------------------------------------------
+
+    def __setstate__(self, state):
+        """copy.deepcopy and pickle, as with torch.optim, give an optimizer
+        over copies of the parameters; the copy lays them out in flat
+        buffers of its own and takes the copied state in."""
+        super().__setstate__(state)
+        if "_segments" in self.__dict__:
+            return  # torch's load_state_dict calls this on a live optimizer
+        groups, saved = self.param_groups, self.state
+        self._init_layout()
+        self.param_groups, self.state = [], defaultdict(dict)
+        for group in groups:
+            self.add_param_group(group)
+        for group, segments in zip(self.param_groups, self._segments):
+            for seg in segments:
+                for i, p in enumerate(seg.params):
+                    self._adopt_entry(seg, i, saved.get(p) or {}, group,
+                                      master_from_param=False)
+                self._publish_state(seg)
 
     # ---- layout --------------------------------------------------------
 
     def add_param_group(self, param_group):
         super().add_param_group(param_group)
+        try:
+            by_dtype = self._check_group(len(self.param_groups) - 1)
+        except Exception:
+            # torch appended it already; kept, later groups would pair
+            # with the wrong segments
+            self.param_groups.pop()
+            raise
         group = self.param_groups[-1]
-        group_index = len(self.param_groups) - 1
-        by_dtype: dict = {}
-        if len({id(p) for p in group["params"]}) != len(group["params"]):
-            raise ValueError(f"param group {group_index} lists a parameter twice; "
-                             "pass each (tied) parameter once")
-        for i, p in enumerate(group["params"]):
-            where = f"parameter {i} of param group {group_index}"
-            if p.device.type == "meta":
-                raise ValueError(f"{where} is on the meta device: it has no values to update")
-            if p.device.type != "cpu" and self._off_host is None:
-                self._off_host = f"{where} is on {p.device}"
-            if p.dtype not in SUPPORTED_DTYPES:
-                raise TypeError(f"{where} has dtype {p.dtype}; supported: float32, "
-                                "bfloat16, float16")
-            if p.is_sparse:
-                raise TypeError(f"{where} is sparse; zero.optim needs dense parameters")
-            by_dtype.setdefault(p.dtype, []).append(p)
+        self._laid_out.append(tuple(group["params"]))
         if self._off_host is not None:
             # a zero Engine drives it there with its own states (it reads
             # only the hyperparameters); on its own it cannot step
             self._segments.append([])
             return
-        self._segments.append([self._flatten(ps, group) for ps in by_dtype.values()])
+        group_index = len(self.param_groups) - 1
+        self._segments.append([self._flatten(ps, group, group_index)
+                               for ps in by_dtype.values()])
 
-    def _flatten(self, params, group) -> _Segment:
+    def _check_group(self, group_index: int) -> dict:
+        """The group's parameters by dtype, or an error naming the first
+        one that cannot be laid out."""
+        params = self.param_groups[group_index]["params"]
+        if len({id(p) for p in params}) != len(params):
+            raise ValueError(f"param group {group_index} lists a parameter twice; "
+                             "pass each (tied) parameter once")
+        by_dtype: dict = {}
+        off_host = self._off_host
+        for i, p in enumerate(params):
+            where = f"parameter {i} of param group {group_index}"
+            if p.device.type == "meta":
+                raise ValueError(f"{where} is on the meta device: it has no values to update")
+            if p.device.type != "cpu" and off_host is None:
+                off_host = f"{where} is on {p.device}"
+            if p.dtype not in SUPPORTED_DTYPES:
+                raise TypeError(f"{where} has dtype {p.dtype}; supported: float32, "
+                                "bfloat16, float16")
+            if p.layout != torch.strided:
+                raise TypeError(f"{where} has layout {p.layout}; zero.optim needs dense "
+                                "(torch.strided) parameters")
+            by_dtype.setdefault(p.dtype, []).append(p)
+        self._off_host = off_host
+        return by_dtype
+
+    def _flatten(self, params, group, group_index: int) -> _Segment:
         dtype = params[0].dtype
         offsets, total = [], 0
         for p in params:
@@ -128,16 +219,25 @@ class FlatOptimizer(torch.optim.Optimizer):
         for p, start in zip(params, offsets):
             param_flat[start:start + p.numel()].copy_(p.detach().reshape(-1))
         master = param_flat if dtype == torch.float32 else param_flat.float()
-        seg = _Segment(params=list(params), offsets=offsets, param_flat=param_flat,
-                       master=master, grad_flat=torch.zeros(total, dtype=dtype),
-                       steps=torch.zeros(len(params), dtype=torch.float32))
+        index_in_group = {id(p): i for i, p in enumerate(group["params"])}
+        seg = _Segment(params=list(params), indices=[index_in_group[id(p)] for p in params],
+                       offsets=offsets, shapes=[p.shape for p in params],
+                       param_flat=param_flat, master=master,
+                       grad_flat=torch.zeros(total, dtype=dtype),
+                       steps=torch.zeros(len(params), dtype=torch.float32),
+                       group_index=group_index, started=[False] * len(params))
         for i, p in enumerate(params):
             # The parameter keeps its identity; only its storage moves.
             p.data = seg.view(param_flat, i)
-        seg.buffers["master"] = _buffer(master)
-        seg.buffers["grad"] = _buffer(seg.grad_flat)
-        seg.buffers["copy_out"] = None if dtype == torch.float32 else _buffer(param_flat)
+        seg.make_buffer("master")
+        seg.make_buffer("grad")
+        if dtype == torch.float32:
+            seg.buffers["copy_out"] = None
+        else:
+            seg.make_buffer("copy_out")
         self._ensure_states(seg, group)
+        self._publish_state(seg)
+        record_parameters([seg])
         return seg
 
     def _ensure_states(self, seg: _Segment, group):
@@ -145,27 +245,35 @@ class FlatOptimizer(torch.optim.Optimizer):
         momentum may be switched on after construction)."""
         missing = [n for n in self._states_in_use(group) if n not in seg.states]
         for name in missing:
-            flat = torch.full((seg.numel,), self._initial_state_value(name, group),
-                              dtype=torch.float32)
-            seg.states[name] = flat
-            seg.buffers[name] = _buffer(flat)
-        if missing or not seg.params or seg.params[0] not in self.state:
+            seg.states[name] = torch.full((seg.numel,), self._initial_state_value(name, group),
+                                          dtype=torch.float32)
+            seg.make_buffer(name)
+            if name in self.LAZY_STATES:
+                seg.started = [False] * len(seg.params)
+        if missing:
             self._publish_state(seg)
 
-    def _publish_state(self, seg: _Segment):
-        for i, p in enumerate(seg.params):
+    def _publish_state(self, seg: _Segment, which=None):
+        """self.state[p] as views into the flat buffers, remembered so that
+        an entry replaced by the user is noticed (_take_in_state)."""
+        if len(seg.published) != len(seg.params):
+            seg.published = [None] * len(seg.params)
+        for i in range(len(seg.params)) if which is None else which:
             entry = {"step": seg.steps[i]}
             for name, flat in seg.states.items():
-                entry[name] = seg.view(flat, i)
+                if name not in self.LAZY_STATES or seg.started[i]:
+                    entry[name] = seg.view(flat, i)
             if seg.master is not seg.param_flat:
                 entry["master_param"] = seg.view(seg.master, i)
-            self.state[p] = entry
+            self.state[seg.params[i]] = entry
+            seg.published[i] = (entry, tuple(entry.items()))
 
     def _release_buffers(self):
         """Called by a zero Engine that takes this optimizer over: the
         engine keeps its own partitioned states, so ours are freed."""
         self._segments = [[] for _ in self.param_groups]
         self.state.clear()
+        self._laid_out = None
 
     # ---- hooks for subclasses -------------------------------------------
 
@@ -176,26 +284,153 @@ class FlatOptimizer(torch.optim.Optimizer):
         return 0.0
 
     def _update(self, seg: _Segment, group, start: int, stop: int, step: int,
-                grad_scale: float):
+                grad_scale: float, fresh: bool):
+        """fresh: the run's lazy states do not exist yet."""
         raise NotImplementedError
+
+    # ---- changes made outside step(): see [Note: changes made outside step()]
+
+    def _sync(self):
+        if self._off_host is not None or self._laid_out is None:
+            return
+        self._check_layout()
+        for group, segments in zip(self.param_groups, self._segments):
+            for seg in segments:
+                self._refresh_buffers(seg)
+                self._take_back_params(seg)
+                self._take_in_writes(seg)
+                self._take_in_state(seg, group)
+                self._ensure_states(seg, group)
+
+    def _check_layout(self):
+        if len(self.param_groups) != len(self._laid_out):
+            raise RuntimeError(
+                f"optimizer.param_groups has {len(self.param_groups)} groups but "
+                f"{len(self._laid_out)} were laid out: a group was added to or removed from "
+                "the list directly. Use add_param_group, or build a new optimizer")
+        for g, (group, laid_out) in enumerate(zip(self.param_groups, self._laid_out)):
+            params = group["params"]
+            if len(params) != len(laid_out) or any(a is not b for a, b in zip(params, laid_out)):
+                raise RuntimeError(
+                    f"param_groups[{g}]['params'] was changed after the optimizer laid it out "
+                    f"(it had {len(laid_out)} parameters, now {len(params)}, not all the same); "
+                    "zero.optim steps the "
+                    "parameters it laid out in flat buffers. Use add_param_group for new "
+                    "parameters, or build a new optimizer (del this one first)")
+
+    def _refresh_buffers(self, seg: _Segment):
+        """A Buffer holds the address its tensor had when it was made;
+        share_memory_() moves the storage and frees that block."""
+        for name, buffer in seg.buffers.items():
+            if buffer is not None and seg.tensor_of(name).data_ptr() != seg.pointers[name]:
+                seg.make_buffer(name)
+
+    def _take_back_params(self, seg: _Segment):
+        """Re-point a parameter whose .data was replaced by an equal kind of
+        tensor (p.data = ...); refuse one cast, moved or resized."""
+        for i, p in enumerate(seg.params):
+            if seg.is_slot(seg.param_flat, p, i):
+                continue
+            shape, dtype = seg.shapes[i], seg.param_flat.dtype
+            if p.dtype != dtype or p.device.type != "cpu" or p.shape != shape or \
+                    p.layout != torch.strided:
+                raise RuntimeError(
+                    f"{_where(seg, i)} is now {p.dtype} {tuple(p.shape)} on {p.device}, but "
+                    f"this optimizer was built for {dtype} {tuple(shape)} on cpu: it was cast, "
+                    "moved or resized (p.data = ..., model.to(...), model.float()) after the "
+                    "optimizer was built. Cast it back, or build a new optimizer over the "
+                    "parameters as they are now (del this one first)")
+            slot = seg.view(seg.param_flat, i)
+            slot.copy_(p.detach())
+            p.data = slot
+            seg.seen_versions[i] = -1  # its new values go into the master below
+
+    def _take_in_writes(self, seg: _Segment):
+        """Values written into a 16-bit parameter since the last step go into
+        the master; elements the write left as they were keep their fp32
+        bits (see _param_writes' [Note: parameter writes])."""
+        if seg.master is seg.param_flat:
+            return
+        for i, p in enumerate(seg.params):
+            if p._version == seg.seen_versions[i]:
+                continue
+            new = seg.view(seg.param_flat, i)
+            master = seg.view(seg.master, i)
+            master.copy_(torch.where(new != master.to(new.dtype), new.float(), master))
+            seg.seen_versions[i] = p._version
+
+    def _take_in_state(self, seg: _Segment, group):
+        changed = []
+        for i, p in enumerate(seg.params):
+            entry = self.state.get(p)
+            published, items = seg.published[i]
+            if entry is published and len(entry) == len(items) and \
+                    all(entry.get(k) is v for k, v in items):
+                continue
+            entry = entry or {}
+            self._check_entry(seg, i, entry, "opt.state[p]")
+            self._adopt_entry(seg, i, entry, group, master_from_param=False)
+            changed.append(i)
+        if changed:
+            self._publish_state(seg, changed)
+
+    def _check_entry(self, seg: _Segment, i: int, entry: dict, source: str):
+        for name, value in entry.items():
+            if name == "step" or value is None or not isinstance(value, torch.Tensor):
+                continue
+            if value.shape != seg.shapes[i]:
+                raise ValueError(
+                    f"{source}['{name}'] of {_where(seg, i)} has shape {tuple(value.shape)}, "
+                    f"the parameter {tuple(seg.shapes[i])}: it belongs to another parameter "
+                    "or model. Load a state of this model's parameters, in the same order")
+
+    def _adopt_entry(self, seg: _Segment, i: int, entry: dict, group, *,
+                     master_from_param: bool):
+        """Copy one parameter's state from entry (torch's layout or ours);
+        what it lacks starts afresh, as torch.optim does for a parameter
+        with no state. master_from_param: with no master_param, the master
+        is the parameter's value (a torch.optim state dict has none)."""
+        if "step" in entry:
+            seg.steps[i] = float(entry["step"])
+        else:
+            # torch's SGD keeps no step: a momentum buffer means it has run.
+            seg.steps[i] = 1.0 if entry else 0.0
+        for name, flat in seg.states.items():
+            view = seg.view(flat, i)
+            value = entry.get(name)
+            if value is None:
+                view.fill_(self._initial_state_value(name, group))
+            elif value is not view:
+                view.copy_(value)
+        seg.started[i] = all(entry.get(n) is not None for n in self.LAZY_STATES
+                             if n in seg.states)
+        if seg.master is seg.param_flat:
+            return
+        master = seg.view(seg.master, i)
+        if entry.get("master_param") is not None:
+            master.copy_(entry["master_param"])
+            seg.view(seg.param_flat, i).copy_(master)
+        elif master_from_param:
+            master.copy_(seg.view(seg.param_flat, i))
 
     # ---- step -------------------------------------------------------------
 
-    def _gather_grads(self, seg: _Segment, group_index: int) -> list:
+    def _gather_grads(self, seg: _Segment) -> list:
         """Bring every gradient into the flat buffer; which params have one."""
         present = []
-        grad_ptr = seg.grad_flat.data_ptr()
-        item = seg.grad_flat.element_size()
         for i, p in enumerate(seg.params):
             g = p.grad
             if g is None:
                 present.append(False)
                 continue
-            # torch guarantees a gradient has its parameter's shape and dtype
-            if g.data_ptr() != grad_ptr + seg.offsets[i] * item:
-                if g.is_sparse:
-                    raise TypeError(f"parameter {i} of param group {group_index} has a "
-                                    "sparse gradient; zero.optim needs dense gradients")
+            if g.layout != torch.strided:
+                # before data_ptr(), which a sparse tensor does not have
+                raise TypeError(f"{_where(seg, i)} has a {g.layout} gradient; zero.optim "
+                                "needs dense gradients (use torch.optim's SparseAdam, or "
+                                "sparse=False in the embedding)")
+            if not seg.is_slot(seg.grad_flat, g, i):
+                if g.untyped_storage().data_ptr() == seg.grad_flat.untyped_storage().data_ptr():
+                    g = g.clone()  # a view of the buffer itself (.t()): copy_ may not overlap
                 view = seg.view(seg.grad_flat, i)
                 view.copy_(g)
                 p.grad = view
@@ -219,24 +454,43 @@ class FlatOptimizer(torch.optim.Optimizer):
             raise ValueError(f"{self._off_host}; zero.optim optimizers step on the CPU: pass "
                              "this one to zero.initialize, which runs it on the parameters' "
                              "device, or use torch.optim's")
-        for group_index, (group, segments) in enumerate(zip(self.param_groups,
-                                                             self._segments)):
+        self._sync()
+        for group, segments in zip(self.param_groups, self._segments):
             scale = -grad_scale if group.get("maximize", False) else grad_scale
+            lazy = [n for n in self._states_in_use(group) if n in self.LAZY_STATES]
             for seg in segments:
-                self._ensure_states(seg, group)
-                present = self._gather_grads(seg, group_index)
-                steps = seg.steps.tolist()
-                for first, last in _runs(present, steps):
-                    start = seg.offsets[first]
-                    stop = seg.offsets[last - 1] + seg.params[last - 1].numel()
-                    self._update(seg, group, start, stop, int(steps[first]) + 1, scale)
-                    seg.steps[first:last] += 1
+                self._step_segment(seg, group, scale, lazy)
         return loss
 
+    def _step_segment(self, seg: _Segment, group, scale: float, lazy: list):
+        present = self._gather_grads(seg)
+        steps = seg.steps.tolist()
+        keys = list(zip(steps, seg.started))
+        now_started = []
+        for first, last in _runs(present, keys):
+            start = seg.offsets[first]
+            stop = seg.offsets[last - 1] + seg.shapes[last - 1].numel()
+            self._update(seg, group, start, stop, int(steps[first]) + 1, scale,
+                         not seg.started[first])
+            seg.steps[first:last] += 1
+            if lazy and not seg.started[first]:
+                now_started.extend(range(first, last))
+        for i in now_started:
+            seg.started[i] = True
+        if now_started:
+            self._publish_state(seg, now_started)
+        stepped = [p for p, here in zip(seg.params, present) if here]
+        if stepped:
+            # as torch.optim's in-place update does: autograd then refuses a
+            # backward through a graph built before the step
+            increment_version(stepped)
+        record_parameters([seg])
+
     def zero_grad(self, set_to_none: bool = True):
-        """As torch.optim: set_to_none=False zeroes the flat gradient buffer
-        in place and keeps .grad as views of it, so backward accumulates there
-        with no copy at step()."""
+        """As torch.optim: set_to_none=False zeroes the gradients in place
+        (only those that exist: a parameter with no gradient keeps None and
+        is not stepped) as views of the flat gradient buffer, so backward
+        accumulates there with no copy at step()."""
         if set_to_none:
             for group in self.param_groups:
                 for p in group["params"]:
@@ -244,17 +498,31 @@ class FlatOptimizer(torch.optim.Optimizer):
             return
         for segments in self._segments:
             for seg in segments:
-                seg.grad_flat.zero_()
                 for i, p in enumerate(seg.params):
-                    p.grad = seg.view(seg.grad_flat, i)
+                    if p.grad is None:
+                        continue
+                    view = seg.view(seg.grad_flat, i)
+                    view.zero_()
+                    p.grad = view
 
     # ---- state dicts --------------------------------------------------------
+
+    def state_dict(self):
+        self._sync()
+        return super().state_dict()
 
     def load_state_dict(self, state_dict):
         """Load a state dict of this optimizer, or of the torch.optim
         optimizer of the same kind when the param groups have the same
         sizes. Values are copied into the flat buffers; fp32 states keep
-        their precision whatever the parameters' dtype."""
+        their precision whatever the parameters' dtype. Hooks run as in
+        torch.optim's load_state_dict."""
+        state_dict = state_dict.copy()
+        for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
+            result = pre_hook(self, state_dict)
+            if result is not None:
+                state_dict = result
+        self._sync()
         groups = state_dict["param_groups"]
         if len(groups) != len(self.param_groups):
             raise ValueError(f"state_dict has {len(groups)} param groups, this "
@@ -265,41 +533,37 @@ class FlatOptimizer(torch.optim.Optimizer):
                     f"param group {g_index} has {len(group['params'])} parameters, the "
                     f"state_dict's has {len(saved['params'])}")
         saved_state = state_dict["state"]
+        entries = []  # (seg, i, entry), all checked before anything is loaded
         for saved, group, segments in zip(groups, self.param_groups, self._segments):
+            for seg in segments:
+                for i in range(len(seg.params)):
+                    entry = saved_state.get(saved["params"][seg.indices[i]], {})
+                    self._check_entry(seg, i, entry, "state_dict['state']")
+                    entries.append((seg, i, entry))
+        for saved, group in zip(groups, self.param_groups):
             for key, value in saved.items():
                 if key != "params":
                     group[key] = value
-            index_of = {id(p): saved["params"][i] for i, p in enumerate(group["params"])}
+        for group, segments in zip(self.param_groups, self._segments):
             for seg in segments:
                 self._ensure_states(seg, group)
-                for i, p in enumerate(seg.params):
-                    entry = saved_state.get(index_of[id(p)], {})
-                    self._load_entry(seg, i, entry, group)
-
-    def _load_entry(self, seg: _Segment, i: int, entry: dict, group):
-        if "step" in entry:
-            seg.steps[i] = float(entry["step"])
-        else:
-            # torch's SGD keeps no step: a momentum buffer means it has run.
-            seg.steps[i] = 1.0 if entry else 0.0
-        for name, flat in seg.states.items():
-            view = seg.view(flat, i)
-            if name in entry and entry[name] is not None:
-                view.copy_(entry[name])
-            else:
-                view.fill_(self._initial_state_value(name, group))
-        if "master_param" in entry and seg.master is not seg.param_flat:
-            seg.view(seg.master, i).copy_(entry["master_param"])
-            seg.view(seg.param_flat, i).copy_(entry["master_param"])
-        elif seg.master is not seg.param_flat:
-            seg.view(seg.master, i).copy_(seg.view(seg.param_flat, i))
+        for seg, i, entry in entries:
+            group = self.param_groups[seg.group_index]
+            self._adopt_entry(seg, i, entry, group, master_from_param=True)
+        for segments in self._segments:
+            for seg in segments:
+                self._publish_state(seg)
+                record_parameters([seg])
+        for post_hook in self._optimizer_load_state_dict_post_hooks.values():
+            post_hook(self)
 
 
-def _runs(present: list, steps: list):
-    """Maximal [first, last) index runs of present params with equal steps."""
+def _runs(present: list, keys: list):
+    """Maximal [first, last) index runs of present params with equal keys
+    (step count, lazy states started)."""
     first = None
     for i, here in enumerate(present):
-        if first is not None and (not here or steps[i] != steps[first]):
+        if first is not None and (not here or keys[i] != keys[first]):
             yield first, i
             first = None
         if here and first is None:

@@ -26,7 +26,7 @@ class Adagrad(FlatOptimizer):
     def _initial_state_value(self, name, group):
         return float(group["initial_accumulator_value"])
 
-    def _update(self, seg, group, start, stop, step, grad_scale):
+    def _update(self, seg, group, start, stop, step, grad_scale, fresh):
         b = seg.buffers
         _C.adagrad_step(b["master"], b["grad"], b["sum"], b["copy_out"],
                         lr=float(group["lr"]), lr_decay=float(group["lr_decay"]),

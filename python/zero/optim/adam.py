@@ -37,7 +37,7 @@ class Adam(FlatOptimizer):
             return self.STATE_NAMES + ("max_exp_avg_sq",)
         return self.STATE_NAMES
 
-    def _update(self, seg, group, start, stop, step, grad_scale):
+    def _update(self, seg, group, start, stop, step, grad_scale, fresh):
         beta1, beta2 = group["betas"]
         b = seg.buffers
         _C.adam_step(b["master"], b["grad"], b["exp_avg"], b["exp_avg_sq"],

@@ -22,7 +22,7 @@ class Lion(FlatOptimizer):
         defaults = dict(lr=lr, betas=betas, weight_decay=weight_decay, maximize=maximize)
         super().__init__(params, defaults)
 
-    def _update(self, seg, group, start, stop, step, grad_scale):
+    def _update(self, seg, group, start, stop, step, grad_scale, fresh):
         beta1, beta2 = group["betas"]
         b = seg.buffers
         _C.lion_step(b["master"], b["grad"], b["exp_avg"], b["copy_out"],
