@@ -550,8 +550,8 @@ static PyObject *zero_C_set_num_threads(PyObject *module, PyObject *arg)
     }
     if (n < 0 || n > 4096) {
         PyErr_Format(PyExc_ValueError,
-                     "nthreads must be between 0 (all CPUs this process may "
-                     "use) and 4096, got %ld",
+                     "n (the thread count) must be between 0 (all CPUs "
+                     "this process may use) and 4096, got %ld",
                      n);
         return NULL;
     }

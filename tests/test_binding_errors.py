@@ -141,7 +141,7 @@ def test_cuda_tensor_where_cpu_is_needed():
 def test_set_simd_and_threads_errors():
     with pytest.raises(ValueError, match="name must be 'scalar', 'avx2' or 'avx512'"):
         _C.set_simd("sse9")
-    with pytest.raises(ValueError, match="nthreads must be between 0"):
+    with pytest.raises(ValueError, match=r"n \(the thread count\) must be between 0"):
         zero.set_num_threads(-2)
 
 
