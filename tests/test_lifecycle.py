@@ -130,17 +130,47 @@ def test_a_write_into_parameters_reaches_the_master_and_the_next_steps(
     resumed.close()
 
 
-def test_a_write_into_a_released_stage3_parameter_is_refused():
+@pytest.mark.parametrize("how", ["in place", "p.data ="])
+def test_a_write_into_a_released_stage3_parameter_is_refused_then_dropped(how):
+    """A released parameter is an empty placeholder: an in-place write
+    changes nothing, and a new .data would be dropped by the next gather.
+    The next gather refuses either by name, drops the change, and training
+    goes on exactly as without it."""
+    runs = []
+    for write in (False, True):
+        model = _model()
+        engine = _engine(model, 3)
+        _train(engine, 1)
+        x, y = _batch(1)
+        if write:
+            with torch.no_grad():
+                if how == "in place":
+                    nn.init.zeros_(model[2].weight)
+                else:
+                    model[2].weight.data = torch.full((16, 16), 7.0)
+            with pytest.raises(RuntimeError, match=r"parameter '2.weight' was changed \(in "
+                                                   r"place, or by p.data = ...\) where stage 3 "
+                                                   r"cannot keep the change"):
+                engine(x)
+        _train(engine, 2, start=1)
+        runs.append(engine.full_state_dict())
+        engine.close()
+    _assert_same(runs[0], runs[1])
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_new_data_inside_gathered_parameters_is_kept(precision):
+    """p.data = ... inside GatheredParameters(modifier_rank=0) at stage 3:
+    taken back into the unit's buffer on exit, then written back."""
     model = _model()
-    engine = _engine(model, 3)
+    engine = _engine(model, 3, precision)
     _train(engine, 1)
-    with torch.no_grad():
-        nn.init.zeros_(model[2].weight)  # an empty placeholder: nothing is written
-    x, y = _batch(1)
-    engine.backward(_loss(engine(x), y))
-    with pytest.raises(RuntimeError, match=r"parameter '2.weight' was changed in place where "
-                                           r"stage 3 cannot keep the change"):
-        engine.step()
+    before = engine.full_state_dict()
+    with zero.GatheredParameters(list(model.parameters()), modifier_rank=0):
+        model[2].weight.data = torch.full((16, 16), 0.5, dtype=model[2].weight.dtype)
+    expected = dict(before)
+    expected["2.weight"] = torch.full((16, 16), 0.5)
+    _assert_same(engine.full_state_dict(), expected)
     engine.close()
 
 

@@ -18,7 +18,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from zero._param_writes import take_in_parameter_writes, write_into_partition
+from zero._param_writes import (check_parameters_in_place, take_in_parameter_writes,
+                                write_into_partition)
 
 
 class GatheredParameters:
@@ -68,6 +69,9 @@ class GatheredParameters:
         if not self.enabled:
             return False
         try:
+            # p.data = ... inside: the new values into the unit's buffer, so
+            # the write-back (or the next step's refusal) sees them
+            check_parameters_in_place(list({id(u.fg): u.fg for u in self._units}.values()))
             if self.modifier_rank is not None and exc[0] is None:
                 for fg, unit, j, before in self._listed:
                     self._write_back(fg, unit, j, before)

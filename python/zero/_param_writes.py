@@ -17,7 +17,10 @@ model.float() and back) would be overwritten by the next step.
   own values, so write the same values on every rank (as DDP expects).
 - A parameter cast or moved (another dtype or device) is refused by
   name, and so is a change to a released stage-3 parameter (an empty
-  placeholder: the values were never there).
+  placeholder: the values were never there), in place or by p.data = ....
+- Inside zero.GatheredParameters the listed parameters are gathered, so
+  p.data = ... there is taken back into the unit's buffer on exit, before
+  the write-back of modifier_rank.
 - After a step the counters are bumped, so autograd refuses a backward
   through a graph built before the step, as it does after torch.optim's.
 """
@@ -102,18 +105,47 @@ def take_in_parameter_writes(groups):
         for unit in fg.units:
             for j, p in enumerate(unit.params):
                 i = unit.members.start + j
-                if p._version == fg.seen_versions[i]:
+                released = not unit.gathered or unit.work is not None
+                # p.data = ... on a released parameter leaves the version
+                # as it was; its placeholder is empty, a new tensor is not
+                replaced = released and p.numel() != 0
+                if p._version == fg.seen_versions[i] and not replaced:
                     continue
-                if not unit.gathered or unit.work is not None:
-                    raise RuntimeError(
-                        f"parameter '{fg.names[i]}' was changed in place where stage 3 cannot "
-                        "keep the change (released: an empty placeholder outside its module's "
-                        "forward; or inside zero.GatheredParameters without modifier_rank), "
-                        "so it was lost. Change parameters inside "
-                        "zero.GatheredParameters(params, modifier_rank=0), or load weights "
-                        "with engine.load_checkpoint")
+                if released:
+                    raise _lost_change(fg, unit, j)
                 write_into_partition(fg, unit, j, None)
                 fg.seen_versions[i] = p._version
+
+
+def check_released_untouched(fg, unit):
+    """Before a released unit is gathered (which re-points its parameters):
+    refuse a change made to one of them, which the gather would drop."""
+    seen = getattr(fg, "seen_versions", None)
+    if seen is None:  # the engine is still being built
+        return
+    for j, p in enumerate(unit.params):
+        i = unit.members.start + j
+        if p.numel() != 0 or p._version != seen[i]:
+            raise _lost_change(fg, unit, j)
+
+
+def _lost_change(fg, unit, j) -> RuntimeError:
+    """The error for a change the released unit cannot keep. The change is
+    dropped as it is reported (the placeholder back, the version seen), so
+    training can go on from the values the engine kept, and the write can
+    be made again where it is kept."""
+    i = unit.members.start + j
+    p = unit.params[j]
+    if unit._placeholder is not None:
+        p.data = unit._placeholder
+    fg.seen_versions[i] = p._version
+    return RuntimeError(
+        f"parameter '{fg.names[i]}' was changed (in place, or by p.data = ...) where stage 3 "
+        "cannot keep the change (released: an empty placeholder outside its module's forward; "
+        "or inside zero.GatheredParameters without modifier_rank), so it was dropped: the "
+        "engine goes on from the values it had. Change parameters inside "
+        "zero.GatheredParameters(params, modifier_rank=0), or load weights with "
+        "engine.load_checkpoint")
 
 
 def write_into_partition(fg, unit, j, before):

@@ -46,6 +46,7 @@ from torch.autograd.graph import register_multi_grad_hook, saved_tensors_hooks
 
 from zero._copying import ModuleHook
 from zero._outputs import map_tensors, tensors_in
+from zero._param_writes import check_released_untouched
 from zero._units import leaf_roots, storage_key
 
 
@@ -175,6 +176,7 @@ class Stage3Schedule:
         # and the ranks compare hashes when the pass ends.
         self.pass_hash = (self.pass_hash * 1_000_003 + fg.index * 65_537 + unit.index + 1) \
             % _HASH_MOD
+        check_released_untouched(fg, unit)
         unit.reserve()
         work = self.comm.all_gather_into(unit.full, fg.shard[unit.shard_slice],
                                          async_op=async_op)
