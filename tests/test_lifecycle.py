@@ -208,7 +208,11 @@ def test_a_cast_left_in_place_is_refused_by_name(stage):
 # ---- gradients, clipping and the step ---------------------------------------------
 
 @pytest.mark.parametrize("stage", STAGES)
-def test_optimizer_zero_grad_between_backwards_drops_the_first(stage):
+@pytest.mark.parametrize("how", ["optimizer", "model"])
+def test_zero_grad_between_backwards_drops_the_first(stage, how):
+    """optimizer.zero_grad() and model.zero_grad() between two backwards,
+    as torch: only the second gradient is applied (stages 2-3 had reduced
+    the first already; its .grad were None)."""
     model, ref = _model(), _model()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
@@ -216,7 +220,10 @@ def test_optimizer_zero_grad_between_backwards_drops_the_first(stage):
     x, y = _batch(0)
     for m, o in ((engine, opt), (ref, ref_opt)):
         _loss(m(x * 3), y).backward()  # discarded
-        o.zero_grad()
+        if how == "optimizer":
+            o.zero_grad()
+        else:
+            (model if m is engine else ref).zero_grad()
         _loss(m(x), y).backward()
     engine.step()
     ref_opt.step()
@@ -494,6 +501,8 @@ def test_a_copy_of_a_trained_model_is_a_plain_model(stage, persistent):
         x, y = _batch(5)
         _loss(clone(x), y).backward()
         opt.step()  # a plain optimizer on a plain model
+        clone.zero_grad()  # the class's own, on the copy
+        assert all(p.grad is None for p in clone.parameters())
         assert getattr(clone, "_zero_engine", None) is None
         zero.initialize(clone, stage=stage).close()
     _train(engine, 2, start=1)

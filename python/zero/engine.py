@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import types
 import weakref
 
 import torch
@@ -327,6 +328,10 @@ class Engine(nn.Module):
             release()
         self.optimizer.zero_grad = _EngineZeroGrad(self)
         self._hooks.append(_AttributeRemoval(self.optimizer, "zero_grad"))
+        # model.zero_grad() too: at stages 2-3 the parameters' .grad are
+        # already None after a backward, so torch's alone would drop nothing
+        self.module.zero_grad = types.MethodType(_model_zero_grad, self.module)
+        self._hooks.append(_AttributeRemoval(self.module, "zero_grad"))
 
     def _check_optimizer_unchanged(self):
         """The engine laid out its partitions and states for the optimizer's
@@ -726,6 +731,22 @@ class _EngineZeroGrad:
         engine = self._engine()
         if engine is not None and not engine._closed:
             engine.zero_grad(set_to_none)
+
+
+def _model_zero_grad(self, set_to_none: bool = True):
+    """model.zero_grad while an engine trains the model: the model class's
+    own, then the engine's, which also drops the gradients stages 2-3 have
+    reduced already. A copy of the model (deepcopy binds this to the copy,
+    whose _zero_engine is None) gets the class's alone."""
+    type(self).zero_grad(self, set_to_none)
+    ref = self.__dict__.get("_zero_engine")
+    engine = ref() if ref is not None else None
+    if engine is not None and not engine._closed:
+        engine.zero_grad(set_to_none)
+
+
+# a pickled bound method is rebuilt as getattr(model, __name__): the class's
+_model_zero_grad.__name__ = "zero_grad"
 
 
 class _AttributeRemoval:
