@@ -48,8 +48,13 @@ def _train(engine, steps, start=0):
         engine.step()
 
 
-def _masters(engine):
-    return engine.full_state_dict()
+def _train_torch(ref, ref_opt, steps, start=0):
+    """_train's batches and loss on the plain torch reference."""
+    for i in range(start, start + steps):
+        x, y = _batch(i)
+        ref_opt.zero_grad()
+        _loss(ref(x), y).backward()
+        ref_opt.step()
 
 
 def _assert_same(a, b, atol=0.0):
@@ -359,12 +364,7 @@ def test_initialize_of_the_engine_itself_rewraps_the_model(stage):
     with pytest.raises(RuntimeError, match="this engine was closed"):
         first.step()
     _train(second, 2)
-    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
-    for i in range(2):
-        x, y = _batch(i)
-        ref_opt.zero_grad()
-        _loss(ref(x), y).backward()
-        ref_opt.step()
+    _train_torch(ref, torch.optim.AdamW(ref.parameters(), lr=1e-2), 2)
     _assert_same(second.full_state_dict(), ref.state_dict(), atol=1e-6)
     second.close()
 
@@ -486,14 +486,8 @@ def test_a_copy_of_a_trained_model_is_a_plain_model(stage, persistent):
     options = {"stage3_param_persistence_threshold": 10**9} if persistent else {}
     engine = _engine(model, stage, **options)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
-
-    def ref_step(i):
-        x, y = _batch(i)
-        ref_opt.zero_grad()
-        _loss(ref(x), y).backward()
-        ref_opt.step()
     _train(engine, 1)
-    ref_step(0)
+    _train_torch(ref, ref_opt, 1)
     for clone in (copy.deepcopy(model), pickle.loads(pickle.dumps(model))):
         _assert_same({k: v.detach() for k, v in clone.state_dict().items()},
                      engine.full_state_dict())
@@ -506,8 +500,7 @@ def test_a_copy_of_a_trained_model_is_a_plain_model(stage, persistent):
         assert getattr(clone, "_zero_engine", None) is None
         zero.initialize(clone, stage=stage).close()
     _train(engine, 2, start=1)
-    ref_step(1)
-    ref_step(2)
+    _train_torch(ref, ref_opt, 2, start=1)
     _assert_same(engine.full_state_dict(), ref.state_dict(), atol=1e-6)
     engine.close()
 

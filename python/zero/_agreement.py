@@ -17,7 +17,6 @@ import hashlib
 
 import torch
 
-from zero._comm import all_gather_single
 
 # settings every rank must share; paths (nvme_path) may differ per rank
 _SETTINGS = ("stage", "precision", "gradient_accumulation_steps", "gradient_clipping",
@@ -76,12 +75,7 @@ def check_ranks_agree(comm, module, optimizer, config) -> None:
     if comm.world == 1:
         return
     described = aspects(module, optimizer, config)
-    mine = torch.tensor([_hash(v) for v in described.values()], dtype=torch.int64,
-                        device=comm.scalar_device)
-    every = torch.empty(comm.world * mine.numel(), dtype=torch.int64,
-                        device=comm.scalar_device)
-    all_gather_single(every, mine)
-    every = every.view(comm.world, -1).tolist()
+    every = comm.gather_ints([_hash(v) for v in described.values()])
     for k, name in enumerate(described):
         values = [row[k] for row in every]
         if len(set(values)) > 1:

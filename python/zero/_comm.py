@@ -181,10 +181,16 @@ class Comm:
     def gather_scalars(self, value: int) -> list:
         """Every rank's integer, in rank order (not logged: a check, not
         training traffic)."""
-        mine = torch.tensor([value], dtype=torch.int64, device=self.scalar_device)
-        every = torch.empty(self.world, dtype=torch.int64, device=self.scalar_device)
+        return [row[0] for row in self.gather_ints([value])]
+
+    def gather_ints(self, values: list) -> list:
+        """Every rank's list of 64-bit integers (the same length on every
+        rank), in rank order; not logged, like gather_scalars."""
+        mine = torch.tensor(values, dtype=torch.int64, device=self.scalar_device)
+        every = torch.empty(self.world * mine.numel(), dtype=torch.int64,
+                            device=self.scalar_device)
         all_gather_single(every, mine)
-        return every.tolist()
+        return every.view(self.world, -1).tolist()
 
     def sum_scalars_(self, tensor):
         """Sum a few numbers (a tensor on the model's device) over ranks in

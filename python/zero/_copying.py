@@ -20,7 +20,8 @@ from __future__ import annotations
 import weakref
 
 
-def _none():
+def none():
+    """What a pickled attribute of the engine's unpickles to."""
     return None
 
 
@@ -47,7 +48,7 @@ class EngineRef:
         return None
 
     def __reduce__(self):
-        return (_none, ())
+        return (none, ())
 
 
 class ModuleHook:

@@ -31,6 +31,8 @@ from typing import NamedTuple
 import torch
 from torch.autograd.graph import increment_version
 
+from zero._copying import none
+
 
 class Place(NamedTuple):
     """Where a managed parameter lives (the `_zero_place` attribute). A
@@ -44,11 +46,7 @@ class Place(NamedTuple):
         return None
 
     def __reduce__(self):
-        return (_none, ())
-
-
-def _none():
-    return None
+        return (none, ())
 
 
 def record_parameters(groups):
@@ -148,6 +146,15 @@ def _lost_change(fg, unit, j) -> RuntimeError:
         "engine.load_checkpoint")
 
 
+def take_changed_elements(master, new, old=None):
+    """master (fp32) = new where new differs from `old` (its values before
+    the write), or, with old=None, from the master rounded to new's dtype;
+    elsewhere the master keeps its fp32 bits."""
+    new = new.to(master.device)  # the master may be on the host
+    old = master.to(new.dtype) if old is None else old.to(master.device)
+    master.copy_(torch.where(new != old, new.float(), master))
+
+
 def write_into_partition(fg, unit, j, before):
     """This rank's chunk of unit parameter j, from the unit's buffer, into
     the shard and the master: the elements that differ from `before` (the
@@ -165,12 +172,8 @@ def write_into_partition(fg, unit, j, before):
     if not fg.trainable or fg.master is fg.shard:
         return
     master = fg.master[start:start + hi - lo]
-    new = new.to(master.device)  # the master may be on the host
-    if before is None:
-        old = master.to(new.dtype)
-    else:
-        old = before[lo - unit.offsets[j]:hi - unit.offsets[j]].to(master.device)
-    master.copy_(torch.where(new != old, new.float(), master))
+    old = None if before is None else before[lo - unit.offsets[j]:hi - unit.offsets[j]]
+    take_changed_elements(master, new, old)
     if fg.offload is not None:
         # the master's file: unmap it all, as reading it mapped
         # neighbouring pages too (the kernel's fault-around)

@@ -148,12 +148,12 @@ class Engine(nn.Module):
         if config.stage <= 1:
             for fg in self.groups:
                 if fg.accumulate_by_hook:
-                    self._on_each_grad(fg, FlatGroup.accumulate_grad)
+                    self._on_each_grad(fg, _accumulate_grad)
         elif config.stage == 2:
             self._register_stage2_hooks()
         elif config.stage == 3:
             for fg in self.groups:
-                self._on_each_grad(fg, FlatGroup.on_grad_ready)
+                self._on_each_grad(fg, _grad_ready)
         self._guard_optimizer()
         record_parameters(self.all_groups)
 
@@ -292,22 +292,17 @@ class Engine(nn.Module):
             self._backward_armed = False
 
     def _on_each_grad(self, fg, body):
-        """body(fg, i) (or body(engine, fg, i) for an Engine function) once
-        parameter i of fg has its gradient accumulated. The hook holds the
-        engine and fg weakly: torch keeps a parameter's hooks where Python's
-        garbage collector does not look, so a strong reference would keep a
-        dropped engine, its buffers and its offload files until exit."""
+        """body(engine, fg, i) once parameter i of fg has its gradient
+        accumulated. The hook holds the engine and fg weakly: torch keeps a
+        parameter's hooks where Python's garbage collector does not look, so
+        a strong reference would keep a dropped engine, its buffers and its
+        offload files until exit."""
         me, group = weakref.ref(self), weakref.ref(fg)
-        takes_engine = body is _stage2_grad_ready
         for i, p in enumerate(fg.params):
             def hook(_p, i=i):
-                engine, target = me(), group()
-                if engine is None or target is None or engine._closed:
-                    return
-                if takes_engine:
-                    body(engine, target, i)
-                else:
-                    body(target, i)
+                target = group()
+                if target is not None:
+                    _call_alive(me, body, target, i)
             self._hooks.append(p.register_post_accumulate_grad_hook(hook))
 
     def _guard_optimizer(self):
@@ -715,6 +710,14 @@ def _call_alive(engine_ref, function, *args):
     return None
 
 
+def _accumulate_grad(_engine, fg, i):
+    fg.accumulate_grad(i)
+
+
+def _grad_ready(_engine, fg, i):
+    fg.on_grad_ready(i)
+
+
 def _stage2_grad_ready(engine, fg, i):
     engine._arm_backward_end()  # a backward that did not start at the root's output
     fg.on_grad_ready(i)
@@ -728,9 +731,7 @@ class _EngineZeroGrad:
         self._engine = weakref.ref(engine)
 
     def __call__(self, set_to_none: bool = True):
-        engine = self._engine()
-        if engine is not None and not engine._closed:
-            engine.zero_grad(set_to_none)
+        _call_alive(self._engine, Engine.zero_grad, set_to_none)
 
 
 def _model_zero_grad(self, set_to_none: bool = True):
@@ -740,9 +741,8 @@ def _model_zero_grad(self, set_to_none: bool = True):
     whose _zero_engine is None) gets the class's alone."""
     type(self).zero_grad(self, set_to_none)
     ref = self.__dict__.get("_zero_engine")
-    engine = ref() if ref is not None else None
-    if engine is not None and not engine._closed:
-        engine.zero_grad(set_to_none)
+    if ref is not None:
+        _call_alive(ref, Engine.zero_grad, set_to_none)
 
 
 # a pickled bound method is rebuilt as getattr(model, __name__): the class's

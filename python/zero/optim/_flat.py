@@ -44,7 +44,7 @@ import torch
 from torch.autograd.graph import increment_version
 
 from zero import _C
-from zero._param_writes import record_parameters
+from zero._param_writes import record_parameters, take_changed_elements
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -354,9 +354,7 @@ class FlatOptimizer(torch.optim.Optimizer):
         for i, p in enumerate(seg.params):
             if p._version == seg.seen_versions[i]:
                 continue
-            new = seg.view(seg.param_flat, i)
-            master = seg.view(seg.master, i)
-            master.copy_(torch.where(new != master.to(new.dtype), new.float(), master))
+            take_changed_elements(seg.view(seg.master, i), seg.view(seg.param_flat, i))
             seg.seen_versions[i] = p._version
 
     def _take_in_state(self, seg: _Segment, group):
