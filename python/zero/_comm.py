@@ -153,18 +153,41 @@ class Comm:
         self.rank = dist.get_rank()
         self.world = dist.get_world_size()
         self.log = CommLog()
+        self.group = None  # the default group
+
+    def new_channel(self) -> "Comm":
+        """A Comm over a process group of its own (the same ranks, the same
+        backend), logging into this one's log. [Note: reduction channels]
+        A backend pairs the ranks' collectives on one group by their order.
+        Where that order depends on each rank's data (which gradients its
+        backward produced, and when), the collectives go on a channel of
+        their own, so only their order among themselves must match. A
+        collective (every rank calls this in the same order); close() it."""
+        channel = Comm.__new__(Comm)
+        channel.__dict__.update(self.__dict__)
+        if self.world > 1:
+            channel.group = dist.new_group()
+        return channel
+
+    def close(self):
+        """Destroy a channel's process group (not the default group)."""
+        if self.group is not None and dist.is_initialized():
+            dist.destroy_process_group(self.group)
+        self.group = None
 
     def all_reduce_sum(self, tensor, async_op=False):
         self.log.record("all_reduce", tensor)
         if self.world == 1:
             return None
-        return dist.all_reduce(tensor, op=dist.ReduceOp.SUM, async_op=async_op)
+        return dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self.group,
+                               async_op=async_op)
 
     def reduce_sum(self, tensor, dst: int, async_op=False):
         self.log.record("reduce", tensor)
         if self.world == 1:
             return None
-        return dist.reduce(tensor, dst=dst, op=dist.ReduceOp.SUM, async_op=async_op)
+        return dist.reduce(tensor, dst=dst, op=dist.ReduceOp.SUM, group=self.group,
+                           async_op=async_op)
 
     def all_gather_into(self, output, shard, async_op=False):
         self.log.record("all_gather", output)
@@ -172,11 +195,11 @@ class Comm:
             if output.data_ptr() != shard.data_ptr():
                 output.copy_(shard)
             return None
-        return all_gather_single(output, shard, async_op=async_op)
+        return all_gather_single(output, shard, group=self.group, async_op=async_op)
 
     def broadcast(self, tensor, src=0):
         if self.world > 1:
-            dist.broadcast(tensor, src=src)
+            dist.broadcast(tensor, src=src, group=self.group)
 
     def gather_scalars(self, value: int) -> list:
         """Every rank's integer, in rank order (not logged: a check, not
@@ -189,14 +212,14 @@ class Comm:
         mine = torch.tensor(values, dtype=torch.int64, device=self.scalar_device)
         every = torch.empty(self.world * mine.numel(), dtype=torch.int64,
                             device=self.scalar_device)
-        all_gather_single(every, mine)
+        all_gather_single(every, mine, group=self.group)
         return every.view(self.world, -1).tolist()
 
     def sum_scalars_(self, tensor):
         """Sum a few numbers (a tensor on the model's device) over ranks in
         place; not logged, like sum_scalar."""
         if self.world > 1:
-            dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
+            dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self.group)
 
     def sum_scalar(self, value: float) -> float:
         if self.world == 1:

@@ -24,8 +24,28 @@ data-parallel ranks: the single sharding mechanism of every stage.
   order backward produces gradients) and always reduced in that order, so
   every rank issues the same collectives in the same order even when some
   parameters get no gradient on some rank (their part of a bucket is zero).
+- [Note: rank-local gradients] A bucket leaves when its expected gradients
+  are in ([Note: expected gradients]), which is rank-local: a parameter used
+  on one rank only (a data-dependent branch) has its bucket leave
+  mid-backward there and at the end of backward on the other. So
+  - each group reduces on a channel of its own ([Note: reduction channels]
+    in _comm.py), apart from the other groups' buckets and stage 3's
+    all-gathers: only the order of a group's own buckets must match, and it
+    is fixed;
+  - a parameter that got a gradient on some ranks but not all is never
+    expected again, so the ranks launch their buckets at the same points
+    once more;
+  - until then a rank must not wait long for a bucket: its peer may be
+    waiting for this rank's next all-gather, or another group's bucket.
+    Backward keeps MAX_IN_FLIGHT buckets in flight and waits for the oldest
+    beyond that, but at most STALL_SECONDS; then it stops waiting for the
+    rest of that backward (more buckets held, never a hang). Waiting
+    matters: without it, on gloo, the whole gradient would sit in buckets
+    (the memory figures' `buckets` counts them).
 """
 from __future__ import annotations
+
+import time
 
 import torch
 
@@ -36,6 +56,11 @@ from zero._units import Unit, lay_out
 # Buckets whose reduction may still be running while backward fills the
 # next: two let communication overlap computation without holding more.
 MAX_IN_FLIGHT = 2
+# the longest backward waits for a bucket before it stops waiting for the
+# rest of that backward ([Note: rank-local gradients]); far above a
+# bucket's reduction time (25 MB at 1 GB/s: 25 ms)
+STALL_SECONDS = 1.0
+
 # gather_master's slice per rank on a GPU (16M fp32 elements: 64 MiB a rank)
 GATHER_SLICE = 1 << 24
 STAGING_CHUNK = 1 << 22  # elements a staged step moves between device and host at a time
@@ -44,7 +69,7 @@ STAGING_CHUNK = 1 << 22  # elements a staged step moves between device and host 
 class FlatGroup:
     def __init__(self, index, params, names, compute_dtype, comm, stage, bucket_elements,
                  units=None, trainable=True, device=torch.device("cpu"), grad_dtype=None,
-                 offload=None, staged=False):
+                 offload=None, staged=False, reduce_comm=None):
         """units: lists of indices into params, one list per unit (stage 3);
         None makes the whole group one unit. The params are reordered unit
         by unit. trainable=False (stage 3's frozen parameters) keeps no
@@ -56,7 +81,9 @@ class FlatGroup:
         staged: the master and the states live in host memory apart from
         the model (a GPU model under offload_optimizer), and the step stages
         gradients and parameters through small host windows ([Note: staged
-        step] in _step_path.py)."""
+        step] in _step_path.py).
+        reduce_comm: the channel the gradient buckets are reduced on
+        (stages 2-3; [Note: reduction channels] in _comm.py); default comm."""
         if units is None:
             units = [list(range(len(params)))]
         order = [i for members in units for i in members]
@@ -64,6 +91,7 @@ class FlatGroup:
         self.params = [params[i] for i in order]
         self.names = [names[i] for i in order]
         self.comm = comm
+        self.reduce_comm = reduce_comm or comm
         self.stage = stage
         self.trainable = trainable
         self.compute_dtype = compute_dtype
@@ -326,6 +354,7 @@ class FlatGroup:
         self.next_bucket = 0
         self.fired = bytearray(len(self.params))  # got a gradient this backward
         self.late = {}  # bucket -> gradients that came after it was launched
+        self.stalled = False  # see _wait_a_while
 
     def _staging(self, b):
         if self.staging[b] is None:
@@ -389,27 +418,48 @@ class FlatGroup:
         while r * unit.part < be:
             lo, hi = max(bs, r * unit.part), min(be, (r + 1) * unit.part)
             portion = staging[lo - bs:hi - bs]
-            works.append(self.comm.reduce_sum(portion, dst=r, async_op=True))
+            works.append(self.reduce_comm.reduce_sum(portion, dst=r, async_op=True))
             if r == self.comm.rank:
                 mine = (portion, unit.shard_offset + lo - r * unit.part)
             r += 1
         if late is None:
             self.staging[b] = None
         self.in_flight.append((works, staging, mine))
-        self._retire(keep=MAX_IN_FLIGHT)
+        self._retire(wait=False)
 
-    def _retire(self, keep):
-        """Wait for all but the newest `keep` buckets in flight and add this
-        rank's reduced portions into its gradient partition; their staging
-        memory is then free."""
-        while len(self.in_flight) > keep:
-            works, _staging, mine = self.in_flight.pop(0)
+    def _retire(self, wait):
+        """Add this rank's reduced portions of the buckets in flight into its
+        gradient partition, oldest first (the same order every time, so the
+        same bits); their staging memory is then free. All of them when
+        `wait`; else the complete ones, waiting (a while: [Note: rank-local
+        gradients]) only while more than MAX_IN_FLIGHT are left."""
+        while self.in_flight:
+            works, _staging, mine = self.in_flight[0]
+            if not wait and not _complete(works) and \
+                    (len(self.in_flight) <= MAX_IN_FLIGHT or not self._wait_a_while(works)):
+                return
+            self.in_flight.pop(0)
             for w in works:
                 if w is not None:
                     w.wait()
             if mine is not None:
                 portion, off = mine
                 self.grad_part[off:off + portion.numel()].add_(portion)
+
+    def _wait_a_while(self, works) -> bool:
+        """True once `works` are complete; False after STALL_SECONDS, and
+        from then on until this backward ends."""
+        if self.stalled:
+            return False
+        deadline = time.monotonic() + STALL_SECONDS
+        pause = 1e-5
+        while not _complete(works):
+            if time.monotonic() > deadline:
+                self.stalled = True
+                return False
+            time.sleep(pause)
+            pause = min(2 * pause, 1e-3)
+        return True
 
     def finish_backward(self):
         """End of a backward: reduce what is left, in order; agree with the
@@ -431,8 +481,13 @@ class FlatGroup:
                     _unit, bs, be = self.buckets[b]
                     late = self._bucket_buffer(be - bs)
                 self._launch(b, late)
-        self._retire(keep=0)
-        self.expected = bytearray(1 if f else 0 for f in flags[:len(self.params)])
+        self._retire(wait=True)
+        counts = flags[:len(self.params)]
+        world = self.comm.world
+        rank_local = [i for i, n in enumerate(counts) if 0 < n < world]
+        if rank_local:  # [Note: rank-local gradients]
+            self.never_expected = tuple(sorted(set(self.never_expected) | set(rank_local)))
+        self.expected = bytearray(1 if n else 0 for n in counts)
         for i in self.never_expected:
             self.expected[i] = 0
         self.reset_buckets()
@@ -441,7 +496,7 @@ class FlatGroup:
     def abandon_backward(self):
         """Forget a backward that raised: wait for the reductions already
         issued (a collective cannot be taken back) and drop the rest."""
-        self._retire(keep=0)
+        self._retire(wait=True)
         self.reset_buckets()
 
     @property
@@ -517,6 +572,10 @@ class FlatGroup:
             "buckets": getattr(self, "peak_bucket_bytes", 0),
             "persistent": gathered if self.stage == 3 else 0,
         }
+
+
+def _complete(works) -> bool:
+    return all(w is None or w.is_completed() for w in works)
 
 
 def gather_in_slices(comm, out, mine, n, slice_elements):
