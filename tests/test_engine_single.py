@@ -232,6 +232,10 @@ def test_lr_scheduler_checked():
     with pytest.raises(ValueError, match="lr_scheduler was built on another optimizer"):
         zero.initialize(m, optimizer=opt,
                         lr_scheduler=torch.optim.lr_scheduler.StepLR(other, step_size=1))
+    # before: accepted, then step() raised after the update, grads not zeroed
+    with pytest.raises(ValueError, match="ReduceLROnPlateau needs the metric"):
+        zero.initialize(m, optimizer=opt,
+                        lr_scheduler=torch.optim.lr_scheduler.ReduceLROnPlateau(opt))
     engine = zero.initialize(m, optimizer=opt,
                              lr_scheduler=lambda o: torch.optim.lr_scheduler.StepLR(o, 1, 0.5))
     engine.backward(engine(torch.randn(2, 6)).sum())

@@ -69,7 +69,10 @@ DEEPSPEED_TEMPLATE = {
 def test_deepspeed_config_leaves_the_trainers_keys_to_the_trainer(one_process, tmp_path,
                                                                   plain_trainer_run):
     ref_state, ref_losses, _ref_norms = plain_trainer_run
-    trainer = zero_trainer(tmp_path, {"config": DEEPSPEED_TEMPLATE})
+    # without the scheduler block, which would replace the Trainer's linear
+    # schedule (test_deepspeed_config_scheduler_type_is_honoured)
+    config = {k: v for k, v in DEEPSPEED_TEMPLATE.items() if k != "scheduler"}
+    trainer = zero_trainer(tmp_path, {"config": config})
     trainer.train()
     assert trainer.engine.stage == 2 and trainer.engine.lr_scheduler is None
     assert trainer.engine.config.gradient_accumulation_steps == 1  # the Trainer accumulates
@@ -89,11 +92,91 @@ def test_deepspeed_config_leaves_the_trainers_keys_to_the_trainer(one_process, t
      "the config's scheduler block sets values"),
     ({"optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}},
      "the config's optimizer block sets values"),
+    ({"optimizer": {"type": "SGD", "params": {"lr": "auto"}}},
+     "the config's optimizer type is 'SGD' but TrainingArguments.optim is 'adamw_torch"),
+    ({"scheduler": {"type": "OneCycle", "params": {}}},
+     "the config's scheduler type 'OneCycle' is not supported"),
 ])
 def test_deepspeed_config_disagreeing_with_the_trainer_is_refused(one_process, tmp_path,
                                                                   change, message):
     with pytest.raises(ValueError, match=message):
         zero_trainer(tmp_path, {"config": {**DEEPSPEED_TEMPLATE, **change}})
+
+
+@pytest.mark.parametrize("kind, expected", [
+    # DeepSpeed's schedules, from its formula (_schedulers.py): the optimizer
+    # starts at warmup_min_lr (0), the i-th scheduler step sets
+    # max * gamma(i), gamma = log(i + 1) / log(W) in warm-up (W = 2 steps:
+    # 0, 1), then 1 (WarmupLR) or (T - i) / (T - W) (WarmupDecayLR, T = 6).
+    # Update u is logged with the rate it used: 0, gamma(0), gamma(1), ...
+    # (the Trainer's linear schedule would log 0, 5e-4, 1e-3, 7.5e-4, ...)
+    ("WarmupLR", [0.0, 0.0, 1e-3, 1e-3, 1e-3, 1e-3]),
+    ("WarmupDecayLR", [0.0, 0.0, 1e-3, 1e-3, 7.5e-4, 5e-4]),
+])
+def test_deepspeed_config_scheduler_type_is_honoured(one_process, tmp_path, kind, expected):
+    """As under HuggingFace's DeepSpeed integration, the config's scheduler
+    type sets the schedule ("auto" from TrainingArguments); before, the
+    Trainer's linear schedule silently replaced it."""
+    config = {**DEEPSPEED_TEMPLATE, "scheduler": {"type": kind, "params": {
+        "warmup_max_lr": "auto", "warmup_num_steps": "auto", "total_num_steps": "auto"}}}
+    trainer = zero_trainer(tmp_path, {"config": config})
+    trainer.train()
+    rates = logged(trainer, "learning_rate")
+    assert rates == pytest.approx(expected, rel=1e-6, abs=1e-12), rates
+    trainer.engine.close()
+
+
+def test_a_config_object_goes_through_the_trainers_checks(one_process, tmp_path):
+    """zero.Config fields the Trainer owns: refused when they disagree with
+    TrainingArguments, left to the Trainer when they agree (before, the
+    engine accumulated on top of the Trainer: 3 updates for 6 steps)."""
+    import zero
+    with pytest.raises(ValueError, match="gradient_accumulation_steps is 4 but"):
+        zero_trainer(tmp_path, {"config": zero.Config(stage=2, gradient_accumulation_steps=4)})
+    trainer = zero_trainer(tmp_path, {"config": zero.Config(stage=2, gradient_accumulation_steps=2,
+                                                            gradient_clipping=0.5)})
+    trainer.train()
+    assert trainer.engine.config.gradient_accumulation_steps == 1
+    assert trainer.engine.config.gradient_clipping == 0.0  # the Trainer clips through it
+    assert trainer.engine.global_steps == 6
+    trainer.engine.close()
+
+
+@pytest.mark.parametrize("flag", ["bf16_full_eval", "fp16_full_eval"])
+def test_full_eval_casts_are_refused(one_process, tmp_path, flag):
+    with pytest.raises(ValueError, match=f"TrainingArguments.{flag} casts the model"):
+        zero_trainer(tmp_path, {"stage": 2}, **{flag: True})
+
+
+def test_model_init_trains_again_with_a_new_engine(one_process, tmp_path):
+    """Trainer.train with model_init makes a new model each time (a
+    hyperparameter search, a notebook re-run): each gets its own engine."""
+    from zero.integrations.hf import ZeroTrainer
+    trainer = ZeroTrainer(model_init=lambda: llama(), args=training_args(tmp_path),
+                          train_dataset=token_data(), zero_options={"stage": 3})
+    trainer.train()
+    first, first_engine = logged(trainer, "loss"), trainer.engine
+    trainer.state.log_history = []
+    trainer.train()
+    assert first_engine._closed and trainer.engine.module is trainer.model
+    assert logged(trainer, "loss") == first
+    trainer.engine.close()
+
+
+def test_save_model_after_close_saves_the_plain_model(one_process, tmp_path):
+    """A closed stage-3 engine's model is a plain model again: save_model
+    writes it (before, it raised and emptied a parameter on each try)."""
+    from transformers import LlamaForCausalLM
+    trainer = zero_trainer(tmp_path, {"stage": 3})
+    trainer.train()
+    expected = trainer.engine.full_state_dict()
+    trainer.engine.close()
+    with pytest.raises(RuntimeError, match="this engine was closed"):
+        trainer.engine.full_state_dict()
+    trainer.save_model(str(tmp_path / "saved"))
+    loaded = LlamaForCausalLM.from_pretrained(str(tmp_path / "saved")).state_dict()
+    for key, value in expected.items():
+        assert torch.equal(loaded[key], value), key
 
 
 def test_fp16_overflow_leaves_the_lr_schedule_alone(one_process, tmp_path):
@@ -160,8 +243,9 @@ def test_resuming_a_folder_without_engine_state_is_refused(one_process, tmp_path
                                                       save_steps=3), train_dataset=token_data())
     plain.train()
     trainer = zero_trainer(tmp_path / "z", {"stage": 2})
-    with pytest.raises(FileNotFoundError, match="has no zero_checkpoint/: it was not saved "
-                                                "by ZeroTrainer"):
+    with pytest.raises(FileNotFoundError, match="has no zero_checkpoint/, so it holds no engine "
+                                                "state to resume: it was saved with "
+                                                "save_only_model=True"):
         trainer.train(resume_from_checkpoint=str(tmp_path / "plain" / "checkpoint-3"))
     trainer.engine.close()
 

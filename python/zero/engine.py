@@ -374,7 +374,8 @@ class Engine(nn.Module):
         if self._closed:
             raise RuntimeError("this engine was closed (close(), or zero.initialize was called "
                                "again on its model): train with the engine zero.initialize "
-                               "returned last")
+                               "returned last; a closed engine's model is a plain torch "
+                               "model (model.state_dict(), torch.save)")
 
     def forward(self, *args, **kwargs):
         self._check_open()
@@ -633,6 +634,7 @@ class Engine(nn.Module):
         the master copies (gathered from every rank), on every rank, in host
         memory whatever the model's device. A collective: every rank must
         call it."""
+        self._check_open()
         take_in_parameter_writes(self.all_groups)
         full = {}
         by_id = {}
@@ -659,6 +661,7 @@ class Engine(nn.Module):
         client_state: a dict of your own (tensors, numbers, strings, lists,
         dicts), handed back by load_checkpoint. A collective; call it after
         the boundary's step(). Returns the checkpoint's directory."""
+        self._check_open()
         from zero import _checkpoint
         return _checkpoint.save(self, save_dir, tag, client_state, save_latest)
 
@@ -671,6 +674,7 @@ class Engine(nn.Module):
         The checkpoint may come from another world size or stage. Everything
         is checked (names, shapes, optimizer kind, files) before anything
         changes. A collective. Returns (checkpoint directory, client_state)."""
+        self._check_open()
         from zero import _checkpoint
         return _checkpoint.load(self, load_dir, tag, load_optimizer_states,
                                 load_lr_scheduler_states, load_module_only)

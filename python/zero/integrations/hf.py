@@ -31,6 +31,7 @@ Accelerator object choose (no torch or transformers global is replaced):
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 
@@ -38,6 +39,7 @@ import torch
 from transformers import Trainer
 
 import zero
+from zero._schedulers import scheduler_from_config
 from zero.config import read_deepspeed
 
 ZERO_CHECKPOINT_DIR = "zero_checkpoint"
@@ -104,6 +106,29 @@ def _record_fp32(config_path):
             json.dump(config, f, indent=2, sort_keys=True)
 
 
+# zero.Config fields the Trainer owns (see ZeroTrainer._config_for_trainer)
+_CONFIG_TRAINER_OWNS = ("gradient_accumulation_steps", "gradient_clipping",
+                        "train_micro_batch_size_per_gpu", "train_batch_size", "optimizer",
+                        "scheduler")
+# a DeepSpeed config's optimizer type -> the TrainingArguments.optim names
+# that build it (DeepSpeed's "Adam" is AdamW unless adam_w_mode is false)
+_OPTIMIZER_TYPES = {"adam": ("adamw",), "adamw": ("adamw",), "sgd": ("sgd",),
+                    "adagrad": ("adagrad",), "lion": ("lion",)}
+
+
+def _check_optimizer_type(kind, optim: str) -> None:
+    """A config's optimizer type must be the optimizer the Trainer builds
+    (the Trainer builds it from TrainingArguments.optim)."""
+    if kind is None:
+        return
+    prefixes = _OPTIMIZER_TYPES.get(str(kind).lower())
+    if prefixes is None or not optim.startswith(prefixes):
+        raise ValueError(f"the config's optimizer type is {kind!r} but TrainingArguments.optim "
+                         f"is {optim!r}, and the Trainer builds the optimizer: set "
+                         "TrainingArguments.optim to match (or pass optimizers=), and leave "
+                         "the type out of the config")
+
+
 class ZeroTrainer(Trainer):
     """A transformers.Trainer trained by zero. zero_options: the keyword
     arguments of zero.initialize (stage, precision, and any zero.Config
@@ -121,11 +146,18 @@ class ZeroTrainer(Trainer):
                 raise ValueError(f"zero_options[{key!r}]: the Trainer owns this; set {where}")
         self.zero_options = options
         self.engine = None
+        self._config_scheduler = None  # a DeepSpeed config's scheduler block
         super().__init__(*args, **kwargs)
         if self.args.fp16 or self.args.bf16:
             raise ValueError("TrainingArguments fp16/bf16 turn on torch autocast; with "
                              "ZeroTrainer set zero_options={'precision': 'bf16'} (or 'fp16') "
                              "instead, and leave fp16/bf16 False")
+        for flag in ("fp16_full_eval", "bf16_full_eval"):
+            if getattr(self.args, flag, False):
+                raise ValueError(f"TrainingArguments.{flag} casts the model for evaluation, "
+                                 "which the engine's model cannot be; with ZeroTrainer the "
+                                 "model evaluates in zero_options' precision: leave "
+                                 f"{flag} False")
         if self.accelerator.mixed_precision not in (None, "no"):
             raise ValueError(f"accelerate runs this Trainer under {self.accelerator.mixed_precision}"
                              " autocast (ACCELERATE_MIXED_PRECISION or an accelerate config "
@@ -136,6 +168,9 @@ class ZeroTrainer(Trainer):
                              "which save_only_model=True does not write; unset one of them")
         if "config" in options:
             options["config"] = self._config_for_trainer(options["config"])
+        if self._config_scheduler is not None and self.lr_scheduler is not None:
+            raise ValueError("the config's scheduler block and optimizers=(..., scheduler) "
+                             "both give a schedule; keep one")
         self._route_accelerator_to_engine()
 
     def _config_for_trainer(self, config):
@@ -147,8 +182,17 @@ class ZeroTrainer(Trainer):
         An optimizer or scheduler block may only hold "auto" values: the
         Trainer builds both."""
         if isinstance(config, zero.Config):
-            return config  # built by the user: its fields are zero_options' own
-        config = dict(read_deepspeed(config))
+            # its fields at their defaults are unset; the others go through
+            # the same checks as a DeepSpeed config's keys
+            defaults = zero.Config()
+            owned = {k: getattr(config, k) for k in _CONFIG_TRAINER_OWNS
+                     if getattr(config, k) != getattr(defaults, k)}
+            self._drop_trainer_owned(dict(owned))
+            return dataclasses.replace(config, **{k: getattr(defaults, k) for k in owned})
+        return self._drop_trainer_owned(dict(read_deepspeed(config)))
+
+    def _drop_trainer_owned(self, config: dict) -> dict:
+        """_config_for_trainer's checks on a config as a dict."""
         args = self.args
         owned = {"gradient_accumulation_steps": (args.gradient_accumulation_steps,
                                                  "gradient_accumulation_steps"),
@@ -176,11 +220,28 @@ class ZeroTrainer(Trainer):
                 raise ValueError(f"the config's {block} block sets values, but the Trainer "
                                  f"builds the {block}: set {where}, or write \"auto\" for "
                                  "each of its params")
+            if spec and block == "optimizer":
+                _check_optimizer_type(spec.get("type"), str(getattr(args.optim, "value",
+                                                                    args.optim)))
+            if spec and block == "scheduler":
+                # its type is honoured, as under HuggingFace's DeepSpeed
+                # integration: a WarmupLR config keeps its schedule here
+                if spec.get("type") not in ("WarmupLR", "WarmupDecayLR"):
+                    raise ValueError(f"the config's scheduler type {spec.get('type')!r} is not "
+                                     "supported; choose WarmupLR or WarmupDecayLR, or drop the "
+                                     "block and set TrainingArguments.lr_scheduler_type")
+                self._config_scheduler = spec
         return config
 
     # ---- the engine and the optimizer ------------------------------------------
 
     def create_optimizer(self):
+        # Trainer.train with model_init makes a new model and drops the
+        # optimizer: a new engine for it, the old one closed
+        if self.engine is not None and (self.optimizer is None or self.engine._closed
+                                        or self.engine.module is not self.model):
+            self.engine.close()
+            self.engine = None
         if self.engine is None:
             super().create_optimizer()  # the Trainer's optimizer, on the model's parameters
             self.engine = zero.initialize(self.model, optimizer=self.optimizer,
@@ -201,7 +262,20 @@ class ZeroTrainer(Trainer):
     def create_scheduler(self, num_training_steps: int, optimizer=None):
         # on the real optimizer: the engine reads the lr from its param_groups
         real = self.engine.optimizer if self.engine is not None else optimizer
-        return super().create_scheduler(num_training_steps, optimizer=real)
+        if self._config_scheduler is None:
+            return super().create_scheduler(num_training_steps, optimizer=real)
+        if self.lr_scheduler is None:
+            # "auto" filled from TrainingArguments as HuggingFace's DeepSpeed
+            # integration fills it
+            auto = {"warmup_min_lr": 0.0, "warmup_max_lr": self.args.learning_rate,
+                    "warmup_num_steps": self.args.get_warmup_steps(num_training_steps),
+                    "total_num_steps": num_training_steps}
+            params = {k: auto[k] if v == "auto" else v
+                      for k, v in (self._config_scheduler.get("params") or {}).items()}
+            self.lr_scheduler = scheduler_from_config(
+                {"type": self._config_scheduler.get("type"), "params": params}, real)
+            self._created_lr_scheduler = True
+        return self.lr_scheduler
 
     def _wrap_model(self, model, training=True, dataloader=None):
         return self.engine if self.engine is not None else model
@@ -239,7 +313,7 @@ class ZeroTrainer(Trainer):
         """The full fp32 model, from the engine's masters, written by the
         process that saves. At stages 1-3 a collective: call it on every
         rank (not under `if trainer.is_world_process_zero()`)."""
-        if self.engine is None:
+        if self.engine is None or self.engine._closed:  # a plain model now
             return super().save_model(output_dir, _internal_call)
         output_dir = output_dir if output_dir is not None else self.args.output_dir
         state_dict = self.engine.full_state_dict()
@@ -263,8 +337,11 @@ class ZeroTrainer(Trainer):
             return
         zero_dir = os.path.join(checkpoint, ZERO_CHECKPOINT_DIR)
         if not os.path.isdir(zero_dir):
-            raise FileNotFoundError(f"{checkpoint!r} has no {ZERO_CHECKPOINT_DIR}/: it was not "
-                                    "saved by ZeroTrainer, so it holds no engine state to resume")
+            raise FileNotFoundError(
+                f"{checkpoint!r} has no {ZERO_CHECKPOINT_DIR}/, so it holds no engine state to "
+                "resume: it was saved with save_only_model=True (the weights alone), or not by "
+                "ZeroTrainer. To start from its weights, load them into the model "
+                "(from_pretrained) and train without resume_from_checkpoint")
         self.engine.load_checkpoint(zero_dir, tag="engine")
         scheduler = os.path.join(checkpoint, SCHEDULER_FILE)
         if self.lr_scheduler is not None and os.path.isfile(scheduler):
