@@ -88,8 +88,8 @@ def test_deepspeed_config_leaves_the_trainers_keys_to_the_trainer(one_process, t
     ({"gradient_accumulation_steps": 2 * 2}, "gradient_accumulation_steps is 4 but "
                                              "TrainingArguments.gradient_accumulation_steps is 2"),
     ({"gradient_clipping": 1.0}, "TrainingArguments.max_grad_norm is 0.5"),
-    ({"scheduler": {"type": "WarmupLR", "params": {"warmup_max_lr": 1e-3}}},
-     "the config's scheduler block sets values"),
+    ({"scheduler": {"type": "WarmupLR", "params": {"warmup_max_lr": 5e-3}}},
+     "warmup_max_lr is 0.005 but TrainingArguments.learning_rate is 0.001"),
     ({"optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}},
      "the config's optimizer block sets values"),
     ({"optimizer": {"type": "SGD", "params": {"lr": "auto"}}},
@@ -126,6 +126,19 @@ def test_deepspeed_config_scheduler_type_is_honoured(one_process, tmp_path, kind
     trainer.engine.close()
 
 
+def test_deepspeed_config_scheduler_values_are_honoured(one_process, tmp_path):
+    """Values the Trainer does not set (warmup_type) are the config's; the
+    learning rate may repeat TrainingArguments'."""
+    config = {**DEEPSPEED_TEMPLATE, "scheduler": {"type": "WarmupLR", "params": {
+        "warmup_max_lr": 1e-3, "warmup_num_steps": "auto", "warmup_type": "linear"}}}
+    trainer = zero_trainer(tmp_path, {"config": config}, warmup_steps=4)
+    trainer.train()
+    # linear warm-up over W = 4: gamma(i) = i / 4; update u uses gamma(u - 1)
+    assert logged(trainer, "learning_rate") == pytest.approx(
+        [0.0, 0.0, 2.5e-4, 5e-4, 7.5e-4, 1e-3], rel=1e-6, abs=1e-12)
+    trainer.engine.close()
+
+
 def test_a_config_object_goes_through_the_trainers_checks(one_process, tmp_path):
     """zero.Config fields the Trainer owns: refused when they disagree with
     TrainingArguments, left to the Trainer when they agree (before, the
@@ -133,6 +146,9 @@ def test_a_config_object_goes_through_the_trainers_checks(one_process, tmp_path)
     import zero
     with pytest.raises(ValueError, match="gradient_accumulation_steps is 4 but"):
         zero_trainer(tmp_path, {"config": zero.Config(stage=2, gradient_accumulation_steps=4)})
+    # None: derived from train_batch_size, as "auto"
+    zero_trainer(tmp_path, {"config": zero.Config(stage=2, gradient_accumulation_steps=None,
+                                                  train_batch_size=8)})
     trainer = zero_trainer(tmp_path, {"config": zero.Config(stage=2, gradient_accumulation_steps=2,
                                                             gradient_clipping=0.5)})
     trainer.train()

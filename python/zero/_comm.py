@@ -18,6 +18,7 @@ _LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 # on every call) to all_gather_single; older releases have only the former.
 all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _owned = {"count": 0}  # process groups this module created, by engine
+_channels = {"world": None, "groups": []}  # see Comm.channel
 
 
 def backend_for(device: torch.device, world: int) -> str:
@@ -155,25 +156,31 @@ class Comm:
         self.log = CommLog()
         self.group = None  # the default group
 
-    def new_channel(self) -> "Comm":
-        """A Comm over a process group of its own (the same ranks, the same
-        backend), logging into this one's log. [Note: reduction channels]
-        A backend pairs the ranks' collectives on one group by their order.
-        Where that order depends on each rank's data (which gradients its
-        backward produced, and when), the collectives go on a channel of
-        their own, so only their order among themselves must match. A
-        collective (every rank calls this in the same order); close() it."""
+    def channel(self, index: int) -> "Comm":
+        """Reduction channel `index`: a Comm over a process group of its own
+        (the same ranks and backend), logging into this one's log.
+        [Note: reduction channels] A backend pairs the ranks' collectives
+        on one group by their order. Where that order depends on each
+        rank's data (which gradients its backward produced, and when), the
+        collectives go on a channel of their own, so only their order
+        among themselves must match. Channels are made on first use (a
+        collective: engines ask for them in the same order on every rank)
+        and kept for the process, shared by later engines, so an engine
+        dropped without close() leaks no process group; a new default group
+        starts a new set (destroying the default group destroys them).
+        Two engines whose backwards run at once share channel 0: their
+        buckets must then come in the same order on every rank."""
+        if self.world == 1:
+            return self
+        if _channels["world"] is not dist.group.WORLD:
+            _channels.update(world=dist.group.WORLD, groups=[])
+        groups = _channels["groups"]
+        while len(groups) <= index:
+            groups.append(dist.new_group())
         channel = Comm.__new__(Comm)
         channel.__dict__.update(self.__dict__)
-        if self.world > 1:
-            channel.group = dist.new_group()
+        channel.group = groups[index]
         return channel
-
-    def close(self):
-        """Destroy a channel's process group (not the default group)."""
-        if self.group is not None and dist.is_initialized():
-            dist.destroy_process_group(self.group)
-        self.group = None
 
     def all_reduce_sum(self, tensor, async_op=False):
         self.log.record("all_reduce", tensor)

@@ -74,7 +74,6 @@ class Engine(nn.Module):
         self._prepared = None  # (sumsq, norm) once the boundary's reduction ran
         self._clip_norm = None
         self._hooks = []
-        self._channels = []  # reduction channels, closed with the engine
         self._last_comm = comm.log.summary()
         self._closed = False
         self.loss_scaler = DynamicLossScaler(config.loss_scaling) \
@@ -94,7 +93,6 @@ class Engine(nn.Module):
         except BaseException:
             for h in self._hooks:
                 h.remove()
-            self._close_channels()
             if self._schedule is not None:
                 self._schedule.remove()
             if config.stage == 3:
@@ -121,10 +119,7 @@ class Engine(nn.Module):
                 continue
             # stages 2-3 reduce buckets mid-backward, each group on its own
             # channel: see [Note: reduction channels] in _comm.py
-            reduce_comm = None
-            if config.stage >= 2 and comm.world > 1:
-                reduce_comm = comm.new_channel()
-                self._channels.append(reduce_comm)
+            reduce_comm = comm.channel(len(self.groups)) if config.stage >= 2 else None
             fg = FlatGroup(index, params, names, self.compute_dtype, comm, config.stage,
                            config.reduce_bucket_size, units=self._units(params, owners),
                            device=self.device,
@@ -709,15 +704,8 @@ class Engine(nn.Module):
                 p.__dict__.pop("_zero_place", None)
             if fg.offload is not None:  # its windows and descriptors
                 fg.offload.close()
-        self._close_channels()
         leave_process_group(self._owns_group)
         self._closed = True
-
-
-    def _close_channels(self):
-        for channel in self._channels:
-            channel.close()
-        self._channels = []
 
 
 def _call_alive(engine_ref, function, *args):

@@ -202,7 +202,7 @@ class ZeroTrainer(Trainer):
         for key, (theirs, field) in owned.items():
             if key in config:
                 value = config.pop(key)
-                if value != "auto" and value != theirs:
+                if value not in ("auto", None) and value != theirs:  # None: derived
                     raise ValueError(f"the config's {key} is {value!r} but TrainingArguments."
                                      f"{field} is {theirs!r}; the Trainer owns it: set it in "
                                      "TrainingArguments and write \"auto\" (or leave it out) "
@@ -216,7 +216,16 @@ class ZeroTrainer(Trainer):
                              ("scheduler", "TrainingArguments (lr_scheduler_type, "
                               "warmup_steps) or optimizers=")):
             spec = config.pop(block, None)
-            if spec and any(v != "auto" for v in (spec.get("params") or {}).values()):
+            if spec and block == "scheduler":
+                # its type and values are honoured; those the Trainer also
+                # sets must agree (the step counts: at create_scheduler)
+                rate = (spec.get("params") or {}).get("warmup_max_lr", "auto")
+                if rate != "auto" and rate != args.learning_rate:
+                    raise ValueError(f"the config's scheduler.params.warmup_max_lr is {rate!r} "
+                                     "but TrainingArguments.learning_rate is "
+                                     f"{args.learning_rate!r}; set one, and write \"auto\" "
+                                     "in the other")
+            elif spec and any(v != "auto" for v in (spec.get("params") or {}).values()):
                 raise ValueError(f"the config's {block} block sets values, but the Trainer "
                                  f"builds the {block}: set {where}, or write \"auto\" for "
                                  "each of its params")
@@ -270,8 +279,13 @@ class ZeroTrainer(Trainer):
             auto = {"warmup_min_lr": 0.0, "warmup_max_lr": self.args.learning_rate,
                     "warmup_num_steps": self.args.get_warmup_steps(num_training_steps),
                     "total_num_steps": num_training_steps}
-            params = {k: auto[k] if v == "auto" else v
-                      for k, v in (self._config_scheduler.get("params") or {}).items()}
+            params = dict(self._config_scheduler.get("params") or {})
+            for key, value in params.items():
+                if value == "auto":
+                    params[key] = auto[key]
+                elif key in ("warmup_num_steps", "total_num_steps") and value != auto[key]:
+                    raise ValueError(f"the config's scheduler.params.{key} is {value!r} but "
+                                     f"the Trainer's run gives {auto[key]!r}; write \"auto\"")
             self.lr_scheduler = scheduler_from_config(
                 {"type": self._config_scheduler.get("type"), "params": params}, real)
             self._created_lr_scheduler = True
