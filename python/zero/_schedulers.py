@@ -21,6 +21,7 @@ from torch.optim.lr_scheduler import LRScheduler
 
 from zero.config import auto_refused
 
+SCHEDULER_TYPES = ("WarmupLR", "WarmupDecayLR")  # the DeepSpeed schedules made here
 _KNOWN = {"warmup_min_lr", "warmup_max_lr", "warmup_num_steps", "warmup_type",
           "total_num_steps", "last_batch_iteration"}
 
@@ -75,9 +76,9 @@ def _number(params, key, default, kind=float, low=None):
 
 def scheduler_from_config(spec: dict, optimizer):
     kind = spec.get("type")
-    if kind not in ("WarmupLR", "WarmupDecayLR"):
-        raise ValueError(f"scheduler.type {kind!r} is not supported; choose WarmupLR or "
-                         "WarmupDecayLR, or pass lr_scheduler=")
+    if kind not in SCHEDULER_TYPES:
+        raise ValueError(f"scheduler.type {kind!r} is not supported; choose "
+                         f"{' or '.join(SCHEDULER_TYPES)}, or pass lr_scheduler=")
     params = dict(spec.get("params", {}))
     unknown = set(params) - _KNOWN
     if unknown:

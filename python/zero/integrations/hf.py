@@ -39,7 +39,7 @@ import torch
 from transformers import Trainer
 
 import zero
-from zero._schedulers import scheduler_from_config
+from zero._schedulers import SCHEDULER_TYPES, scheduler_from_config
 from zero.config import read_deepspeed
 
 ZERO_CHECKPOINT_DIR = "zero_checkpoint"
@@ -179,8 +179,10 @@ class ZeroTrainer(Trainer):
         is then left to the Trainer, as HuggingFace's DeepSpeed integration
         does); one that disagrees is refused: the engine applying it on top
         of the Trainer would accumulate twice, clip twice or schedule twice.
-        An optimizer or scheduler block may only hold "auto" values: the
-        Trainer builds both."""
+        An optimizer block may only hold "auto" values and the Trainer's
+        type: the Trainer builds it. A scheduler block's type and values
+        are honoured in place of the Trainer's schedule (create_scheduler).
+        A zero.Config goes through the same checks, field by field."""
         if isinstance(config, zero.Config):
             # its fields at their defaults are unset; the others go through
             # the same checks as a DeepSpeed config's keys
@@ -211,35 +213,31 @@ class ZeroTrainer(Trainer):
         for block in ("fp16", "bf16"):  # "auto": the Trainer's autocast, which is off here
             if isinstance(config.get(block), dict) and config[block].get("enabled") == "auto":
                 config[block] = {**config[block], "enabled": False}
-        for block, where in (("optimizer", "TrainingArguments (optim, learning_rate, "
-                              "weight_decay, adam_beta1/2, adam_epsilon) or optimizers="),
-                             ("scheduler", "TrainingArguments (lr_scheduler_type, "
-                              "warmup_steps) or optimizers=")):
-            spec = config.pop(block, None)
-            if spec and block == "scheduler":
-                # its type and values are honoured; those the Trainer also
-                # sets must agree (the step counts: at create_scheduler)
-                rate = (spec.get("params") or {}).get("warmup_max_lr", "auto")
-                if rate != "auto" and rate != args.learning_rate:
-                    raise ValueError(f"the config's scheduler.params.warmup_max_lr is {rate!r} "
-                                     "but TrainingArguments.learning_rate is "
-                                     f"{args.learning_rate!r}; set one, and write \"auto\" "
-                                     "in the other")
-            elif spec and any(v != "auto" for v in (spec.get("params") or {}).values()):
-                raise ValueError(f"the config's {block} block sets values, but the Trainer "
-                                 f"builds the {block}: set {where}, or write \"auto\" for "
-                                 "each of its params")
-            if spec and block == "optimizer":
-                _check_optimizer_type(spec.get("type"), str(getattr(args.optim, "value",
-                                                                    args.optim)))
-            if spec and block == "scheduler":
-                # its type is honoured, as under HuggingFace's DeepSpeed
-                # integration: a WarmupLR config keeps its schedule here
-                if spec.get("type") not in ("WarmupLR", "WarmupDecayLR"):
-                    raise ValueError(f"the config's scheduler type {spec.get('type')!r} is not "
-                                     "supported; choose WarmupLR or WarmupDecayLR, or drop the "
-                                     "block and set TrainingArguments.lr_scheduler_type")
-                self._config_scheduler = spec
+        optimizer = config.pop("optimizer", None)
+        if optimizer:  # the Trainer builds it: only its type may be named
+            if any(v != "auto" for v in (optimizer.get("params") or {}).values()):
+                raise ValueError("the config's optimizer block sets values, but the Trainer "
+                                 "builds the optimizer: set TrainingArguments (optim, "
+                                 "learning_rate, weight_decay, adam_beta1/2, adam_epsilon) or "
+                                 "optimizers=, or write \"auto\" for each of its params")
+            _check_optimizer_type(optimizer.get("type"),
+                                  str(getattr(args.optim, "value", args.optim)))
+        scheduler = config.pop("scheduler", None)
+        if scheduler:
+            # its type and values are honoured, as under HuggingFace's
+            # DeepSpeed integration (a WarmupLR config keeps its schedule);
+            # those the Trainer also sets must agree (the step counts are
+            # checked at create_scheduler)
+            if scheduler.get("type") not in SCHEDULER_TYPES:
+                raise ValueError(f"the config's scheduler type {scheduler.get('type')!r} is not "
+                                 f"supported; choose {' or '.join(SCHEDULER_TYPES)}, or drop "
+                                 "the block and set TrainingArguments.lr_scheduler_type")
+            rate = (scheduler.get("params") or {}).get("warmup_max_lr", "auto")
+            if rate != "auto" and rate != args.learning_rate:
+                raise ValueError(f"the config's scheduler.params.warmup_max_lr is {rate!r} "
+                                 f"but TrainingArguments.learning_rate is {args.learning_rate!r}"
+                                 "; set one, and write \"auto\" in the other")
+            self._config_scheduler = scheduler
         return config
 
     # ---- the engine and the optimizer ------------------------------------------
