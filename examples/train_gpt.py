@@ -38,7 +38,8 @@ def main():
                     help="cuda: rank r trains on GPU LOCAL_RANK")
     ap.add_argument("--offload-nvme", metavar="DIR",
                     help="keep the fp32 master and AdamW states in files under DIR "
-                         "(offload_optimizer device nvme)")
+                         "(offload_optimizer device nvme), and at stage 3 the parameter "
+                         "shard too (offload_param)")
     args = ap.parse_args()
     device = torch.device("cpu")
     if args.device == "cuda":
@@ -61,7 +62,8 @@ def main():
     offload = {"device": "nvme", "nvme_path": args.offload_nvme} if args.offload_nvme else {}
     engine = zero.initialize(model, optimizer=optimizer, stage=args.stage,
                              precision=precision, gradient_clipping=1.0, device=device,
-                             offload_optimizer=offload)
+                             offload_optimizer=offload,
+                             offload_param=offload if args.stage == 3 else {})
     rank, world = dist.get_rank(), dist.get_world_size()
     data = MarkovText(cfg.vocab, cfg.seq)
     if rank == 0:

@@ -17,6 +17,10 @@ bf16 training is compared with the same mixed precision written in torch
 parameters must be the fp32 master rounded to bf16, bit for bit.
 """
 import copy
+import os
+import subprocess
+import sys
+import textwrap
 
 import torch
 from torch import nn
@@ -239,3 +243,45 @@ def assert_checkpoint_chain_exact(directory, first, middle, last):
     for index, entry in saved["optimizer"]["state"].items():
         for name, value in entry.items():
             assert torch.equal(again["optimizer"]["state"][index][name], value), name
+
+
+def mapped_rss(tensor):
+    """Resident bytes of the memory mapping that holds `tensor` (an
+    offload file's), from /proc/self/smaps."""
+    address, rss, inside = tensor.data_ptr(), 0, False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()[0]
+            if "-" in head and all(c in "0123456789abcdef-" for c in head):
+                lo, hi = (int(x, 16) for x in head.split("-"))
+                inside = lo <= address < hi
+            elif inside and head == "Rss:":
+                rss += int(line.split()[1]) * 1024
+    return rss
+
+
+# The start of a script that measures resident memory in a fresh process:
+# status(field) reads /proc/self/status in bytes; `base` is VmRSS once the
+# imports are done and an input x exists, before any model.
+PEAK_PRELUDE = """
+import gc, sys, torch, zero
+torch.set_num_threads(1)
+def status(field):
+    for line in open("/proc/self/status"):
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) * 1024
+x = torch.randn(8, 1024)
+gc.collect()
+base = status("VmRSS")
+"""
+
+
+def run_peak_script(body, *args):
+    """Run PEAK_PRELUDE + body in a fresh interpreter with `args` as argv;
+    returns the integers it prints. Allocations over 64 KiB are mmapped,
+    so freed memory leaves the process at once."""
+    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536")
+    done = subprocess.run([sys.executable, "-c", PEAK_PRELUDE + textwrap.dedent(body),
+                           *args], capture_output=True, text=True, timeout=300, env=env)
+    assert done.returncode == 0, done.stderr
+    return [int(word) for word in done.stdout.split()]

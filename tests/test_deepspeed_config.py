@@ -150,6 +150,24 @@ def test_huggingface_auto_values():
                                                        "params": {"lr": "auto"}}})
 
 
+def test_huggingface_zero3_template_is_read():
+    """The zero_optimization block of HuggingFace's zero3 template, offload
+    blocks included: on a CPU model both "cpu" devices change nothing."""
+    block = {"stage": 3, "offload_optimizer": {"device": "cpu", "pin_memory": True},
+             "offload_param": {"device": "cpu", "pin_memory": True},
+             "overlap_comm": True, "contiguous_gradients": True, "sub_group_size": 1e9,
+             "reduce_bucket_size": "auto", "stage3_prefetch_bucket_size": "auto",
+             "stage3_param_persistence_threshold": "auto",
+             "stage3_max_live_parameters": 1e9, "stage3_max_reuse_distance": 1e9,
+             "stage3_gather_16bit_weights_on_model_save": True}
+    cfg = zero.Config.from_deepspeed({"zero_optimization": block})
+    assert (cfg.stage, cfg.offload_param.device, cfg.offload_optimizer.device) == \
+        (3, "cpu", "cpu")
+    engine = zero.initialize(model(), config={"zero_optimization": block})
+    assert all(fg.param_files is None and fg.offload is None for fg in engine.all_groups)
+    engine.close()
+
+
 def test_config_sources_are_checked(tmp_path):
     with pytest.raises(TypeError, match="config must be a dict, a path"):
         zero.Config.from_deepspeed(2)  # open() would read file descriptor 2

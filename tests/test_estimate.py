@@ -12,7 +12,7 @@ import zero
 from engine_cases import Net, batches, loss_of, make_optimizer, no_launcher
 
 EXACT = ["params", "grads", "optimizer_states", "offloaded", "persistent", "frozen_params",
-         "trainable_params"]
+         "trainable_params", "params_offloaded"]
 RUN_DECIDES = " + gathered"  # stage 3's formula ends with the run's gathered bytes
 
 
@@ -90,6 +90,27 @@ def test_offloaded_estimate(tmp_path, stage, chunk):
     assert estimate["offloaded"] > 0
     check(estimate, measured(model, make_optimizer("adamw", params), stage=stage,
                              precision="bf16", offload_optimizer=offload))
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+@pytest.mark.parametrize("with_optimizer", [False, True], ids=["params", "params+optimizer"])
+def test_offloaded_parameters_estimate(tmp_path, precision, with_optimizer):
+    """offload_param "nvme": the shard (the frozen group's too) in files,
+    the persistent units in memory."""
+    options = dict(stage=3, precision=precision, stage3_param_persistence_threshold=592,
+                   offload_param={"device": "nvme", "nvme_path": str(tmp_path)})
+    if with_optimizer:
+        options["offload_optimizer"] = {"device": "nvme", "nvme_path": str(tmp_path),
+                                        "chunk_elements": 1024}
+    model = frozen_net()
+    params = [p for p in model.parameters() if p.requires_grad]
+    estimate = zero.estimate_memory(model, 1, optimizer=make_optimizer("adamw", params),
+                                    **options)
+    assert estimate["params_offloaded"] > 0 and estimate["persistent"] > 0
+    assert estimate["params"] == estimate["persistent"]
+    summary = measured(model, make_optimizer("adamw", params), **options)
+    check(estimate, summary)
+    assert "parameter shard" in summary["formula"] and "params_offloaded" in str(summary)
 
 
 def test_param_groups_and_a_deepspeed_config():

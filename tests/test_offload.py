@@ -20,7 +20,7 @@ import torch
 import zero
 from zero._nvme import SLOTS
 from engine_cases import (Net, assert_checkpoint_chain_exact, assert_same_finish, batches,
-                          finish, loss_of, make_optimizer, no_launcher)
+                          finish, loss_of, make_optimizer, no_launcher, run_peak_script)
 
 
 @pytest.fixture(autouse=True)
@@ -345,17 +345,8 @@ def test_cpu_offload_of_a_cpu_model_changes_nothing():
     engine.close()
 
 
-PEAK_SCRIPT = textwrap.dedent("""
-    import os, sys, gc, torch, zero
-    torch.set_num_threads(1)
+PEAK_SCRIPT = """
     nvme = sys.argv[1]
-    def status(field):
-        for line in open("/proc/self/status"):
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) * 1024
-    x = torch.randn(8, 1024)
-    gc.collect()
-    base = status("VmRSS")  # imports done, no model yet
     torch.manual_seed(0)
     model = torch.nn.Sequential(*[torch.nn.Linear(1024, 1024) for _ in range(4)])
     options = {"offload_optimizer": {"device": "nvme", "nvme_path": nvme,
@@ -372,7 +363,7 @@ PEAK_SCRIPT = textwrap.dedent("""
         engine.backward(engine(x).float().square().mean())
         engine.step()
     print(built, status("VmHWM") - base, engine.memory_summary()["offloaded"])
-""")
+"""
 
 
 def test_offloaded_states_are_not_held_in_ram(tmp_path):
@@ -382,11 +373,7 @@ def test_offloaded_states_are_not_held_in_ram(tmp_path):
     windows: SLOTS (3) chunks of 1 MiB for each of the three files, 9 MiB,
     plus the I/O threads' stacks (allowed: 12 MiB in all)."""
     def peak(nvme):
-        env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536")
-        done = subprocess.run([sys.executable, "-c", PEAK_SCRIPT, nvme], capture_output=True,
-                              text=True, timeout=300, env=env)
-        assert done.returncode == 0, done.stderr
-        return [int(word) for word in done.stdout.split()]
+        return run_peak_script(PEAK_SCRIPT, nvme)
     built_in_memory, in_memory, _ = peak("-")
     built_offloaded, offloaded_peak, offloaded = peak(str(tmp_path))
     states = 12 * 4_198_400

@@ -340,7 +340,7 @@ def _check_stored(engine, reader, with_optimizer):
 
 
 def _release_offloaded(engine):
-    for fg in engine.groups:
+    for fg in engine.all_groups:  # stage 3's frozen shard may be in a file too
         fg.release_offloaded()
 
 

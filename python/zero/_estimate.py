@@ -56,7 +56,7 @@ def estimate_memory(model: nn.Module, world_size: int = 1, *, optimizer=None, st
     gb = DTYPES[cfg.grad_accum_dtype or cfg.precision].itemsize
     fp32 = cfg.precision == "fp32"
     totals = {"params": 0, "grads": 0, "optimizer_states": 0, "offloaded": 0, "host": 0,
-              "persistent": 0}
+              "persistent": 0, "params_offloaded": 0}
     shapes = []  # (Ψ of the group, its number of states), for the formula
     for index, (params, _names) in enumerate(groups):
         if not params:
@@ -64,9 +64,10 @@ def estimate_memory(model: nn.Module, world_size: int = 1, *, optimizer=None, st
         units = _layout(params, Engine._units(params, owners), cfg, world_size)
         part = sum(u.part for u in units)
         states = len(states_for(kind, optimizer.param_groups[index]))
-        params_bytes, persistent = _param_bytes(units, part, pb, cfg)
+        params_bytes, persistent, params_offloaded = _param_bytes(units, part, pb, cfg)
         totals["params"] += params_bytes
         totals["persistent"] += persistent
+        totals["params_offloaded"] += params_offloaded
         totals["grads"] += (units[0].total if cfg.stage <= 1 else part) * gb
         # the master is the parameters only in fp32 on one device
         own_master = not fp32 or staged
@@ -80,7 +81,9 @@ def estimate_memory(model: nn.Module, world_size: int = 1, *, optimizer=None, st
         shapes.append((sum(u.numel for u in units), states))
     trainable = {id(p) for params, _ in groups for p in params}
     frozen = [p for p in model.parameters() if id(p) not in trainable]
-    totals["frozen_params"] = _frozen_bytes(frozen, owners, cfg, world_size, pb)
+    totals["frozen_params"], frozen_offloaded = _frozen_bytes(frozen, owners, cfg, world_size,
+                                                             pb)
+    totals["params_offloaded"] += frozen_offloaded
     totals["gathered_peak"] = None if cfg.stage == 3 else 0
     totals["buckets"] = None if cfg.stage >= 2 else 0
     totals["model_states"] = totals["params"] + totals["grads"] + totals["optimizer_states"]
@@ -115,14 +118,17 @@ def _layout(params, unit_lists, cfg, world_size):
 
 
 def _param_bytes(units, part, pb, cfg):
-    """(parameter bytes, of which persistent at stage 3): stages 0-2 hold
-    the whole group; stage 3 its shard plus the units at or under the
-    persistence threshold, gathered for good."""
+    """(parameter bytes in memory, of which persistent at stage 3, bytes
+    in offload_param files): stages 0-2 hold the whole group; stage 3 its
+    shard (in a file with offload_param "nvme") plus the units at or under
+    the persistence threshold, gathered for good."""
     if cfg.stage != 3:
-        return sum(u.total for u in units) * pb, 0
+        return sum(u.total for u in units) * pb, 0, 0
     persistent = sum(u.total for u in units
                      if u.total <= cfg.stage3_param_persistence_threshold) * pb
-    return part * pb + persistent, persistent
+    if cfg.offload_param.device == "nvme":
+        return persistent, persistent, part * pb
+    return part * pb + persistent, persistent, 0
 
 
 def _optimizer_bytes(part, files, cfg):
@@ -151,8 +157,9 @@ def _file_chunk(offload):
 
 
 def _frozen_bytes(frozen, owners, cfg, world_size, pb):
-    """Frozen parameters: at stage 3 the floating ones a group of their own
-    (shard plus persistent units), the rest (and all at stages 0-2) whole,
+    """(bytes in memory, bytes in offload_param files) of the frozen
+    parameters: at stage 3 the floating ones a group of their own (shard
+    plus persistent units), the rest (and all at stages 0-2) whole,
     floating ones cast to the compute dtype."""
     if cfg.stage == 3:
         whole = [p for p in frozen if not p.is_floating_point()]
@@ -160,7 +167,9 @@ def _frozen_bytes(frozen, owners, cfg, world_size, pb):
     else:
         whole, partitioned = frozen, []
     total = sum(p.numel() * (pb if p.is_floating_point() else p.element_size()) for p in whole)
+    offloaded = 0
     if partitioned:
         units = _layout(partitioned, Engine._units(partitioned, owners), cfg, world_size)
-        total += _param_bytes(units, sum(u.part for u in units), pb, cfg)[0]
-    return total
+        held, _persistent, offloaded = _param_bytes(units, sum(u.part for u in units), pb, cfg)
+        total += held
+    return total, offloaded

@@ -61,6 +61,10 @@ MAX_IN_FLIGHT = 2
 # bucket's reduction time (25 MB at 1 GB/s: 25 ms)
 STALL_SECONDS = 1.0
 
+# how far around a faulting page Linux maps a file's pages in (its default
+# fault_around_bytes)
+FAULT_AROUND_BYTES = 64 << 10
+
 # gather_master's slice per rank on a GPU (16M fp32 elements: 64 MiB a rank)
 GATHER_SLICE = 1 << 24
 STAGING_CHUNK = 1 << 22  # elements a staged step moves between device and host at a time
@@ -69,7 +73,7 @@ STAGING_CHUNK = 1 << 22  # elements a staged step moves between device and host 
 class FlatGroup:
     def __init__(self, index, params, names, compute_dtype, comm, stage, bucket_elements,
                  units=None, trainable=True, device=torch.device("cpu"), grad_dtype=None,
-                 offload=None, staged=False, reduce_comm=None):
+                 offload=None, staged=False, reduce_comm=None, param_files=None):
         """units: lists of indices into params, one list per unit (stage 3);
         None makes the whole group one unit. The params are reordered unit
         by unit. trainable=False (stage 3's frozen parameters) keeps no
@@ -83,7 +87,9 @@ class FlatGroup:
         gradients and parameters through small host windows ([Note: staged
         step] in _step_path.py).
         reduce_comm: the channel the gradient buckets are reduced on
-        (stages 2-3; [Note: reduction channels] in _comm.py); default comm."""
+        (stages 2-3; [Note: reduction channels] in _comm.py); default comm.
+        param_files: a _nvme.NvmeFiles that holds stage 3's shard of the
+        parameters (offload_param "nvme"): see [Note: shard on a disk]."""
         if units is None:
             units = [list(range(len(params)))]
         order = [i for members in units for i in members]
@@ -99,6 +105,7 @@ class FlatGroup:
         self.staged = staged
         self.state_device = torch.device("cpu") if staged else device
         self.offload = offload if trainable else None
+        self.param_files = param_files
         self.num_partitions = 1 if stage == 0 else comm.world
         self.numel = sum(p.numel() for p in self.params)  # Ψ of this group
         self.owner = 0 if stage == 0 else comm.rank
@@ -159,7 +166,9 @@ class FlatGroup:
         if self.offload is not None and own_master:
             master_file = self.offload.create("master", self.part_size)
         if releasing:
-            self.shard = torch.empty(self.part_size, dtype=compute_dtype, device=self.device)
+            self.shard = self.param_files.create("shard", self.part_size, dtype=compute_dtype) \
+                if self.param_files is not None else \
+                torch.empty(self.part_size, dtype=compute_dtype, device=self.device)
             self.master = None
             if self.trainable:
                 self.master = self.shard if not own_master else master_file \
@@ -181,6 +190,7 @@ class FlatGroup:
                     if master_file is not None:
                         self.offload.drop("master", unit.shard_slice.start,
                                           unit.shard_slice.stop)
+                self.drop_param_pages(unit)
                 unit.full = torch.empty(unit.total, dtype=compute_dtype, device=self.device)
                 unit.release()
             else:
@@ -226,10 +236,33 @@ class FlatGroup:
             self._register(name, t)
 
     def release_offloaded(self):
-        """Stop holding offloaded states in RAM after something read or
-        wrote them whole (a checkpoint, full_state_dict)."""
+        """Stop holding offloaded states (and an offloaded shard) in RAM
+        after something read or wrote them whole (a checkpoint,
+        full_state_dict, the step)."""
         if self.offload is not None:
             self.offload.drop()
+        self.drop_param_pages()
+
+    def drop_param_pages(self, unit=None):
+        """[Note: shard on a disk] With offload_param "nvme" the shard is a
+        file mapped into memory: a gather reads the unit's chunk through the
+        mapping and the step writes the new values through it, so those
+        pages become resident; they are dropped again (unmapped from the
+        process; the kernel keeps or writes back the page cache) once the
+        unit is gathered, after the step, and after whole-shard reads and
+        writes, so the process holds only the chunk in use. unit None: the
+        whole shard."""
+        if self.param_files is None:
+            return
+        if unit is None:
+            self.param_files.drop()
+        else:
+            # a read through a file mapping maps the pages around the one
+            # it faults in too (the kernel's fault-around, 64 KiB): those
+            # of the neighbouring units' chunks go as well
+            margin = FAULT_AROUND_BYTES // self.shard.element_size()
+            self.param_files.drop("shard", max(0, unit.shard_slice.start - margin),
+                                  unit.shard_slice.stop + margin)
 
     def _host_buffer(self, dtype):
         """A staging window, page-locked for a GPU (copies at bus speed)."""
@@ -545,13 +578,16 @@ class FlatGroup:
     def nbytes(self) -> dict:
         item = self.shard.element_size()
         gathered = sum(u.total for u in self.units if u.gathered and u.persistent) * item
+        # an offloaded shard ([Note: shard on a disk]) is counted apart
+        params_offloaded = self.shard.nbytes if self.param_files is not None else 0
         if self.stage != 3:
             params = gathered
         else:
-            params = self.shard.nbytes + gathered
+            params = self.shard.nbytes - params_offloaded + gathered
         if not self.trainable:
             return {"params": params, "grads": 0, "optimizer_states": 0, "offloaded": 0,
-                    "host": 0, "buckets": 0, "persistent": gathered if self.stage == 3 else 0}
+                    "host": 0, "buckets": 0, "persistent": gathered if self.stage == 3 else 0,
+                    "params_offloaded": params_offloaded}
         master = 0 if self.master is self.shard else self.master.nbytes
         states = master + sum(t.nbytes for t in self.states.values())
         offloaded = 0
@@ -571,6 +607,7 @@ class FlatGroup:
             "host": host,
             "buckets": getattr(self, "peak_bucket_bytes", 0),
             "persistent": gathered if self.stage == 3 else 0,
+            "params_offloaded": params_offloaded,
         }
 
 

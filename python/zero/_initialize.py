@@ -78,10 +78,19 @@ def initialize(model: nn.Module, *, optimizer=None, stage=None, precision=None,
     cfg = resolve_config(config, stage, precision, options)
     if cfg.offload_optimizer.device == "nvme":  # before the model is touched
         check_nvme_path(cfg.offload_optimizer.nvme_path)
+    if cfg.offload_param.device == "nvme":
+        check_nvme_path(cfg.offload_param.nvme_path, "offload_param.nvme_path")
     if not any(True for _ in model.parameters()):
         raise ValueError("the model has no parameters; nothing to train")
     _check_dense_gradients(model)
     device = _engine_device(model, device)
+    if cfg.offload_param.device != "none" and device.type != "cpu":
+        raise NotImplementedError(
+            f"offload_param (device {cfg.offload_param.device!r}) is implemented for a model "
+            f"trained on the CPU only, not on {device.type}: a GPU model's shard would have to "
+            "be copied to the GPU before each gather, which has not been built yet. Leave "
+            "offload_param out (offload_optimizer moves the larger part, 12 of 16 bytes per "
+            "parameter)")
     if optimizer is None:
         optimizer = default_optimizer(cfg, model)
     share_cores_among_local_ranks()

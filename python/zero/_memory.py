@@ -18,6 +18,8 @@ class MemorySummary(dict):
             keys.append("host")
         if self.get("offloaded"):
             keys.append("offloaded")
+        if self.get("params_offloaded"):
+            keys.append("params_offloaded")
         for key in keys:
             if self.get(key) is None:  # an estimate cannot know it
                 continue
@@ -52,8 +54,12 @@ def zero_formula(stage, n, pb, gb, has_master, groups, totals):
         text, value = f"{pb}Ψ + {gb + k}Ψ/N", pb * psi + (gb + k) * psi / n
     else:
         live = totals["persistent"] + (totals["gathered_peak"] or 0)
-        text = f"({pb}+{gb}+{k})Ψ/N + gathered {live:,} B"
-        value = (pb + gb + k) * psi / n + live
+        # offload_param "nvme": the shard is in a file, not in memory
+        held = 0 if totals.get("params_offloaded") else pb
+        text = f"({held}+{gb}+{k})Ψ/N + gathered {live:,} B"
+        value = (held + gb + k) * psi / n + live
+        if not held:
+            text += f"; parameter shard {pb}Ψ/N on nvme"
     per_rank = f"{moved}Ψ{'/N' if stage else ''}" if offloaded or staged else ""
     if staged:  # the figures are the device's; the host's are apart
         where = "on nvme; " if offloaded else ""

@@ -75,13 +75,15 @@ class NvmeFiles:
     """The offload files of one flat group on one rank."""
 
     def __init__(self, directory: str, label: str, chunk_elements: int,
-                 write_through: bool = False):
+                 write_through: bool = False, what: str = "offload_optimizer"):
         self.directory = directory
         self.label = label
+        self.what = what  # the config block, for messages: offload_optimizer or offload_param
         # chunks start on page boundaries, so whole pages are dropped
         self.chunk = max(PAGE_ELEMENTS, chunk_elements // PAGE_ELEMENTS * PAGE_ELEMENTS)
         self.write_through = write_through
         self.maps: dict[str, mmap.mmap] = {}
+        self.itemsize: dict[str, int] = {}  # fp32 but for offload_param's shard
         self.fds: dict[str, int] | None = {}  # None once closed
         self.pid = os.getpid()
         self.nbytes = 0
@@ -91,16 +93,18 @@ class NvmeFiles:
         if getattr(self, "fds", None):
             self.close()
 
-    def create(self, name: str, numel: int, fill: float = 0.0) -> torch.Tensor:
-        """A file of numel fp32 elements, all `fill`; returns its mapping."""
+    def create(self, name: str, numel: int, fill: float = 0.0,
+               dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """A file of numel elements of dtype, all `fill`; returns its
+        mapping. Only fp32 files take part in paged_update."""
         if numel == 0:  # nothing to keep (a group of empty parameters)
-            return torch.empty(0, dtype=torch.float32)
-        nbytes = numel * 4
+            return torch.empty(0, dtype=dtype)
+        nbytes = numel * dtype.itemsize
         path = os.path.join(self.directory, f"zero-{os.getpid()}-{self.label}-{name}.states")
         try:
             fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         except OSError as e:
-            raise OSError(e.errno, f"offload_optimizer.nvme_path {self.directory!r}: cannot "
+            raise OSError(e.errno, f"{self.what}.nvme_path {self.directory!r}: cannot "
                                    f"create a file for '{name}': {e.strerror}") from None
         try:
             os.unlink(path)
@@ -108,21 +112,22 @@ class NvmeFiles:
                 os.posix_fallocate(fd, 0, nbytes)
             except OSError as e:
                 problem = "has no room for" if e.errno == errno.ENOSPC else "cannot reserve"
-                raise OSError(e.errno, f"offload_optimizer.nvme_path {self.directory!r} "
+                raise OSError(e.errno, f"{self.what}.nvme_path {self.directory!r} "
                                        f"{problem} {nbytes:,} bytes of '{name}': "
                                        f"{e.strerror}") from None
             try:
                 mapped = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED,
                                    prot=mmap.PROT_READ | mmap.PROT_WRITE)
             except OSError as e:
-                raise OSError(e.errno, f"offload_optimizer.nvme_path {self.directory!r}: "
+                raise OSError(e.errno, f"{self.what}.nvme_path {self.directory!r}: "
                                        f"cannot map the file of '{name}': {e.strerror}") \
                     from None
-            tensor = torch.frombuffer(mapped, dtype=torch.float32, count=numel)
+            tensor = torch.frombuffer(mapped, dtype=dtype, count=numel)
         except BaseException:
             os.close(fd)
             raise
         self.maps[name] = mapped
+        self.itemsize[name] = dtype.itemsize
         self.fds[name] = fd
         self.nbytes += nbytes
         if fill != 0.0:  # fallocate gave zeros
@@ -252,8 +257,9 @@ class NvmeFiles:
         """(byte offset, length) of the whole pages that hold elements
         [lo, hi) of file `name`. Widening to whole pages is harmless: a
         dropped page of a shared file mapping keeps its data in the file."""
-        start = lo // PAGE_ELEMENTS * mmap.PAGESIZE
-        return start, min(hi * 4, len(self.maps[name])) - start
+        size = self.itemsize[name]
+        start = lo * size // mmap.PAGESIZE * mmap.PAGESIZE
+        return start, min(hi * size, len(self.maps[name])) - start
 
     def _advise(self, name, advice, lo, hi):
         start, length = self._pages(name, lo, hi)
@@ -264,7 +270,7 @@ class NvmeFiles:
         """Unmap elements [lo, hi) (default: all) of one file or all from
         the process; with write_through, out of the page cache too."""
         for n in ([name] if name is not None else list(self.maps)):
-            end = len(self.maps[n]) // 4 if hi is None else hi
+            end = len(self.maps[n]) // self.itemsize[n] if hi is None else hi
             self._advise(n, mmap.MADV_DONTNEED, lo, end)
             if self.write_through:
                 self._uncache(n, lo, end)

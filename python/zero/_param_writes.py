@@ -169,6 +169,8 @@ def write_into_partition(fg, unit, j, before):
     shard = fg.shard[start:start + hi - lo]
     if shard.data_ptr() != new.data_ptr():
         shard.copy_(new)
+    if fg.param_files is not None:  # [Note: shard on a disk] in _flat_group.py
+        fg.param_files.drop("shard", start, start + hi - lo)
     if not fg.trainable or fg.master is fg.shard:
         return
     master = fg.master[start:start + hi - lo]

@@ -184,10 +184,15 @@ class Stage3Schedule:
             self.live += unit.total
             self.peak_live = max(self.peak_live, self.live)
         if work is None:
-            unit.point_params()
-            unit.gathered = True
+            self._gathered(fg, unit)
         else:
             unit.work = work
+
+    @staticmethod
+    def _gathered(fg, unit):
+        unit.point_params()
+        unit.gathered = True
+        fg.drop_param_pages(unit)  # [Note: shard on a disk] in _flat_group.py
 
     def ensure(self, fg, unit):
         if unit.gathered:
@@ -198,8 +203,7 @@ class Stage3Schedule:
             return
         unit.work.wait()
         unit.work = None
-        unit.point_params()
-        unit.gathered = True
+        self._gathered(fg, unit)
 
     def release(self, unit):
         if unit.persistent or unit.active > 0:
@@ -208,6 +212,7 @@ class Stage3Schedule:
             unit.work.wait()
             unit.work = None
             unit.gathered = True
+            self.place[id(unit.params[0])][0].drop_param_pages(unit)
         if unit.gathered:
             old_key = storage_key(unit.full)
             if unit.release():  # a new storage: see [Note: released parameters]
@@ -243,7 +248,9 @@ class Stage3Schedule:
                 f"zero stage 3: the ranks gathered different parameters in this {self.phase} "
                 "pass, so they ran different modules (rank-dependent control flow inside the "
                 "model). Each module's gather is a collective: every rank must run the same "
-                "modules in the same order. The values of this pass are not to be trusted.")
+                "modules in the same order (a mixture of experts: name its block in "
+                "stage3_leaf_modules). The values of this pass are not to be trusted. "
+                "TORCH_DISTRIBUTED_DEBUG=DETAIL names the first differing gather.")
 
     def _end_pass(self):
         if self.recorded[self.phase] != self.current:

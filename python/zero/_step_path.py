@@ -40,17 +40,25 @@ class HostStep:
         return comm.sum_scalar(local) if across_ranks else local
 
     def update(self, kind, optimizer, group, fg, grad_scale):
-        if fg.offload is None or not fg.offload.maps:  # nothing in files (fp32 plain SGD)
-            run_update(kind, optimizer, group, fg.current_buffers(), fg.step_count,
-                       grad_scale, HOST_FUNCTIONS)
-            return
-        # states in files: chunk by chunk through RAM windows, the next
-        # chunk read and the last written while this one is updated
-        # ([Note: offloaded step] in _nvme.py)
         def update_chunk(lo, hi, windows):
             run_update(kind, optimizer, group, chunk_buffers(fg, lo, hi, windows),
                        fg.step_count, grad_scale, HOST_FUNCTIONS)
-        fg.offload.paged_update(fg.part_size, update_chunk)
+            # the new parameters went through the shard's mapping: a shard
+            # on a disk keeps only this chunk resident ([Note: shard on a
+            # disk] in _flat_group.py)
+            if fg.param_files is not None:
+                fg.param_files.drop("shard", lo, hi)
+        if fg.offload is not None and fg.offload.maps:
+            # states in files: chunk by chunk through RAM windows, the next
+            # chunk read and the last written while this one is updated
+            # ([Note: offloaded step] in _nvme.py)
+            fg.offload.paged_update(fg.part_size, update_chunk)
+        elif fg.param_files is not None:
+            for lo in range(0, fg.part_size, fg.param_files.chunk):
+                update_chunk(lo, min(lo + fg.param_files.chunk, fg.part_size), {})
+        else:  # all in memory: one call over the registered buffers
+            run_update(kind, optimizer, group, fg.current_buffers(), fg.step_count,
+                       grad_scale, HOST_FUNCTIONS)
 
 
 def chunk_buffers(fg, lo, hi, windows):

@@ -106,6 +106,31 @@ class OffloadOptimizer:
                              f"{self.write_through!r}")
 
 
+@dataclass(frozen=True)
+class OffloadParam:
+    """Where stage 3 keeps this rank's shard of the parameters between
+    gathers. "none" and "cpu": in memory (a CPU model's shard is in host
+    memory already; a GPU model's is refused for now). "nvme": in a file
+    per group under nvme_path, mapped into memory; a gather reads its unit's
+    slice, and the pages are dropped again once the unit is gathered and
+    after each step, so RAM holds only what is being read or written
+    (docs/offload.md, "Parameters on a disk")."""
+
+    device: str = "none"
+    nvme_path: Optional[str] = None
+
+    def __post_init__(self):
+        if self.device not in ("none", "cpu", "nvme"):
+            raise ValueError(f"offload_param.device must be 'none', 'cpu' or 'nvme', got "
+                             f"{self.device!r}")
+        if self.nvme_path is not None:
+            object.__setattr__(self, "nvme_path", _path(self.nvme_path,
+                                                        "offload_param.nvme_path"))
+        if self.device == "nvme" and not self.nvme_path:
+            raise ValueError("offload_param.device='nvme' needs nvme_path, a directory on a "
+                             "fast disk")
+
+
 def _path(value, name) -> str:
     """A str or os.PathLike path, as a str. Bytes are refused: the files
     under it are named with str."""
@@ -116,14 +141,13 @@ def _path(value, name) -> str:
     return path
 
 
-def check_nvme_path(path):
-    """offload_optimizer.nvme_path must be a directory this process can
-    create files in."""
-    path = _path(path, "offload_optimizer.nvme_path")
+def check_nvme_path(path, name="offload_optimizer.nvme_path"):
+    """An nvme_path must be a directory this process can create files in."""
+    path = _path(path, name)
     if not os.path.isdir(path):
-        raise ValueError(f"offload_optimizer.nvme_path {path!r} is not a directory")
+        raise ValueError(f"{name} {path!r} is not a directory")
     if not os.access(path, os.W_OK | os.X_OK):
-        raise ValueError(f"offload_optimizer.nvme_path {path!r} is not writable")
+        raise ValueError(f"{name} {path!r} is not writable")
 
 
 @dataclass(frozen=True)
@@ -147,6 +171,7 @@ class Config:
     train_batch_size: Optional[int] = None  # checked against micro * accumulation * world
     loss_scaling: LossScaling = field(default_factory=LossScaling)
     offload_optimizer: OffloadOptimizer = field(default_factory=OffloadOptimizer)
+    offload_param: OffloadParam = field(default_factory=OffloadParam)  # stage 3 only
     # the dtype gradients accumulate in (None: the compute dtype); "fp32"
     # keeps the sum of many bf16 micro-batches exact to fp32 for 2 more
     # bytes per gradient element
@@ -192,7 +217,8 @@ class Config:
                              f"({self.precision!r}), got {self.grad_accum_dtype!r}")
         # the keyword form of the nested blocks: plain dicts
         for name, block in (("loss_scaling", LossScaling),
-                            ("offload_optimizer", OffloadOptimizer)):
+                            ("offload_optimizer", OffloadOptimizer),
+                            ("offload_param", OffloadParam)):
             value = getattr(self, name)
             if value is None:  # as left out
                 value = {}
@@ -211,16 +237,22 @@ class Config:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ValueError(f"{name} must be an integer >= 0 (elements), got {value!r}")
+        if self.offload_param.device != "none" and self.stage != 3:
+            # DeepSpeed reads offload_param at stage 3 only; at stages 0-2
+            # every rank holds all the parameters, so there is no shard
+            raise ValueError(f"offload_param (device {self.offload_param.device!r}) needs "
+                             f"stage 3, where the parameters are partitioned; the stage is "
+                             f"{self.stage}")
 
     def replace(self, **changes) -> "Config":
-        """A copy with `changes`; a dict for loss_scaling or
-        offload_optimizer changes those fields of the block and keeps the
+        """A copy with `changes`; a dict for loss_scaling, offload_optimizer
+        or offload_param changes those fields of the block and keeps the
         rest (a config file's fp16 block, say)."""
         unknown = set(changes) - {f.name for f in dataclasses.fields(self)}
         if unknown:
             raise TypeError(f"unknown option(s) {sorted(unknown)}; known: "
                             f"{sorted(f.name for f in dataclasses.fields(self))}")
-        for name in ("loss_scaling", "offload_optimizer"):
+        for name in ("loss_scaling", "offload_optimizer", "offload_param"):
             if isinstance(changes.get(name), dict):
                 changes[name] = {**dataclasses.asdict(getattr(self, name)), **changes[name]}
         return dataclasses.replace(self, **changes)
@@ -356,9 +388,15 @@ def _translate(ds: dict) -> dict:
         "stage3_max_live_parameters": "stage3_max_live_parameters",
     }, _ZERO_IGNORED)
     block = _offload_block(zero_block, "offload_param")
-    if block and block.get("device", "none") != "none":
-        raise ValueError(f"zero_optimization.offload_param.device={block['device']!r} is not "
-                         "supported: parameter offload is not implemented in this version")
+    if block:
+        # buffer_count/buffer_size/max_in_cpu size DeepSpeed's pinned
+        # buffers; the shard here is read unit by unit through its mapping
+        offload = _take(block, "zero_optimization.offload_param.",
+                        {"device": "device", "nvme_path": "nvme_path"},
+                        {"pin_memory", "buffer_count", "buffer_size", "max_in_cpu"})
+        if offload.get("device") == "auto":  # as DeepSpeed: no offload
+            offload.pop("device")
+        options["offload_param"] = OffloadParam(**offload)
     block = _offload_block(zero_block, "offload_optimizer")
     if block:
         # buffer_size/buffer_count size DeepSpeed's pinned I/O buffers

@@ -113,6 +113,8 @@ class Engine(nn.Module):
                 if not p.requires_grad and (config.stage < 3 or not p.is_floating_point()):
                     _broadcast_buffer(comm, name, p.data, kind="parameter")
         offload = self._offload_files(config.offload_optimizer, comm)
+        param_files = self._param_files(config.offload_param,
+                                        config.offload_optimizer.chunk_elements, comm)
         self.groups: list[FlatGroup] = []
         for index, (params, names) in enumerate(groups):
             if not params:
@@ -125,7 +127,8 @@ class Engine(nn.Module):
                            device=self.device,
                            grad_dtype=DTYPES[config.grad_accum_dtype or config.precision],
                            offload=offload(index),
-                           staged=self._staged, reduce_comm=reduce_comm)
+                           staged=self._staged, reduce_comm=reduce_comm,
+                           param_files=param_files(index))
             for name, fill in states_for(self._kind, optimizer.param_groups[index]).items():
                 fg.add_state(name, fill)
             self.groups.append(fg)
@@ -140,7 +143,7 @@ class Engine(nn.Module):
                     -1, [p for _, p in frozen], [n for n, _ in frozen], self.compute_dtype,
                     comm, 3, config.reduce_bucket_size,
                     units=self._units([p for _, p in frozen], owners), trainable=False,
-                    device=self.device)
+                    device=self.device, param_files=param_files("frozen"))
             self._schedule = Stage3Schedule(module, self.all_groups, comm, config)
         self._param_groups_seen = len(optimizer.param_groups)
         me = weakref.ref(self)
@@ -191,6 +194,18 @@ class Engine(nn.Module):
         from zero._nvme import NvmeFiles
         return lambda index: NvmeFiles(offload.nvme_path, f"r{comm.rank}-g{index}",
                                        offload.chunk_elements, offload.write_through)
+
+    @staticmethod
+    def _param_files(offload, chunk_elements, comm):
+        """group index -> the NvmeFiles its stage-3 shard lives in (None: in
+        memory). offload_param "cpu" changes nothing for a CPU model, the
+        only kind it is accepted for (initialize). The step writes the
+        shard chunk by chunk, offload_optimizer's chunk_elements at a time."""
+        if offload.device != "nvme":
+            return lambda index: None
+        from zero._nvme import NvmeFiles
+        return lambda index: NvmeFiles(offload.nvme_path, f"r{comm.rank}-g{index}-params",
+                                       chunk_elements, what="offload_param")
 
     @staticmethod
     def _owners(module, leaf_modules=()):
@@ -490,6 +505,7 @@ class Engine(nn.Module):
                     fg.step_count -= 1  # its states are as they were
                     raise
                 fg.all_gather_params()
+                fg.drop_param_pages()  # [Note: shard on a disk] in _flat_group.py
                 # autograd then refuses a backward through a graph that
                 # saved the old values, as after torch.optim's step
                 bump_versions(fg)
@@ -582,14 +598,18 @@ class Engine(nn.Module):
         plus the persistent units, and `gathered_peak` the most bytes of
         released units gathered at once (current module plus prefetch)."""
         totals = {"params": 0, "grads": 0, "optimizer_states": 0, "offloaded": 0, "host": 0,
-                  "buckets": 0, "persistent": 0}
+                  "buckets": 0, "persistent": 0, "params_offloaded": 0}
         for fg in self.groups:
             for k, v in fg.nbytes().items():
                 totals[k] += v
         item = self.compute_dtype.itemsize
         totals["gathered_peak"] = self._schedule.peak_live * item if self._schedule else 0
         grouped = {id(p) for fg in self.all_groups for p in fg.params}
-        frozen = self.frozen_group.nbytes()["params"] if self.frozen_group is not None else 0
+        frozen = 0
+        if self.frozen_group is not None:
+            frozen_bytes = self.frozen_group.nbytes()
+            frozen = frozen_bytes["params"]
+            totals["params_offloaded"] += frozen_bytes["params_offloaded"]
         frozen += sum(p.nbytes for p in self.module.parameters() if id(p) not in grouped)
         totals["model_states"] = totals["params"] + totals["grads"] + \
             totals["optimizer_states"] + totals["gathered_peak"]
@@ -704,6 +724,8 @@ class Engine(nn.Module):
                 p.__dict__.pop("_zero_place", None)
             if fg.offload is not None:  # its windows and descriptors
                 fg.offload.close()
+            if fg.param_files is not None:
+                fg.param_files.close()
         leave_process_group(self._owns_group)
         self._closed = True
 

@@ -1,6 +1,7 @@
 """offload_optimizer on 2 and 3 gloo ranks: "nvme", each rank's master and
 states in its own files, stepped through the RAM windows in many chunks;
-and the staged step of a GPU model's host-offloaded states.
+the staged step of a GPU model's host-offloaded states; and at stage 3
+offload_param "nvme", each rank's parameter shard in a file.
 
 In each launch every rank trains the same model twice, states in memory and
 then in files, bf16, with clipping (the norm summed over ranks) and
@@ -15,6 +16,7 @@ import torch
 from torch import nn
 
 import harness
+from engine_cases import mapped_rss
 
 WORLDS = [2, 3]
 STEPS = 4
@@ -29,10 +31,11 @@ def mlp():
                          nn.Linear(113, 29))
 
 
-def train(rank, world, stage, nvme_path, staged=False):
+def train(rank, world, stage, nvme_path, staged=False, param_path=None):
     """staged: the master and states in host memory apart from the model,
     the staged step a GPU model takes (made to run on the CPU here, as in
-    tests/test_staged_step.py)."""
+    tests/test_staged_step.py). param_path: stage 3's parameter shard in a
+    file there (offload_param "nvme")."""
     import torch.distributed as dist
     import zero
     import zero._step_path as step_path
@@ -46,6 +49,8 @@ def train(rank, world, stage, nvme_path, staged=False):
                                         "chunk_elements": CHUNK}
     elif staged:
         options["offload_optimizer"] = {"device": "cpu"}
+    if param_path is not None:
+        options["offload_param"] = {"device": "nvme", "nvme_path": param_path}
     engine = zero.initialize(model, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-2),
                              stage=stage, precision="bf16", gradient_clipping=0.5,
                              gradient_accumulation_steps=2, **options)
@@ -64,35 +69,28 @@ def train(rank, world, stage, nvme_path, staged=False):
                 with torch.no_grad():
                     model[0].weight[0].mul_(0.5 if rank == 0 else 7.0)
             if nvme_path is not None:  # the write-back left no master page mapped
-                facts["master_rss"] = sum(_mapped_rss(fg.master) for fg in engine.groups)
+                facts["master_rss"] = sum(mapped_rss(fg.master) for fg in engine.groups)
+            if param_path is not None:  # nor a page of the shard
+                facts["shard_rss"] = sum(mapped_rss(fg.shard) for fg in engine.groups)
     state = engine.full_state_dict()
     states = {(fg.index, k): v.clone() for fg in engine.groups for k, v in fg.states.items()}
     masters = {fg.index: fg.master.clone() for fg in engine.groups}
     facts["offloaded"] = engine.memory_summary()["offloaded"]
+    facts["params_offloaded"] = engine.memory_summary()["params_offloaded"]
     engine.close()
     dist.barrier()
     return state, states, masters, facts
 
 
-def _mapped_rss(tensor):
-    """Resident bytes of the mapping that holds `tensor` (/proc/self/smaps)."""
-    address, rss, inside = tensor.data_ptr(), 0, False
-    with open("/proc/self/smaps") as f:
-        for line in f:
-            head = line.split()[0]
-            if "-" in head and all(c in "0123456789abcdef-" for c in head):
-                lo, hi = (int(x, 16) for x in head.split("-"))
-                inside = lo <= address < hi
-            elif inside and head == "Rss:":
-                rss += int(line.split()[1]) * 1024
-    return rss
-
-
 def both_ways(rank, world):
     directory = tempfile.mkdtemp(prefix=f"zero-nvme-r{rank}-")
-    return {stage: (train(rank, world, stage, None), train(rank, world, stage, directory),
+    runs = {stage: (train(rank, world, stage, None), train(rank, world, stage, directory),
                     train(rank, world, stage, None, staged=True))
             for stage in (1, 2, 3)}
+    # stage 3 with the parameter shard in a file too, with the states and alone
+    runs[3] += (train(rank, world, 3, directory, param_path=directory),
+                train(rank, world, 3, None, param_path=directory))
+    return runs
 
 
 @pytest.fixture(scope="module", params=WORLDS, ids=[f"world{w}" for w in WORLDS])
@@ -112,7 +110,7 @@ def test_offloaded_ranks_equal_the_in_memory_ranks(runs, stage):
     world, results = runs
     for rank, result in enumerate(results):
         (state, states, masters, _), (o_state, o_states, o_masters, facts), staged = \
-            result[stage]
+            result[stage][:3]
         where = f"world {world} stage {stage} rank {rank}"
         assert facts["chunks"] > 3, where  # the windows were reused
         assert facts["offloaded"] > 0, where
@@ -122,6 +120,11 @@ def test_offloaded_ranks_equal_the_in_memory_ranks(runs, stage):
         # the staged step (host states apart from the model) agrees too
         assert staged[3]["staged"], where
         same((state, states, masters), staged[:3], f"{where} staged")
+        # the parameter shard in a file (offload_param "nvme") agrees too,
+        # and the write through GatheredParameters left none of it mapped
+        for label, run in zip(("params+states", "params"), result[stage][3:]):
+            assert run[3]["params_offloaded"] > 0 and run[3]["shard_rss"] == 0, where
+            same((state, states, masters), run[:3], f"{where} offload_param {label}")
     # the change through GatheredParameters took rank 0's value everywhere
     if stage == 3:
         first = results[0][stage][1][0]["0.weight"]

@@ -1,0 +1,227 @@
+"""offload_param at stage 3: "nvme" keeps each group's parameter shard in a
+file, read unit by unit through its mapping; "cpu" changes nothing for a
+CPU model (its shard is in host memory already).
+
+The gathers and the update read and write the same values through the
+mapping, so an offloaded run must equal the in-memory run bit for bit.
+What the process holds of the shard is read from /proc/self/smaps (the
+mapping's resident bytes) after each kind of use, and the peak of a
+training step from VmHWM in a fresh process."""
+import os
+
+import pytest
+import torch
+from torch import nn
+
+import zero
+from engine_cases import (Net, assert_checkpoint_chain_exact, assert_same_finish, batches,
+                          finish, loss_of, make_optimizer, mapped_rss, no_launcher,
+                          run_peak_script)
+
+
+@pytest.fixture(autouse=True)
+def _no_launcher(monkeypatch):
+    no_launcher(monkeypatch)
+
+
+def run(precision, optimizer, param_path=None, states_path=None, steps=4, frozen=False,
+        **options):
+    torch.manual_seed(0)
+    model = Net()
+    if frozen:
+        model.body[0].requires_grad_(False)  # a group of frozen parameters, also in a file
+    if param_path is not None:
+        options["offload_param"] = {"device": "nvme", "nvme_path": str(param_path)}
+    if states_path is not None:
+        options["offload_optimizer"] = {"device": "nvme", "nvme_path": str(states_path),
+                                        "chunk_elements": 1024}
+    params = [p for p in model.parameters() if p.requires_grad]
+    engine = zero.initialize(model, optimizer=make_optimizer(optimizer, params), stage=3,
+                             precision=precision, gradient_clipping=0.5,
+                             gradient_accumulation_steps=2, **options)
+    for tokens, targets in batches("cpu", 2 * steps):
+        engine.backward(loss_of(engine(tokens), targets))
+        engine.step()
+    return engine
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16", "fp16"])
+@pytest.mark.parametrize("optimizer", ["adamw", "lion", "sgd_nesterov"])
+@pytest.mark.parametrize("with_states", [False, True], ids=["params", "params+states"])
+def test_offloaded_parameters_equal_the_in_memory_run(tmp_path, precision, optimizer,
+                                                      with_states):
+    """A frozen group and persistent units (a threshold of 600 elements
+    keeps the LayerNorm and the smaller Linear gathered) included."""
+    options = dict(frozen=True, stage3_param_persistence_threshold=600)
+    expected = finish(run(precision, optimizer, **options))
+    engine = run(precision, optimizer, param_path=tmp_path,
+                 states_path=tmp_path if with_states else None, **options)
+    assert all(fg.param_files is not None for fg in engine.all_groups)
+    assert any(u.persistent for fg in engine.all_groups for u in fg.units)
+    assert os.listdir(tmp_path) == []  # unlinked once mapped
+    assert_same_finish(finish(engine), expected)
+
+
+def shard_rss(engine):
+    return sum(mapped_rss(fg.shard) for fg in engine.all_groups)
+
+
+class Wide(nn.Module):
+    """Units of 64K elements (128 KiB in bf16): many pages each."""
+
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(256, 256) for _ in range(4))
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = torch.tanh(layer(x))
+        return x
+
+
+def test_the_shard_is_not_kept_mapped(tmp_path):
+    """After construction, inside each module's forward and backward (its
+    unit gathered), after the step, a checkpoint's save and load,
+    full_state_dict and a write through GatheredParameters: none of the
+    shard's pages stays in the process."""
+    torch.manual_seed(0)
+    model = Wide()
+    engine = zero.initialize(model, optimizer=torch.optim.AdamW(model.parameters()), stage=3,
+                             precision="bf16", stage3_param_persistence_threshold=0,
+                             offload_param={"device": "nvme", "nvme_path": str(tmp_path)})
+    assert engine.memory_summary()["params_offloaded"] >= 4 * 256 * 257 * 2
+    seen = {"after construction": shard_rss(engine)}
+
+    def record(where):
+        def hook(*_args):
+            seen.setdefault(where, shard_rss(engine))  # returns None: output unchanged
+        return hook
+    for i, layer in enumerate(model.layers):
+        layer.register_forward_hook(record(f"forward {i}"))
+        layer.register_full_backward_hook(record(f"backward {i}"))
+    x = torch.randn(8, 256, requires_grad=True)  # every layer has an input gradient
+    for _ in range(2):
+        engine.backward(engine(x).float().square().mean())
+        engine.step()
+    seen["after the step"] = shard_rss(engine)
+    engine.save_checkpoint(tmp_path / "ckpt")
+    seen["after save_checkpoint"] = shard_rss(engine)
+    engine.load_checkpoint(tmp_path / "ckpt")
+    seen["after load_checkpoint"] = shard_rss(engine)
+    engine.full_state_dict()
+    seen["after full_state_dict"] = shard_rss(engine)
+    with zero.GatheredParameters([model.layers[1].weight], modifier_rank=0):
+        with torch.no_grad():
+            model.layers[1].weight.mul_(0.5)
+    seen["after GatheredParameters"] = shard_rss(engine)
+    assert len(seen) == 14
+    assert all(rss == 0 for rss in seen.values()), seen
+    engine.close()
+
+
+def test_checkpoints_move_between_files_and_memory(tmp_path):
+    """Parameters in a file at stage 3 -> in memory at stage 3 -> in a file
+    again: the weights and the states come through unchanged."""
+    (tmp_path / "nvme").mkdir()
+    assert_checkpoint_chain_exact(
+        tmp_path, lambda: run("bf16", "adamw", param_path=tmp_path / "nvme"),
+        lambda: run("bf16", "adamw", steps=1),
+        lambda: run("bf16", "adamw", param_path=tmp_path / "nvme", steps=1))
+
+
+def test_close_frees_the_descriptors(tmp_path):
+    engine = run("bf16", "adamw", param_path=tmp_path, steps=1)
+    fds = [fd for fg in engine.all_groups for fd in fg.param_files.fds.values()]
+    assert fds
+    engine.close()
+    for fd in fds:
+        with pytest.raises(OSError):
+            os.fstat(fd)
+
+
+def test_cpu_offload_of_a_cpu_model_changes_nothing():
+    """HuggingFace's zero3 template asks for it; the shard is in host
+    memory already."""
+    config = {"zero_optimization": {"stage": 3, "offload_param": {"device": "cpu",
+                                                                  "pin_memory": True}}}
+    torch.manual_seed(0)
+    model = Net()
+    engine = zero.initialize(model, optimizer=torch.optim.AdamW(model.parameters()),
+                             config=config)
+    assert engine.config.offload_param.device == "cpu"
+    assert all(fg.param_files is None for fg in engine.all_groups)
+    engine.backward(loss_of(engine(batches("cpu", 1)[0][0]), batches("cpu", 1)[0][1]))
+    engine.step()
+    engine.close()
+
+
+def test_refusals(tmp_path, monkeypatch):
+    model = Net()
+    with pytest.raises(ValueError, match="offload_param .*needs stage 3.*stage is 2"):
+        zero.initialize(model, stage=2, offload_param={"device": "nvme",
+                                                       "nvme_path": str(tmp_path)})
+    with pytest.raises(ValueError, match="offload_param.device='nvme' needs nvme_path"):
+        zero.initialize(model, stage=3, offload_param={"device": "nvme"})
+    with pytest.raises(ValueError, match="offload_param.device must be"):
+        zero.initialize(model, stage=3, offload_param={"device": "disk"})
+    with pytest.raises(ValueError, match="offload_param has no field 'buffer_count'"):
+        zero.initialize(model, stage=3, offload_param={"device": "cpu", "buffer_count": 4})
+    with pytest.raises(ValueError, match="offload_param.nvme_path .* is not a directory"):
+        zero.initialize(model, stage=3, offload_param={"device": "nvme",
+                                                       "nvme_path": str(tmp_path / "none")})
+    with pytest.raises(ValueError, match="zero_optimization.offload_param.nvme_dir"):
+        zero.Config.from_deepspeed({"zero_optimization": {
+            "stage": 3, "offload_param": {"device": "nvme", "nvme_dir": "/x"}}})
+    # a GPU model: not built yet, said before anything is touched
+    import zero._initialize as initialize_module
+    monkeypatch.setattr(initialize_module, "_engine_device",
+                        lambda _model, _device: torch.device("cuda", 0))
+    with pytest.raises(NotImplementedError, match="offload_param .* not on cuda"):
+        zero.initialize(model, stage=3, offload_param={"device": "cpu"})
+    assert all(p.numel() > 0 for p in model.parameters())
+
+
+def test_a_deepspeed_config_is_read():
+    cfg = zero.Config.from_deepspeed({"zero_optimization": {
+        "stage": 3, "offload_param": {"device": "nvme", "nvme_path": "/local",
+                                      "pin_memory": True, "buffer_count": 5,
+                                      "buffer_size": 1e8, "max_in_cpu": 1e9}}})
+    assert (cfg.offload_param.device, cfg.offload_param.nvme_path) == ("nvme", "/local")
+    auto = zero.Config.from_deepspeed({"zero_optimization": {
+        "stage": 3, "offload_param": {"device": "auto"}}})
+    assert auto.offload_param.device == "none"
+
+
+PEAK_SCRIPT = """
+    nvme, offload_params = sys.argv[1], sys.argv[2] == "1"
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(1024, 1024) for _ in range(8)])
+    options = {"offload_optimizer": {"device": "nvme", "nvme_path": nvme,
+                                     "chunk_elements": 1 << 18}}
+    if offload_params:
+        options["offload_param"] = {"device": "nvme", "nvme_path": nvme}
+    engine = zero.initialize(model, optimizer=torch.optim.AdamW(model.parameters()),
+                             stage=3, precision="bf16", **options)
+    engine.backward(engine(x).float().square().mean())
+    engine.step()
+    gc.collect()
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # VmHWM := VmRSS: the construction peak no longer counts
+    for _ in range(2):
+        engine.backward(engine(x).float().square().mean())
+        engine.step()
+    print(status("VmHWM") - base, engine.memory_summary()["params_offloaded"])
+"""
+
+
+def test_an_offloaded_shard_is_not_held_in_ram(tmp_path):
+    """8.4M parameters in bf16: a 16 MiB shard at one rank. The peak
+    resident memory of training steps (states on nvme either way) falls by
+    the shard, less the step's chunk of it and the allocator's slack
+    (allowed: 4 MiB)."""
+    def peak(offload_params):
+        return run_peak_script(PEAK_SCRIPT, str(tmp_path), "1" if offload_params else "0")
+    in_memory, _ = peak(False)
+    offloaded_peak, shard = peak(True)
+    assert shard >= 2 * 8 * 1024 * 1025
+    assert in_memory - offloaded_peak >= shard - 4 * 2**20, (in_memory, offloaded_peak, shard)
