@@ -14,6 +14,7 @@ import pytest
 import torch
 
 import zero
+from conftest import max_rel_error
 from engine_cases import Net, batches, loss_of, make_optimizer, no_launcher
 
 STEPS = 6
@@ -331,3 +332,51 @@ def test_refuses_what_it_cannot_save(tmp_path):
     with pytest.raises(RuntimeError, match="middle of an accumulation boundary"):
         engine.save_checkpoint(tmp_path)
     engine.close()
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_refuses_gradients_waiting_for_a_step(tmp_path, stage):
+    """A backward with no step() after it: its gradients would be lost;
+    zero_grad() drops them, and then the save goes ahead."""
+    engine = make_engine(stage)
+    train(engine, 0, 1)
+    tokens, targets = batches("cpu", 1)[0]
+    engine.backward(loss_of(engine(tokens), targets))
+    with pytest.raises(RuntimeError, match="gradients waiting for step"):
+        engine.save_checkpoint(tmp_path)
+    assert os.listdir(tmp_path) == []
+    engine.zero_grad()
+    engine.save_checkpoint(tmp_path)
+    engine.close()
+
+
+@pytest.mark.parametrize("stages", [(2, 2), (1, 3)], ids=lambda s: f"{s[0]}to{s[1]}")
+def test_a_load_starts_an_accumulation_window_at_another_count(tmp_path, stages):
+    """Saved without accumulation after 3 steps, loaded with 2 micro-steps
+    per step (a global batch kept on fewer ranks): the next two micro-
+    batches make one step, equal (fp32, up to the order of the sums) to
+    one step over the two together in an engine without accumulation."""
+    save_stage, load_stage = stages
+    first = make_engine(save_stage)
+    train(first, 0, 3)
+    first.save_checkpoint(tmp_path)
+    first.close()
+    data = batches("cpu", 2, seed=7)
+    accumulating = make_engine(load_stage, seed=1, accumulation=2)
+    accumulating.load_checkpoint(tmp_path)
+    assert not accumulating.is_accumulation_boundary
+    for i, (tokens, targets) in enumerate(data):
+        accumulating.backward(loss_of(accumulating(tokens), targets))
+        accumulating.step()
+        assert accumulating.global_steps == 3 + i  # applied at the second only
+    whole = make_engine(load_stage, seed=1)
+    whole.load_checkpoint(tmp_path)
+    tokens, targets = (torch.cat(parts) for parts in zip(*data))
+    whole.backward(loss_of(whole(tokens), targets))
+    whole.step()
+    got, expected = accumulating.full_state_dict(), whole.full_state_dict()
+    for key, value in expected.items():
+        assert max_rel_error(got[key], value) <= 1e-6, key
+    accumulating.save_checkpoint(tmp_path, tag="again")  # at a boundary again
+    accumulating.close()
+    whole.close()

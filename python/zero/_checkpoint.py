@@ -205,6 +205,19 @@ def _all_ok(comm, error, doing="saving") -> None:
                            "see their errors")
 
 
+def _gradients_pending(engine) -> bool:
+    """Whether this rank holds gradients no step has used: any nonzero
+    element in its gradient buffers (a backward's, or a .grad set by hand,
+    taken in as the step would)."""
+    for fg in engine.groups:
+        if fg.stage <= 1:
+            fg.gather_stray_grads()
+        grads = fg.grad_flat if fg.grad_flat is not None else fg.grad_part
+        if bool(grads.any()):
+            return True
+    return False
+
+
 def save(engine, save_dir, tag=None, client_state=None, save_latest=True) -> str:
     comm = engine._comm
     if engine.micro_steps % engine.config.gradient_accumulation_steps:
@@ -213,6 +226,13 @@ def save(engine, save_dir, tag=None, client_state=None, save_latest=True) -> str
             f"{engine.micro_steps % engine.config.gradient_accumulation_steps} of "
             f"{engine.config.gradient_accumulation_steps}); gradients are not saved, so call "
             "it after the boundary's engine.step()")
+    pending = comm.sum_scalar(1.0 if _gradients_pending(engine) else 0.0)
+    if pending:
+        raise RuntimeError(
+            f"save_checkpoint was called with gradients waiting for step() on {int(pending)} "
+            "rank(s) (a backward since the last step, or inside no_sync()); gradients are not "
+            "saved, so a run resumed from it would step without them. Call it after "
+            "engine.step(), or drop them with engine.zero_grad() first")
     tag = check_tag(f"global_step{engine.global_steps}" if tag is None else tag)
     path = os.path.join(os.fspath(save_dir), tag)
     save_id = _agreed_save_id(comm)
@@ -436,7 +456,11 @@ def load(engine, load_dir, tag=None, load_optimizer_states=True,
     elif not load_module_only:
         _reset_optimizer(engine)
     if not load_module_only:
-        engine.micro_steps = meta["engine"]["micro_steps"]
+        # saved at a boundary: the next micro-step starts an accumulation
+        # window also when this engine accumulates over another count (a
+        # global batch kept at another world size)
+        accumulation = engine.config.gradient_accumulation_steps
+        engine.micro_steps = -(-meta["engine"]["micro_steps"] // accumulation) * accumulation
         engine.global_steps = meta["engine"]["global_steps"]
         # checkpoints written before it was recorded: none known
         engine.skipped_steps = meta["engine"].get("skipped_steps", 0)
