@@ -265,6 +265,23 @@ def test_fresh_optimizer_on_a_trained_engine(saved):
     engine.close()
 
 
+@pytest.mark.parametrize("optimizer, change", [("sgd_nesterov", {"momentum": 0.0,
+                                                                  "nesterov": False}),
+                                               ("adam_amsgrad", {"amsgrad": False})])
+def test_fresh_optimizer_keeps_states_the_settings_dropped(tmp_path, optimizer, change):
+    """Momentum (or amsgrad) switched off since initialize: the state it
+    had is still allocated, and a fresh start zeroes it too (it raised a
+    KeyError after the weights were already loaded)."""
+    engine = make_engine(2, optimizer=optimizer)
+    train(engine, 0, 2)
+    engine.save_checkpoint(tmp_path)
+    engine.optimizer.param_groups[0].update(change)
+    engine.load_checkpoint(tmp_path, load_optimizer_states=False)
+    assert all(fg.step_count == 0 for fg in engine.groups)
+    assert all(float(t.abs().max()) == 0 for fg in engine.groups for t in fg.states.values())
+    engine.close()
+
+
 def test_a_tag_holding_files_of_two_saves_is_refused(saved):
     """A save into an existing tag that failed after some shards were
     written leaves old and new files side by side: refused, not mixed."""

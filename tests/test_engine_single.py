@@ -269,6 +269,55 @@ def test_optimizer_that_cannot_be_partitioned():
     assert untouched(m, before)
 
 
+def test_a_subclass_with_its_own_step_is_refused():
+    """Its step() would never run: the engine runs Adam's update itself. A
+    subclass that only adds to __init__ trains as its base."""
+    class ClippedAdam(torch.optim.Adam):
+        def step(self, closure=None):
+            return super().step(closure)
+
+    class Labelled(zero.optim.AdamW):
+        def __init__(self, params, label, **kwargs):
+            super().__init__(params, **kwargs)
+            self.label = label
+
+    m = model()
+    before = [p.data_ptr() for p in m.parameters()]
+    with pytest.raises(TypeError, match="ClippedAdam defines its own step.*torch.optim.adam.Adam"):
+        zero.initialize(m, optimizer=ClippedAdam(m.parameters()))
+    assert untouched(m, before)
+    engine = zero.initialize(m, optimizer=Labelled(m.parameters(), "run 1"))
+    engine.close()
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_a_group_the_update_refuses_leaves_the_step_unapplied(stage):
+    """torch.optim.SGD checks nesterov only when built; set later on the
+    second group, the step refuses before the first group is updated, and
+    goes ahead once the setting is mended."""
+    m = model()
+    opt = torch.optim.SGD([{"params": m[0].parameters()}, {"params": m[2].parameters()}],
+                          lr=0.1, momentum=0.9)
+    engine = zero.initialize(m, optimizer=opt, stage=stage)
+    x = torch.randn(4, 6)
+    engine.backward(engine(x).square().mean())
+    engine.step()
+    before = engine.full_state_dict()
+    engine.backward(engine(x).square().mean())
+    opt.param_groups[1].update(nesterov=True, dampening=0.1)
+    with pytest.raises(ValueError, match="param group 1: nesterov=True needs momentum > 0 "
+                                         "and dampening 0; nothing was updated"):
+        engine.step()
+    after = engine.full_state_dict()
+    assert all(torch.equal(after[k], v) for k, v in before.items())
+    assert [fg.step_count for fg in engine.groups] == [1, 1]
+    assert (engine.global_steps, engine.micro_steps) == (1, 1)
+    opt.param_groups[1]["dampening"] = 0.0
+    engine.step()
+    assert [fg.step_count for fg in engine.groups] == [2, 2] and engine.global_steps == 2
+    engine.close()
+
+
 def test_parameter_missing_from_optimizer_is_named():
     m = model()
     with pytest.raises(ValueError, match="parameter '2.weight' requires grad but is in none"):

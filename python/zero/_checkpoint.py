@@ -392,7 +392,9 @@ def _reset_optimizer(engine):
     for fg in engine.groups:
         fills = states_for(engine._kind, engine.optimizer.param_groups[fg.index])
         for name, t in fg.states.items():
-            t.fill_(fills[name])
+            # a state the group's settings no longer ask for (momentum set
+            # to 0 since initialize) is kept, and starts from zero too
+            t.fill_(fills.get(name, 0.0))
         fg.step_count = 0
     _release_offloaded(engine)
 

@@ -14,6 +14,7 @@ SUPPORTED = "torch.optim.AdamW, Adam, SGD, Adagrad and zero.optim's AdamW, Adam,
 
 
 def optimizer_kind(optimizer) -> str:
+    _refuse_own_step(optimizer)
     # zero.optim's Adam/AdamW subclass FlatOptimizer; torch's do not subclass
     # each other, so exact checks against both families are enough.
     if isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW, zero_optim.Adam)):
@@ -26,6 +27,30 @@ def optimizer_kind(optimizer) -> str:
         return "lion"
     raise TypeError(f"optimizer of type {type(optimizer).__module__}.{type(optimizer).__name__} "
                     f"cannot be partitioned by zero; supported: {SUPPORTED}")
+
+
+def _supported_classes() -> tuple:
+    return (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD, torch.optim.Adagrad,
+            zero_optim.Adam, zero_optim.AdamW, zero_optim.SGD, zero_optim.Adagrad,
+            zero_optim.Lion)
+
+
+def _refuse_own_step(optimizer):
+    """A subclass of a supported optimizer that defines its own step(): the
+    engine runs the base class's update on its partitions, so that step()
+    would never run (its changes silently lost)."""
+    mro = type(optimizer).__mro__
+    base = next((cls for cls in mro if cls in _supported_classes()), None)
+    if base is None:
+        return  # not supported at all: optimizer_kind says so
+    own = [cls for cls in mro[:mro.index(base)] if "step" in vars(cls)]
+    if own:
+        raise TypeError(
+            f"optimizer of type {type(optimizer).__module__}.{type(optimizer).__qualname__} "
+            f"defines its own step() (in {own[0].__qualname__}) over "
+            f"{base.__module__}.{base.__qualname__}'s: zero runs {base.__qualname__}'s update "
+            "itself, on each rank's partition, so that step() would never run. Use the base "
+            "class, or zero.optim / torch.optim's own; supported: " + SUPPORTED)
 
 
 def states_for(kind: str, group: dict) -> dict:

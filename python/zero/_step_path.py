@@ -31,6 +31,18 @@ TORCH_FUNCTIONS = {"adam": _torch_update.adam, "sgd": _torch_update.sgd,
                    "adagrad": _torch_update.adagrad, "lion": _torch_update.lion}
 
 
+def check_update_arguments(kind, optimizer, group, step):
+    """Run the update's argument checks (the C core's, which every step
+    path's settings share) over no elements: a param group whose settings
+    the update would refuse (nesterov without momentum, a negative lr)
+    raises here, before any group is updated."""
+    empty = _C.Buffer(torch.empty(0))
+    buffers = {name: empty for name in ("master", "grad", "exp_avg", "exp_avg_sq",
+                                         "max_exp_avg_sq", "momentum_buffer", "sum")}
+    buffers["copy_out"] = None
+    run_update(kind, optimizer, group, buffers, step, 1.0, HOST_FUNCTIONS)
+
+
 class HostStep:
     def __init__(self):
         self.name = f"cpu: zero C core ({_C.cpu_info()['simd']})"

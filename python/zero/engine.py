@@ -380,6 +380,19 @@ class Engine(nn.Module):
 
     # ---- training API ---------------------------------------------------------
 
+    def _check_update_arguments(self):
+        """Every group's settings as the update will take them, checked
+        before the first group is updated: a later group's refusal would
+        otherwise leave the step half applied."""
+        for fg in self.groups:
+            try:
+                _step_path.check_update_arguments(
+                    self._kind, self.optimizer, self.optimizer.param_groups[fg.index],
+                    fg.step_count + 1)
+            except (ValueError, TypeError) as error:
+                raise type(error)(f"optimizer param group {fg.index}: {error}; nothing was "
+                                  "updated") from None
+
     def _check_open(self):
         if self._closed:
             raise RuntimeError("this engine was closed (close(), or zero.initialize was called "
@@ -479,6 +492,7 @@ class Engine(nn.Module):
         if boundary:
             # everything that can refuse, before anything changes
             self._check_optimizer_unchanged()
+            self._check_update_arguments()
             take_in_parameter_writes(self.all_groups)
         self._scaled_backward = False
         self.micro_steps += 1
