@@ -38,6 +38,7 @@ from zero._outputs import tensors_in
 from zero._param_writes import (Place, bump_versions, check_parameters_in_place,
                                 record_parameters, take_in_parameter_writes)
 from zero._partitioned_init import sharded_record, take_values
+from zero._resumed_states import check_optimizer_states, take_in_optimizer_states
 from zero._stage3 import Stage3Schedule
 from zero._units import leaf_roots
 from zero import _step_path
@@ -86,6 +87,7 @@ class Engine(nn.Module):
         if not any(params for params, _names in groups):
             raise ValueError("the model has no trainable parameters (every parameter has "
                              "requires_grad=False); nothing to train")
+        check_optimizer_states(optimizer, groups)
         check_ranks_agree(comm, module, optimizer, config)
         self._schedule = None
         try:
@@ -160,6 +162,7 @@ class Engine(nn.Module):
         elif config.stage == 3:
             for fg in self.groups:
                 self._on_each_grad(fg, _grad_ready)
+        take_in_optimizer_states(optimizer, self.groups)
         self._guard_optimizer()
         record_parameters(self.all_groups)
 
@@ -341,6 +344,12 @@ class Engine(nn.Module):
             release()
         self.optimizer.zero_grad = _EngineZeroGrad(self)
         self._hooks.append(_AttributeRemoval(self.optimizer, "zero_grad"))
+        # its states are the engine's now, partitioned: the optimizer's own
+        # state_dict() would hold none (or stale ones), and a load would
+        # change nothing the engine uses
+        for name in ("state_dict", "load_state_dict"):
+            setattr(self.optimizer, name, _refuse_states_call(name))
+            self._hooks.append(_AttributeRemoval(self.optimizer, name))
         # model.zero_grad() too: at stages 2-3 the parameters' .grad are
         # already None after a backward, so torch's alone would drop nothing
         self.module.zero_grad = types.MethodType(_model_zero_grad, self.module)
@@ -790,6 +799,17 @@ def _model_zero_grad(self, set_to_none: bool = True):
 
 # a pickled bound method is rebuilt as getattr(model, __name__): the class's
 _model_zero_grad.__name__ = "zero_grad"
+
+
+def _refuse_states_call(name):
+    def refuse(*_args, **_kwargs):
+        raise RuntimeError(
+            f"optimizer.{name}() while a zero engine trains with this optimizer: the states "
+            "live in the engine, partitioned over the ranks. Use engine.save_checkpoint() / "
+            "engine.load_checkpoint(); zero.checkpoint.consolidate() turns a checkpoint into "
+            "torch state dicts (the optimizer's under 'optimizer'). To resume from a torch "
+            "state dict, load it into the optimizer before zero.initialize")
+    return refuse
 
 
 class _AttributeRemoval:

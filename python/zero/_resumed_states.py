@@ -1,0 +1,95 @@
+"""States an optimizer already holds when zero.initialize takes it over: a
+torch run resumed with optimizer.load_state_dict(...) before initialize.
+
+They are in parameter space (one tensor per parameter, torch's names), as
+in a torch state dict, so each rank copies its partition's slice of them
+into the engine's states, and the group's step count from theirs. The
+optimizer's own copies are then dropped (they would hold a second full
+copy of the states). What the engine cannot represent is refused by name:
+parameters of one group at different step counts (the engine keeps one
+count per group) or some with states and some without.
+"""
+from __future__ import annotations
+
+import torch
+
+
+def check_optimizer_states(optimizer, groups) -> None:
+    """Refuse, before the model is changed, states the engine cannot take.
+    groups: (params, names) per optimizer param group."""
+    saved = optimizer.state_dict()["state"]
+    if saved:
+        for index, (params, names) in enumerate(groups):
+            _held(saved, _index_of(optimizer), index, params, names)
+
+
+def take_in_optimizer_states(optimizer, groups) -> None:
+    """groups: the engine's trainable FlatGroups (their states allocated)."""
+    saved = optimizer.state_dict()["state"]
+    if not saved:
+        return
+    index_of = _index_of(optimizer)
+    for fg in groups:
+        held = _held(saved, index_of, fg.index, fg.params, fg.names)
+        if held is None:
+            continue
+        fg.step_count = _agreed_step(fg.index, held)
+        for name, target in fg.states.items():
+            if all(s.get(name) is not None for s in held):
+                _copy_partition(fg, target, [s[name] for s in held])
+        fg.release_offloaded()
+    optimizer.state.clear()
+
+
+def _index_of(optimizer) -> dict:
+    """id(parameter) -> its number in the optimizer's state_dict (counted
+    over the param groups in order)."""
+    return {id(p): i for i, p in enumerate(p for group in optimizer.param_groups
+                                          for p in group["params"])}
+
+
+def _held(saved, index_of, index, params, names):
+    """The saved states of one group's parameters, in order; None when it
+    has none. Raises for what one step count per group cannot hold."""
+    held = [saved.get(index_of[id(p)]) for p in params]
+    if not any(held):
+        return None
+    missing = [names[j] for j, s in enumerate(held) if not s]
+    if missing:
+        raise ValueError(
+            f"optimizer param group {index}: the optimizer holds states for some of its "
+            f"parameters but not for {', '.join(missing[:3])}"
+            f"{' ...' if len(missing) > 3 else ''}; zero keeps one step count per group and "
+            "cannot start those afresh. Load a state dict that covers them all, or none (a "
+            "fresh optimizer)")
+    _agreed_step(index, held)
+    return held
+
+
+def _agreed_step(index, held) -> int:
+    steps = {int(float(s["step"])) for s in held if "step" in s}
+    if len(steps) > 1:
+        raise ValueError(
+            f"optimizer param group {index}: its parameters' states are at different step "
+            f"counts ({sorted(steps)}); zero keeps one step count per group. Start them "
+            "together, or put them in separate param groups")
+    if steps:
+        return steps.pop()
+    # torch's SGD counts no steps; a momentum buffer means it has stepped
+    return 1
+
+
+def _copy_partition(fg, target, values):
+    """This rank's partition of the per-parameter tensors `values`, laid
+    out as the group lays out its parameters, into `target`."""
+    full = torch.zeros(fg.layout_size, dtype=torch.float32)
+    for j, value in enumerate(values):
+        view = fg.view(full, j)
+        if not torch.is_tensor(value) or value.shape != view.shape:
+            shape = tuple(value.shape) if torch.is_tensor(value) else type(value).__name__
+            raise ValueError(f"optimizer state of parameter '{fg.names[j]}' has shape {shape}; "
+                             f"the parameter's is {tuple(view.shape)}")
+        view.copy_(value)
+    for unit in fg.units:
+        layout = full[unit.layout_offset:unit.layout_offset + unit.total]
+        target[unit.shard_slice].copy_(unit.chunk(layout, fg.owner))

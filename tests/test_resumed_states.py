@@ -1,0 +1,110 @@
+"""An optimizer that already holds states when zero.initialize takes it
+over (a torch run resumed with optimizer.load_state_dict before
+initialize): the engine starts from them, and while it trains, the
+optimizer's own state_dict()/load_state_dict() are refused (they would
+hold none of the engine's states, or change none). Reference: the torch
+run continued without the engine (fp32; the C core's update against
+torch's differs by rounding only, so 1e-6)."""
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import zero
+from conftest import max_rel_error
+from engine_cases import no_launcher
+
+OPTIMIZERS = {
+    "adamw": lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.01),
+    "adam_amsgrad": lambda ps: torch.optim.Adam(ps, lr=1e-2, amsgrad=True),
+    "sgd": lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9, nesterov=True),
+    "adagrad": lambda ps: torch.optim.Adagrad(ps, lr=0.1, lr_decay=0.01),
+    "zero_lion": lambda ps: zero.optim.Lion(ps, lr=1e-3, weight_decay=0.1),
+}
+
+
+@pytest.fixture(autouse=True)
+def _no_launcher(monkeypatch):
+    no_launcher(monkeypatch)
+
+
+def model():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
+
+
+def data(count=6):
+    return [torch.randn(6, 8, generator=torch.Generator().manual_seed(i)) for i in range(count)]
+
+
+def torch_steps(m, opt, inputs):
+    for x in inputs:
+        opt.zero_grad()
+        m(x).square().mean().backward()
+        opt.step()
+
+
+def resumed(name):
+    """(torch model continued to the end, a copy of it and its optimizer
+    as they were half-way, loaded from state dicts)."""
+    m = model()
+    opt = OPTIMIZERS[name](m.parameters())
+    torch_steps(m, opt, data()[:3])
+    saved_model, saved_opt = copy.deepcopy(m.state_dict()), copy.deepcopy(opt.state_dict())
+    torch_steps(m, opt, data()[3:])
+    again = model()
+    again.load_state_dict(saved_model)
+    opt_again = OPTIMIZERS[name](again.parameters())
+    opt_again.load_state_dict(saved_opt)
+    return m, again, opt_again
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+@pytest.mark.parametrize("name", list(OPTIMIZERS))
+def test_the_engine_starts_from_the_optimizers_states(stage, name):
+    finished, m, opt = resumed(name)
+    engine = zero.initialize(m, optimizer=opt, stage=stage)
+    assert len(opt.state) == 0  # no second copy of the states
+    for x in data()[3:]:
+        engine.backward(engine(x).square().mean())
+        engine.step()
+    state = engine.full_state_dict()
+    for key, value in finished.state_dict().items():
+        assert max_rel_error(state[key], value) <= 1e-6, key
+    engine.close()
+
+
+def test_the_optimizers_state_dict_is_refused_while_the_engine_trains():
+    m = model()
+    opt = torch.optim.AdamW(m.parameters())
+    engine = zero.initialize(m, optimizer=opt, stage=2)
+    with pytest.raises(RuntimeError, match=r"optimizer.state_dict\(\) while a zero engine"):
+        opt.state_dict()
+    with pytest.raises(RuntimeError, match=r"optimizer.load_state_dict\(\) while a zero engine"):
+        opt.load_state_dict({})
+    engine.close()
+    assert opt.state_dict()["param_groups"]  # the optimizer's own again
+
+
+def test_states_the_engine_cannot_hold_are_refused():
+    """One step count per group: parameters at different counts, or some
+    without states, are named."""
+    m = model()
+    opt = torch.optim.Adam(m.parameters(), lr=1e-2)
+    torch_steps(m, opt, data()[:1])
+    m[0].weight.grad = None
+    m[0].bias.grad = None
+    m[2](torch.randn(2, 16)).sum().backward()  # only the last layer steps again
+    opt.step()
+    before = [p.data_ptr() for p in m.parameters()]
+    with pytest.raises(ValueError, match=r"param group 0: .*different step counts \(\[1, 2\]\)"):
+        zero.initialize(m, optimizer=opt, stage=1)
+    fresh = model()
+    partial = torch.optim.Adam(fresh.parameters())
+    fresh[2](torch.randn(2, 16)).sum().backward()
+    partial.step()  # only the last layer has states
+    with pytest.raises(ValueError, match="but not for 0.weight, 0.bias"):
+        zero.initialize(fresh, optimizer=partial, stage=1)
+    # refused before the model was touched
+    assert [p.data_ptr() for p in m.parameters()] == before
