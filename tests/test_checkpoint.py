@@ -138,6 +138,7 @@ def test_command_line_writes_a_torch_state_dict(tmp_path):
                            str(out)], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert "wrote" in done.stdout
+    assert "RuntimeWarning" not in done.stderr, done.stderr  # the module ran once
     saved = torch.load(out, weights_only=True)
     model = Net()
     model.load_state_dict(saved, strict=True)

@@ -5,7 +5,7 @@
 Importing zero creates no CUDA context and needs no GPU: the C core
 (zero._C) is CPU code with its SIMD path chosen at run time.
 """
-from zero import _C, checkpoint, optim
+from zero import _C, optim
 from zero._C import cpu_info, get_num_threads
 from zero._estimate import estimate_memory
 from zero._gathered import GatheredParameters
@@ -19,3 +19,13 @@ __all__ = ["initialize", "estimate_memory", "Engine", "Config", "LossScaling",
            "GatheredParameters",
            "partitioned_init", "optim", "checkpoint", "cpu_info", "get_num_threads", "set_num_threads"]
 __version__ = "0.1.0"
+
+
+def __getattr__(name):
+    # zero.checkpoint is imported on first use, so that `python -m
+    # zero.checkpoint` runs the module once, as __main__ (imported here as
+    # well, runpy warns that it would run a second copy)
+    if name == "checkpoint":
+        import importlib
+        return importlib.import_module("zero.checkpoint")
+    raise AttributeError(f"module 'zero' has no attribute {name!r}")
