@@ -252,6 +252,20 @@ def test_refuses_other_optimizer_states(saved):
     engine.close()
 
 
+def test_a_group_of_other_parameters_is_named(saved):
+    """The embedding frozen since the save: its states have no place."""
+    torch.manual_seed(4)
+    model = Net()
+    model.embed.requires_grad_(False)
+    opt = make_optimizer("adamw", [p for p in model.parameters() if p.requires_grad])
+    engine = zero.initialize(model, optimizer=opt, stage=2)
+    unchanged_after(engine, lambda: engine.load_checkpoint(saved), ValueError,
+                    r"param group 0 holds other parameters than in the checkpoint \(only in "
+                    r"the checkpoint: 'embed.weight'\); pass load_optimizer_states=False")
+    engine.load_checkpoint(saved, load_optimizer_states=False)
+    engine.close()
+
+
 def test_fresh_optimizer_on_a_trained_engine(saved):
     """load_optimizer_states=False on an engine that has trained: its
     states and step counts start over, and the lr is the restored

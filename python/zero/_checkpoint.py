@@ -323,8 +323,15 @@ def _check_optimizer(engine, reader):
     for gi, (saved, group) in enumerate(zip(meta["groups"], groups)):
         ours = [names[id(p)] for p in group["params"]]
         if sorted(ours) != sorted(saved["param_names"]):
+            only_here = sorted(set(ours) - set(saved["param_names"]))
+            only_saved = sorted(set(saved["param_names"]) - set(ours))
+            what = "; ".join(f"{label}: {', '.join(repr(n) for n in found[:3])}"
+                             f"{' ...' if len(found) > 3 else ''}"
+                             for label, found in (("only in the optimizer", only_here),
+                                                  ("only in the checkpoint", only_saved))
+                             if found) or "the same names, another count"
             raise ValueError(f"param group {gi} holds other parameters than in the "
-                             "checkpoint" + hint)
+                             f"checkpoint ({what})" + hint)
     for fg in engine.groups:
         # the saved hyperparameters replace the optimizer's: they must ask
         # for the states this engine keeps (amsgrad, momentum)
