@@ -266,6 +266,41 @@ def test_a_group_of_other_parameters_is_named(saved):
     engine.close()
 
 
+def test_adamw_stays_decoupled_after_loading_adams_states(tmp_path):
+    """A checkpoint of torch.optim.Adam (L2 decay: decoupled_weight_decay
+    False in its groups) loaded by an engine of zero.optim.AdamW trains on
+    with decoupled decay, as torch.optim.AdamW does after loading Adam's
+    state dict (the reference, from the consolidated checkpoint)."""
+    torch.manual_seed(0)
+    model = Net()
+    adam = zero.initialize(model, optimizer=torch.optim.Adam(model.parameters(), lr=1e-2,
+                                                             weight_decay=0.1), stage=1)
+    train(adam, 0, 2)
+    adam.save_checkpoint(tmp_path)
+    adam.close()
+    torch.manual_seed(1)
+    model = Net()
+    adamw = zero.initialize(model, optimizer=zero.optim.AdamW(model.parameters()), stage=1)
+    adamw.load_checkpoint(tmp_path)
+    train(adamw, 2, 1)
+    reference = Net()
+    saved = zero.checkpoint.consolidate(tmp_path)
+    reference.load_state_dict(saved["model"])
+    opt = torch.optim.AdamW(reference.parameters())
+    opt.load_state_dict(saved["optimizer"])
+    tokens, targets = batches("cpu", STEPS)[2]
+    opt.zero_grad()
+    loss_of(reference(tokens), targets).backward()
+    opt.step()
+    state = adamw.full_state_dict()
+    for key, value in reference.state_dict().items():
+        assert max_rel_error(state[key], value) <= 1e-6, key
+    adamw.close()
+    plain = zero.optim.AdamW(reference.parameters())  # zero.optim's own, too
+    plain.load_state_dict(saved["optimizer"])
+    assert all(g["decoupled_weight_decay"] for g in plain.param_groups)
+
+
 def test_fresh_optimizer_on_a_trained_engine(saved):
     """load_optimizer_states=False on an engine that has trained: its
     states and step counts start over, and the lr is the restored

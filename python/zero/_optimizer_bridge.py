@@ -68,7 +68,10 @@ def states_for(kind: str, group: dict) -> dict:
 
 
 def decoupled(optimizer, group) -> bool:
-    if isinstance(optimizer, (torch.optim.AdamW,)):
+    # an AdamW decays decoupled whatever its groups say: a checkpoint of
+    # Adam restores decoupled_weight_decay=False into them (torch's AdamW
+    # forces True when it loads one too)
+    if isinstance(optimizer, (torch.optim.AdamW, zero_optim.AdamW)):
         return True
     return bool(group.get("decoupled_weight_decay", False))
 

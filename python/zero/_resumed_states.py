@@ -14,18 +14,25 @@ from __future__ import annotations
 import torch
 
 
-def check_optimizer_states(optimizer, groups) -> None:
-    """Refuse, before the model is changed, states the engine cannot take.
-    groups: (params, names) per optimizer param group."""
-    saved = optimizer.state_dict()["state"]
+def held_optimizer_states(optimizer, groups) -> dict:
+    """The states the optimizer holds, by its state_dict's parameter
+    numbers, checked before the model is changed (an empty dict: none).
+    Read here, once: zero.optim's state_dict() syncs its flat buffers with
+    the parameters, which after initialize are the engine's. An entry at
+    step 0 is a fresh one (zero.optim, torch's Adagrad make them at
+    construction). groups: (params, names) per optimizer param group."""
+    saved = {i: entry for i, entry in optimizer.state_dict()["state"].items()
+             if entry and float(entry.get("step", 1)) > 0}
     if saved:
+        index_of = _index_of(optimizer)
         for index, (params, names) in enumerate(groups):
-            _held(saved, _index_of(optimizer), index, params, names)
+            _held(saved, index_of, index, params, names)
+    return saved
 
 
-def take_in_optimizer_states(optimizer, groups) -> None:
-    """groups: the engine's trainable FlatGroups (their states allocated)."""
-    saved = optimizer.state_dict()["state"]
+def take_in_optimizer_states(optimizer, groups, saved) -> None:
+    """groups: the engine's trainable FlatGroups (their states allocated);
+    saved: held_optimizer_states' answer."""
     if not saved:
         return
     index_of = _index_of(optimizer)

@@ -38,7 +38,7 @@ from zero._outputs import tensors_in
 from zero._param_writes import (Place, bump_versions, check_parameters_in_place,
                                 record_parameters, take_in_parameter_writes)
 from zero._partitioned_init import sharded_record, take_values
-from zero._resumed_states import check_optimizer_states, take_in_optimizer_states
+from zero._resumed_states import held_optimizer_states, take_in_optimizer_states
 from zero._stage3 import Stage3Schedule
 from zero._units import leaf_roots
 from zero import _step_path
@@ -87,11 +87,11 @@ class Engine(nn.Module):
         if not any(params for params, _names in groups):
             raise ValueError("the model has no trainable parameters (every parameter has "
                              "requires_grad=False); nothing to train")
-        check_optimizer_states(optimizer, groups)
+        resumed = held_optimizer_states(optimizer, groups)
         check_ranks_agree(comm, module, optimizer, config)
         self._schedule = None
         try:
-            self._build(module, optimizer, config, comm, groups, owners)
+            self._build(module, optimizer, config, comm, groups, owners, resumed)
         except BaseException:
             for h in self._hooks:
                 h.remove()
@@ -104,7 +104,7 @@ class Engine(nn.Module):
                     p._zero_lost = True
             raise
 
-    def _build(self, module, optimizer, config, comm, groups, owners):
+    def _build(self, module, optimizer, config, comm, groups, owners, resumed):
         self._cast(module, config.stage)
         for name, buf in module.named_buffers():
             _broadcast_buffer(comm, name, buf)
@@ -162,7 +162,7 @@ class Engine(nn.Module):
         elif config.stage == 3:
             for fg in self.groups:
                 self._on_each_grad(fg, _grad_ready)
-        take_in_optimizer_states(optimizer, self.groups)
+        take_in_optimizer_states(optimizer, self.groups, resumed)
         self._guard_optimizer()
         record_parameters(self.all_groups)
 

@@ -59,3 +59,10 @@ class AdamW(Adam):
                          amsgrad=amsgrad, foreach=foreach, maximize=maximize,
                          capturable=capturable, differentiable=differentiable,
                          fused=fused, decoupled_weight_decay=True)
+
+    def load_state_dict(self, state_dict):
+        """As torch.optim.AdamW: the decay stays decoupled also when the
+        state dict is Adam's (decoupled_weight_decay False in its groups)."""
+        super().load_state_dict(state_dict)
+        for group in self.param_groups:
+            group["decoupled_weight_decay"] = True
