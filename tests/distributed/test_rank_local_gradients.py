@@ -147,7 +147,6 @@ def channels(rank, world):
     each), then whether the model trains again after the default group was
     destroyed and made anew."""
     import gc
-    import os
     import torch.distributed as dist
     from torch.distributed.distributed_c10d import _world
     import zero
@@ -163,9 +162,11 @@ def channels(rank, world):
         counts.append(len(_world.pg_map))
     model = make_model()
     engine = zero.initialize(model, optimizer=make_optimizer(model, 2), stage=2)
+    # a port free now (MASTER_PORT + 1 may be another test's under xdist)
+    port = [harness.free_port() if rank == 0 else None]
+    dist.broadcast_object_list(port, src=0)
     dist.destroy_process_group()
-    port = int(os.environ["MASTER_PORT"]) + 1
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port[0]}", rank=rank,
                             world_size=world)
     again = zero.initialize(model, optimizer=make_optimizer(model, 2), stage=2)
     x, y = data(0, 0, rank)
