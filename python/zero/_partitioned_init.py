@@ -40,7 +40,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 from torch.utils.weak import WeakIdKeyDictionary
 
-from zero._comm import all_gather_single, backend_for, join_process_group
+from zero._comm import backend_for, gather_by_broadcasts, join_process_group
 from zero._units import storage_key
 
 _CHUNK_ALIGN = 16
@@ -54,6 +54,15 @@ _OVERWRITES = {
     torch.ops.aten.exponential_.default, torch.ops.aten.log_normal_.default,
     torch.ops.aten.cauchy_.default, torch.ops.aten.geometric_.default,
 }
+
+# view ops that alias the whole tensor (w.data, w.detach()): an op that
+# overwrites such a view overwrites the whole parameter
+_WHOLE_ALIASES = {torch.ops.aten.detach.default, torch.ops.aten.alias.default}
+
+
+def _whole(chain) -> bool:
+    return all(op in _WHOLE_ALIASES for op, _args, _kwargs in chain)
+
 
 # placeholder parameter -> its _Sharded record, for zero.initialize
 _registry = WeakIdKeyDictionary()
@@ -80,7 +89,7 @@ class _Sharded:
         if self.world == 1:
             out.copy_(self.chunk)
         else:
-            all_gather_single(out, self.chunk)
+            gather_by_broadcasts(out, self.chunk, self.rank, self.world)
         return out[:self.numel].view(self.shape)
 
     def store(self, full: torch.Tensor):
@@ -234,7 +243,7 @@ class partitioned_init(TorchDispatchMode):
             return t
         _, view = found
         if view.base is primary:
-            real = self._full(primary, overwrite and not view.chain)
+            real = self._full(primary, overwrite and _whole(view.chain))
         else:
             real = _registry[view.base].gather()
         for op, args, kwargs in view.chain:
@@ -264,8 +273,9 @@ class partitioned_init(TorchDispatchMode):
             target = None
         found = self._tracked(target)
         primary = (found or next(f for f in tracked if f is not None))[1].base
+        # (module.weight.data.normal_(): HuggingFace's init writes through .data)
         overwrite = func in _OVERWRITES and found is not None and target is args[0] \
-            and not found[1].chain
+            and _whole(found[1].chain)
         # the primary's full values first: this may store the previous
         # cached parameter's chunk, which a temporary gather then reads
         self._full(primary, overwrite)
