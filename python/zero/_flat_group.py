@@ -546,8 +546,10 @@ class FlatGroup:
         for unit in self.units:
             if unit.gathered:
                 mine = self.shard[unit.shard_slice]
-                if self.stage != 3:
-                    mine = mine.clone()  # it aliases unit.full
+                if self.stage != 3 and mine.device.type != "cpu":
+                    # it aliases unit.full, which NCCL's all-gather may not
+                    # read from; gloo's broadcasts leave it in place
+                    mine = mine.clone()
                 self.comm.all_gather_into(unit.full, mine)
 
     def zero_grads(self):
