@@ -235,12 +235,13 @@ def save(engine, save_dir, tag=None, client_state=None, save_latest=True) -> str
             "engine.step(), or drop them with engine.zero_grad() first")
     tag = check_tag(f"global_step{engine.global_steps}" if tag is None else tag)
     path = os.path.join(os.fspath(save_dir), tag)
+    # a collective that raises on every rank alike: before the per-rank work
+    take_in_parameter_writes(engine.all_groups)
     save_id = _agreed_save_id(comm)
     meta, error = None, None
     try:  # this rank's checks and shard; a failure is raised on every rank by _all_ok
         client_state = {} if client_state is None else client_state
         check_plain(client_state, "client_state")
-        take_in_parameter_writes(engine.all_groups)
         scheduler_state = engine.lr_scheduler.state_dict() if engine.lr_scheduler else None
         check_plain(scheduler_state, "lr_scheduler.state_dict()")
         os.makedirs(path, exist_ok=True)

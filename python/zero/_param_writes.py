@@ -14,7 +14,8 @@ model.float() and back) would be overwritten by the next step.
   buffer, and the elements that differ from the rounded master go into
   this rank's partition (so untouched elements keep their fp32 bits, as
   with GatheredParameters(modifier_rank=...)). Every rank takes in its
-  own values, so write the same values on every rank (as DDP expects).
+  own values, so write the same values on every rank (as DDP expects):
+  the ranks check that they did ([Note: writes agreed]).
 - A parameter cast or moved (another dtype or device) is refused by
   name, and so is a change to a released stage-3 parameter (an empty
   placeholder: the values were never there), in place or by p.data = ....
@@ -26,6 +27,7 @@ model.float() and back) would be overwritten by the next step.
 """
 from __future__ import annotations
 
+import zlib
 from typing import NamedTuple
 
 import torch
@@ -97,8 +99,27 @@ def check_parameters_in_place(groups):
 
 def take_in_parameter_writes(groups):
     """Before a step or a read of the partitions: see [Note: parameter
-    writes]."""
-    check_parameters_in_place(groups)
+    writes]. A collective where the groups span several ranks (the ranks
+    agree on what was written first: [Note: writes agreed])."""
+    problem, written = None, []
+    try:
+        check_parameters_in_place(groups)
+        written = _writes(groups)
+    except RuntimeError as error:  # raised once the ranks have compared notes
+        problem = error
+    if groups and groups[0].comm.world > 1:
+        _agree_on_writes(groups[0].comm, written, problem)
+    if problem is not None:
+        raise problem
+    for fg, unit, j in written:
+        write_into_partition(fg, unit, j, None)
+        fg.seen_versions[unit.members.start + j] = unit.params[j]._version
+
+
+def _writes(groups) -> list:
+    """(group, unit, index in unit) of each parameter written since its
+    version was recorded; raises for a write a released unit cannot keep."""
+    written = []
     for fg in groups:
         for unit in fg.units:
             for j, p in enumerate(unit.params):
@@ -111,8 +132,52 @@ def take_in_parameter_writes(groups):
                     continue
                 if released:
                     raise _lost_change(fg, unit, j)
-                write_into_partition(fg, unit, j, None)
-                fg.seen_versions[i] = p._version
+                written.append((fg, unit, j))
+    return written
+
+
+# [Note: writes agreed] Every rank takes its own written values into its own
+# partition, so a write made on some ranks only (`if rank == 0:
+# model.load_state_dict(...)`), or with other values on each (an unseeded
+# nn.init), would leave the ranks' partitions out of step, silently: each
+# rank's slice of the model would come from another model. So the ranks
+# compare what they are about to take in: each hashes the (group,
+# parameter) names it saw written and 64 of each one's values, strided,
+# into a number below _PRIME (_PRIME + 1 when this rank refuses a write of
+# its own), and one all-reduce of (h, h^2) as integers tells every rank
+# alike whether all h are equal: world * sum(h^2) == sum(h)^2 exactly then
+# (Cauchy-Schwarz). A hash can collide (about 1 in a million); then the
+# difference goes unseen, as it did before the check.
+_PRIME = 1_048_573  # below 2^20: world * sum(h^2) stays exact in int64 up to 2048 ranks
+_SAMPLES = 64
+
+
+def _agree_on_writes(comm, written, problem):
+    h = _PRIME + 1 if problem is not None else _hash_writes(written)
+    totals = torch.tensor([h, h * h], dtype=torch.int64, device=comm.scalar_device)
+    comm.sum_scalars_(totals)
+    total, squares = (int(v) for v in totals.tolist())
+    if comm.world * squares == total * total or problem is not None:
+        return  # agreed, or this rank raises its own error next
+    names = [fg.names[unit.members.start + j] for fg, unit, j in written]
+    listed = ", ".join(f"'{n}'" for n in names[:4]) + (" ..." if len(names) > 4 else "")
+    raise RuntimeError(
+        "parameters were written since the last step, and not alike on every rank (this "
+        f"rank wrote {listed or 'none'}; another rank wrote other parameters or other "
+        "values). Each rank keeps its own slice of the model, so the ranks' slices would "
+        "come from different models: make the same write on every rank (load the state dict "
+        "on every rank, seed nn.init alike), or write on one rank inside "
+        "zero.GatheredParameters(params, modifier_rank=that rank). Nothing was taken in")
+
+
+def _hash_writes(written) -> int:
+    h = 0
+    for fg, unit, j in written:
+        flat = unit.params[j].detach().reshape(-1)
+        sample = flat[::max(1, flat.numel() // _SAMPLES)][:_SAMPLES]
+        values = sample.to(device="cpu", dtype=torch.float32).numpy().tobytes()
+        h += zlib.crc32(f"{fg.index}:{unit.members.start + j}:".encode() + values)
+    return h % _PRIME
 
 
 def check_released_untouched(fg, unit):
