@@ -412,6 +412,58 @@ def test_initialize_inside_inference_mode_is_refused():
             zero.initialize(_model())
 
 
+def test_an_inference_mode_eval_holding_a_view_leaves_training_alone():
+    """A hook that keeps a weight's view during an eval under
+    torch.inference_mode(): the release then takes new storage, which must
+    be an ordinary tensor (an inference tensor refused every later gather:
+    every training step failed). Training goes on as plain torch's."""
+    model, ref = _model(), _model()
+    engine = _engine(model, 3)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    kept = []
+    model[2].register_forward_pre_hook(lambda m, _args: kept.append(m.weight.detach()))
+    for i in range(3):
+        x, y = _batch(i)
+        engine.backward(_loss(engine(x), y))
+        engine.step()
+        ref_opt.zero_grad()
+        _loss(ref(x), y).backward()
+        ref_opt.step()
+        with torch.inference_mode():
+            engine(x)
+    state = engine.full_state_dict()
+    for key, value in ref.state_dict().items():
+        assert torch.allclose(state[key], value, rtol=1e-5, atol=1e-7), key
+    assert kept
+    engine.close()
+
+
+def test_a_failed_stage3_forward_skips_the_ranks_comparison():
+    """The end-of-pass comparison of gathers is a collective: a rank whose
+    forward raised must not enter it (its peers, still gathering, never
+    would; tests/distributed/test_stage3_failures.py runs the 2-rank case)."""
+    model = _model()
+    engine = _engine(model, 3)
+    compared = []
+    real = engine._schedule._check_same_gathers
+    engine._schedule._check_same_gathers = lambda: compared.append(1) or real()
+    x, y = _batch(0)
+    engine(x)
+    assert compared == [1]
+
+    def fail(_module, _args):
+        raise ValueError("a bad batch")
+    hook = model[2].register_forward_pre_hook(fail)
+    with pytest.raises(ValueError, match="a bad batch"):
+        engine(x)
+    assert compared == [1]
+    hook.remove()
+    engine.backward(_loss(engine(x), y))  # and the next passes are whole again
+    engine.step()
+    assert compared == [1, 1, 1]  # its forward and its backward
+    engine.close()
+
+
 @pytest.mark.parametrize("stage", STAGES)
 def test_a_dropped_engine_is_collected(stage):
     """Its hooks hold it weakly: torch keeps a parameter's hooks where the

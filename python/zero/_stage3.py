@@ -318,6 +318,11 @@ class Stage3Schedule:
         def post_forward(module, args, output):
             if self.entered[index] == 0:
                 return output  # an earlier pre-hook raised: ours never ran for this call
+            # torch runs always_call hooks on the way out of a forward that
+            # raised (output None, the exception being handled): then this
+            # rank leaves the pass without the ranks' comparison, a
+            # collective its peers, still gathering, would never join
+            failed = output is None and sys.exc_info()[1] is not None
             self.entered[index] -= 1
             # a root that calls itself: the inner call is an ordinary module
             outermost = is_root and self.root_depth == 0
@@ -342,7 +347,8 @@ class Stage3Schedule:
                 if not self.in_backward and not is_root:
                     self._release_frozen_after_backward(module, args)
             if outermost and not self.in_backward:
-                self._check_same_gathers()
+                if not failed:
+                    self._check_same_gathers()
                 self._end_pass()
             return output
         return post_forward

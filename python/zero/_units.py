@@ -69,7 +69,14 @@ class Unit:
 
     def release(self) -> bool:
         """Free the gathered values (see [Note: released parameters]).
-        True when `full` got a new storage (another holder kept the old)."""
+        True when `full` got a new storage (another holder kept the old).
+        Tensors made here must be ordinary ones even when the release
+        comes at the end of an eval under torch.inference_mode(): an
+        inference tensor could not be gathered into by a training step."""
+        with torch.inference_mode(False):
+            return self._release()
+
+    def _release(self) -> bool:
         if self._placeholder is None:
             self._placeholder = torch.empty(0, dtype=self.full.dtype,
                                             device=self.full.device)
