@@ -75,6 +75,35 @@ def test_the_engine_starts_from_the_optimizers_states(stage, name):
     engine.close()
 
 
+@pytest.mark.parametrize("stage", [0, 3])
+@pytest.mark.parametrize("name", list(OPTIMIZERS))
+@pytest.mark.parametrize("then", ["reinitialize", "plain_torch"])
+def test_close_gives_the_states_back(stage, name, then):
+    """3 engine steps, close(), then 3 more by a new engine on the same
+    optimizer (a re-run notebook cell) or by the optimizer itself: the
+    same as 6 torch steps (before, the states were lost at close)."""
+    m = model()
+    finished = copy.deepcopy(m)
+    torch_steps(finished, OPTIMIZERS[name](finished.parameters()), data())
+    opt = OPTIMIZERS[name](m.parameters())
+    engine = zero.initialize(m, optimizer=opt, stage=stage)
+    for x in data()[:3]:
+        engine.backward(engine(x).square().mean())
+        engine.step()
+    engine.close()
+    assert len(opt.state) == len(list(m.parameters()))
+    if then == "reinitialize":
+        engine = zero.initialize(m, optimizer=opt, stage=stage)
+        for x in data()[3:]:
+            engine.backward(engine(x).square().mean())
+            engine.step()
+        engine.close()
+    else:
+        torch_steps(m, opt, data()[3:])
+    for key, value in finished.state_dict().items():
+        assert max_rel_error(m.state_dict()[key], value) <= 1e-6, key
+
+
 def test_the_optimizers_state_dict_is_refused_while_the_engine_trains():
     m = model()
     opt = torch.optim.AdamW(m.parameters())

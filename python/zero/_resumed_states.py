@@ -1,5 +1,6 @@
 """States an optimizer already holds when zero.initialize takes it over: a
-torch run resumed with optimizer.load_state_dict(...) before initialize.
+torch run resumed with optimizer.load_state_dict(...) before initialize;
+and, at close(), the engine's states given back to the optimizer.
 
 They are in parameter space (one tensor per parameter, torch's names), as
 in a torch state dict, so each rank copies its partition's slice of them
@@ -10,6 +11,8 @@ parameters of one group at different step counts (the engine keeps one
 count per group) or some with states and some without.
 """
 from __future__ import annotations
+
+import warnings
 
 import torch
 
@@ -100,3 +103,32 @@ def _copy_partition(fg, target, values):
     for unit in fg.units:
         layout = full[unit.layout_offset:unit.layout_offset + unit.total]
         target[unit.shard_slice].copy_(unit.chunk(layout, fg.owner))
+
+
+def give_back_optimizer_states(optimizer, groups, world) -> None:
+    """Engine.close(): the optimizer gets its states back in parameter space
+    (and each param group its step count), so a plain torch run, or a new
+    initialize with the same optimizer (a re-run notebook cell), goes on
+    from them. At one rank a partition is the whole group; at several,
+    each rank holds a slice, and gathering the whole states on every rank
+    could need more memory than the run had: they are not given back, and
+    the warning says to save a checkpoint first."""
+    stepped = [fg for fg in groups if fg.step_count > 0]
+    if not stepped:
+        return
+    if world > 1:
+        warnings.warn(
+            "close(): the optimizer's states stay partitioned over the ranks and are not given "
+            "back to the optimizer (gathering them whole on every rank could need more memory "
+            "than the run had): a torch run or a new zero.initialize with this optimizer starts "
+            "them afresh. Save them first with engine.save_checkpoint()", RuntimeWarning,
+            stacklevel=3)
+        return
+    counts_steps = not isinstance(optimizer, torch.optim.SGD)  # torch's SGD keeps none
+    for fg in stepped:
+        for i, p in enumerate(fg.params):
+            entry = {name: fg.view(t, i).clone() for name, t in fg.states.items()}
+            if counts_steps:
+                entry["step"] = torch.tensor(float(fg.step_count))
+            optimizer.state[p] = entry
+        fg.release_offloaded()

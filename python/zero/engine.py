@@ -38,7 +38,8 @@ from zero._outputs import tensors_in
 from zero._param_writes import (Place, bump_versions, check_parameters_in_place,
                                 record_parameters, take_in_parameter_writes)
 from zero._partitioned_init import sharded_record, take_values
-from zero._resumed_states import held_optimizer_states, take_in_optimizer_states
+from zero._resumed_states import (give_back_optimizer_states, held_optimizer_states,
+                                  take_in_optimizer_states)
 from zero._stage3 import Stage3Schedule
 from zero._units import leaf_roots
 from zero import _step_path
@@ -742,6 +743,10 @@ class Engine(nn.Module):
         if self._schedule is not None:
             self._schedule.remove()
             self._restore_params()
+        give_back_optimizer_states(self.optimizer, self.groups, self._comm.world)
+        resume = getattr(self.optimizer, "_resume_after_engine", None)  # zero.optim's
+        if resume is not None:
+            resume()
         for fg in self.all_groups:
             for p in fg.params:
                 p.__dict__.pop("_zero_place", None)

@@ -150,6 +150,18 @@ class FlatOptimizer(torch.optim.Optimizer):
         super().__setstate__(state)
         if "_segments" in self.__dict__:
             return  # torch's load_state_dict calls this on a live optimizer
+        self._lay_out_again()
+
+    def _resume_after_engine(self):
+        """A zero Engine's close(): the parameters are plain tensors again
+        and self.state holds what the engine gave back, if anything (see
+        _release_buffers); lay them out in buffers of our own and take it in,
+        so that step() updates them (it did nothing after an engine)."""
+        if self._off_host is None and self._laid_out is None:
+            self._lay_out_again()
+
+    def _lay_out_again(self):
+        """The param groups laid out anew, self.state taken in."""
         groups, saved = self.param_groups, self.state
         self._init_layout()
         self.param_groups, self.state = [], defaultdict(dict)
