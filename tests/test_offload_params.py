@@ -8,6 +8,8 @@ What the process holds of the shard is read from /proc/self/smaps (the
 mapping's resident bytes) after each kind of use, and the peak of a
 training step from VmHWM in a fresh process."""
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -137,6 +139,72 @@ def test_close_frees_the_descriptors(tmp_path):
     for fd in fds:
         with pytest.raises(OSError):
             os.fstat(fd)
+
+
+class WithMarker(nn.Module):
+    """A frozen empty parameter (a device marker): a group with no elements,
+    which has no file."""
+
+    def __init__(self):
+        super().__init__()
+        self.marker = nn.Parameter(torch.empty(0), requires_grad=False)
+        self.lin = nn.Linear(8, 4)
+
+    def forward(self, x):
+        return self.lin(x)
+
+
+def test_a_group_without_elements(tmp_path):
+    def train(param_path):
+        torch.manual_seed(0)
+        model = WithMarker()
+        options = {"offload_param": {"device": "nvme", "nvme_path": str(param_path)}} \
+            if param_path else {}
+        engine = zero.initialize(model, optimizer=torch.optim.AdamW([model.lin.weight,
+                                                                    model.lin.bias]),
+                                 stage=3, stage3_param_persistence_threshold=0, **options)
+        for i in range(2):
+            x = torch.randn(3, 8, generator=torch.Generator().manual_seed(i))
+            engine.backward(engine(x).square().mean())
+            engine.step()
+        return finish(engine)
+    assert_same_finish(train(tmp_path), train(None))
+
+
+FORK_SCRIPT = """
+import os, sys, torch, zero
+for var in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK"):
+    os.environ.pop(var, None)
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 2))
+engine = zero.initialize(model, optimizer=torch.optim.AdamW(model.parameters()), stage=3,
+                         stage3_param_persistence_threshold=0,
+                         offload_param={"device": "nvme", "nvme_path": sys.argv[1]})
+x = torch.randn(4, 8)
+before = engine(x).detach().clone()
+read, write = os.pipe()
+pid = os.fork()
+if pid == 0:
+    try:
+        with zero.GatheredParameters([model[0].weight], modifier_rank=0):
+            with torch.no_grad():
+                model[0].weight.fill_(3.0)
+        os.write(write, b"written")
+    except RuntimeError as e:
+        os.write(write, b"refused" if "forked child" in str(e) else str(e).encode()[:200])
+    os._exit(0)
+os.waitpid(pid, 0)
+print(os.read(read, 300).decode(), torch.equal(engine(x), before))
+"""
+
+
+def test_a_forked_child_cannot_write_the_parents_shard(tmp_path):
+    """Memory is copied on write across fork(); the shard's file is shared,
+    so a child's write would reach the parent's parameters."""
+    done = subprocess.run([sys.executable, "-c", FORK_SCRIPT, str(tmp_path)],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["refused", "True"], done.stdout
 
 
 def test_cpu_offload_of_a_cpu_model_changes_nothing():

@@ -380,6 +380,8 @@ def _load_partitions(engine, reader, with_optimizer):
 
 
 def _read_partitions(engine, reader, with_optimizer):
+    for fg in engine.all_groups:
+        fg.check_shard_writable()
     for fg, name, lo, hi, offset, keys in _targets(engine, with_optimizer):
         for key in keys:
             target = fg.states[key] if key != "value" else \

@@ -45,6 +45,7 @@ data-parallel ranks: the single sharding mechanism of every stage.
 """
 from __future__ import annotations
 
+import os
 import time
 
 import torch
@@ -243,6 +244,15 @@ class FlatGroup:
             self.offload.drop()
         self.drop_param_pages()
 
+    def check_shard_writable(self):
+        """A forked child shares an offloaded shard's file with its parent
+        (memory would be copied on write): its writes would change the
+        parent's parameters, so they are refused."""
+        if self.param_files is not None and self.param_files.pid != os.getpid():
+            raise RuntimeError("offload_param: a forked child cannot write the parent's "
+                               "parameters, whose shard is a file they share; build an engine "
+                               "in the child")
+
     def drop_param_pages(self, unit=None):
         """[Note: shard on a disk] With offload_param "nvme" the shard is a
         file mapped into memory: a gather reads the unit's chunk through the
@@ -252,8 +262,8 @@ class FlatGroup:
         unit is gathered, after the step, and after whole-shard reads and
         writes, so the process holds only the chunk in use. unit None: the
         whole shard."""
-        if self.param_files is None:
-            return
+        if self.param_files is None or "shard" not in self.param_files.maps:
+            return  # no file for a group without elements
         if unit is None:
             self.param_files.drop()
         else:

@@ -229,6 +229,7 @@ def write_into_partition(fg, unit, j, before):
     hi = min(unit.offsets[j] + unit.numels[j], (fg.owner + 1) * unit.part)
     if lo >= hi:
         return
+    fg.check_shard_writable()
     new = unit.full[lo:hi]
     start = unit.shard_offset + lo - fg.owner * unit.part
     shard = fg.shard[start:start + hi - lo]

@@ -249,8 +249,7 @@ class Stage3Schedule:
                 "pass, so they ran different modules (rank-dependent control flow inside the "
                 "model). Each module's gather is a collective: every rank must run the same "
                 "modules in the same order (a mixture of experts: name its block in "
-                "stage3_leaf_modules). The values of this pass are not to be trusted. "
-                "TORCH_DISTRIBUTED_DEBUG=DETAIL names the first differing gather.")
+                "stage3_leaf_modules). The values of this pass are not to be trusted.")
 
     def _end_pass(self):
         if self.recorded[self.phase] != self.current:

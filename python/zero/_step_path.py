@@ -52,13 +52,15 @@ class HostStep:
         return comm.sum_scalar(local) if across_ranks else local
 
     def update(self, kind, optimizer, group, fg, grad_scale):
+        fg.check_shard_writable()
+
         def update_chunk(lo, hi, windows):
             run_update(kind, optimizer, group, chunk_buffers(fg, lo, hi, windows),
                        fg.step_count, grad_scale, HOST_FUNCTIONS)
             # the new parameters went through the shard's mapping: a shard
             # on a disk keeps only this chunk resident ([Note: shard on a
             # disk] in _flat_group.py)
-            if fg.param_files is not None:
+            if fg.param_files is not None and fg.part_size:
                 fg.param_files.drop("shard", lo, hi)
         if fg.offload is not None and fg.offload.maps:
             # states in files: chunk by chunk through RAM windows, the next

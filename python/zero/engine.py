@@ -526,7 +526,10 @@ class Engine(nn.Module):
                     self.step_path.update(self._kind, self.optimizer,
                                           self.optimizer.param_groups[fg.index], fg, base * coef)
                 except BaseException:
-                    fg.step_count -= 1  # its states are as they were
+                    # a refusal comes before anything changes; a failure in
+                    # the middle of a chunked update (files, offload_param)
+                    # leaves it partly applied (docs/offload.md)
+                    fg.step_count -= 1
                     raise
                 fg.all_gather_params()
                 fg.drop_param_pages()  # [Note: shard on a disk] in _flat_group.py
