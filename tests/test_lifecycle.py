@@ -438,6 +438,39 @@ def test_an_inference_mode_eval_holding_a_view_leaves_training_alone():
     engine.close()
 
 
+def test_a_graph_built_before_close_is_refused_and_the_model_kept():
+    """Stage 3's hooks on an autograd graph outlive close(): a backward
+    through a graph built before it refuses, and the model close() gave
+    back keeps its values (before, the backward emptied a weight)."""
+    model = _model()
+    engine = _engine(model, 3)
+    x, y = _batch(0)
+    loss = _loss(engine(x), y)
+    engine.close()
+    shapes = [p.shape for p in model.parameters()]
+    with pytest.raises(RuntimeError, match="built by a zero stage-3 engine that has been closed"):
+        loss.backward()
+    assert [p.shape for p in model.parameters()] == shapes
+    _loss(model(x), y).backward()  # a plain model
+    assert all(p.grad is not None for p in model.parameters())
+
+
+def test_a_stage3_cast_of_released_parameters_is_refused():
+    """model.half() casts only the empty placeholders of released units:
+    refused at the next gather (before, the gather silently undid it); cast
+    back, training goes on."""
+    model = _model()
+    engine = _engine(model, 3)
+    x, y = _batch(0)
+    model.half()
+    with pytest.raises(RuntimeError, match=r"parameter '0.weight' is now torch.float16"):
+        engine(x)
+    model.float()
+    engine.backward(_loss(engine(x), y))
+    engine.step()
+    engine.close()
+
+
 def test_a_failed_stage3_forward_skips_the_ranks_comparison():
     """The end-of-pass comparison of gathers is a collective: a rank whose
     forward raised must not enter it (its peers, still gathering, never

@@ -83,13 +83,7 @@ def check_parameters_in_place(groups):
                 name = fg.names[unit.members.start + j]
                 if p.dtype != unit.full.dtype or p.device != unit.full.device or \
                         p.shape != unit.shapes[j]:
-                    raise RuntimeError(
-                        f"parameter '{name}' is now {p.dtype} {tuple(p.shape)} on {p.device}, "
-                        f"but the engine trains it as {unit.full.dtype} "
-                        f"{tuple(unit.shapes[j])} on {unit.full.device}: the model was cast or "
-                        "moved after zero.initialize (model.float(), .half(), .to(...)). Cast "
-                        f"it back (model.to({unit.full.dtype})), or call zero.initialize "
-                        "again")
+                    raise _cast_error(name, p, unit, j)
                 slot = _slot(unit, j)
                 with torch.no_grad():
                     slot.copy_(p.detach())
@@ -180,14 +174,25 @@ def _hash_writes(written) -> int:
     return h % _PRIME
 
 
+def _cast_error(name, p, unit, j) -> RuntimeError:
+    return RuntimeError(
+        f"parameter '{name}' is now {p.dtype} {tuple(p.shape)} on {p.device}, but the engine "
+        f"trains it as {unit.full.dtype} {tuple(unit.shapes[j])} on {unit.full.device}: the "
+        "model was cast or moved after zero.initialize (model.float(), .half(), .to(...)). "
+        f"Cast it back (model.to({unit.full.dtype})), or call zero.initialize again")
+
+
 def check_released_untouched(fg, unit):
     """Before a released unit is gathered (which re-points its parameters):
-    refuse a change made to one of them, which the gather would drop."""
+    refuse a change made to one of them, which the gather would drop, and a
+    cast of its placeholder (model.half()), which the gather would undo."""
     seen = getattr(fg, "seen_versions", None)
     if seen is None:  # the engine is still being built
         return
     for j, p in enumerate(unit.params):
         i = unit.members.start + j
+        if p.dtype != unit.full.dtype or p.device != unit.full.device:
+            raise _cast_error(fg.names[i], p, unit, j)
         if p.numel() != 0 or p._version != seen[i]:
             raise _lost_change(fg, unit, j)
 

@@ -68,6 +68,7 @@ class Stage3Schedule:
         self.current, self.pos, self.diverged = [], 0, True
         self.pass_hash = 0
         self.hooks = []
+        self.removed = False  # see remove()
 
         place = {}
         for fg in groups:
@@ -367,6 +368,8 @@ class Stage3Schedule:
             return  # nothing to wait for: released at the end of the backward
 
         def release_frozen(_grads):
+            if self.removed:
+                return
             for unit in frozen:
                 self.release(unit)
         register_multi_grad_hook(inputs, release_frozen, mode="all")
@@ -433,6 +436,8 @@ class Stage3Schedule:
     def _unpack(self, packed):
         if isinstance(packed, _SavedByOuter):
             return packed.unpack(packed.packed)
+        if isinstance(packed, (_SavedInUnit, _SavedView)):
+            self._refuse_if_removed()
         if isinstance(packed, _SavedView):
             self.ensure(packed.fg, packed.unit)
             return packed.tensor
@@ -449,6 +454,7 @@ class Stage3Schedule:
 
     def _hook_pre_backward(self, index, is_root):
         def pre_backward(_grad):
+            self._refuse_if_removed()
             if torch.is_grad_enabled():
                 raise RuntimeError(
                     "zero stage 3 does not support a backward with create_graph=True (double "
@@ -522,9 +528,19 @@ class Stage3Schedule:
         return counts
 
     def remove(self):
+        """Engine.close(). The hooks set on autograd graphs (a backward's,
+        the saved tensors') cannot be removed: they refuse from now on."""
         for h in self.hooks:
             h.remove()
         self.hooks = []
+        self.removed = True
+
+    def _refuse_if_removed(self):
+        if self.removed:
+            raise RuntimeError(
+                "this autograd graph was built by a zero stage-3 engine that has been closed "
+                "(its parameters were released while it was built): run the forward again "
+                "on the model as it is now")
 
 
 class _SavedInUnit:
