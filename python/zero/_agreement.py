@@ -69,12 +69,13 @@ def _plain(value):
     return type(value).__name__
 
 
-def check_ranks_agree(comm, module, optimizer, config) -> None:
+def check_ranks_agree(comm, module, optimizer, config, extra=None) -> None:
     """Raise on every rank unless every rank describes the same training
-    (a collective: the first of the engine's)."""
+    (a collective: the first of the engine's). extra: more aspects, name
+    -> this rank's description."""
     if comm.world == 1:
         return
-    described = aspects(module, optimizer, config)
+    described = {**aspects(module, optimizer, config), **(extra or {})}
     every = comm.gather_ints([_hash(v) for v in described.values()])
     for k, name in enumerate(described):
         values = [row[k] for row in every]

@@ -33,6 +33,12 @@ def held_optimizer_states(optimizer, groups) -> dict:
     return saved
 
 
+def describe_held(saved) -> str:
+    """What held_optimizer_states found, as the ranks compare it: which
+    parameters have states, at which step."""
+    return " ".join(f"{i}:{float(entry.get('step', -1))}" for i, entry in sorted(saved.items()))
+
+
 def take_in_optimizer_states(optimizer, groups, saved) -> None:
     """groups: the engine's trainable FlatGroups (their states allocated);
     saved: held_optimizer_states' answer."""

@@ -38,8 +38,8 @@ from zero._outputs import tensors_in
 from zero._param_writes import (Place, bump_versions, check_parameters_in_place,
                                 record_parameters, take_in_parameter_writes)
 from zero._partitioned_init import sharded_record, take_values
-from zero._resumed_states import (give_back_optimizer_states, held_optimizer_states,
-                                  take_in_optimizer_states)
+from zero._resumed_states import (describe_held, give_back_optimizer_states,
+                                  held_optimizer_states, take_in_optimizer_states)
 from zero._stage3 import Stage3Schedule
 from zero._units import leaf_roots
 from zero import _step_path
@@ -88,8 +88,16 @@ class Engine(nn.Module):
         if not any(params for params, _names in groups):
             raise ValueError("the model has no trainable parameters (every parameter has "
                              "requires_grad=False); nothing to train")
-        resumed = held_optimizer_states(optimizer, groups)
-        check_ranks_agree(comm, module, optimizer, config)
+        # a refusal of the held states is raised once the ranks have
+        # compared them (raised on one rank alone, the others would wait)
+        try:
+            resumed, problem = held_optimizer_states(optimizer, groups), None
+            held = describe_held(resumed)
+        except ValueError as error:
+            resumed, problem, held = {}, error, f"refused: {error}"
+        check_ranks_agree(comm, module, optimizer, config, {"optimizer states": held})
+        if problem is not None:
+            raise problem
         self._schedule = None
         try:
             self._build(module, optimizer, config, comm, groups, owners, resumed)
@@ -106,6 +114,12 @@ class Engine(nn.Module):
             raise
 
     def _build(self, module, optimizer, config, comm, groups, owners, resumed):
+        # the engine's gradients start at zero: a .grad left by a torch run
+        # (its loop zeroes before backward) would otherwise join the first
+        # step at stages 2-3 and be dropped at 0-1
+        for params, _names in groups:
+            for p in params:
+                p.grad = None
         self._cast(module, config.stage)
         for name, buf in module.named_buffers():
             _broadcast_buffer(comm, name, buf)

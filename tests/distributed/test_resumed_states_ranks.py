@@ -39,3 +39,25 @@ def test_ranks_start_from_the_optimizers_states(results, name, stage):
     for out, finished in results:
         for key, value in finished[name].items():
             assert max_rel_error(out[name, stage][key], value) <= 1e-5, (name, stage, key)
+
+
+def states_on_one_rank_only(rank, world):
+    import zero
+    from test_resumed_states import OPTIMIZERS, data, model, torch_steps
+    m = model()
+    opt = OPTIMIZERS["adamw"](m.parameters())
+    if rank == 0:  # only rank 0 ran a torch step: its states (and weights) differ
+        torch_steps(m, opt, data()[:1])
+        m.load_state_dict(model().state_dict())  # the weights alike again
+    try:
+        zero.initialize(m, optimizer=opt, stage=2)
+    except ValueError as e:
+        return str(e)
+    return "initialized"
+
+
+def test_states_held_on_some_ranks_only_are_refused_on_every_rank():
+    """Each rank would take in its own: the ranks compare them first (one
+    rank refusing alone would leave the other waiting)."""
+    for message in harness.run(2, states_on_one_rank_only, timeout=120):
+        assert "the ranks differ in their optimizer states" in message, message
