@@ -289,6 +289,14 @@ def test_a_subclass_with_its_own_step_is_refused():
     engine = zero.initialize(m, optimizer=Labelled(m.parameters(), "run 1"))
     engine.close()
 
+    # what torch does to a class at its first instance when its base had
+    # none yet: the base's step, wrapped, in the subclass's own __dict__
+    class Wrapped(torch.optim.SGD):
+        pass
+    Wrapped.step = torch.optim.Optimizer.profile_hook_step(torch.optim.SGD.step)
+    engine = zero.initialize(m, optimizer=Wrapped(m.parameters(), lr=0.1))
+    engine.close()
+
 
 @pytest.mark.parametrize("stage", [1, 3])
 def test_a_group_the_update_refuses_leaves_the_step_unapplied(stage):

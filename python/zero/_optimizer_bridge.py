@@ -5,6 +5,8 @@ the states, partitioned, and runs the update on its own partition with
 the functions _step_path.py picks (the C core, zero's kernels, torch ops)."""
 from __future__ import annotations
 
+import inspect
+
 import torch
 
 from zero import optim as zero_optim
@@ -43,7 +45,14 @@ def _refuse_own_step(optimizer):
     base = next((cls for cls in mro if cls in _supported_classes()), None)
     if base is None:
         return  # not supported at all: optimizer_kind says so
-    own = [cls for cls in mro[:mro.index(base)] if "step" in vars(cls)]
+    # torch wraps a class's step (profile_hook_step) at its first instance,
+    # and a subclass made before its base had one gets the wrapper in its
+    # own __dict__: a step is the subclass's own only if what it wraps is
+    # not the base's
+    inherited = {inspect.unwrap(vars(cls)["step"]) for cls in mro[mro.index(base):]
+                 if "step" in vars(cls)}
+    own = [cls for cls in mro[:mro.index(base)]
+           if "step" in vars(cls) and inspect.unwrap(vars(cls)["step"]) not in inherited]
     if own:
         raise TypeError(
             f"optimizer of type {type(optimizer).__module__}.{type(optimizer).__qualname__} "
