@@ -53,6 +53,8 @@ class _AllOf:
 
     def is_completed(self) -> bool:
         return all(w.is_completed() for w in self.works)
+
+
 _owned = {"count": 0}  # process groups this module created, by engine
 _channels = {"world": None, "groups": []}  # see Comm.channel
 

@@ -191,7 +191,7 @@ class FlatGroup:
                     if master_file is not None:
                         self.offload.drop("master", unit.shard_slice.start,
                                           unit.shard_slice.stop)
-                self.drop_param_pages(unit)
+                self.drop_param_pages(unit.shard_slice)
                 unit.full = torch.empty(unit.total, dtype=compute_dtype, device=self.device)
                 unit.release()
             else:
@@ -253,26 +253,26 @@ class FlatGroup:
                                "parameters, whose shard is a file they share; build an engine "
                                "in the child")
 
-    def drop_param_pages(self, unit=None):
+    def drop_param_pages(self, span: slice | None = None):
         """[Note: shard on a disk] With offload_param "nvme" the shard is a
         file mapped into memory: a gather reads the unit's chunk through the
         mapping and the step writes the new values through it, so those
         pages become resident; they are dropped again (unmapped from the
         process; the kernel keeps or writes back the page cache) once the
-        unit is gathered, after the step, and after whole-shard reads and
-        writes, so the process holds only the chunk in use. unit None: the
-        whole shard."""
+        unit is gathered, after each chunk of the step, and after
+        whole-shard reads and writes, so the process holds only the chunk
+        in use. span: the shard's elements used (a unit's shard_slice, a
+        step's chunk); None: the whole shard."""
         if self.param_files is None or "shard" not in self.param_files.maps:
-            return  # no file for a group without elements
-        if unit is None:
+            return  # in memory, or no file for a group without elements
+        if span is None:
             self.param_files.drop()
         else:
             # a read through a file mapping maps the pages around the one
             # it faults in too (the kernel's fault-around, 64 KiB): those
-            # of the neighbouring units' chunks go as well
+            # of the neighbouring chunks go as well
             margin = FAULT_AROUND_BYTES // self.shard.element_size()
-            self.param_files.drop("shard", max(0, unit.shard_slice.start - margin),
-                                  unit.shard_slice.stop + margin)
+            self.param_files.drop("shard", max(0, span.start - margin), span.stop + margin)
 
     def _host_buffer(self, dtype):
         """A staging window, page-locked for a GPU (copies at bus speed)."""
@@ -561,6 +561,7 @@ class FlatGroup:
                     # read from; gloo's broadcasts leave it in place
                     mine = mine.clone()
                 self.comm.all_gather_into(unit.full, mine)
+        self.drop_param_pages()  # the chunks just read ([Note: shard on a disk])
 
     def zero_grads(self):
         if self.grad_flat is not None:

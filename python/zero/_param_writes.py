@@ -240,8 +240,7 @@ def write_into_partition(fg, unit, j, before):
     shard = fg.shard[start:start + hi - lo]
     if shard.data_ptr() != new.data_ptr():
         shard.copy_(new)
-    if fg.param_files is not None:  # [Note: shard on a disk] in _flat_group.py
-        fg.param_files.drop("shard", start, start + hi - lo)
+    fg.drop_param_pages(slice(start, start + hi - lo))  # [Note: shard on a disk]
     if not fg.trainable or fg.master is fg.shard:
         return
     master = fg.master[start:start + hi - lo]

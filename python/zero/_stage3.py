@@ -193,7 +193,7 @@ class Stage3Schedule:
     def _gathered(fg, unit):
         unit.point_params()
         unit.gathered = True
-        fg.drop_param_pages(unit)  # [Note: shard on a disk] in _flat_group.py
+        fg.drop_param_pages(unit.shard_slice)  # [Note: shard on a disk] in _flat_group.py
 
     def ensure(self, fg, unit):
         if unit.gathered:
@@ -212,8 +212,7 @@ class Stage3Schedule:
         if unit.work is not None:
             unit.work.wait()
             unit.work = None
-            unit.gathered = True
-            self.place[id(unit.params[0])][0].drop_param_pages(unit)
+            self._gathered(self.place[id(unit.params[0])][0], unit)
         if unit.gathered:
             old_key = storage_key(unit.full)
             if unit.release():  # a new storage: see [Note: released parameters]

@@ -58,10 +58,8 @@ class HostStep:
             run_update(kind, optimizer, group, chunk_buffers(fg, lo, hi, windows),
                        fg.step_count, grad_scale, HOST_FUNCTIONS)
             # the new parameters went through the shard's mapping: a shard
-            # on a disk keeps only this chunk resident ([Note: shard on a
-            # disk] in _flat_group.py)
-            if fg.param_files is not None and fg.part_size:
-                fg.param_files.drop("shard", lo, hi)
+            # on a disk keeps only this chunk resident
+            fg.drop_param_pages(slice(lo, hi))
         if fg.offload is not None and fg.offload.maps:
             # states in files: chunk by chunk through RAM windows, the next
             # chunk read and the last written while this one is updated

@@ -84,17 +84,8 @@ class OffloadOptimizer:
     write_through: bool = False
 
     def __post_init__(self):
-        if self.device not in ("none", "cpu", "nvme"):
-            raise ValueError(f"offload_optimizer.device must be 'none', 'cpu' or 'nvme', got "
-                             f"{self.device!r}")
-        # the directory itself is checked where it is used (check_nvme_path,
-        # at initialize): a config may be read, or a run sized, elsewhere
-        if self.nvme_path is not None:
-            object.__setattr__(self, "nvme_path", _path(self.nvme_path,
-                                                        "offload_optimizer.nvme_path"))
-        if self.device == "nvme" and not self.nvme_path:
-            raise ValueError("offload_optimizer.device='nvme' needs nvme_path, a directory "
-                             "on a fast disk")
+        object.__setattr__(self, "nvme_path",
+                           _offload_place("offload_optimizer", self.device, self.nvme_path))
         # numpy's integers too (a size computed with numpy)
         if isinstance(self.chunk_elements, bool) or \
                 not isinstance(self.chunk_elements, numbers.Integral) or self.chunk_elements < 1:
@@ -120,15 +111,21 @@ class OffloadParam:
     nvme_path: Optional[str] = None
 
     def __post_init__(self):
-        if self.device not in ("none", "cpu", "nvme"):
-            raise ValueError(f"offload_param.device must be 'none', 'cpu' or 'nvme', got "
-                             f"{self.device!r}")
-        if self.nvme_path is not None:
-            object.__setattr__(self, "nvme_path", _path(self.nvme_path,
-                                                        "offload_param.nvme_path"))
-        if self.device == "nvme" and not self.nvme_path:
-            raise ValueError("offload_param.device='nvme' needs nvme_path, a directory on a "
-                             "fast disk")
+        object.__setattr__(self, "nvme_path",
+                           _offload_place("offload_param", self.device, self.nvme_path))
+
+
+def _offload_place(block, device, nvme_path):
+    """The checks of an offload block's device and nvme_path (block: its
+    name, for messages); returns nvme_path as a str (or None). The
+    directory itself is checked where it is used (check_nvme_path, at
+    initialize): a config may be read, or a run sized, elsewhere."""
+    if device not in ("none", "cpu", "nvme"):
+        raise ValueError(f"{block}.device must be 'none', 'cpu' or 'nvme', got {device!r}")
+    path = None if nvme_path is None else _path(nvme_path, f"{block}.nvme_path")
+    if device == "nvme" and not path:
+        raise ValueError(f"{block}.device='nvme' needs nvme_path, a directory on a fast disk")
+    return path
 
 
 def _path(value, name) -> str:
@@ -345,12 +342,21 @@ def _take(block: dict, prefix: str, known: dict, ignored=frozenset()) -> dict:
     return out
 
 
-def _offload_block(zero_block, key) -> dict:
+def _offload_options(zero_block, key, block_type, ignored):
+    """A DeepSpeed offload block (zero_optimization.<key>) as a block_type,
+    or None when it is left out; `ignored`: DeepSpeed's tuning keys it
+    accepts and drops."""
     block = zero_block.get(key)
     if block is not None and not isinstance(block, dict):
         raise ValueError(f"zero_optimization.{key} must be an object such as "
                          f'{{"device": "cpu"}}, got {block!r}')
-    return block
+    if not block:
+        return None
+    offload = _take(block, f"zero_optimization.{key}.",
+                    {"device": "device", "nvme_path": "nvme_path"}, ignored)
+    if offload.get("device") == "auto":  # as DeepSpeed: no offload
+        offload.pop("device")
+    return block_type(**offload)
 
 
 def _translate(ds: dict) -> dict:
@@ -387,30 +393,21 @@ def _translate(ds: dict) -> dict:
         "stage3_prefetch_bucket_size": "stage3_prefetch_bucket_size",
         "stage3_max_live_parameters": "stage3_max_live_parameters",
     }, _ZERO_IGNORED)
-    block = _offload_block(zero_block, "offload_param")
-    if block:
-        # buffer_count/buffer_size/max_in_cpu size DeepSpeed's pinned
-        # buffers; the shard here is read unit by unit through its mapping
-        offload = _take(block, "zero_optimization.offload_param.",
-                        {"device": "device", "nvme_path": "nvme_path"},
-                        {"pin_memory", "buffer_count", "buffer_size", "max_in_cpu"})
-        if offload.get("device") == "auto":  # as DeepSpeed: no offload
-            offload.pop("device")
-        options["offload_param"] = OffloadParam(**offload)
-    block = _offload_block(zero_block, "offload_optimizer")
-    if block:
-        # buffer_size/buffer_count size DeepSpeed's pinned I/O buffers
-        # (often 1e8 elements); our windows are 3 x chunk_elements per file,
-        # so a buffer_size read as chunk_elements would cost GBs of RAM:
-        # accepted, ignored, the default chunk kept (docs/offload.md)
-        offload = _take(block, "zero_optimization.offload_optimizer.",
-                        {"device": "device", "nvme_path": "nvme_path"},
-                        {"pin_memory", "buffer_count", "buffer_size", "fast_init", "ratio",
-                         "pipeline_read", "pipeline_write", "super_offload",
-                         "convert_grad_on_cpu", "cpuadam_cores_perc"})
-        if offload.get("device") == "auto":  # as DeepSpeed: no offload
-            offload.pop("device")
-        options["offload_optimizer"] = OffloadOptimizer(**offload)
+    # buffer_count/buffer_size/max_in_cpu size DeepSpeed's pinned buffers;
+    # the shard here is read unit by unit through its mapping
+    param = _offload_options(zero_block, "offload_param", OffloadParam,
+                             {"pin_memory", "buffer_count", "buffer_size", "max_in_cpu"})
+    # buffer_size/buffer_count size DeepSpeed's pinned I/O buffers (often
+    # 1e8 elements); our windows are 3 x chunk_elements per file, so a
+    # buffer_size read as chunk_elements would cost GBs of RAM: accepted,
+    # ignored, the default chunk kept (docs/offload.md)
+    optimizer = _offload_options(zero_block, "offload_optimizer", OffloadOptimizer,
+                                 {"pin_memory", "buffer_count", "buffer_size", "fast_init",
+                                  "ratio", "pipeline_read", "pipeline_write", "super_offload",
+                                  "convert_grad_on_cpu", "cpuadam_cores_perc"})
+    for key, block in (("offload_param", param), ("offload_optimizer", optimizer)):
+        if block is not None:
+            options[key] = block
     for key in ("reduce_bucket_size", "stage3_param_persistence_threshold",
                 "stage3_prefetch_bucket_size", "stage3_max_live_parameters"):
         if key in zero_opts:  # DeepSpeed configs often write 5e7

@@ -546,7 +546,6 @@ class Engine(nn.Module):
                     fg.step_count -= 1
                     raise
                 fg.all_gather_params()
-                fg.drop_param_pages()  # [Note: shard on a disk] in _flat_group.py
                 # autograd then refuses a backward through a graph that
                 # saved the old values, as after torch.optim's step
                 bump_versions(fg)
