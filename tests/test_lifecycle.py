@@ -13,11 +13,24 @@ import weakref
 
 import pytest
 import torch
+import torch.distributed as dist
 from torch import nn
 
 import zero
 
 STAGES = [0, 1, 2, 3]
+
+
+@pytest.fixture(autouse=True)
+def no_group_left_behind(monkeypatch):
+    """Every engine here is launcher-less: closed, dropped or failed, it
+    must take its in-memory group with it (a group left behind broke the
+    next file's tests when run in one process)."""
+    for var in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK"):
+        monkeypatch.delenv(var, raising=False)
+    yield
+    gc.collect()
+    assert not dist.is_initialized(), "an engine left its process group behind"
 
 
 def _model(seed=0):
@@ -392,6 +405,22 @@ def test_a_failed_stage3_initialize_leaves_the_model_whole():
         _engine(model, 3, stage3_leaf_modules=["Linaer"])
     assert [p.shape for p in model.parameters()] == shapes
     _engine(model, 3).close()
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_a_dropped_engine_leaves_its_process_group(stage):
+    """A notebook that rebinds `engine` without close(): the dropped
+    engine's in-memory group goes with it, and the next engine makes its
+    own and trains."""
+    model = _model()
+    engine = _engine(model, stage)
+    _train(engine, 1)
+    del engine
+    gc.collect()
+    assert not dist.is_initialized()
+    engine = _engine(_model(), stage)
+    _train(engine, 1)
+    engine.close()
 
 
 def test_a_stage3_model_whose_engine_was_dropped_is_refused():

@@ -119,7 +119,7 @@ def join_process_group(device: torch.device, backend: str | None = None) -> bool
     bind = {"device_id": device} if "nccl" in backend and device.type == "cuda" else {}
     if launched:
         dist.init_process_group(backend, init_method="env://", **bind)
-        atexit.register(_destroy_at_exit)
+        _destroy_at_exit_once()
         return False
     else:
         present = [v for v in _LAUNCHER_VARS if v in os.environ]
@@ -130,8 +130,16 @@ def join_process_group(device: torch.device, backend: str | None = None) -> bool
                 f"{', '.join(missing)} {'is' if len(missing) == 1 else 'are'} not; start "
                 "with torchrun, set the missing ones, or unset them")
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, **bind)
+        # partitioned_init's group is never left, and a live gloo group at
+        # interpreter exit can end in "terminate called"
+        _destroy_at_exit_once()
     _owned["count"] += 1
     return True
+
+
+def _destroy_at_exit_once():
+    atexit.unregister(_destroy_at_exit)  # one registration, however many groups
+    atexit.register(_destroy_at_exit)
 
 
 def _destroy_at_exit():

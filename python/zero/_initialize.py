@@ -95,6 +95,7 @@ def initialize(model: nn.Module, *, optimizer=None, stage=None, precision=None,
         optimizer = default_optimizer(cfg, model)
     share_cores_among_local_ranks()
     created = join_process_group(device)
+    engine = None
     try:
         comm = Comm(device)
         cfg = settle_batch_sizes(cfg, comm.world)
@@ -107,7 +108,10 @@ def initialize(model: nn.Module, *, optimizer=None, stage=None, precision=None,
         model._zero_engine = EngineRef(engine)
         return engine
     except BaseException:
-        leave_process_group(created)
+        if engine is None:
+            leave_process_group(created)
+        else:  # its finalizer leaves, once
+            engine._leave_group()
         raise
 
 

@@ -58,7 +58,6 @@ class Engine(nn.Module):
         self.config = config
         self.lr_scheduler = lr_scheduler
         self._comm = comm
-        self._owns_group = owns_group
         self._kind = optimizer_kind(optimizer)
         self.compute_dtype = DTYPES[config.precision]
         self.device = comm.device  # the model's; every buffer lives there
@@ -112,6 +111,11 @@ class Engine(nn.Module):
                 for p in module.parameters():
                     p._zero_lost = True
             raise
+        # registered last: a failed __init__ leaves through initialize's
+        # error path, not here too. A dropped engine leaves its group (a
+        # notebook that rebinds `engine` without close() kept the in-memory
+        # group for good); close() runs it at once, and it runs only once.
+        self._leave_group = weakref.finalize(self, leave_process_group, owns_group)
 
     def _build(self, module, optimizer, config, comm, groups, owners, resumed):
         # the engine's gradients start at zero: a .grad left by a torch run
@@ -770,7 +774,7 @@ class Engine(nn.Module):
                 fg.offload.close()
             if fg.param_files is not None:
                 fg.param_files.close()
-        leave_process_group(self._owns_group)
+        self._leave_group()
         self._closed = True
 
 
