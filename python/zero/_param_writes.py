@@ -15,7 +15,7 @@ model.float() and back) would be overwritten by the next step.
   this rank's partition (so untouched elements keep their fp32 bits, as
   with GatheredParameters(modifier_rank=...)). Every rank takes in its
   own values, so write the same values on every rank (as DDP expects):
-  the ranks check that they did ([Note: writes agreed]).
+  the ranks check that they did ([Note: writes agreed] in _step_agreement.py).
 - A parameter cast or moved (another dtype or device) is refused by
   name, and so is a change to a released stage-3 parameter (an empty
   placeholder: the values were never there), in place or by p.data = ....
@@ -27,13 +27,13 @@ model.float() and back) would be overwritten by the next step.
 """
 from __future__ import annotations
 
-import zlib
 from typing import NamedTuple
 
 import torch
 from torch.autograd.graph import increment_version
 
 from zero._copying import none
+from zero._step_agreement import agree, hash_settings, hash_writes, other_rank_refused
 
 
 class Place(NamedTuple):
@@ -91,18 +91,30 @@ def check_parameters_in_place(groups):
                 fg.seen_versions[unit.members.start + j] = -1  # taken in at the next step
 
 
-def take_in_parameter_writes(groups):
+def take_in_parameter_writes(groups, refusal: Exception | None = None,
+                             settings: str = ""):
     """Before a step or a read of the partitions: see [Note: parameter
-    writes]. A collective where the groups span several ranks (the ranks
-    agree on what was written first: [Note: writes agreed])."""
-    problem, written = None, []
-    try:
-        check_parameters_in_place(groups)
-        written = _writes(groups)
-    except RuntimeError as error:  # raised once the ranks have compared notes
-        problem = error
+    writes]. A collective where the groups span several ranks: the ranks
+    agree on what was written, on `settings` (describe_settings of the
+    step's param groups) and on whether any refuses ([Note: writes agreed]
+    in _step_agreement.py). `refusal` is the caller's own check's error on
+    this rank, raised once the ranks have compared notes."""
+    problem, written = refusal, []
+    if problem is None:
+        try:
+            check_parameters_in_place(groups)
+            written = _writes(groups)
+        except RuntimeError as error:  # raised once the ranks have compared notes
+            problem = error
     if groups and groups[0].comm.world > 1:
-        _agree_on_writes(groups[0].comm, written, problem)
+        verdict = agree(groups[0].comm, hash_writes(written), hash_settings(settings),
+                        refused=problem is not None)
+        if problem is None and verdict.other_refused:
+            raise other_rank_refused()
+        if problem is None and not verdict.writes_alike:
+            raise _writes_differ(groups, written)
+        if problem is None and not verdict.settings_alike:
+            raise _settings_differ(settings)
     if problem is not None:
         raise problem
     for fg, unit, j in written:
@@ -130,32 +142,10 @@ def _writes(groups) -> list:
     return written
 
 
-# [Note: writes agreed] Every rank takes its own written values into its own
-# partition, so a write made on some ranks only (`if rank == 0:
-# model.load_state_dict(...)`), or with other values on each (an unseeded
-# nn.init), would leave the ranks' partitions out of step, silently: each
-# rank's slice of the model would come from another model. So the ranks
-# compare what they are about to take in: each hashes the (group,
-# parameter) names it saw written and 64 of each one's values, strided,
-# into a number below _PRIME (_PRIME + 1 when this rank refuses a write of
-# its own), and one all-reduce of (h, h^2) as integers tells every rank
-# alike whether all h are equal: world * sum(h^2) == sum(h)^2 exactly then
-# (Cauchy-Schwarz). A hash can collide (about 1 in a million); then the
-# difference goes unseen, as it did before the check.
-_PRIME = 1_048_573  # below 2^20: world * sum(h^2) stays exact in int64 up to 2048 ranks
-_SAMPLES = 64
-
-
-def _agree_on_writes(comm, written, problem):
-    h = _PRIME + 1 if problem is not None else _hash_writes(written)
-    totals = torch.tensor([h, h * h], dtype=torch.int64, device=comm.scalar_device)
-    comm.sum_scalars_(totals)
-    total, squares = (int(v) for v in totals.tolist())
-    if comm.world * squares == total * total or problem is not None:
-        return  # agreed, or this rank raises its own error next
+def _writes_differ(groups, written) -> RuntimeError:
     names = [fg.names[unit.members.start + j] for fg, unit, j in written]
     listed = ", ".join(f"'{n}'" for n in names[:4]) + (" ..." if len(names) > 4 else "")
-    raise RuntimeError(
+    return RuntimeError(
         "parameters were written since the last step, and not alike on every rank (this "
         f"rank wrote {listed or 'none'}; another rank wrote other parameters or other "
         "values). Each rank keeps its own slice of the model, so the ranks' slices would "
@@ -164,14 +154,12 @@ def _agree_on_writes(comm, written, problem):
         "zero.GatheredParameters(params, modifier_rank=that rank). Nothing was taken in")
 
 
-def _hash_writes(written) -> int:
-    h = 0
-    for fg, unit, j in written:
-        flat = unit.params[j].detach().reshape(-1)
-        sample = flat[::max(1, flat.numel() // _SAMPLES)][:_SAMPLES]
-        values = sample.to(device="cpu", dtype=torch.float32).numpy().tobytes()
-        h += zlib.crc32(f"{fg.index}:{unit.members.start + j}:".encode() + values)
-    return h % _PRIME
+def _settings_differ(settings) -> RuntimeError:
+    return RuntimeError(
+        "the optimizer's param group settings are not alike on every rank (this rank has "
+        f"{settings}). Each rank updates its own slice of the model with its own settings, "
+        "so the slices would train differently: change a setting (group['lr'] = ...) on "
+        "every rank alike. Nothing was updated on any rank")
 
 
 def _cast_error(name, p, unit, j) -> RuntimeError:

@@ -41,6 +41,7 @@ from zero._partitioned_init import sharded_record, take_values
 from zero._resumed_states import (describe_held, give_back_optimizer_states,
                                   held_optimizer_states, take_in_optimizer_states)
 from zero._stage3 import Stage3Schedule
+from zero._step_agreement import describe_settings
 from zero._units import leaf_roots
 from zero import _step_path
 from zero._step_path import step_path_for
@@ -518,10 +519,19 @@ class Engine(nn.Module):
             return
         boundary = self.is_accumulation_boundary
         if boundary:
-            # everything that can refuse, before anything changes
-            self._check_optimizer_unchanged()
-            self._check_update_arguments()
-            take_in_parameter_writes(self.all_groups)
+            # everything that can refuse, before anything changes, and
+            # agreed over the ranks: a refusal on one rank alone, or settings
+            # changed on one rank alone, stop every rank ([Note: writes agreed])
+            refusal, settings = None, ""
+            try:
+                self._check_optimizer_unchanged()
+                self._check_update_arguments()
+                if self._comm.world > 1:
+                    settings = describe_settings(self.optimizer.param_groups,
+                                                 [fg.index for fg in self.groups])
+            except (RuntimeError, ValueError, TypeError) as error:
+                refusal = error
+            take_in_parameter_writes(self.all_groups, refusal, settings)
         self._scaled_backward = False
         self.micro_steps += 1
         if not boundary:

@@ -1,5 +1,5 @@
 """Writes into the parameters after initialize, on 2 gloo ranks ([Note:
-writes agreed] in _param_writes.py): a write made on one rank only, or
+writes agreed] in _step_agreement.py): a write made on one rank only, or
 with other values on each rank, is refused on every rank at the next step
 (before, each rank took its own values into its own slice, silently
 mixing two models); the same write on every rank is taken in."""

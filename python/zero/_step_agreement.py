@@ -1,0 +1,97 @@
+"""What the ranks agree on before a step takes anything in: the parameter
+writes each saw, the optimizer settings each will use, and whether any of
+them refused the step. One all-reduce of five integers.
+
+[Note: writes agreed] Every rank takes its own written values into its own
+partition, so a write made on some ranks only (`if rank == 0:
+model.load_state_dict(...)`), or with other values on each (an unseeded
+nn.init), would leave the ranks' partitions out of step, silently: each
+rank's slice of the model would come from another model. The same holds for
+the optimizer's settings: each rank updates its own partition with its own
+param_groups, so an lr changed on one rank only trains each slice at another
+rate. And a refusal on one rank only (a bad setting there, a parameter cast
+there) raised on that rank while the others went on into the gradient
+reduction and waited for it for good.
+
+So before a step (and before a checkpoint, full_state_dict or
+GatheredParameters reads the partitions) each rank hashes the (group,
+parameter) names it saw written and 64 of each one's values, strided, and,
+for a step, every setting of the param groups it trains, into numbers below
+_PRIME, and says whether it refuses. One all-reduce of
+(refused, w, w^2, s, s^2) as integers tells every rank alike whether all w
+are equal and all s are equal: world * sum(h^2) == sum(h)^2 exactly then
+(Cauchy-Schwarz). Every rank then raises, or none does. A hash can collide
+(about 1 in a million); then the difference goes unseen, as it did before
+the check.
+"""
+from __future__ import annotations
+
+import zlib
+
+import torch
+
+_PRIME = 1_048_573  # below 2^20: world * sum(h^2) stays exact in int64 up to 2048 ranks
+_SAMPLES = 64
+
+
+class Verdict:
+    """What the all-reduce told this rank: whether another rank refused,
+    and whether the writes and the settings were alike on every rank."""
+
+    def __init__(self, other_refused: bool, writes_alike: bool, settings_alike: bool):
+        self.other_refused = other_refused
+        self.writes_alike = writes_alike
+        self.settings_alike = settings_alike
+
+
+def agree(comm, writes_hash: int, settings_hash: int, refused: bool) -> Verdict:
+    w, s = writes_hash % _PRIME, settings_hash % _PRIME
+    totals = torch.tensor([int(refused), w, w * w, s, s * s], dtype=torch.int64,
+                          device=comm.scalar_device)
+    comm.sum_scalars_(totals)
+    refusals, w_sum, w_squares, s_sum, s_squares = (int(v) for v in totals.tolist())
+    return Verdict(other_refused=refusals > int(refused),
+                   writes_alike=comm.world * w_squares == w_sum * w_sum,
+                   settings_alike=comm.world * s_squares == s_sum * s_sum)
+
+
+def other_rank_refused() -> RuntimeError:
+    return RuntimeError(
+        "another rank refused to go on (its own error says why); every rank stops here, "
+        "and nothing was taken in or updated on any rank")
+
+
+def hash_writes(written) -> int:
+    """`written`: (group, unit, index in unit) of each written parameter."""
+    h = 0
+    for fg, unit, j in written:
+        flat = unit.params[j].detach().reshape(-1)
+        sample = flat[::max(1, flat.numel() // _SAMPLES)][:_SAMPLES]
+        values = sample.to(device="cpu", dtype=torch.float32).numpy().tobytes()
+        h += zlib.crc32(f"{fg.index}:{unit.members.start + j}:".encode() + values)
+    return h % _PRIME
+
+
+def describe_settings(param_groups, indices) -> str:
+    """The settings of the listed param groups, as one text that is equal on
+    two ranks exactly when the settings are (the parameters left out)."""
+    return "; ".join(
+        f"group {i}: " + ", ".join(f"{key}={_setting_text(value)}"
+                                   for key, value in sorted(param_groups[i].items())
+                                   if key != "params")
+        for i in indices)
+
+
+def hash_settings(text: str) -> int:
+    return zlib.crc32(text.encode()) % _PRIME
+
+
+def _setting_text(value) -> str:
+    if torch.is_tensor(value):  # a tensor lr (capturable, or a scheduler's)
+        return repr(value.detach().cpu().tolist()) if value.numel() <= 16 \
+            else f"tensor{tuple(value.shape)}"
+    if isinstance(value, (tuple, list)):
+        return "(" + ", ".join(_setting_text(v) for v in value) + ")"
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return repr(value)
+    return type(value).__name__  # an object's repr can hold its address
