@@ -226,11 +226,12 @@ def test_a_cast_left_in_place_is_refused_by_name(stage):
 # ---- gradients, clipping and the step ---------------------------------------------
 
 @pytest.mark.parametrize("stage", STAGES)
-@pytest.mark.parametrize("how", ["optimizer", "model"])
+@pytest.mark.parametrize("how", ["optimizer", "model", "submodule"])
 def test_zero_grad_between_backwards_drops_the_first(stage, how):
-    """optimizer.zero_grad() and model.zero_grad() between two backwards,
-    as torch: only the second gradient is applied (stages 2-3 had reduced
-    the first already; its .grad were None)."""
+    """optimizer.zero_grad(), model.zero_grad() and a submodule's between
+    two backwards, as torch: only the second gradient is applied (of the
+    submodule's parameters, for its zero_grad). Stages 2-3 had reduced the
+    first already; its .grad were None."""
     model, ref = _model(), _model()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
@@ -240,12 +241,32 @@ def test_zero_grad_between_backwards_drops_the_first(stage, how):
         _loss(m(x * 3), y).backward()  # discarded
         if how == "optimizer":
             o.zero_grad()
-        else:
+        elif how == "model":
             (model if m is engine else ref).zero_grad()
+        else:
+            (model if m is engine else ref)[2].zero_grad()
         _loss(m(x), y).backward()
     engine.step()
     ref_opt.step()
     _assert_same(engine.full_state_dict(), ref.state_dict(), atol=1e-7)
+    engine.close()
+
+
+@pytest.mark.parametrize("stage", [0, 1])
+def test_a_submodule_zero_grad_with_wider_gradient_accumulation(stage):
+    """bf16 with grad_accum_dtype="fp32": gradients go into the flat fp32
+    buffer and leave .grad, so torch's zero_grad alone would drop nothing."""
+    model = _model()
+    engine = _engine(model, stage, precision="bf16", opt=torch.optim.SGD,
+                     grad_accum_dtype="fp32")
+    before = engine.full_state_dict()
+    x, y = _batch(0)
+    engine.backward(_loss(engine(x), y))
+    model[2].zero_grad()
+    engine.step()
+    after = engine.full_state_dict()
+    for name in before:
+        assert torch.equal(before[name], after[name]) == name.startswith("2."), name
     engine.close()
 
 
@@ -611,6 +632,9 @@ def test_a_copy_of_a_trained_model_is_a_plain_model(stage, persistent):
         opt.step()  # a plain optimizer on a plain model
         clone.zero_grad()  # the class's own, on the copy
         assert all(p.grad is None for p in clone.parameters())
+        _loss(clone(x), y).backward()
+        clone[2].zero_grad()  # a submodule's too
+        assert clone[2].weight.grad is None and clone[0].weight.grad is not None
         assert getattr(clone, "_zero_engine", None) is None
         zero.initialize(clone, stage=stage).close()
     _train(engine, 2, start=1)

@@ -569,6 +569,32 @@ class FlatGroup:
         else:
             self.grad_part.zero_()
 
+    def zero_grads_of(self, members: set):
+        """Drop the gradients since the last step of the listed parameters
+        (indices in the group): a submodule's zero_grad(). Stages 0-1 zero
+        their places in the flat buffer (a wider grad_accum_dtype took them
+        out of .grad already); stages 2-3 their reduced elements in this
+        rank's partition (each rank drops its own)."""
+        for unit in self.units:
+            for j in range(len(unit.params)):
+                if unit.members.start + j not in members:
+                    continue
+                if self.grad_flat is not None:
+                    self.view(self.grad_flat, unit.members.start + j).zero_()
+                else:
+                    lo, hi, span = self.partition_span(unit, j)
+                    if lo < hi:
+                        self.grad_part[span].zero_()
+
+    def partition_span(self, unit, j):
+        """The elements of unit parameter j that this rank's partition
+        holds: (lo, hi) in the unit's layout, and the slice of the partition
+        (shard, master, grad_part) that holds them; none when lo >= hi."""
+        lo = max(unit.offsets[j], self.owner * unit.part)
+        hi = min(unit.offsets[j] + unit.numels[j], (self.owner + 1) * unit.part)
+        start = unit.shard_offset + lo - self.owner * unit.part
+        return lo, hi, slice(start, start + max(0, hi - lo))
+
     def gather_master(self) -> torch.Tensor:
         """The full fp32 master in the unsharded layout, on every rank, in
         host memory. On a GPU it travels in slices of GATHER_SLICE elements

@@ -218,20 +218,18 @@ def write_into_partition(fg, unit, j, before):
     the shard and the master: the elements that differ from `before` (the
     values on entry to GatheredParameters), or, with before=None, from the
     master rounded to the compute dtype."""
-    lo = max(unit.offsets[j], fg.owner * unit.part)
-    hi = min(unit.offsets[j] + unit.numels[j], (fg.owner + 1) * unit.part)
+    lo, hi, span = fg.partition_span(unit, j)
     if lo >= hi:
         return
     fg.check_shard_writable()
     new = unit.full[lo:hi]
-    start = unit.shard_offset + lo - fg.owner * unit.part
-    shard = fg.shard[start:start + hi - lo]
+    shard = fg.shard[span]
     if shard.data_ptr() != new.data_ptr():
         shard.copy_(new)
-    fg.drop_param_pages(slice(start, start + hi - lo))  # [Note: shard on a disk]
+    fg.drop_param_pages(span)  # [Note: shard on a disk]
     if not fg.trainable or fg.master is fg.shard:
         return
-    master = fg.master[start:start + hi - lo]
+    master = fg.master[span]
     old = None if before is None else before[lo - unit.offsets[j]:hi - unit.offsets[j]]
     take_changed_elements(master, new, old)
     if fg.offload is not None:

@@ -374,6 +374,12 @@ class Engine(nn.Module):
         # already None after a backward, so torch's alone would drop nothing
         self.module.zero_grad = types.MethodType(_model_zero_grad, self.module)
         self._hooks.append(_AttributeRemoval(self.module, "zero_grad"))
+        # and a submodule's, which drops its own parameters' gradients: at
+        # stages 2-3 they were reduced into the partitions already
+        for sub in self.module.modules():
+            if sub is not self.module and next(sub.parameters(), None) is not None:
+                sub.zero_grad = types.MethodType(_submodule_zero_grad, sub)
+                self._hooks.append(_AttributeRemoval(sub, "zero_grad"))
 
     def _check_optimizer_unchanged(self):
         """The engine laid out its partitions and states for the optimizer's
@@ -590,6 +596,15 @@ class Engine(nn.Module):
             fg.zero_grads()
             if fg.grad_flat is not None:
                 fg.point_grads_at_flat()
+
+    def _zero_grads_of(self, params):
+        """A submodule's zero_grad(): drop these parameters' gradients."""
+        self._check_open()
+        wanted = {id(p) for p in params}
+        for fg in self.groups:
+            members = {i for i, p in enumerate(fg.params) if id(p) in wanted}
+            if members:
+                fg.zero_grads_of(members)
 
     def register_external_parameter(self, module: nn.Module, param: nn.Parameter):
         """Stage 3: make `module`'s forward (and backward) gather `param`,
@@ -832,8 +847,24 @@ def _model_zero_grad(self, set_to_none: bool = True):
         _call_alive(ref, Engine.zero_grad, set_to_none)
 
 
+def _submodule_zero_grad(self, set_to_none: bool = True):
+    """A submodule's zero_grad while an engine trains its model: the
+    module class's own, then each engine training its parameters drops
+    their gradients since the last step. A copy's parameters have no place,
+    so a copy gets the class's alone."""
+    type(self).zero_grad(self, set_to_none)
+    by_engine = {}
+    for p in self.parameters():
+        place = getattr(p, "_zero_place", None)
+        if place is not None:
+            by_engine.setdefault(place.engine, []).append(p)
+    for ref, params in by_engine.items():
+        _call_alive(ref, Engine._zero_grads_of, params)
+
+
 # a pickled bound method is rebuilt as getattr(model, __name__): the class's
 _model_zero_grad.__name__ = "zero_grad"
+_submodule_zero_grad.__name__ = "zero_grad"
 
 
 def _refuse_states_call(name):
