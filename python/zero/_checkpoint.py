@@ -19,6 +19,7 @@ from zero._checkpoint_format import (FORMAT, LATEST_FILE, META_FILE, REPLICATED_
                                      owned_pieces, resolve_tag, shard_file)
 from zero._optimizer_bridge import parameter_names, states_for
 from zero._param_writes import bump_versions, take_in_parameter_writes
+from zero._step_agreement import agree, different_calls
 
 
 def _host_copy(t: torch.Tensor) -> torch.Tensor:
@@ -194,15 +195,19 @@ def _sync_directory(path):
         os.close(fd)
 
 
-def _all_ok(comm, error, doing="saving") -> None:
+def _all_ok(engine, error, doing="saving") -> None:
     """A barrier that also tells every rank whether some rank failed, so a
-    full disk on one rank raises everywhere instead of hanging the rest."""
-    failed = comm.sum_scalar(1.0 if error is not None else 0.0)
+    full disk on one rank raises everywhere instead of hanging the rest,
+    and that they are all in this call ([Note: writes agreed])."""
+    call = engine.call_text(f"{doing} a checkpoint")
+    verdict = agree(engine._comm, call, 0, 0, refused=error is not None)
+    if not verdict.same_call:
+        raise different_calls(call)
     if error is not None:
         raise error
-    if failed:
-        raise RuntimeError(f"{doing} the checkpoint failed on {int(failed)} other rank(s); "
-                           "see their errors")
+    if verdict.other_refused:
+        raise RuntimeError(f"{doing} the checkpoint failed on {verdict.other_refused} other "
+                           "rank(s); see their errors")
 
 
 def _gradients_pending(engine) -> bool:
@@ -220,23 +225,27 @@ def _gradients_pending(engine) -> bool:
 
 def save(engine, save_dir, tag=None, client_state=None, save_latest=True) -> str:
     comm = engine._comm
+    refusal = None
     if engine.micro_steps % engine.config.gradient_accumulation_steps:
-        raise RuntimeError(
+        refusal = RuntimeError(
             "save_checkpoint was called in the middle of an accumulation boundary (micro-step "
             f"{engine.micro_steps % engine.config.gradient_accumulation_steps} of "
             f"{engine.config.gradient_accumulation_steps}); gradients are not saved, so call "
             "it after the boundary's engine.step()")
-    pending = comm.sum_scalar(1.0 if _gradients_pending(engine) else 0.0)
-    if pending:
-        raise RuntimeError(
-            f"save_checkpoint was called with gradients waiting for step() on {int(pending)} "
-            "rank(s) (a backward since the last step, or inside no_sync()); gradients are not "
-            "saved, so a run resumed from it would step without them. Call it after "
-            "engine.step(), or drop them with engine.zero_grad() first")
-    tag = check_tag(f"global_step{engine.global_steps}" if tag is None else tag)
+    elif _gradients_pending(engine):
+        refusal = RuntimeError(
+            "save_checkpoint was called with gradients waiting for step() (a backward since "
+            "the last step, or inside no_sync()); gradients are not saved, so a run resumed "
+            "from it would step without them. Call it after engine.step(), or drop them with "
+            "engine.zero_grad() first")
+    try:
+        tag = check_tag(f"global_step{engine.global_steps}" if tag is None else tag)
+    except (TypeError, ValueError) as error:
+        refusal = refusal or error
+    # a collective that raises on every rank alike (a refusal on one rank
+    # too): before the per-rank work
+    take_in_parameter_writes(engine.all_groups, engine.call_text("save_checkpoint()"), refusal)
     path = os.path.join(os.fspath(save_dir), tag)
-    # a collective that raises on every rank alike: before the per-rank work
-    take_in_parameter_writes(engine.all_groups)
     save_id = _agreed_save_id(comm)
     meta, error = None, None
     try:  # this rank's checks and shard; a failure is raised on every rank by _all_ok
@@ -259,7 +268,7 @@ def save(engine, save_dir, tag=None, client_state=None, save_latest=True) -> str
             meta["save_id"] = save_id
     except Exception as e:
         error = e
-    _all_ok(comm, error)
+    _all_ok(engine, error)
     # the meta only once every shard is on the disk: until then the tag's
     # old meta names another save_id, and the reader refuses the mixture
     try:
@@ -267,7 +276,7 @@ def save(engine, save_dir, tag=None, client_state=None, save_latest=True) -> str
             _write(meta, os.path.join(path, META_FILE))
     except Exception as e:
         error = e
-    _all_ok(comm, error)
+    _all_ok(engine, error)
     if save_latest:
         try:
             if comm.rank == 0:
@@ -275,7 +284,7 @@ def save(engine, save_dir, tag=None, client_state=None, save_latest=True) -> str
                                          lambda f: f.write(tag.encode("utf-8")))
         except Exception as e:
             error = e
-        _all_ok(comm, error)
+        _all_ok(engine, error)
     return path
 
 
@@ -452,7 +461,7 @@ def load(engine, load_dir, tag=None, load_optimizer_states=True,
         _check_buffers(engine, meta)
     except Exception as e:  # raised on every rank, before anything changes
         error = e
-    _all_ok(engine._comm, error, "loading")
+    _all_ok(engine, error, "loading")
     engine.zero_grad()
     _load_partitions(engine, reader, with_optimizer)
     for fg in engine.all_groups:

@@ -20,9 +20,18 @@ import torch.distributed as dist
 
 from zero._param_writes import (check_parameters_in_place, take_in_parameter_writes,
                                 write_into_partition)
+from zero._step_agreement import agree, different_calls
 
 
 class GatheredParameters:
+    """with zero.GatheredParameters(params, modifier_rank=None, enabled=True):
+    the listed parameters whole on every rank inside the block (stage 3's
+    released ones gathered). With modifier_rank=r, what rank r leaves in
+    them is broadcast and written into every rank's partition on leaving.
+    A collective: every rank enters with the same parameters. Writes inside
+    need torch.no_grad(), as on any leaf that requires grad. See the module
+    docstring for the details."""
+
     def __init__(self, params, modifier_rank=None, enabled=True):
         if isinstance(params, torch.Tensor):
             params = [params]
@@ -55,7 +64,7 @@ class GatheredParameters:
             self._listed.append((place.fg, place.unit, j))
         # a value written into a listed parameter before entry is taken in
         # first, or the write-back (only what changed inside) would miss it
-        take_in_parameter_writes(list({id(place.fg): place.fg for place in self._units}.values()))
+        take_in_parameter_writes(self._groups(), self._call_text("entering"))
         for fg, unit, schedule, _engine in self._units:
             unit.active += 1
             if schedule is not None:
@@ -71,10 +80,29 @@ class GatheredParameters:
         try:
             # p.data = ... inside: the new values into the unit's buffer, so
             # the write-back (or the next step's refusal) sees them
-            check_parameters_in_place(list({id(u.fg): u.fg for u in self._units}.values()))
-            if self.modifier_rank is not None and exc[0] is None:
-                for fg, unit, j, before in self._listed:
-                    self._write_back(fg, unit, j, before)
+            problem = None
+            try:
+                check_parameters_in_place(self._groups())
+            except RuntimeError as error:
+                problem = error
+            if self.modifier_rank is not None:
+                # the write-back is a broadcast: a rank whose block raised
+                # skips it, so every rank must know (it hung the others)
+                failed = exc[0] is not None or problem is not None
+                others = self._others_failed(failed)
+                if problem is None and (failed or others):
+                    self._undo_changes()
+                if others and not failed:
+                    raise RuntimeError(
+                        "another rank raised inside zero.GatheredParameters(..., "
+                        f"modifier_rank={self.modifier_rank}) (its own error says why): the "
+                        "write-back was skipped on every rank, and the changes made inside "
+                        "were undone")
+                if not failed:
+                    for fg, unit, j, before in self._listed:
+                        self._write_back(fg, unit, j, before)
+            if problem is not None and exc[0] is None:
+                raise problem
         finally:
             for _fg, unit, schedule, _engine in self._units:
                 unit.active -= 1
@@ -82,6 +110,34 @@ class GatheredParameters:
                     schedule.release(unit)
             self._units = []
         return False
+
+    def _groups(self) -> list:
+        return list({id(place.fg): place.fg for place in self._units}.values())
+
+    def _call_text(self, doing: str) -> str:
+        engine = self._units[0].engine() if self._units else None
+        call = f"zero.GatheredParameters ({doing})"
+        return call if engine is None else engine.call_text(call)
+
+    def _others_failed(self, failed: bool) -> bool:
+        """Whether the block raised on another rank (a collective)."""
+        if not self._units or self._units[0].fg.comm.world == 1:
+            return False
+        call = self._call_text("leaving")
+        verdict = agree(self._units[0].fg.comm, call, 0, 0, refused=failed)
+        if not verdict.same_call:
+            raise different_calls(call)
+        return verdict.other_refused > 0
+
+    def _undo_changes(self):
+        """A block that raised on some rank: the listed parameters back to
+        their values on entry, on every rank (kept at stages 0-2 on the
+        modifier rank alone, they would differ from the partitions; a
+        released stage-3 unit would refuse the change at its next gather)."""
+        with torch.no_grad():
+            for fg, unit, j, before in self._listed:
+                self._values(unit, j).copy_(before)
+                fg.seen_versions[unit.members.start + j] = unit.params[j]._version
 
     @staticmethod
     def _values(unit, j):

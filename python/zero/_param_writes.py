@@ -33,7 +33,8 @@ import torch
 from torch.autograd.graph import increment_version
 
 from zero._copying import none
-from zero._step_agreement import agree, hash_settings, hash_writes, other_rank_refused
+from zero._step_agreement import (agree, different_calls, hash_settings, hash_writes,
+                                  other_rank_refused)
 
 
 class Place(NamedTuple):
@@ -91,11 +92,12 @@ def check_parameters_in_place(groups):
                 fg.seen_versions[unit.members.start + j] = -1  # taken in at the next step
 
 
-def take_in_parameter_writes(groups, refusal: Exception | None = None,
+def take_in_parameter_writes(groups, call: str, refusal: Exception | None = None,
                              settings: str = ""):
     """Before a step or a read of the partitions: see [Note: parameter
     writes]. A collective where the groups span several ranks: the ranks
-    agree on what was written, on `settings` (describe_settings of the
+    agree that they are in the same `call` (its name and the engine's
+    counts), on what was written, on `settings` (describe_settings of the
     step's param groups) and on whether any refuses ([Note: writes agreed]
     in _step_agreement.py). `refusal` is the caller's own check's error on
     this rank, raised once the ranks have compared notes."""
@@ -107,8 +109,10 @@ def take_in_parameter_writes(groups, refusal: Exception | None = None,
         except RuntimeError as error:  # raised once the ranks have compared notes
             problem = error
     if groups and groups[0].comm.world > 1:
-        verdict = agree(groups[0].comm, hash_writes(written), hash_settings(settings),
+        verdict = agree(groups[0].comm, call, hash_writes(written), hash_settings(settings),
                         refused=problem is not None)
+        if not verdict.same_call:
+            raise different_calls(call)
         if problem is None and verdict.other_refused:
             raise other_rank_refused()
         if problem is None and not verdict.writes_alike:

@@ -12,8 +12,6 @@ count per group) or some with states and some without.
 """
 from __future__ import annotations
 
-import warnings
-
 import torch
 
 
@@ -24,6 +22,9 @@ def held_optimizer_states(optimizer, groups) -> dict:
     the parameters, which after initialize are the engine's. An entry at
     step 0 is a fresh one (zero.optim, torch's Adagrad make them at
     construction). groups: (params, names) per optimizer param group."""
+    left = optimizer.__dict__.get("_zero_states_left_behind")
+    if left is not None:
+        raise ValueError(left.message)
     saved = {i: entry for i, entry in optimizer.state_dict()["state"].items()
              if entry and float(entry.get("step", 1)) > 0}
     if saved:
@@ -118,17 +119,12 @@ def give_back_optimizer_states(optimizer, groups, world) -> None:
     from them. At one rank a partition is the whole group; at several,
     each rank holds a slice, and gathering the whole states on every rank
     could need more memory than the run had: they are not given back, and
-    the warning says to save a checkpoint first."""
+    what would start them afresh is refused (_StatesLeftBehind)."""
     stepped = [fg for fg in groups if fg.step_count > 0]
     if not stepped:
         return
     if world > 1:
-        warnings.warn(
-            "close(): the optimizer's states stay partitioned over the ranks and are not given "
-            "back to the optimizer (gathering them whole on every rank could need more memory "
-            "than the run had): a torch run or a new zero.initialize with this optimizer starts "
-            "them afresh. Save them first with engine.save_checkpoint()", RuntimeWarning,
-            stacklevel=3)
+        _StatesLeftBehind(optimizer)
         return
     counts_steps = not isinstance(optimizer, torch.optim.SGD)  # torch's SGD keeps none
     for fg in stepped:
@@ -138,3 +134,35 @@ def give_back_optimizer_states(optimizer, groups, world) -> None:
                 entry["step"] = torch.tensor(float(fg.step_count))
             optimizer.state[p] = entry
         fg.release_offloaded()
+
+
+class _StatesLeftBehind:
+    """close() at several ranks: the optimizer holds no states now, so what
+    would silently start them afresh is refused until it gets states again
+    (its load_state_dict): step(), state_dict() and a new zero.initialize.
+    A warning at every close() was noise for the usual end of a run, which
+    uses the optimizer no more."""
+
+    message = (
+        "this optimizer's states stayed partitioned over the ranks of the zero engine that "
+        "was closed (gathering them whole on every rank could need more memory than the run "
+        "had), so it holds none: its step(), state_dict() and a new zero.initialize would "
+        "start them afresh. Save them with engine.save_checkpoint() before close() and load "
+        "them into a new engine (engine.load_checkpoint), or as torch state dicts "
+        "(zero.checkpoint.consolidate) with optimizer.load_state_dict(), which lifts this")
+
+    def __init__(self, optimizer):
+        self._hook = optimizer.register_step_pre_hook(self._refuse)
+        own = optimizer.__dict__
+        own["_zero_states_left_behind"] = self
+        own["state_dict"] = self._refuse
+        own["load_state_dict"] = lambda state_dict: self._load(optimizer, state_dict)
+
+    def _refuse(self, *_args, **_kwargs):
+        raise RuntimeError(self.message)
+
+    def _load(self, optimizer, state_dict):
+        type(optimizer).load_state_dict(optimizer, state_dict)
+        self._hook.remove()
+        for name in ("_zero_states_left_behind", "state_dict", "load_state_dict"):
+            optimizer.__dict__.pop(name, None)

@@ -13,16 +13,23 @@ rate. And a refusal on one rank only (a bad setting there, a parameter cast
 there) raised on that rank while the others went on into the gradient
 reduction and waited for it for good.
 
-So before a step (and before a checkpoint, full_state_dict or
-GatheredParameters reads the partitions) each rank hashes the (group,
-parameter) names it saw written and 64 of each one's values, strided, and,
-for a step, every setting of the param groups it trains, into numbers below
-_PRIME, and says whether it refuses. One all-reduce of
-(refused, w, w^2, s, s^2) as integers tells every rank alike whether all w
-are equal and all s are equal: world * sum(h^2) == sum(h)^2 exactly then
-(Cauchy-Schwarz). Every rank then raises, or none does. A hash can collide
-(about 1 in a million); then the difference goes unseen, as it did before
-the check.
+And a collective call made on some ranks only (full_state_dict on rank 0,
+as DDP users save) met another call's collectives on the others: numbers of
+one paired with the other's, then a hang, an abort or a wrong error.
+
+So before a step (and before a checkpoint, full_state_dict,
+clip_grad_norm_ or GatheredParameters reads the partitions) each rank
+hashes, into numbers below _PRIME: which call it is in, with the engine's
+update and micro-step counts; the (group, parameter) names it saw written
+and 64 of each one's values, strided; and, for a step, every setting of the
+param groups it trains. It says whether it refuses. One all-reduce of
+(refused, c, c^2, w, w^2, s, s^2) as integers tells every rank alike
+whether all c, all w and all s are equal: world * sum(h^2) == sum(h)^2
+exactly then (Cauchy-Schwarz). Every rank then raises, or none does. A hash
+can collide (about 1 in a million); then the difference goes unseen, as it
+did before the check. A call met by another rank's gradient reduction or
+stage-3 gather (not an agreement) is not caught here: gloo aborts on the
+size mismatch, or both wait.
 """
 from __future__ import annotations
 
@@ -36,23 +43,35 @@ _SAMPLES = 64
 
 class Verdict:
     """What the all-reduce told this rank: whether another rank refused,
-    and whether the writes and the settings were alike on every rank."""
+    and whether the call, the writes and the settings were alike on every
+    rank."""
 
-    def __init__(self, other_refused: bool, writes_alike: bool, settings_alike: bool):
-        self.other_refused = other_refused
+    def __init__(self, other_refused, same_call, writes_alike, settings_alike):
+        self.other_refused = other_refused  # how many other ranks refused
+        self.same_call = same_call
         self.writes_alike = writes_alike
         self.settings_alike = settings_alike
 
 
-def agree(comm, writes_hash: int, settings_hash: int, refused: bool) -> Verdict:
+def agree(comm, call: str, writes_hash: int, settings_hash: int, refused: bool) -> Verdict:
+    c = zlib.crc32(call.encode()) % _PRIME
     w, s = writes_hash % _PRIME, settings_hash % _PRIME
-    totals = torch.tensor([int(refused), w, w * w, s, s * s], dtype=torch.int64,
+    totals = torch.tensor([int(refused), c, c * c, w, w * w, s, s * s], dtype=torch.int64,
                           device=comm.scalar_device)
     comm.sum_scalars_(totals)
-    refusals, w_sum, w_squares, s_sum, s_squares = (int(v) for v in totals.tolist())
-    return Verdict(other_refused=refusals > int(refused),
-                   writes_alike=comm.world * w_squares == w_sum * w_sum,
-                   settings_alike=comm.world * s_squares == s_sum * s_sum)
+    refusals, *sums = (int(v) for v in totals.tolist())
+    alike = [comm.world * squares == total * total
+             for total, squares in zip(sums[0::2], sums[1::2])]
+    return Verdict(refusals - int(refused), *alike)
+
+
+def different_calls(call: str) -> RuntimeError:
+    return RuntimeError(
+        f"the ranks are not in the same engine call at the same step: this rank is in {call}, "
+        "another rank in another call or at another count. step(), full_state_dict(), "
+        "save_checkpoint(), load_checkpoint(), clip_grad_norm_() and zero.GatheredParameters "
+        "are collectives: call them on every rank alike (not under `if rank == 0`), and "
+        "step() as often on each. Nothing was taken in or updated")
 
 
 def other_rank_refused() -> RuntimeError:

@@ -149,6 +149,11 @@ def check_nvme_path(path, name="offload_optimizer.nvme_path"):
 
 @dataclass(frozen=True)
 class Config:
+    """Everything zero.initialize takes besides the model and optimizer:
+    give its fields as keyword arguments to initialize, or a Config, a dict
+    or a DeepSpeed JSON config (path or dict) as `config`. Fields keep
+    DeepSpeed's names where DeepSpeed has one (docs/engine.md, "DeepSpeed
+    config keys"); the defaults are in the signature."""
     stage: int = 2
     precision: str = "fp32"
     # None: derived at initialize from train_batch_size (DeepSpeed's rule)

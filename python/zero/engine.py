@@ -51,6 +51,12 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 class Engine(nn.Module):
+    """What zero.initialize returns: the model wrapped for ZeRO training.
+    Call it as the model (inputs are cast to the compute dtype), then
+    engine.backward(loss) and engine.step(). Its attributes: module,
+    optimizer, config, lr_scheduler, stage, global_steps, micro_steps.
+    docs/engine.md describes it all."""
+
     def __init__(self, module: nn.Module, optimizer, config: Config, comm: Comm,
                  owns_group: bool, lr_scheduler=None):
         super().__init__()
@@ -464,8 +470,8 @@ class Engine(nn.Module):
     @contextlib.contextmanager
     def no_sync(self):
         """Micro-steps inside do not count toward the accumulation boundary:
-        gradients accumulate locally and engine.step() does nothing. Stage 2
-        reduces every backward, so it refuses (as DeepSpeed does)."""
+        gradients accumulate locally and engine.step() does nothing. Stages
+        2 and 3 reduce every backward, so they refuse (as DeepSpeed does)."""
         if self.stage >= 2:
             raise RuntimeError(f"no_sync() cannot be used with stage {self.stage}: its "
                                "gradients are reduced during every backward")
@@ -500,44 +506,65 @@ class Engine(nn.Module):
     def clip_grad_norm_(self, max_norm: float) -> float:
         """Clip the coming update to max_norm (global L2 norm over all shards)
         and return the norm before clipping. Call after the backward of the
-        boundary micro-batch, before step()."""
-        if not max_norm > 0:
-            raise ValueError(f"max_norm must be > 0, got {max_norm}")
+        boundary micro-batch, before step(). A collective: every rank must
+        call it."""
         self._check_open()
-        if not self.is_accumulation_boundary:
-            raise RuntimeError(
+        refusal = None
+        if not max_norm > 0:
+            refusal = ValueError(f"max_norm must be > 0, got {max_norm}")
+        elif not self.is_accumulation_boundary:
+            refusal = RuntimeError(
                 "clip_grad_norm_ reduces the gradients: call it only after the backward of "
                 f"the last micro-batch of an accumulation boundary (micro-step "
                 f"{self.micro_steps + 1} of {self.config.gradient_accumulation_steps})")
+        # the reduction below would meet whatever the other ranks do next
+        take_in_parameter_writes(self.all_groups, self.call_text("clip_grad_norm_()"), refusal)
         self._clip_norm = float(max_norm)
         return self._prepare_boundary()[1]
 
+    def call_text(self, call: str) -> str:
+        """`call` with this engine's counts, as the ranks compare it
+        ([Note: writes agreed] in _step_agreement.py)."""
+        return f"{call} at update {self.global_steps}, micro-step {self.micro_steps}"
+
     def step(self):
+        """At the accumulation boundary: reduce the gradients over the
+        ranks, clip (gradient_clipping, or clip_grad_norm_'s max_norm),
+        update this rank's partition (fp16: skipped on overflow), gather the
+        new parameters, step the lr scheduler and zero the gradients.
+        Before it, only counts the micro-step. A collective: every rank
+        calls it as often; what would refuse the step on one rank refuses
+        it on every rank, before anything changes."""
         self._check_open()
+        unscaled = None
         if self.loss_scaler is not None and not self._scaled_backward:
             # the gradients would be divided by a scale the loss never had
-            raise RuntimeError("fp16: step() needs an engine.backward(loss) since the last "
-                               "step() or zero_grad(): a plain loss.backward() does not "
-                               "multiply the loss by the loss scale, which step() divides the "
-                               "gradients by")
+            unscaled = RuntimeError(
+                "fp16: step() needs an engine.backward(loss) since the last step() or "
+                "zero_grad(): a plain loss.backward() does not multiply the loss by the loss "
+                "scale, which step() divides the gradients by")
+        boundary = self.is_accumulation_boundary and not self._in_no_sync
+        if unscaled is not None and not boundary:
+            raise unscaled  # no collective here; the counts differ at the next one
         if self._in_no_sync:
             self._scaled_backward = False
             return
-        boundary = self.is_accumulation_boundary
         if boundary:
             # everything that can refuse, before anything changes, and
             # agreed over the ranks: a refusal on one rank alone, or settings
             # changed on one rank alone, stop every rank ([Note: writes agreed])
-            refusal, settings = None, ""
+            refusal, settings = unscaled, ""
             try:
-                self._check_optimizer_unchanged()
-                self._check_update_arguments()
+                if refusal is None:
+                    self._check_optimizer_unchanged()
+                    self._check_update_arguments()
                 if self._comm.world > 1:
                     settings = describe_settings(self.optimizer.param_groups,
                                                  [fg.index for fg in self.groups])
             except (RuntimeError, ValueError, TypeError) as error:
                 refusal = error
-            take_in_parameter_writes(self.all_groups, refusal, settings)
+            take_in_parameter_writes(self.all_groups, self.call_text("step()"), refusal,
+                                     settings)
         self._scaled_backward = False
         self.micro_steps += 1
         if not boundary:
@@ -616,6 +643,8 @@ class Engine(nn.Module):
             self._schedule.add_external(module, param)
 
     def get_global_grad_norm(self) -> float:
+        """The global L2 norm of the last update's gradients, before
+        clipping (inf after an fp16 overflow); None before the first step."""
         return getattr(self, "_global_grad_norm", None)
 
     # ---- DeepSpeed's engine queries, under its names, for code moved over --------
@@ -719,7 +748,7 @@ class Engine(nn.Module):
         memory whatever the model's device. A collective: every rank must
         call it."""
         self._check_open()
-        take_in_parameter_writes(self.all_groups)
+        take_in_parameter_writes(self.all_groups, self.call_text("full_state_dict()"))
         full = {}
         by_id = {}
         for fg in self.all_groups:
@@ -777,9 +806,14 @@ class Engine(nn.Module):
                 unit.full = None
 
     def close(self):
-        """Remove the engine's hooks and destroy the in-memory process group
-        it made for a launcher-less run (an env:// group stays for the next
-        engine in this process; see _comm.join_process_group)."""
+        """Hand the model and optimizer back to plain torch: remove the
+        engine's hooks; at stage 3 gather every parameter whole again (a
+        collective: every rank must call it); give the optimizer its states
+        back in one process (on several ranks they stay partitioned, and
+        the optimizer refuses what would start them afresh; docs/engine.md);
+        free offload files; destroy the in-memory process group made for a
+        launcher-less run (an env:// group stays for the next engine in this
+        process; see _comm.join_process_group). A second call does nothing."""
         if self._closed:
             return
         for h in self._hooks:

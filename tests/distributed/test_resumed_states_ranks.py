@@ -61,3 +61,42 @@ def test_states_held_on_some_ranks_only_are_refused_on_every_rank():
     rank refusing alone would leave the other waiting)."""
     for message in harness.run(2, states_on_one_rank_only, timeout=120):
         assert "the ranks differ in their optimizer states" in message, message
+
+
+def states_left_behind(rank, world):
+    import warnings
+    import torch
+    import zero
+    from test_resumed_states import OPTIMIZERS, data, model
+    m = model()
+    opt = OPTIMIZERS["adamw"](m.parameters())
+    engine = zero.initialize(m, optimizer=opt, stage=2)
+    engine.backward(engine(data()[0].chunk(world)[rank]).square().mean())
+    engine.step()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        engine.close()
+    errors = []
+    for attempt in (opt.step, opt.state_dict,
+                    lambda: zero.initialize(m, optimizer=opt, stage=2)):
+        try:
+            attempt()
+            errors.append(None)
+        except (RuntimeError, ValueError) as e:
+            errors.append(str(e))
+    opt.load_state_dict(torch.optim.AdamW(m.parameters()).state_dict())  # states again
+    engine = zero.initialize(m, optimizer=opt, stage=2)
+    engine.close()
+    return [str(w.message) for w in caught], errors
+
+
+def test_states_left_partitioned_at_close_are_not_started_afresh_silently():
+    """close() on 2 ranks keeps the states partitioned (gathering them could
+    need more memory than the run had): no warning at the usual end of a
+    run, but the optimizer's step(), state_dict() and a new initialize,
+    which would start them afresh, raise until load_state_dict gives it
+    states again."""
+    for caught, errors in harness.run(2, states_left_behind, timeout=120):
+        assert caught == [], caught
+        assert all(e is not None and "stayed partitioned over the ranks" in e
+                   for e in errors), errors

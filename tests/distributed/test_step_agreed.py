@@ -82,3 +82,94 @@ def test_a_step_refused_or_changed_on_one_rank_stops_every_rank(results, stage):
             "lr=0.1" in by_what["another lr"]
     for key, value in results[0][stage][2].items():
         assert torch.equal(results[1][stage][2][key], value), key
+
+
+def _attempt(function):
+    try:
+        function()
+        return None
+    except (RuntimeError, ValueError) as e:
+        return str(e)
+
+
+def calls_on_one_rank(rank, world):
+    """A collective engine call made on rank 0 alone (the DDP habit of
+    saving on rank 0) while rank 1 goes on to step(); an fp16 step after a
+    plain backward on rank 1 alone; a block that raises inside
+    GatheredParameters on rank 1 alone. Each case on a new engine."""
+    import tempfile
+    import torch
+    from torch import nn
+    import zero
+    out = {}
+    cases = [(stage, call) for stage in (0, 1) for call in ("full_state_dict", "save")] + \
+        [(stage, "clip") for stage in STAGES] + [(2, "fp16"), (1, "gathered"), (3, "gathered")]
+    for stage, call in cases:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3))
+        engine = zero.initialize(model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                                 stage=stage, stage3_param_persistence_threshold=0,
+                                 precision="fp16" if call == "fp16" else "fp32")
+        x = torch.randn(4, 6, generator=torch.Generator().manual_seed(rank))
+        errors = []
+        if call == "gathered":
+            def block():
+                with zero.GatheredParameters([model[0].weight], modifier_rank=0):
+                    with torch.no_grad():
+                        model[0].weight.fill_(7.0)
+                    if rank == 1:
+                        raise ValueError("the user's own error")
+            errors.append(_attempt(block))
+            engine.backward(engine(x).square().mean())
+            engine.step()
+            errors.append(bool((engine.full_state_dict()["0.weight"] == 7.0).any()))
+        else:
+            loss = engine(x).float().square().mean()
+            if call == "fp16" and rank == 1:
+                loss.backward()  # not engine.backward: unscaled
+            else:
+                engine.backward(loss)
+            with tempfile.TemporaryDirectory() as folder:
+                one_rank_call = {"full_state_dict": engine.full_state_dict,
+                                 "save": lambda: engine.save_checkpoint(folder),
+                                 "clip": lambda: engine.clip_grad_norm_(1.0),
+                                 "fp16": engine.step}[call]
+                errors.append(_attempt(one_rank_call if rank == 0 else engine.step))
+        out[stage, call] = errors
+        engine.close()
+    return out
+
+
+@pytest.fixture(scope="module")
+def one_rank_calls():
+    return harness.run(2, calls_on_one_rank, timeout=240)
+
+
+@pytest.mark.parametrize("stage,call", [(0, "full_state_dict"), (1, "full_state_dict"),
+                                        (0, "save"), (1, "save"), (0, "clip"), (1, "clip"),
+                                        (2, "clip"), (3, "clip")])
+def test_a_collective_call_on_one_rank_raises_on_both(one_rank_calls, stage, call):
+    """Before: a wrong error (settings not alike, with empty settings), a
+    norm of 1e-157 made of the step check's integers, then a hang."""
+    for rank, out in enumerate(one_rank_calls):
+        [error] = out[stage, call]
+        assert error is not None and "not in the same engine call" in error, (rank, error)
+        assert ("step()" if rank == 1 else "at update 0, micro-step 0") in error
+
+
+def test_an_unscaled_fp16_step_on_one_rank_raises_on_both(one_rank_calls):
+    """Before, the other rank waited in the step's agreement."""
+    [mine], [theirs] = one_rank_calls[1][2, "fp16"], one_rank_calls[0][2, "fp16"]
+    assert "fp16: step() needs an engine.backward(loss)" in mine
+    assert "another rank refused to go on" in theirs
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_a_block_that_raised_inside_gathered_parameters_on_one_rank(one_rank_calls, stage):
+    """Rank 1's block raised: the write-back (a broadcast) is skipped on
+    every rank, the changes inside are undone, and rank 0 is told so;
+    training goes on. Before, rank 0 waited in the broadcast."""
+    (mine, kept_1), (theirs, kept_0) = (one_rank_calls[r][stage, "gathered"] for r in (1, 0))
+    assert mine == "the user's own error"
+    assert "another rank raised inside zero.GatheredParameters" in theirs
+    assert not kept_0 and not kept_1
