@@ -19,7 +19,6 @@ Usage: python bench/checkpoint.py [--runners zero2,zero3,fsdp2r,ds2,ds3]
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import sys
@@ -34,6 +33,8 @@ sys.path.insert(0, os.path.join(ROOT, "tests", "distributed"))
 
 import train as train_bench  # noqa: E402  the same model, data and peer set-ups
 from gpt import MarkovText  # noqa: E402
+
+from _results import write_json
 
 WORLD = 2
 
@@ -201,8 +202,7 @@ def main(argv=None):
               flush=True)
     print_table(rows, args)
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(rows, f, indent=1)
+        write_json(args.json, rows)
 
 
 def print_table(rows, args):

@@ -11,7 +11,6 @@ Usage: python bench/gather.py [--world 2] [--repeat 5] [--json out.json]
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
@@ -23,6 +22,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "tests", "distributed"))
 
 import harness  # noqa: E402  the tests' launcher of real gloo processes
+
+from _results import write_json
 
 SIZES = [1 << 18, 1 << 22, 1 << 24]  # fp32 elements of the gathered output
 
@@ -96,8 +97,7 @@ def main():
                   f"{size / r['seconds'] / 1e9:>8.2f}{r['seconds'] / zero_s:>8.2f}"
                   f"{r['extra_bytes'] / 2**20:>11.1f}  {'yes' if r['ok'] else 'NO'}")
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(rows, f, indent=1)
+        write_json(args.json, rows)
 
 
 if __name__ == "__main__":

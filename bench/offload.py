@@ -36,6 +36,8 @@ import sys
 import tempfile
 import time
 
+from _results import write_json
+
 HIDDEN = 4096
 CHUNK = int(os.environ.get("ZERO_BENCH_CHUNK", 1 << 22))  # offload_optimizer.chunk_elements
 BATCH = 8
@@ -201,8 +203,7 @@ def main(argv=None):
                 bytes=disk[0]["bytes"])
     print_table(rows, disk, real, args)
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(dict(rows=rows, disk=disk, params=real), f, indent=1)
+        write_json(args.json, dict(rows=rows, disk=disk, params=real))
 
 
 def _model_params(params):

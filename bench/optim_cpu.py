@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import os
 import statistics
 import sys
@@ -33,6 +32,8 @@ import time
 import torch
 
 import zero
+
+from _results import write_json
 
 BYTES_PER_PARAM = 28
 
@@ -252,9 +253,8 @@ def main(argv=None) -> int:
                                         zero_over_this=ours / rate))
             print()
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(dict(cpu=info, torch=torch.__version__, deepspeed=ds_note,
-                           command=" ".join(sys.argv), results=results), f, indent=1)
+        write_json(args.json, dict(cpu=info, torch=torch.__version__, deepspeed=ds_note,
+                                   command=" ".join(sys.argv), results=results))
     return 0
 
 

@@ -27,7 +27,6 @@ exposes every runner to the same drift.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import gc
 import statistics
@@ -42,6 +41,8 @@ sys.path.insert(0, os.path.join(ROOT, "examples"))
 sys.path.insert(0, os.path.join(ROOT, "tests", "distributed"))
 
 from gpt import GPT, GPTConfig, MarkovText  # noqa: E402
+
+from _results import write_json
 
 WORLD = 2
 BATCH = 4  # sequences per rank per step
@@ -279,9 +280,8 @@ def main(argv=None):
         print(f"{row['name']:<36} {row['median_s']:>8.3f} {ratio:>6} {ratio3:>8} {states:>17} "
               f"{row['peak_rss'] / 2**20:>13.0f}")
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(dict(command=" ".join(sys.argv), precision=args.precision, rows=rows), f,
-                      indent=1)
+        write_json(args.json, dict(command=" ".join(sys.argv), precision=args.precision,
+                                   rows=rows))
 
 
 if __name__ == "__main__":

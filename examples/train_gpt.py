@@ -37,9 +37,9 @@ def main():
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
                     help="cuda: rank r trains on GPU LOCAL_RANK")
     ap.add_argument("--offload-nvme", metavar="DIR",
-                    help="keep the fp32 master and AdamW states in files under DIR "
-                         "(offload_optimizer device nvme), and at stage 3 the parameter "
-                         "shard too (offload_param)")
+                    help="keep the AdamW states (and, in bf16/fp16, the fp32 master) in "
+                         "files under DIR (offload_optimizer device nvme), and at stage 3 "
+                         "the parameter shard too (offload_param)")
     args = ap.parse_args()
     device = torch.device("cpu")
     if args.device == "cuda":
