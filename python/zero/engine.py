@@ -79,6 +79,7 @@ class Engine(nn.Module):
         self.skipped_steps = 0  # fp16 steps skipped on overflow (DeepSpeed's name)
         self._scaled_backward = False
         self._in_no_sync = False
+        self._zero_grad_calls = 0  # since the last update
         self._prepared = None  # (sumsq, norm) once the boundary's reduction ran
         self._clip_norm = None
         self._hooks = []
@@ -563,8 +564,12 @@ class Engine(nn.Module):
                                                  [fg.index for fg in self.groups])
             except (RuntimeError, ValueError, TypeError) as error:
                 refusal = error
-            take_in_parameter_writes(self.all_groups, self.call_text("step()"), refusal,
-                                     settings)
+            # the zero_grad() calls since the last update too: one made on
+            # some ranks only drops gradients there alone (at stages 2-3
+            # from that rank's partition: half the model then steps on the
+            # average, the rest on nothing)
+            call = self.call_text(f"step() after {self._zero_grad_calls} zero_grad() calls")
+            take_in_parameter_writes(self.all_groups, call, refusal, settings)
         self._scaled_backward = False
         self.micro_steps += 1
         if not boundary:
@@ -604,6 +609,7 @@ class Engine(nn.Module):
                 self.lr_scheduler.step()
         self._global_grad_norm = norm
         self.zero_grad()
+        self._zero_grad_calls = 0
         self._last_comm = self._comm.log.summary()
         if self._schedule is not None:
             self._last_comm["stage3_gathers"] = self._schedule.take_counts()
@@ -615,6 +621,7 @@ class Engine(nn.Module):
         flight, so none of it is added in later. optimizer.zero_grad()
         comes here too."""
         self._check_open()
+        self._zero_grad_calls += 1  # agreed at the step: see step()
         self._abandon_unfinished_backward()
         # a norm taken of the dropped gradients must not clip the next step
         self._prepared, self._clip_norm = None, None
@@ -627,6 +634,7 @@ class Engine(nn.Module):
     def _zero_grads_of(self, params):
         """A submodule's zero_grad(): drop these parameters' gradients."""
         self._check_open()
+        self._zero_grad_calls += 1
         wanted = {id(p) for p in params}
         for fg in self.groups:
             members = {i for i, p in enumerate(fg.params) if id(p) in wanted}

@@ -103,7 +103,8 @@ def calls_on_one_rank(rank, world):
     import zero
     out = {}
     cases = [(stage, call) for stage in (0, 1) for call in ("full_state_dict", "save")] + \
-        [(stage, "clip") for stage in STAGES] + [(2, "fp16"), (1, "gathered"), (3, "gathered")]
+        [(stage, "clip") for stage in STAGES] + [(2, "fp16"), (1, "gathered"), (3, "gathered")] + \
+        [(stage, "zero_grad") for stage in (0, 2)]
     for stage, call in cases:
         torch.manual_seed(0)
         model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3))
@@ -133,7 +134,9 @@ def calls_on_one_rank(rank, world):
                 one_rank_call = {"full_state_dict": engine.full_state_dict,
                                  "save": lambda: engine.save_checkpoint(folder),
                                  "clip": lambda: engine.clip_grad_norm_(1.0),
-                                 "fp16": engine.step}[call]
+                                 "fp16": engine.step, "zero_grad": engine.step}[call]
+                if call == "zero_grad" and rank == 1:
+                    model.zero_grad()  # drops this rank's gradients alone
                 errors.append(_attempt(one_rank_call if rank == 0 else engine.step))
         out[stage, call] = errors
         engine.close()
@@ -155,6 +158,16 @@ def test_a_collective_call_on_one_rank_raises_on_both(one_rank_calls, stage, cal
         [error] = out[stage, call]
         assert error is not None and "not in the same engine call" in error, (rank, error)
         assert ("step()" if rank == 1 else "at update 0, micro-step 0") in error
+
+
+@pytest.mark.parametrize("stage", [0, 2])
+def test_a_zero_grad_on_one_rank_before_the_step_raises_on_both(one_rank_calls, stage):
+    """Before, stage 0 stepped every parameter on rank 0's gradient alone
+    and stage 2 half the model on the average, the other half on nothing."""
+    for rank, out in enumerate(one_rank_calls):
+        [error] = out[stage, "zero_grad"]
+        assert error is not None and "not in the same engine call" in error, (rank, error)
+        assert f"after {rank} zero_grad() calls" in error, error
 
 
 def test_an_unscaled_fp16_step_on_one_rank_raises_on_both(one_rank_calls):
