@@ -467,3 +467,19 @@ def test_forward_that_raised_leaves_the_schedule_whole(where, error):
         opt.step()
     assert_matches(engine.full_state_dict(), ref)
     engine.close()
+
+
+def test_persistence_threshold_counts_the_parameters_elements():
+    """Linear(10, 10) holds 110 elements, laid out padded to more: at a
+    threshold of 110 its unit stays gathered (the padded total, which grows
+    with the world size, used to decide), and the estimate agrees."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(10, 10), nn.Tanh(), nn.Linear(10, 300))
+    options = dict(stage=3, stage3_param_persistence_threshold=110)
+    estimate = zero.estimate_memory(model, 1, **options)
+    engine = zero.initialize(model, **options)
+    [small] = [u for fg in engine.groups for u in fg.units if u.numel == 110]
+    assert small.total > 110 and small.persistent
+    assert not any(u.persistent for fg in engine.groups for u in fg.units if u.numel > 110)
+    assert engine.memory_summary()["persistent"] == estimate["persistent"] == small.total * 4
+    engine.close()

@@ -125,7 +125,7 @@ def _param_bytes(units, part, pb, cfg):
     if cfg.stage != 3:
         return sum(u.total for u in units) * pb, 0, 0
     persistent = sum(u.total for u in units
-                     if u.total <= cfg.stage3_param_persistence_threshold) * pb
+                     if u.numel <= cfg.stage3_param_persistence_threshold) * pb
     if cfg.offload_param.device == "nvme":
         return persistent, persistent, part * pb
     return part * pb + persistent, persistent, 0

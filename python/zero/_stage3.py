@@ -75,7 +75,9 @@ class Stage3Schedule:
             for unit in fg.units:
                 for p in unit.params:
                     place[id(p)] = (fg, unit)
-                if unit.total <= config.stage3_param_persistence_threshold:
+                # its parameters' elements, as documented (the padded
+                # total grows with the world size)
+                if unit.numel <= config.stage3_param_persistence_threshold:
                     unit.persistent = True
                     self._gather(fg, unit, async_op=False)
             if fg.trainable:
