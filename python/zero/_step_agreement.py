@@ -96,7 +96,9 @@ def describe_settings(param_groups, indices) -> str:
     two ranks exactly when the settings are (the parameters left out)."""
     return "; ".join(
         f"group {i}: " + ", ".join(f"{key}={_setting_text(value)}"
-                                   for key, value in sorted(param_groups[i].items())
+                                   # str(): a group is a dict, keys of any type
+                                   for key, value in sorted(param_groups[i].items(),
+                                                            key=lambda item: str(item[0]))
                                    if key != "params")
         for i in indices)
 

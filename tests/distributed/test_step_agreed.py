@@ -27,8 +27,9 @@ def disturbed_steps(rank, world):
         def step():
             engine.backward(engine(x).square().mean())
             engine.step()
-        step()
         group = optimizer.param_groups[0]
+        group[0] = "a key that is no string"  # settings of any kind are compared
+        step()
         disturbances = [  # (what, change on one rank, put back)
             ("a refused setting", lambda: group.update(nesterov=True),
              lambda: group.update(nesterov=False)),
