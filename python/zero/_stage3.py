@@ -47,6 +47,7 @@ from torch.autograd.graph import register_multi_grad_hook, saved_tensors_hooks
 from zero._copying import ModuleHook
 from zero._outputs import map_tensors, tensors_in
 from zero._param_writes import check_released_untouched
+from zero._step_agreement import agree, different_calls
 from zero._units import leaf_roots, storage_key
 
 
@@ -239,6 +240,16 @@ class Stage3Schedule:
         self.pos = 0
         self.diverged = self.recorded[phase] is None
 
+    def _agree_on_forward(self):
+        """The forward's gathers are collectives: a rank that is in another
+        engine call (full_state_dict or save_checkpoint made on rank 0
+        alone) would pair them with that call's all-reduce and wait for
+        good. One all-reduce, the one every such call starts with, finds it
+        first ([Note: writes agreed] in _step_agreement.py)."""
+        call = "a forward at stage 3"
+        if not agree(self.comm, call, 0, 0, refused=False).same_call:
+            raise different_calls(call)
+
     def _check_same_gathers(self):
         """Raise if another rank gathered other units in this pass (see
         [Note: matched gathers]): its values were mixed with ours."""
@@ -298,6 +309,9 @@ class Stage3Schedule:
             if module is self.modules[0] and self.root_depth and \
                     not _inside_forward_of(module):
                 self._forget_interrupted_forward()
+            if module is self.modules[0] and self.root_depth == 0 and \
+                    not self.in_backward and self.comm.world > 1:  # outermost, entering
+                self._agree_on_forward()
             self.entered[index] += 1
             if module is self.modules[0] and self.root_depth == 1:  # not a recursive call
                 self.abandon_if_unfinished()

@@ -105,7 +105,7 @@ def calls_on_one_rank(rank, world):
     out = {}
     cases = [(stage, call) for stage in (0, 1) for call in ("full_state_dict", "save")] + \
         [(stage, "clip") for stage in STAGES] + [(2, "fp16"), (1, "gathered"), (3, "gathered")] + \
-        [(stage, "zero_grad") for stage in (0, 2)]
+        [(stage, "zero_grad") for stage in (0, 2)] + [(3, "train_on")]
     for stage, call in cases:
         torch.manual_seed(0)
         model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3))
@@ -114,7 +114,11 @@ def calls_on_one_rank(rank, world):
                                  precision="fp16" if call == "fp16" else "fp32")
         x = torch.randn(4, 6, generator=torch.Generator().manual_seed(rank))
         errors = []
-        if call == "gathered":
+        if call == "train_on":  # rank 0 reads the model alone; rank 1 trains on
+            engine.backward(engine(x).square().mean())
+            engine.step()
+            errors.append(_attempt(engine.full_state_dict if rank == 0 else lambda: engine(x)))
+        elif call == "gathered":
             def block():
                 with zero.GatheredParameters([model[0].weight], modifier_rank=0):
                     with torch.no_grad():
@@ -159,6 +163,15 @@ def test_a_collective_call_on_one_rank_raises_on_both(one_rank_calls, stage, cal
         [error] = out[stage, call]
         assert error is not None and "not in the same engine call" in error, (rank, error)
         assert ("step()" if rank == 1 else "at update 0, micro-step 0") in error
+
+
+def test_a_call_on_one_rank_met_by_a_stage3_forward_raises_on_both(one_rank_calls):
+    """full_state_dict on rank 0 alone while rank 1 trains on: before, its
+    all-reduce met rank 1's gathers and both waited for good."""
+    for rank, out in enumerate(one_rank_calls):
+        [error] = out[3, "train_on"]
+        assert error is not None and "not in the same engine call" in error, (rank, error)
+        assert ("full_state_dict()" if rank == 0 else "a forward at stage 3") in error
 
 
 @pytest.mark.parametrize("stage", [0, 2])
