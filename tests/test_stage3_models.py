@@ -16,6 +16,7 @@ too large to keep any of it gathered. The cases:
 and, refused with a clear error, a backward with create_graph=True (which
 stages 0-2 run as torch does).
 See [Note: saved parameters] in python/zero/_stage3.py."""
+import copy
 import dataclasses
 import warnings
 
@@ -26,6 +27,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 import zero
+from conftest import max_rel_error
 from engine_cases import no_launcher
 
 RELEASED = dict(stage3_param_persistence_threshold=0)
@@ -482,4 +484,43 @@ def test_persistence_threshold_counts_the_parameters_elements():
     assert small.total > 110 and small.persistent
     assert not any(u.persistent for fg in engine.groups for u in fg.units if u.numel > 110)
     assert engine.memory_summary()["persistent"] == estimate["persistent"] == small.total * 4
+    engine.close()
+
+
+class _HeldInContainers(nn.Module):
+    """Weights in an nn.ParameterList and an nn.ParameterDict, read by the
+    owner's forward: the containers' own forwards never run."""
+
+    def __init__(self):
+        super().__init__()
+        self.rows = nn.ParameterList([nn.Parameter(torch.randn(6, 6)) for _ in range(2)])
+        self.named = nn.ParameterDict({"shift": nn.Parameter(torch.randn(6))})
+        self.out = nn.Linear(6, 3)
+
+    def forward(self, x):
+        for w in self.rows:
+            x = torch.tanh(x @ w + self.named["shift"])
+        return self.out(x)
+
+
+def test_parameters_in_parameter_lists_and_dicts_are_gathered():
+    """Before, the containers' units were hooked on forwards that never run,
+    so the owner read empty placeholders (a shape error in Reformer)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(_HeldInContainers(), nn.Tanh(), nn.Linear(3, 2))
+    ref = copy.deepcopy(model)
+    engine = zero.initialize(model, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-2),
+                             stage=3, **RELEASED)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    g = torch.Generator().manual_seed(1)
+    for _ in range(3):
+        x = torch.randn(5, 6, generator=g)
+        engine.backward(engine(x).square().mean())
+        engine.step()
+        ref_opt.zero_grad()
+        ref(x).square().mean().backward()
+        ref_opt.step()
+    full = engine.full_state_dict()
+    for name, value in ref.state_dict().items():
+        assert max_rel_error(full[name], value) <= 1e-6, name
     engine.close()

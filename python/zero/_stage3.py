@@ -125,6 +125,13 @@ class Stage3Schedule:
                 # its forward reads out_proj's weights without calling out_proj
                 for p in module.out_proj.parameters():
                     self.add_external(module, p)
+            for child in module.children():
+                if isinstance(child, (nn.ParameterList, nn.ParameterDict)) and \
+                        id(child) not in leaf_of:
+                    # a container has no forward that runs: its owner reads
+                    # the parameters (Reformer's axial position embeddings)
+                    for p in child.parameters():
+                        self.add_external(module, p)
 
     @staticmethod
     def _mark_leaf_units(entries):
