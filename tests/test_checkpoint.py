@@ -7,6 +7,7 @@ every bad input is refused before anything changes.
 Across world sizes, and consolidated into plain torch, in
 tests/distributed/test_checkpoint_resharding.py."""
 import os
+import shutil
 import subprocess
 import sys
 
@@ -360,10 +361,18 @@ def test_consolidated_buffers_are_fp32_like_the_full_state(tmp_path):
 def test_refuses_missing_and_foreign_files(saved, tmp_path_factory):
     engine = make_engine(2, seed=4)
     empty = tmp_path_factory.mktemp("empty")
-    unchanged_after(engine, lambda: engine.load_checkpoint(empty / "nothing"),
-                    FileNotFoundError, "does not exist")
+    # no checkpoint at all (a run's first start): (None, None), as DeepSpeed
+    before = engine.full_state_dict()
+    for nothing in (empty / "nothing", empty):
+        with pytest.warns(RuntimeWarning, match="holds no checkpoint yet"):
+            assert engine.load_checkpoint(nothing) == (None, None)
+    after = engine.full_state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before)
+    (empty / "global_step3").mkdir()  # a tag directory, but no latest: which one?
+    (empty / "global_step3" / "zero_meta.pt").write_bytes(b"")
     unchanged_after(engine, lambda: engine.load_checkpoint(empty), FileNotFoundError,
                     "latest' does not exist: pass tag=")
+    shutil.rmtree(empty / "global_step3")
     unchanged_after(engine, lambda: engine.load_checkpoint(saved, tag="global_step9"),
                     FileNotFoundError, "holds no zero checkpoint")
     unchanged_after(engine, lambda: engine.load_checkpoint(saved, tag="../x"), ValueError,

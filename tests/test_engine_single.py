@@ -676,13 +676,43 @@ def test_deepspeed_engine_queries():
     assert engine.bfloat16_enabled() and not engine.fp16_enabled()
     assert (engine.world_size, engine.global_rank) == (1, 0)
     assert engine.get_lr() == [0.1]
-    assert not engine.is_gradient_accumulation_boundary()
+    assert engine.local_rank == 0 and engine.global_samples == 0
+    assert not engine.is_gradient_accumulation_boundary() and not engine.was_step_applied()
     engine.backward(engine(torch.randn(3, 6)).float().sum())
     engine.step()
-    assert engine.is_gradient_accumulation_boundary()
+    # DeepSpeed's meaning: the last step() call updated nothing yet
+    assert engine.is_gradient_accumulation_boundary() and not engine.was_step_applied()
     engine.backward(engine(torch.randn(3, 6)).float().sum())
     engine.step()
     assert engine.was_step_applied() and engine.skipped_steps == 0 and engine.global_steps == 1
+    assert engine.global_samples == 6
+    engine.close()
+
+
+@pytest.mark.parametrize("check", [True, False])
+def test_bf16_check_grad_overflow_skips_a_nonfinite_step(check):
+    """DeepSpeed's bf16.check_grad_overflow: a step whose gradients hold a
+    nan is skipped (weights and states untouched); without it the step is
+    taken and the weights go nan, as in torch."""
+    m = model()
+    config = {"bf16": {"enabled": True, "check_grad_overflow": check},
+              "zero_optimization": {"stage": 2}}
+    engine = zero.initialize(m, optimizer=torch.optim.AdamW(m.parameters(), lr=0.1),
+                             config=config)
+    before = engine.full_state_dict()
+    bad = torch.randn(3, 6)
+    bad[0, 0] = float("nan")
+    engine.backward(engine(bad).float().sum())
+    engine.step()
+    after = engine.full_state_dict()
+    finite = all(bool(v.isfinite().all()) for v in after.values())
+    assert (engine.was_step_applied(), engine.skipped_steps, finite) == \
+        ((False, 1, True) if check else (True, 0, False))
+    if check:
+        assert all(torch.equal(before[k], after[k]) for k in before)
+        engine.backward(engine(torch.randn(3, 6)).float().sum())
+        engine.step()  # the next good batch steps
+        assert engine.was_step_applied() and engine.global_steps == 1
     engine.close()
 
 

@@ -10,13 +10,15 @@ from __future__ import annotations
 
 import errno
 import os
+import warnings
 
 import torch
 
 import zero
 from zero._checkpoint_format import (FORMAT, LATEST_FILE, META_FILE, REPLICATED_GROUP,
                                      VERSION, CheckpointReader, check_plain, check_tag,
-                                     owned_pieces, resolve_tag, shard_file)
+                                     owned_pieces, resolve_tag, shard_file,
+                                     tag_directory_hint)
 from zero._optimizer_bridge import parameter_names, states_for
 from zero._param_writes import bump_versions, take_in_parameter_writes
 from zero._step_agreement import agree, different_calls
@@ -301,6 +303,39 @@ def _agreed_save_id(comm) -> int:
 # ---- load -----------------------------------------------------------------------
 
 
+def _nothing_to_load(engine, load_dir, tag) -> bool:
+    """No tag asked for, and the directory holds no checkpoint at all (it is
+    missing, or has neither `latest` nor a tag directory): the "resume if
+    there is one" start of a run, which DeepSpeed answers with (None, None).
+    Agreed over the ranks: with node-local disks, one rank may see one."""
+    try:
+        save_dir = os.fspath(load_dir)
+    except TypeError:
+        return False  # the load's own checks name the argument
+    empty = tag is None and not os.path.isfile(os.path.join(save_dir, LATEST_FILE)) and \
+        (not os.path.isdir(save_dir) or not _holds_a_tag(save_dir))
+    call = engine.call_text("load_checkpoint()")
+    verdict = agree(engine._comm, call, 0, 0, refused=empty)
+    if not verdict.same_call:
+        raise different_calls(call)
+    others_empty = engine._comm.world - 1 if empty else 0
+    if verdict.other_refused != others_empty:
+        raise RuntimeError(
+            f"load_checkpoint: {save_dir!r} holds a checkpoint on some ranks and none on "
+            "others (node-local disks?); give every rank the same checkpoint directory")
+    return empty
+
+
+def _holds_a_tag(save_dir) -> bool:
+    """Whether save_dir is a tag directory or holds one (a checkpoint,
+    whichever its tag)."""
+    if tag_directory_hint(save_dir):
+        return True
+    with os.scandir(save_dir) as entries:
+        return any(e.is_dir() and os.path.isfile(os.path.join(e.path, META_FILE))
+                   for e in entries)
+
+
 def _check_params(engine, meta):
     saved = meta["params"]
     ours = _param_shapes(engine)
@@ -448,6 +483,11 @@ def _load_buffers(engine, meta):
 
 def load(engine, load_dir, tag=None, load_optimizer_states=True,
          load_lr_scheduler_states=True, load_module_only=False):
+    if _nothing_to_load(engine, load_dir, tag):
+        warnings.warn(f"load_checkpoint: {os.fspath(load_dir)!r} holds no checkpoint yet; "
+                      "nothing was loaded (returned None, None, as DeepSpeed does)",
+                      RuntimeWarning, stacklevel=3)
+        return None, None
     with_optimizer = load_optimizer_states and not load_module_only
     error = None
     try:

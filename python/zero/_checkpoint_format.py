@@ -87,7 +87,7 @@ def check_tag(tag) -> str:
     return tag
 
 
-def _tag_directory_hint(save_dir) -> str:
+def tag_directory_hint(save_dir) -> str:
     """The checkpoint directory given as one of its tag directories
     (ckpt/global_step5 for ckpt/) is an easy slip: say so."""
     if not os.path.isfile(os.path.join(save_dir, META_FILE)):
@@ -101,7 +101,7 @@ def _tag_directory_hint(save_dir) -> str:
 def _latest_tag(save_dir) -> str:
     latest = os.path.join(save_dir, LATEST_FILE)
     if not os.path.isfile(latest):
-        raise FileNotFoundError(_tag_directory_hint(save_dir) or
+        raise FileNotFoundError(tag_directory_hint(save_dir) or
                                 f"{latest!r} does not exist: pass tag= (--tag on the command "
                                 "line) to say which checkpoint in this directory to load")
     try:
@@ -121,7 +121,7 @@ def resolve_tag(save_dir, tag=None) -> str:
     tag = _latest_tag(save_dir) if tag is None else check_tag(tag)
     path = os.path.join(save_dir, tag)
     if not os.path.isfile(os.path.join(path, META_FILE)):
-        hint = _tag_directory_hint(save_dir)
+        hint = tag_directory_hint(save_dir)
         raise FileNotFoundError(f"{path!r} holds no zero checkpoint ({META_FILE} is missing)"
                                 + (f"; {hint}" if hint else ""))
     return path

@@ -178,6 +178,9 @@ class Config:
     # keeps the sum of many bf16 micro-batches exact to fp32 for 2 more
     # bytes per gradient element
     grad_accum_dtype: Optional[str] = None
+    # skip a bf16/fp32 step whose gradients hold an inf or nan, as fp16's
+    # loss scaling always does (DeepSpeed's bf16.check_grad_overflow)
+    check_grad_overflow: bool = False
     optimizer: Optional[dict] = None  # {"type": "AdamW", "params": {...}}
     scheduler: Optional[dict] = None  # {"type": "WarmupLR", "params": {...}}
 
@@ -209,6 +212,9 @@ class Config:
                 self.gradient_accumulation_steps < 1:
             raise ValueError("gradient_accumulation_steps must be an integer >= 1, got "
                              f"{self.gradient_accumulation_steps!r}")
+        if not isinstance(self.check_grad_overflow, bool):
+            raise ValueError(f"check_grad_overflow must be true or false, got "
+                             f"{self.check_grad_overflow!r}")
         if not _number(self.gradient_clipping, "gradient_clipping") >= 0:
             raise ValueError(f"gradient_clipping must be >= 0, got {self.gradient_clipping!r}")
         if not isinstance(self.reduce_bucket_size, int) or self.reduce_bucket_size < 1:
@@ -428,7 +434,9 @@ def _translate(ds: dict) -> dict:
     if fp16.get("enabled") and bf16.get("enabled"):
         raise ValueError("fp16.enabled and bf16.enabled are both true; choose one")
     if bf16.get("enabled"):
-        _take(bf16, "bf16.", {"enabled": None}, {"immediate_grad_update", "check_grad_overflow"})
+        options.update(_take(bf16, "bf16.", {"enabled": None,
+                                             "check_grad_overflow": "check_grad_overflow"},
+                             {"immediate_grad_update"}))
         options["precision"] = "bf16"
     elif fp16.get("enabled"):
         scaling = _take(fp16, "fp16.", {

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
 import types
 import weakref
 
@@ -76,6 +77,7 @@ class Engine(nn.Module):
         self.micro_steps = 0
         self.global_steps = 0
         self.step_was_skipped = False
+        self._step_applied = False  # was_step_applied(): DeepSpeed's meaning
         self.skipped_steps = 0  # fp16 steps skipped on overflow (DeepSpeed's name)
         self._scaled_backward = False
         self._in_no_sync = False
@@ -537,6 +539,7 @@ class Engine(nn.Module):
         calls it as often; what would refuse the step on one rank refuses
         it on every rank, before anything changes."""
         self._check_open()
+        self._step_applied = False  # until a boundary's update is applied
         unscaled = None
         if self.loss_scaler is not None and not self._scaled_backward:
             # the gradients would be divided by a scale the loss never had
@@ -578,10 +581,12 @@ class Engine(nn.Module):
         max_norm = self._clip_norm or self.config.gradient_clipping
         self._prepared, self._clip_norm = None, None
         overflow = not math.isfinite(sumsq)
-        self.step_was_skipped = bool(overflow and self.loss_scaler)
+        self.step_was_skipped = overflow and (self.loss_scaler is not None or
+                                              self.config.check_grad_overflow)
         if self.step_was_skipped:
             self.skipped_steps += 1
-            self.loss_scaler.update(True)
+            if self.loss_scaler:
+                self.loss_scaler.update(True)
         else:
             if self.loss_scaler:
                 self.loss_scaler.update(False)
@@ -607,6 +612,7 @@ class Engine(nn.Module):
             self.optimizer._opt_called = True
             if self.lr_scheduler is not None:
                 self.lr_scheduler.step()
+        self._step_applied = not self.step_was_skipped
         self._global_grad_norm = norm
         self.zero_grad()
         self._zero_grad_calls = 0
@@ -681,7 +687,22 @@ class Engine(nn.Module):
         return self.stage
 
     def was_step_applied(self) -> bool:
-        return not self.step_was_skipped
+        """Whether the last step() call updated the parameters: False after
+        a micro-step before the boundary, an fp16 (or check_grad_overflow)
+        skip, and before the first step, as DeepSpeed's."""
+        return self._step_applied
+
+    @property
+    def local_rank(self) -> int:
+        """The launcher's LOCAL_RANK (0 without a launcher)."""
+        return int(os.environ.get("LOCAL_RANK", 0))
+
+    @property
+    def global_samples(self) -> int | None:
+        """Samples of the updates applied so far (global_steps x
+        train_batch_size); None when the micro batch size is unknown."""
+        batch = self.train_batch_size()
+        return None if batch is None else self.global_steps * batch
 
     def fp16_enabled(self) -> bool:
         return self.config.precision == "fp16"
