@@ -13,6 +13,7 @@ import sys
 
 import pytest
 import torch
+from torch import nn
 
 import zero
 from conftest import max_rel_error
@@ -456,3 +457,22 @@ def test_a_load_starts_an_accumulation_window_at_another_count(tmp_path, stages)
     accumulating.save_checkpoint(tmp_path, tag="again")  # at a boundary again
     accumulating.close()
     whole.close()
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_save_16bit_model_loads_into_a_plain_model(tmp_path, stage):
+    """DeepSpeed's save_16bit_model: the gathered weights in bf16, for
+    model.load_state_dict."""
+    model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3))
+    engine = zero.initialize(model, stage=stage, precision="bf16",
+                             stage3_param_persistence_threshold=0)
+    engine.backward(engine(torch.randn(4, 6)).float().square().mean())
+    engine.step()
+    assert engine.save_16bit_model(tmp_path / "out", "weights.bin")
+    full = engine.full_state_dict()
+    engine.close()
+    saved = torch.load(tmp_path / "out" / "weights.bin")
+    assert all(v.dtype == torch.bfloat16 for v in saved.values())
+    assert all(torch.equal(saved[k], v.to(torch.bfloat16)) for k, v in full.items())
+    plain = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3)).to(torch.bfloat16)
+    plain.load_state_dict(saved)

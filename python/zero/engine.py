@@ -807,6 +807,22 @@ class Engine(nn.Module):
         from zero import _checkpoint
         return _checkpoint.save(self, save_dir, tag, client_state, save_latest)
 
+    def save_16bit_model(self, save_dir, save_filename: str = "pytorch_model.bin") -> bool:
+        """DeepSpeed's: the whole model's state dict, parameters in the
+        compute dtype (bf16/fp16; fp32 under precision "fp32"), written by
+        rank 0 to <save_dir>/<save_filename> with torch.save, for
+        model.load_state_dict. A collective (the parameters are gathered on
+        every rank). Returns True."""
+        full = self.full_state_dict()
+        if self._comm.rank == 0:
+            params = {name for name, _p in self.module.named_parameters(remove_duplicate=False)}
+            state = {name: value.to(self.compute_dtype)
+                     if name in params and value.is_floating_point() else value
+                     for name, value in full.items()}
+            os.makedirs(os.fspath(save_dir), exist_ok=True)
+            torch.save(state, os.path.join(os.fspath(save_dir), save_filename))
+        return True
+
     def load_checkpoint(self, load_dir, tag=None, *, load_optimizer_states: bool = True,
                         load_lr_scheduler_states: bool = True,
                         load_module_only: bool = False):
