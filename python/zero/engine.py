@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-import os
 import types
 import weakref
 
@@ -30,6 +29,9 @@ from torch.autograd.graph import register_multi_grad_hook
 
 from zero._agreement import check_ranks_agree
 from zero._comm import Comm, leave_process_group
+from zero._deepspeed_queries import DeepSpeedQueries
+from zero._engine_routes import (AttributeRemoval, EngineZeroGrad, call_alive,
+                                 model_zero_grad, refuse_states_call, submodule_zero_grad)
 from zero._copying import ModuleHook
 from zero._flat_group import FlatGroup
 from zero._loss_scaler import DynamicLossScaler
@@ -51,7 +53,7 @@ from zero.config import Config
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-class Engine(nn.Module):
+class Engine(DeepSpeedQueries, nn.Module):
     """What zero.initialize returns: the model wrapped for ZeRO training.
     Call it as the model (inputs are cast to the compute dtype), then
     engine.backward(loss) and engine.step(). Its attributes: module,
@@ -306,9 +308,9 @@ class Engine(nn.Module):
             self._on_each_grad(fg, _stage2_grad_ready)
         me = weakref.ref(self)
         self._hooks.append(self.module.register_forward_pre_hook(ModuleHook(
-            lambda _m, _a: _call_alive(me, Engine._abandon_unfinished_backward))))
+            lambda _m, _a: call_alive(me, Engine._abandon_unfinished_backward))))
         self._hooks.append(self.module.register_forward_hook(ModuleHook(
-            lambda _m, _a, output: _call_alive(me, Engine._watch_root_output, output))))
+            lambda _m, _a, output: call_alive(me, Engine._watch_root_output, output))))
 
     def _watch_root_output(self, output):
         if torch.is_grad_enabled():
@@ -316,7 +318,7 @@ class Engine(nn.Module):
             if tensors:
                 me = weakref.ref(self)
                 register_multi_grad_hook(
-                    tensors, lambda _grad: _call_alive(me, Engine._arm_backward_end),
+                    tensors, lambda _grad: call_alive(me, Engine._arm_backward_end),
                     mode="any")
 
     def _arm_backward_end(self):
@@ -352,7 +354,7 @@ class Engine(nn.Module):
             def hook(_p, i=i):
                 target = group()
                 if target is not None:
-                    _call_alive(me, body, target, i)
+                    call_alive(me, body, target, i)
             self._hooks.append(p.register_post_accumulate_grad_hook(hook))
 
     def _guard_optimizer(self):
@@ -371,24 +373,24 @@ class Engine(nn.Module):
         release = getattr(self.optimizer, "_release_buffers", None)
         if release is not None:
             release()
-        self.optimizer.zero_grad = _EngineZeroGrad(self)
-        self._hooks.append(_AttributeRemoval(self.optimizer, "zero_grad"))
+        self.optimizer.zero_grad = EngineZeroGrad(self)
+        self._hooks.append(AttributeRemoval(self.optimizer, "zero_grad"))
         # its states are the engine's now, partitioned: the optimizer's own
         # state_dict() would hold none (or stale ones), and a load would
         # change nothing the engine uses
         for name in ("state_dict", "load_state_dict"):
-            setattr(self.optimizer, name, _refuse_states_call(name))
-            self._hooks.append(_AttributeRemoval(self.optimizer, name))
+            setattr(self.optimizer, name, refuse_states_call(name))
+            self._hooks.append(AttributeRemoval(self.optimizer, name))
         # model.zero_grad() too: at stages 2-3 the parameters' .grad are
         # already None after a backward, so torch's alone would drop nothing
-        self.module.zero_grad = types.MethodType(_model_zero_grad, self.module)
-        self._hooks.append(_AttributeRemoval(self.module, "zero_grad"))
+        self.module.zero_grad = types.MethodType(model_zero_grad, self.module)
+        self._hooks.append(AttributeRemoval(self.module, "zero_grad"))
         # and a submodule's, which drops its own parameters' gradients: at
         # stages 2-3 they were reduced into the partitions already
         for sub in self.module.modules():
             if sub is not self.module and next(sub.parameters(), None) is not None:
-                sub.zero_grad = types.MethodType(_submodule_zero_grad, sub)
-                self._hooks.append(_AttributeRemoval(sub, "zero_grad"))
+                sub.zero_grad = types.MethodType(submodule_zero_grad, sub)
+                self._hooks.append(AttributeRemoval(sub, "zero_grad"))
 
     def _check_optimizer_unchanged(self):
         """The engine laid out its partitions and states for the optimizer's
@@ -656,68 +658,6 @@ class Engine(nn.Module):
         if self._schedule is not None:
             self._schedule.add_external(module, param)
 
-    def get_global_grad_norm(self) -> float:
-        """The global L2 norm of the last update's gradients, before
-        clipping (inf after an fp16 overflow); None before the first step."""
-        return getattr(self, "_global_grad_norm", None)
-
-    # ---- DeepSpeed's engine queries, under its names, for code moved over --------
-
-    def get_lr(self) -> list:
-        return [group["lr"] for group in self.optimizer.param_groups]
-
-    def is_gradient_accumulation_boundary(self) -> bool:
-        return self.is_accumulation_boundary
-
-    def gradient_accumulation_steps(self) -> int:
-        return self.config.gradient_accumulation_steps
-
-    def train_micro_batch_size_per_gpu(self):
-        return self.config.train_micro_batch_size_per_gpu
-
-    def train_batch_size(self):
-        """micro batch x accumulation x world size, when the micro batch is
-        known (the config's train_batch_size was checked against it)."""
-        micro = self.config.train_micro_batch_size_per_gpu
-        if micro is None:
-            return self.config.train_batch_size
-        return micro * self.config.gradient_accumulation_steps * self._comm.world
-
-    def zero_optimization_stage(self) -> int:
-        return self.stage
-
-    def was_step_applied(self) -> bool:
-        """Whether the last step() call updated the parameters: False after
-        a micro-step before the boundary, an fp16 (or check_grad_overflow)
-        skip, and before the first step, as DeepSpeed's."""
-        return self._step_applied
-
-    @property
-    def local_rank(self) -> int:
-        """The launcher's LOCAL_RANK (0 without a launcher)."""
-        return int(os.environ.get("LOCAL_RANK", 0))
-
-    @property
-    def global_samples(self) -> int | None:
-        """Samples of the updates applied so far (global_steps x
-        train_batch_size); None when the micro batch size is unknown."""
-        batch = self.train_batch_size()
-        return None if batch is None else self.global_steps * batch
-
-    def fp16_enabled(self) -> bool:
-        return self.config.precision == "fp16"
-
-    def bfloat16_enabled(self) -> bool:
-        return self.config.precision == "bf16"
-
-    @property
-    def world_size(self) -> int:
-        return self._comm.world
-
-    @property
-    def global_rank(self) -> int:
-        return self._comm.rank
-
     # ---- reporting --------------------------------------------------------------
 
     def memory_summary(self) -> MemorySummary:
@@ -807,22 +747,6 @@ class Engine(nn.Module):
         from zero import _checkpoint
         return _checkpoint.save(self, save_dir, tag, client_state, save_latest)
 
-    def save_16bit_model(self, save_dir, save_filename: str = "pytorch_model.bin") -> bool:
-        """DeepSpeed's: the whole model's state dict, parameters in the
-        compute dtype (bf16/fp16; fp32 under precision "fp32"), written by
-        rank 0 to <save_dir>/<save_filename> with torch.save, for
-        model.load_state_dict. A collective (the parameters are gathered on
-        every rank). Returns True."""
-        full = self.full_state_dict()
-        if self._comm.rank == 0:
-            params = {name for name, _p in self.module.named_parameters(remove_duplicate=False)}
-            state = {name: value.to(self.compute_dtype)
-                     if name in params and value.is_floating_point() else value
-                     for name, value in full.items()}
-            os.makedirs(os.fspath(save_dir), exist_ok=True)
-            torch.save(state, os.path.join(os.fspath(save_dir), save_filename))
-        return True
-
     def load_checkpoint(self, load_dir, tag=None, *, load_optimizer_states: bool = True,
                         load_lr_scheduler_states: bool = True,
                         load_module_only: bool = False):
@@ -882,15 +806,6 @@ class Engine(nn.Module):
         self._closed = True
 
 
-def _call_alive(engine_ref, function, *args):
-    """function(engine, *args) for a hook that holds its engine weakly; nothing
-    once the engine is gone or closed."""
-    engine = engine_ref()
-    if engine is not None and not engine._closed:
-        return function(engine, *args)
-    return None
-
-
 def _accumulate_grad(_engine, fg, i):
     fg.accumulate_grad(i)
 
@@ -902,71 +817,6 @@ def _grad_ready(_engine, fg, i):
 def _stage2_grad_ready(engine, fg, i):
     engine._arm_backward_end()  # a backward that did not start at the root's output
     fg.on_grad_ready(i)
-
-
-class _EngineZeroGrad:
-    """optimizer.zero_grad while an engine drives the optimizer: the
-    engine's zero_grad (held weakly, like the hooks)."""
-
-    def __init__(self, engine):
-        self._engine = weakref.ref(engine)
-
-    def __call__(self, set_to_none: bool = True):
-        _call_alive(self._engine, Engine.zero_grad, set_to_none)
-
-
-def _model_zero_grad(self, set_to_none: bool = True):
-    """model.zero_grad while an engine trains the model: the model class's
-    own, then the engine's, which also drops the gradients stages 2-3 have
-    reduced already. A copy of the model (deepcopy binds this to the copy,
-    whose _zero_engine is None) gets the class's alone."""
-    type(self).zero_grad(self, set_to_none)
-    ref = self.__dict__.get("_zero_engine")
-    if ref is not None:
-        _call_alive(ref, Engine.zero_grad, set_to_none)
-
-
-def _submodule_zero_grad(self, set_to_none: bool = True):
-    """A submodule's zero_grad while an engine trains its model: the
-    module class's own, then each engine training its parameters drops
-    their gradients since the last step. A copy's parameters have no place,
-    so a copy gets the class's alone."""
-    type(self).zero_grad(self, set_to_none)
-    by_engine = {}
-    for p in self.parameters():
-        place = getattr(p, "_zero_place", None)
-        if place is not None:
-            by_engine.setdefault(place.engine, []).append(p)
-    for ref, params in by_engine.items():
-        _call_alive(ref, Engine._zero_grads_of, params)
-
-
-# a pickled bound method is rebuilt as getattr(model, __name__): the class's
-_model_zero_grad.__name__ = "zero_grad"
-_submodule_zero_grad.__name__ = "zero_grad"
-
-
-def _refuse_states_call(name):
-    def refuse(*_args, **_kwargs):
-        raise RuntimeError(
-            f"optimizer.{name}() while a zero engine trains with this optimizer: the states "
-            "live in the engine, partitioned over the ranks. Use engine.save_checkpoint() / "
-            "engine.load_checkpoint(); zero.checkpoint.consolidate() turns a checkpoint into "
-            "torch state dicts (the optimizer's under 'optimizer'). To resume from a torch "
-            "state dict, load it into the optimizer before zero.initialize")
-    return refuse
-
-
-class _AttributeRemoval:
-    """A handle, like a hook's, that removes an attribute set on an object."""
-
-    def __init__(self, obj, name):
-        self._obj, self._name = weakref.ref(obj), name
-
-    def remove(self):
-        obj = self._obj()
-        if obj is not None:
-            obj.__dict__.pop(self._name, None)
 
 
 def _broadcast_buffer(comm, name, buf, kind="buffer"):
