@@ -476,3 +476,14 @@ def test_save_16bit_model_loads_into_a_plain_model(tmp_path, stage):
     assert all(torch.equal(saved[k], v.to(torch.bfloat16)) for k, v in full.items())
     plain = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3)).to(torch.bfloat16)
     plain.load_state_dict(saved)
+
+
+def test_load_module_strict_is_deepspeeds_third_argument(saved):
+    """engine.load_checkpoint(dir, tag, True), as DeepSpeed scripts write
+    it, loads; False is refused with the way to do it."""
+    engine = make_engine(2, seed=4)
+    path, _ = engine.load_checkpoint(saved, None, True)
+    assert path is not None
+    with pytest.raises(ValueError, match="load_module_strict=False: only True"):
+        engine.load_checkpoint(saved, load_module_strict=False)
+    engine.close()

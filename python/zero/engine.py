@@ -747,7 +747,8 @@ class Engine(DeepSpeedQueries, nn.Module):
         from zero import _checkpoint
         return _checkpoint.save(self, save_dir, tag, client_state, save_latest)
 
-    def load_checkpoint(self, load_dir, tag=None, *, load_optimizer_states: bool = True,
+    def load_checkpoint(self, load_dir, tag=None, load_module_strict: bool = True, *,
+                        load_optimizer_states: bool = True,
                         load_lr_scheduler_states: bool = True,
                         load_module_only: bool = False):
         """Restore a checkpoint of save_checkpoint (tag default: the one in
@@ -755,8 +756,18 @@ class Engine(DeepSpeedQueries, nn.Module):
         hyperparameters, step counts, the loss scale and the LR scheduler.
         The checkpoint may come from another world size or stage. Everything
         is checked (names, shapes, optimizer kind, files) before anything
-        changes. A collective. Returns (checkpoint directory, client_state)."""
+        changes. A collective. Returns (checkpoint directory, client_state),
+        or (None, None) when load_dir holds no checkpoint yet.
+        load_module_strict: DeepSpeed's third argument; only True (the
+        architecture must match) is supported."""
         self._check_open()
+        if load_module_strict is not True:
+            raise ValueError(
+                f"load_module_strict={load_module_strict!r}: only True is supported (every "
+                "parameter of the checkpoint must match the model's by name and shape). To "
+                "fine-tune with a changed head, load the consolidated weights "
+                "(zero.checkpoint.consolidate) into the model with "
+                "load_state_dict(strict=False) before zero.initialize")
         from zero import _checkpoint
         return _checkpoint.load(self, load_dir, tag, load_optimizer_states,
                                 load_lr_scheduler_states, load_module_only)
