@@ -299,6 +299,11 @@ class Stage3Schedule:
                 if unit.persistent:
                     continue
                 if unit.gathered or unit.work is not None:
+                    if unit.work is not None and fg.param_files is not None and \
+                            unit.work.is_completed():
+                        # a shard on a disk: its chunk unmapped once the
+                        # gather is done, not at the unit's first use
+                        self.ensure(fg, unit)
                     if unit.active == 0:
                         ahead += unit.total
                     continue
