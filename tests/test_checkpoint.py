@@ -369,6 +369,12 @@ def test_refuses_missing_and_foreign_files(saved, tmp_path_factory):
             assert engine.load_checkpoint(nothing) == (None, None)
     after = engine.full_state_dict()
     assert all(torch.equal(before[k], after[k]) for k in before)
+    # a file given as the directory, or "", is a mistake, not a first start
+    (empty / "weights.bin").write_bytes(b"")
+    for wrong in (empty / "weights.bin", ""):
+        unchanged_after(engine, lambda: engine.load_checkpoint(wrong), FileNotFoundError,
+                        "does not exist")
+    (empty / "weights.bin").unlink()
     (empty / "global_step3").mkdir()  # a tag directory, but no latest: which one?
     (empty / "global_step3" / "zero_meta.pt").write_bytes(b"")
     unchanged_after(engine, lambda: engine.load_checkpoint(empty), FileNotFoundError,
@@ -468,10 +474,10 @@ def test_save_16bit_model_loads_into_a_plain_model(tmp_path, stage):
                              stage3_param_persistence_threshold=0)
     engine.backward(engine(torch.randn(4, 6)).float().square().mean())
     engine.step()
-    assert engine.save_16bit_model(tmp_path / "out", "weights.bin")
+    assert engine.save_16bit_model(tmp_path / "out", "sub/weights.bin")  # the folder is made
     full = engine.full_state_dict()
     engine.close()
-    saved = torch.load(tmp_path / "out" / "weights.bin")
+    saved = torch.load(tmp_path / "out" / "sub" / "weights.bin")
     assert all(v.dtype == torch.bfloat16 for v in saved.values())
     assert all(torch.equal(saved[k], v.to(torch.bfloat16)) for k, v in full.items())
     plain = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3)).to(torch.bfloat16)
@@ -487,3 +493,24 @@ def test_load_module_strict_is_deepspeeds_third_argument(saved):
     with pytest.raises(ValueError, match="load_module_strict=False: only True"):
         engine.load_checkpoint(saved, load_module_strict=False)
     engine.close()
+
+
+def test_save_16bit_model_keeps_ties_and_buffer_dtypes(tmp_path):
+    """A tied embedding is written once (one tensor under both names), and
+    buffers in the dtype the module holds them in, as DeepSpeed's file."""
+    torch.manual_seed(0)
+    emb, norm = nn.Embedding(10, 4), nn.BatchNorm1d(4)
+    head = nn.Linear(4, 10, bias=False)
+    head.weight = emb.weight
+    model = nn.Sequential(emb, norm, head)
+    engine = zero.initialize(model, stage=3, precision="bf16",
+                             stage3_param_persistence_threshold=0)
+    engine.backward(engine(torch.randint(0, 10, (6,))).float().square().mean())
+    engine.step()
+    engine.save_16bit_model(tmp_path)
+    engine.close()
+    saved = torch.load(tmp_path / "pytorch_model.bin")
+    assert saved["0.weight"].dtype == torch.bfloat16
+    assert saved["0.weight"].data_ptr() == saved["2.weight"].data_ptr()
+    assert saved["1.running_mean"].dtype == norm.running_mean.dtype
+    assert saved["1.num_batches_tracked"].dtype == torch.int64

@@ -312,8 +312,12 @@ def _nothing_to_load(engine, load_dir, tag) -> bool:
         save_dir = os.fspath(load_dir)
     except TypeError:
         return False  # the load's own checks name the argument
-    empty = tag is None and not os.path.isfile(os.path.join(save_dir, LATEST_FILE)) and \
-        (not os.path.isdir(save_dir) or not _holds_a_tag(save_dir))
+    # a file, or "", is a mistake for the load's checks to name, not a
+    # first start (a weights file given as the directory would train afresh)
+    empty = tag is None and save_dir != "" and \
+        not os.path.exists(os.path.join(save_dir, LATEST_FILE)) and \
+        (not os.path.exists(save_dir) or
+         (os.path.isdir(save_dir) and not _holds_a_tag(save_dir)))
     call = engine.call_text("load_checkpoint()")
     verdict = agree(engine._comm, call, 0, 0, refused=empty)
     if not verdict.same_call:
@@ -331,9 +335,12 @@ def _holds_a_tag(save_dir) -> bool:
     whichever its tag)."""
     if tag_directory_hint(save_dir):
         return True
-    with os.scandir(save_dir) as entries:
-        return any(e.is_dir() and os.path.isfile(os.path.join(e.path, META_FILE))
-                   for e in entries)
+    try:
+        with os.scandir(save_dir) as entries:
+            return any(e.is_dir() and os.path.isfile(os.path.join(e.path, META_FILE))
+                       for e in entries)
+    except OSError:
+        return True  # unreadable: not "empty"; the load's own checks say why
 
 
 def _check_params(engine, meta):

@@ -7,6 +7,8 @@ import os
 
 import torch
 
+from zero._step_agreement import agree, different_calls
+
 
 class DeepSpeedQueries:
     def get_global_grad_norm(self) -> float:
@@ -71,16 +73,42 @@ class DeepSpeedQueries:
 
     def save_16bit_model(self, save_dir, save_filename: str = "pytorch_model.bin") -> bool:
         """DeepSpeed's: the whole model's state dict, parameters in the
-        compute dtype (bf16/fp16; fp32 under precision "fp32"), written by
-        rank 0 to <save_dir>/<save_filename> with torch.save, for
+        compute dtype (bf16/fp16; fp32 under precision "fp32"), buffers in
+        their own, tied parameters still one tensor, written by rank 0 to
+        <save_dir>/<save_filename> with torch.save, for
         model.load_state_dict. A collective (the parameters are gathered on
-        every rank). Returns True."""
+        every rank; a failed write raises on every rank). Returns True."""
         full = self.full_state_dict()
+        error = None
         if self._comm.rank == 0:
-            params = {name for name, _p in self.module.named_parameters(remove_duplicate=False)}
-            state = {name: value.to(self.compute_dtype)
-                     if name in params and value.is_floating_point() else value
-                     for name, value in full.items()}
-            os.makedirs(os.fspath(save_dir), exist_ok=True)
-            torch.save(state, os.path.join(os.fspath(save_dir), save_filename))
+            try:
+                path = os.path.join(os.fspath(save_dir), save_filename)
+                os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+                torch.save(self._state_in_module_dtypes(full), path)
+            except Exception as e:  # raised on every rank below
+                error = e
+        call = self.call_text("save_16bit_model()")
+        verdict = agree(self._comm, call, 0, 0, refused=error is not None)
+        if error is not None:
+            raise error
+        if not verdict.same_call:
+            raise different_calls(call)
+        if verdict.other_refused:
+            raise RuntimeError("save_16bit_model: rank 0 failed to write the file (its own "
+                               "error says why)")
         return True
+
+    def _state_in_module_dtypes(self, full: dict) -> dict:
+        """full_state_dict's entries (fp32) as the model holds them:
+        parameters in the compute dtype, buffers in their own dtype, one
+        tensor for every name of a tied parameter."""
+        dtypes = {name: self.compute_dtype for name, _p
+                  in self.module.named_parameters(remove_duplicate=False)}
+        dtypes.update((name, b.dtype) for name, b
+                      in self.module.named_buffers(remove_duplicate=False))
+        cast = {}  # id of full's tensor -> its cast: ties stay one tensor
+        for name, value in full.items():
+            dtype = dtypes.get(name, value.dtype) if value.is_floating_point() else value.dtype
+            if id(value) not in cast:
+                cast[id(value)] = value.to(dtype)
+        return {name: cast[id(value)] for name, value in full.items()}

@@ -89,7 +89,7 @@ def _attempt(function):
     try:
         function()
         return None
-    except (RuntimeError, ValueError) as e:
+    except (RuntimeError, ValueError, OSError) as e:
         return str(e)
 
 
@@ -200,3 +200,25 @@ def test_a_block_that_raised_inside_gathered_parameters_on_one_rank(one_rank_cal
     assert mine == "the user's own error"
     assert "another rank raised inside zero.GatheredParameters" in theirs
     assert not kept_0 and not kept_1
+
+
+def a_failed_16bit_save(rank, world):
+    import tempfile
+    import torch
+    from torch import nn
+    import zero
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3))
+    engine = zero.initialize(model, stage=3, precision="bf16")
+    with tempfile.NamedTemporaryFile() as not_a_folder:  # rank 0 cannot write under it
+        error = _attempt(lambda: engine.save_16bit_model(not_a_folder.name, "w.bin"))
+    engine.close()
+    return error
+
+
+def test_a_16bit_save_that_fails_on_rank_0_raises_on_every_rank():
+    """Only rank 0 writes: its failure is agreed, so rank 1 does not go on
+    to wait at its next collective."""
+    mine, theirs = harness.run(2, a_failed_16bit_save, timeout=120)
+    assert mine is not None and "rank 0 failed" not in mine, mine
+    assert theirs is not None and "rank 0 failed to write the file" in theirs, theirs
