@@ -1,4 +1,5 @@
-"""LR schedules named in DeepSpeed configs (WarmupLR, WarmupDecayLR), as
+"""LR schedules named in DeepSpeed configs (WarmupLR, WarmupDecayLR,
+WarmupCosineLR), as
 torch schedulers on the user's optimizer, with DeepSpeed's numbers: a
 config moved from DeepSpeed must give the same learning rate at every
 update.
@@ -21,9 +22,11 @@ from torch.optim.lr_scheduler import LRScheduler
 
 from zero.config import auto_refused
 
-SCHEDULER_TYPES = ("WarmupLR", "WarmupDecayLR")  # the DeepSpeed schedules made here
+SCHEDULER_TYPES = ("WarmupLR", "WarmupDecayLR", "WarmupCosineLR")  # made here
 _KNOWN = {"warmup_min_lr", "warmup_max_lr", "warmup_num_steps", "warmup_type",
           "total_num_steps", "last_batch_iteration"}
+_KNOWN_COSINE = {"total_num_steps", "warmup_min_ratio", "warmup_num_steps", "cos_min_ratio",
+                 "warmup_type", "last_batch_iteration"}
 
 
 class DeepSpeedWarmup(LRScheduler):
@@ -61,6 +64,40 @@ class DeepSpeedWarmup(LRScheduler):
         return [lr for _ in self.optimizer.param_groups]
 
 
+class DeepSpeedWarmupCosine(LRScheduler):
+    """WarmupCosineLR: each group's own lr times a ratio. DeepSpeed's
+    numbers: before its first step (at construction) the ratio is 0; its
+    i-th step sets min_ratio + (1 - min_ratio) * gamma(i) during warm-up
+    (gamma as WarmupLR's), then cos_min + (1 - cos_min) * (1 + cos(pi p)) / 2
+    with p = min(1, (i - W + 1) / max(1, T - W)), so it ends at cos_min."""
+
+    def __init__(self, optimizer, total_steps, min_ratio, warmup_steps, cos_min_ratio,
+                 warmup_type, last_batch_iteration=-1):
+        self.total_steps, self.min_ratio = total_steps, min_ratio
+        self.warmup_steps = max(2, warmup_steps)
+        self.cos_min_ratio, self.warmup_type = cos_min_ratio, warmup_type
+        if last_batch_iteration != -1:
+            for group in optimizer.param_groups:
+                group.setdefault("initial_lr", group["lr"])
+        super().__init__(optimizer, last_epoch=last_batch_iteration)
+
+    def ratio_at(self, k: int) -> float:
+        i = k - 1  # DeepSpeed's iteration; -1: before its first step
+        if i < 0:
+            return 0.0
+        w = self.warmup_steps
+        if i < w:
+            gamma = i / w if self.warmup_type == "linear" else math.log(i + 1) / math.log(w)
+            return self.min_ratio + (1.0 - self.min_ratio) * gamma
+        progress = min(1.0, (i - w + 1) / max(1, self.total_steps - w))
+        cosine = (1 + math.cos(math.pi * progress)) / 2
+        return max(0.0, self.cos_min_ratio + (1.0 - self.cos_min_ratio) * cosine)
+
+    def get_lr(self):
+        ratio = self.ratio_at(self.last_epoch)
+        return [base * ratio for base in self.base_lrs]
+
+
 def _number(params, key, default, kind=float, low=None):
     value = params.get(key, default)
     if value == "auto":
@@ -80,13 +117,23 @@ def scheduler_from_config(spec: dict, optimizer):
         raise ValueError(f"scheduler.type {kind!r} is not supported; choose "
                          f"{' or '.join(SCHEDULER_TYPES)}, or pass lr_scheduler=")
     params = dict(spec.get("params", {}))
-    unknown = set(params) - _KNOWN
+    unknown = set(params) - (_KNOWN_COSINE if kind == "WarmupCosineLR" else _KNOWN)
     if unknown:
         raise ValueError(f"unknown scheduler.params key(s): {', '.join(sorted(unknown))}")
     warmup_type = params.get("warmup_type", "log")
     if warmup_type not in ("log", "linear"):
         raise ValueError(f"scheduler.params.warmup_type must be 'log' or 'linear', got "
                          f"{warmup_type!r}")
+    if kind == "WarmupCosineLR":
+        if "total_num_steps" not in params:
+            raise ValueError("scheduler.params.total_num_steps is required by WarmupCosineLR "
+                             "(the step at which the cosine reaches cos_min_ratio)")
+        return DeepSpeedWarmupCosine(
+            optimizer, _number(params, "total_num_steps", None, int, low=1),
+            _number(params, "warmup_min_ratio", 0.0, low=0.0),
+            _number(params, "warmup_num_steps", 1000, int, low=1),
+            _number(params, "cos_min_ratio", 0.0001, low=0.0), warmup_type,
+            _number(params, "last_batch_iteration", -1, int, low=-1))
     total = None
     if kind == "WarmupDecayLR":
         if "total_num_steps" not in params:

@@ -279,6 +279,9 @@ class ZeroTrainer(Trainer):
                     "total_num_steps": num_training_steps}
             params = dict(self._config_scheduler.get("params") or {})
             for key, value in params.items():
+                if value == "auto" and key not in auto:  # WarmupCosineLR's ratios
+                    raise ValueError(f"scheduler.params.{key} is \"auto\", which the Trainer "
+                                     "does not fill in; write a number")
                 if value == "auto":
                     params[key] = auto[key]
                 elif key in ("warmup_num_steps", "total_num_steps") and value != auto[key]:
