@@ -29,20 +29,33 @@ _KNOWN_COSINE = {"total_num_steps", "warmup_min_ratio", "warmup_num_steps", "cos
                  "warmup_type", "last_batch_iteration"}
 
 
-class DeepSpeedWarmup(LRScheduler):
-    """WarmupLR (total_steps None) or WarmupDecayLR. torch's step count k
-    (0 at construction) is DeepSpeed's last_batch_iteration + 1."""
+class _DeepSpeedSchedule(LRScheduler):
+    """What DeepSpeed's warm-up schedules share. torch's step count k (0 at
+    construction) is DeepSpeed's last_batch_iteration + 1."""
+
+    def __init__(self, optimizer, warmup_steps, warmup_type, last_batch_iteration):
+        self.warmup_steps = max(2, warmup_steps)
+        self.warmup_type = warmup_type
+        if last_batch_iteration != -1:  # resumed: torch wants each group's initial_lr
+            for group in optimizer.param_groups:
+                group.setdefault("initial_lr", group["lr"])
+        super().__init__(optimizer, last_epoch=last_batch_iteration)
+
+    def _warmup_gamma(self, i: int) -> float:
+        """0 -> 1 over the warm-up's iterations i < W."""
+        if self.warmup_type == "linear":
+            return i / self.warmup_steps
+        return math.log(i + 1) / math.log(self.warmup_steps)
+
+
+class DeepSpeedWarmup(_DeepSpeedSchedule):
+    """WarmupLR (total_steps None) or WarmupDecayLR."""
 
     def __init__(self, optimizer, min_lr, max_lr, warmup_steps, warmup_type, total_steps=None,
                  last_batch_iteration=-1):
         self.min_lr, self.max_lr = min_lr, max_lr
-        self.warmup_steps = max(2, warmup_steps)
-        self.warmup_type = warmup_type
         self.total_steps = total_steps
-        if last_batch_iteration != -1:
-            for group in optimizer.param_groups:
-                group.setdefault("initial_lr", group["lr"])
-        super().__init__(optimizer, last_epoch=last_batch_iteration)
+        super().__init__(optimizer, warmup_steps, warmup_type, last_batch_iteration)
 
     def lr_at(self, k: int) -> float:
         i = k - 1  # DeepSpeed's iteration; -1: before its first step
@@ -52,9 +65,7 @@ class DeepSpeedWarmup(LRScheduler):
 
     def _gamma(self, i: int) -> float:
         if i < self.warmup_steps:
-            if self.warmup_type == "linear":
-                return i / self.warmup_steps
-            return math.log(i + 1) / math.log(self.warmup_steps)
+            return self._warmup_gamma(i)
         if self.total_steps is None:
             return 1.0
         return max(0.0, (self.total_steps - i) / max(1, self.total_steps - self.warmup_steps))
@@ -64,7 +75,7 @@ class DeepSpeedWarmup(LRScheduler):
         return [lr for _ in self.optimizer.param_groups]
 
 
-class DeepSpeedWarmupCosine(LRScheduler):
+class DeepSpeedWarmupCosine(_DeepSpeedSchedule):
     """WarmupCosineLR: each group's own lr times a ratio. DeepSpeed's
     numbers: before its first step (at construction) the ratio is 0; its
     i-th step sets min_ratio + (1 - min_ratio) * gamma(i) during warm-up
@@ -74,12 +85,8 @@ class DeepSpeedWarmupCosine(LRScheduler):
     def __init__(self, optimizer, total_steps, min_ratio, warmup_steps, cos_min_ratio,
                  warmup_type, last_batch_iteration=-1):
         self.total_steps, self.min_ratio = total_steps, min_ratio
-        self.warmup_steps = max(2, warmup_steps)
-        self.cos_min_ratio, self.warmup_type = cos_min_ratio, warmup_type
-        if last_batch_iteration != -1:
-            for group in optimizer.param_groups:
-                group.setdefault("initial_lr", group["lr"])
-        super().__init__(optimizer, last_epoch=last_batch_iteration)
+        self.cos_min_ratio = cos_min_ratio
+        super().__init__(optimizer, warmup_steps, warmup_type, last_batch_iteration)
 
     def ratio_at(self, k: int) -> float:
         i = k - 1  # DeepSpeed's iteration; -1: before its first step
@@ -87,8 +94,7 @@ class DeepSpeedWarmupCosine(LRScheduler):
             return 0.0
         w = self.warmup_steps
         if i < w:
-            gamma = i / w if self.warmup_type == "linear" else math.log(i + 1) / math.log(w)
-            return self.min_ratio + (1.0 - self.min_ratio) * gamma
+            return self.min_ratio + (1.0 - self.min_ratio) * self._warmup_gamma(i)
         progress = min(1.0, (i - w + 1) / max(1, self.total_steps - w))
         cosine = (1 + math.cos(math.pi * progress)) / 2
         return max(0.0, self.cos_min_ratio + (1.0 - self.cos_min_ratio) * cosine)
