@@ -21,7 +21,7 @@ from zero._checkpoint_format import (FORMAT, LATEST_FILE, META_FILE, REPLICATED_
                                      tag_directory_hint)
 from zero._optimizer_bridge import parameter_names, states_for
 from zero._param_writes import bump_versions, take_in_parameter_writes
-from zero._step_agreement import agree, different_calls
+from zero._step_agreement import agree_on_call
 
 
 def _host_copy(t: torch.Tensor) -> torch.Tensor:
@@ -201,15 +201,13 @@ def _all_ok(engine, error, doing="saving") -> None:
     """A barrier that also tells every rank whether some rank failed, so a
     full disk on one rank raises everywhere instead of hanging the rest,
     and that they are all in this call ([Note: writes agreed])."""
-    call = engine.call_text(f"{doing} a checkpoint")
-    verdict = agree(engine._comm, call, 0, 0, refused=error is not None)
-    if not verdict.same_call:
-        raise different_calls(call)
+    failed = agree_on_call(engine._comm, engine.call_text(f"{doing} a checkpoint"),
+                           refused=error is not None)
     if error is not None:
         raise error
-    if verdict.other_refused:
-        raise RuntimeError(f"{doing} the checkpoint failed on {verdict.other_refused} other "
-                           "rank(s); see their errors")
+    if failed:
+        raise RuntimeError(f"{doing} the checkpoint failed on {failed} other rank(s); see "
+                           "their errors")
 
 
 def _gradients_pending(engine) -> bool:
@@ -318,12 +316,8 @@ def _nothing_to_load(engine, load_dir, tag) -> bool:
         not os.path.exists(os.path.join(save_dir, LATEST_FILE)) and \
         (not os.path.exists(save_dir) or
          (os.path.isdir(save_dir) and not _holds_a_tag(save_dir)))
-    call = engine.call_text("load_checkpoint()")
-    verdict = agree(engine._comm, call, 0, 0, refused=empty)
-    if not verdict.same_call:
-        raise different_calls(call)
-    others_empty = engine._comm.world - 1 if empty else 0
-    if verdict.other_refused != others_empty:
+    others = agree_on_call(engine._comm, engine.call_text("load_checkpoint()"), refused=empty)
+    if others != (engine._comm.world - 1 if empty else 0):
         raise RuntimeError(
             f"load_checkpoint: {save_dir!r} holds a checkpoint on some ranks and none on "
             "others (node-local disks?); give every rank the same checkpoint directory")

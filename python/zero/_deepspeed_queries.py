@@ -7,7 +7,7 @@ import os
 
 import torch
 
-from zero._step_agreement import agree, different_calls
+from zero._step_agreement import agree_on_call
 
 
 class DeepSpeedQueries:
@@ -87,13 +87,11 @@ class DeepSpeedQueries:
                 torch.save(self._state_in_module_dtypes(full), path)
             except Exception as e:  # raised on every rank below
                 error = e
-        call = self.call_text("save_16bit_model()")
-        verdict = agree(self._comm, call, 0, 0, refused=error is not None)
+        failed = agree_on_call(self._comm, self.call_text("save_16bit_model()"),
+                               refused=error is not None)
         if error is not None:
             raise error
-        if not verdict.same_call:
-            raise different_calls(call)
-        if verdict.other_refused:
+        if failed:
             raise RuntimeError("save_16bit_model: rank 0 failed to write the file (its own "
                                "error says why)")
         return True

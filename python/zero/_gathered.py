@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from zero._param_writes import (check_parameters_in_place, take_in_parameter_writes,
                                 write_into_partition)
-from zero._step_agreement import agree, different_calls
+from zero._step_agreement import agree_on_call
 
 
 class GatheredParameters:
@@ -123,11 +123,7 @@ class GatheredParameters:
         """Whether the block raised on another rank (a collective)."""
         if not self._units or self._units[0].fg.comm.world == 1:
             return False
-        call = self._call_text("leaving")
-        verdict = agree(self._units[0].fg.comm, call, 0, 0, refused=failed)
-        if not verdict.same_call:
-            raise different_calls(call)
-        return verdict.other_refused > 0
+        return agree_on_call(self._units[0].fg.comm, self._call_text("leaving"), failed) > 0
 
     def _undo_changes(self):
         """A block that raised on some rank: the listed parameters back to

@@ -47,7 +47,7 @@ from torch.autograd.graph import register_multi_grad_hook, saved_tensors_hooks
 from zero._copying import ModuleHook
 from zero._outputs import map_tensors, tensors_in
 from zero._param_writes import check_released_untouched
-from zero._step_agreement import agree, different_calls
+from zero._step_agreement import agree_on_call
 from zero._units import leaf_roots, storage_key
 
 
@@ -253,9 +253,7 @@ class Stage3Schedule:
         alone) would pair them with that call's all-reduce and wait for
         good. One all-reduce, the one every such call starts with, finds it
         first ([Note: writes agreed] in _step_agreement.py)."""
-        call = "a forward at stage 3"
-        if not agree(self.comm, call, 0, 0, refused=False).same_call:
-            raise different_calls(call)
+        agree_on_call(self.comm, "a forward at stage 3")
 
     def _check_same_gathers(self):
         """Raise if another rank gathered other units in this pass (see

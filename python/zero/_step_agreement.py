@@ -65,6 +65,16 @@ def agree(comm, call: str, writes_hash: int, settings_hash: int, refused: bool) 
     return Verdict(refusals - int(refused), *alike)
 
 
+def agree_on_call(comm, call: str, refused: bool = False) -> int:
+    """The agreement of a call that compares no writes nor settings: raises
+    on every rank when the ranks are in different calls; else how many
+    other ranks refused."""
+    verdict = agree(comm, call, 0, 0, refused)
+    if not verdict.same_call:
+        raise different_calls(call)
+    return verdict.other_refused
+
+
 def different_calls(call: str) -> RuntimeError:
     return RuntimeError(
         f"the ranks are not in the same engine call at the same step: this rank is in {call}, "
