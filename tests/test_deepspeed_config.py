@@ -4,8 +4,8 @@ block DeepSpeed's defaults, and HuggingFace's "auto" values are taken or
 refused by name.
 
 The expected learning rates were printed by deepspeed 0.19.8's own
-WarmupLR, WarmupDecayLR and WarmupCosineLR (stepped once after each update, as its engine
-does), on this machine; they are facts about DeepSpeed, typed in here so the
+WarmupLR, WarmupDecayLR, WarmupCosineLR, OneCycle and LRRangeTest (stepped once after
+each update, as its engine does), on this machine; they are facts about DeepSpeed, typed in here so the
 test needs no DeepSpeed."""
 import json
 
@@ -62,6 +62,136 @@ def test_warmup_cosine_gives_deepspeeds_learning_rates():
     with pytest.raises(ValueError, match="unknown scheduler.params key"):
         scheduler_from_config({"type": "WarmupCosineLR",
                                "params": {"total_num_steps": 5, "warmup_max_lr": 1}}, opt)
+
+
+# OneCycle and LRRangeTest on AdamW([{lr 0.5}, {lr 0.2, betas (0.5, 0.6)}]): each
+# update's lr per group and beta1 (both groups), printed by deepspeed 0.19.8
+CYCLIC = {
+    "one_cycle_decay": (
+        {"type": "OneCycle", "params": {
+            "cycle_min_lr": [1e-4, 2e-4], "cycle_max_lr": 1e-3, "cycle_first_step_size": 3,
+            "cycle_second_step_size": 5, "decay_step_size": 2, "decay_lr_rate": 0.5,
+            "decay_mom_rate": 0.01, "cycle_min_mom": 0.85, "cycle_max_mom": 0.95}},
+        [[1e-4, 2e-4], [3.9999999999999996e-4, 4.6666666666666666e-4],
+         [7e-4, 7.333333333333333e-4], [1e-3, 1e-3], [8.200000000000001e-4, 8.4e-4],
+         [6.4e-4, 6.8e-4], [4.6e-4, 5.200000000000001e-4], [2.8000000000000003e-4, 3.6e-4],
+         [1e-4, 2e-4], [8e-5, 1.6e-4], [6.666666666666667e-5, 1.3333333333333334e-4],
+         [5.714285714285715e-5, 1.142857142857143e-4], [5e-5, 1e-4],
+         [4.4444444444444447e-5, 8.888888888888889e-5], [4e-5, 8e-5],
+         [3.6363636363636364e-5, 7.272727272727273e-5]],
+        [0.85, 0.9166666666666666, 0.8833333333333333, 0.85, 0.87, 0.89, 0.9099999999999999,
+         0.9299999999999999, 0.95, 0.9547499999999999, 0.9594999999999999,
+         0.9642499999999998, 0.969, 0.9737499999999999, 0.9784999999999999,
+         0.9832499999999998]),
+    "one_cycle_stairs": (
+        {"type": "OneCycle", "params": {
+            "cycle_min_lr": 0.01, "cycle_max_lr": 0.1, "cycle_first_step_size": 6,
+            "cycle_second_step_size": 4, "cycle_first_stair_count": 3,
+            "cycle_second_stair_count": 2}},
+        [[lr, lr] for lr in (0.01, 0.01, 0.04, 0.04, 0.07, 0.07, 0.1, 0.05500000000000001,
+                             0.05500000000000001, 0.01, 0.01, 0.01, 0.01, 0.01)],
+        [0.8, 0.9, 0.8666666666666667, 0.8666666666666667, 0.8333333333333334,
+         0.8333333333333334, 0.8, 0.8500000000000001, 0.8500000000000001, 0.9, 0.9, 0.9, 0.9,
+         0.9]),
+    "range_test_stairs": (
+        {"type": "LRRangeTest", "params": {
+            "lr_range_test_min_lr": [1e-3, 1e-2], "lr_range_test_step_size": 3,
+            "lr_range_test_step_rate": 0.5, "lr_range_test_staircase": True}},
+        [[1e-3, 1e-2]] * 3 + [[1.5e-3, 1.5e-2]] * 3 + [[2e-3, 2e-2]] * 2,
+        None),  # the betas stay the optimizer's
+}
+
+
+def two_group_adamw():
+    p, q = nn.Parameter(torch.zeros(1)), nn.Parameter(torch.zeros(1))
+    return torch.optim.AdamW([{"params": [p], "lr": 0.5},
+                              {"params": [q], "lr": 0.2, "betas": (0.5, 0.6)}])
+
+
+@pytest.mark.parametrize("case", list(CYCLIC))
+def test_cyclic_schedules_give_deepspeeds_numbers(case):
+    """DeepSpeed's OneCycle moves beta1 against the lr and sets beta2 to
+    0.99; the first update uses min_mom. Before, both types were refused."""
+    spec, lrs, beta1s = CYCLIC[case]
+    opt = two_group_adamw()
+    scheduler = scheduler_from_config(spec, opt)
+    for update, want in enumerate(lrs):
+        assert [g["lr"] for g in opt.param_groups] == pytest.approx(want, rel=1e-12), update
+        betas = [g["betas"] for g in opt.param_groups]
+        expected = [(0.9, 0.999), (0.5, 0.6)] if beta1s is None else \
+            [(beta1s[update], 0.99)] * 2
+        assert betas == [pytest.approx(b, rel=1e-12) for b in expected], update
+        opt.step()
+        scheduler.step()
+
+
+def test_one_cycle_on_sgd_cycles_the_lr_only():
+    """An optimizer without betas: DeepSpeed turns cycle_momentum off (the
+    momentum stays); its lrs."""
+    p = nn.Parameter(torch.zeros(1))
+    opt = torch.optim.SGD([p], lr=0.5, momentum=0.9)
+    with pytest.warns(UserWarning, match="cycle_momentum is off because SGD has no betas"):
+        scheduler = scheduler_from_config({"type": "OneCycle", "params": {
+            "cycle_min_lr": 0.01, "cycle_max_lr": 0.1, "cycle_first_step_size": 2}}, opt)
+    got = []
+    for _ in range(7):
+        got.append(opt.param_groups[0]["lr"])
+        opt.step()
+        scheduler.step()
+    assert got == pytest.approx([0.01, 0.055, 0.1, 0.055, 0.01, 0.01, 0.01], rel=1e-12)
+    assert opt.param_groups[0]["momentum"] == 0.9
+
+
+@pytest.mark.parametrize("params, message", [
+    ({"cycle_max_lr": 0.1}, "cycle_min_lr is required by OneCycle"),
+    ({"cycle_min_lr": 0.1, "cycle_max_lr": 0.2, "cycle_first_step_size": 0},
+     "cycle_first_step_size must be > 0"),
+    ({"cycle_min_lr": [0.1, 0.2, 0.3], "cycle_max_lr": 0.2},
+     "cycle_min_lr has 3 values but the optimizer has 2 param groups"),
+    ({"cycle_min_lr": 0.1, "cycle_max_lr": 0.2, "cycle_momentum": 1},
+     "cycle_momentum must be true or false"),
+    ({"cycle_min_lr": 0.1, "cycle_max_lr": 0.2, "cycle_first_stair_count": 1.5},
+     "cycle_first_stair_count must be an integer >= 0"),
+    ({"cycle_min_lr": 0.1, "cycle_max_lr": 0.2, "warmup_num_steps": 3},
+     "unknown scheduler.params key.s. for OneCycle: warmup_num_steps"),
+])
+def test_one_cycle_values_are_checked(params, message):
+    with pytest.raises(ValueError, match=message):
+        scheduler_from_config({"type": "OneCycle", "params": params}, two_group_adamw())
+    with pytest.raises(ValueError, match="lr_range_test_step_size must be an integer >= 1"):
+        scheduler_from_config({"type": "LRRangeTest",
+                               "params": {"lr_range_test_step_size": 0}}, two_group_adamw())
+
+
+def test_engine_trains_with_one_cycles_betas():
+    """The engine's step reads the betas OneCycle sets: a stage 2 run from
+    a DeepSpeed config matches torch's AdamW driven by the same schedule
+    (fp32: a few ulps of the 1e-2 updates over 6 updates)."""
+    spec = {"type": "OneCycle", "params": {"cycle_min_lr": 1e-3, "cycle_max_lr": 1e-2,
+                                           "cycle_first_step_size": 2,
+                                           "cycle_min_mom": 0.5, "cycle_max_mom": 0.9}}
+    reference = model()
+    opt = torch.optim.AdamW(reference.parameters(), lr=0.0, weight_decay=0.0)
+    scheduler = scheduler_from_config(spec, opt)
+    engine = zero.initialize(model(), config={
+        "zero_optimization": {"stage": 2}, "scheduler": spec,
+        "optimizer": {"type": "AdamW", "params": {"lr": 0.0}}})
+    torch.manual_seed(1)
+    beta1s = set()
+    for _ in range(6):
+        beta1s.add(opt.param_groups[0]["betas"][0])
+        x = torch.randn(5, 4)
+        engine.backward(engine(x).square().sum())
+        engine.step()
+        reference(x).square().sum().backward()
+        opt.step()
+        opt.zero_grad()
+        scheduler.step()
+        assert engine.optimizer.param_groups[0]["betas"] == opt.param_groups[0]["betas"]
+    for mine, theirs in zip(engine.module.parameters(), reference.parameters()):
+        torch.testing.assert_close(mine.detach(), theirs.detach(), rtol=1e-6, atol=1e-7)
+    assert sorted(beta1s) == pytest.approx([0.5, 0.7, 0.9])  # min_mom first, then the cycle
+    engine.close()
 
 
 @pytest.fixture(autouse=True)

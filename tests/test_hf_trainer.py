@@ -94,8 +94,8 @@ def test_deepspeed_config_leaves_the_trainers_keys_to_the_trainer(one_process, t
      "the config's optimizer block sets values"),
     ({"optimizer": {"type": "SGD", "params": {"lr": "auto"}}},
      "the config's optimizer type is 'SGD' but TrainingArguments.optim is 'adamw_torch"),
-    ({"scheduler": {"type": "OneCycle", "params": {}}},
-     "the config's scheduler type 'OneCycle' is not supported"),
+    ({"scheduler": {"type": "CyclicLR", "params": {}}},
+     "the config's scheduler type 'CyclicLR' is not supported"),
 ])
 def test_deepspeed_config_disagreeing_with_the_trainer_is_refused(one_process, tmp_path,
                                                                   change, message):

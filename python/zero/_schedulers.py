@@ -1,5 +1,5 @@
 """LR schedules named in DeepSpeed configs (WarmupLR, WarmupDecayLR,
-WarmupCosineLR), as
+WarmupCosineLR here; OneCycle and LRRangeTest in _cyclic_schedules.py), as
 torch schedulers on the user's optimizer, with DeepSpeed's numbers: a
 config moved from DeepSpeed must give the same learning rate at every
 update.
@@ -20,13 +20,24 @@ import math
 
 from torch.optim.lr_scheduler import LRScheduler
 
+from zero._cyclic_schedules import DeepSpeedOneCycle, DeepSpeedRangeTest, per_group
 from zero.config import auto_refused
 
-SCHEDULER_TYPES = ("WarmupLR", "WarmupDecayLR", "WarmupCosineLR")  # made here
-_KNOWN = {"warmup_min_lr", "warmup_max_lr", "warmup_num_steps", "warmup_type",
-          "total_num_steps", "last_batch_iteration"}
-_KNOWN_COSINE = {"total_num_steps", "warmup_min_ratio", "warmup_num_steps", "cos_min_ratio",
-                 "warmup_type", "last_batch_iteration"}
+SCHEDULER_TYPES = ("WarmupLR", "WarmupDecayLR", "WarmupCosineLR", "OneCycle", "LRRangeTest")
+_WARMUP_KEYS = {"warmup_min_lr", "warmup_max_lr", "warmup_num_steps", "warmup_type",
+                "total_num_steps", "last_batch_iteration"}
+_KNOWN = {  # each type's params: DeepSpeed's constructor arguments
+    "WarmupLR": _WARMUP_KEYS, "WarmupDecayLR": _WARMUP_KEYS,
+    "WarmupCosineLR": {"total_num_steps", "warmup_min_ratio", "warmup_num_steps",
+                       "cos_min_ratio", "warmup_type", "last_batch_iteration"},
+    "OneCycle": {"cycle_min_lr", "cycle_max_lr", "decay_lr_rate", "cycle_first_step_size",
+                 "cycle_second_step_size", "cycle_first_stair_count",
+                 "cycle_second_stair_count", "decay_step_size", "cycle_momentum",
+                 "cycle_min_mom", "cycle_max_mom", "decay_mom_rate", "last_batch_iteration"},
+    "LRRangeTest": {"lr_range_test_min_lr", "lr_range_test_step_size",
+                    "lr_range_test_step_rate", "lr_range_test_staircase",
+                    "last_batch_iteration"},
+}
 
 
 class _DeepSpeedSchedule(LRScheduler):
@@ -117,37 +128,99 @@ def _number(params, key, default, kind=float, low=None):
     return kind(value)
 
 
-def scheduler_from_config(spec: dict, optimizer):
-    kind = spec.get("type")
-    if kind not in SCHEDULER_TYPES:
-        raise ValueError(f"scheduler.type {kind!r} is not supported; choose "
-                         f"{' or '.join(SCHEDULER_TYPES)}, or pass lr_scheduler=")
-    params = dict(spec.get("params", {}))
-    unknown = set(params) - (_KNOWN_COSINE if kind == "WarmupCosineLR" else _KNOWN)
-    if unknown:
-        raise ValueError(f"unknown scheduler.params key(s): {', '.join(sorted(unknown))}")
-    warmup_type = params.get("warmup_type", "log")
-    if warmup_type not in ("log", "linear"):
-        raise ValueError(f"scheduler.params.warmup_type must be 'log' or 'linear', got "
-                         f"{warmup_type!r}")
-    if kind == "WarmupCosineLR":
-        if "total_num_steps" not in params:
-            raise ValueError("scheduler.params.total_num_steps is required by WarmupCosineLR "
-                             "(the step at which the cosine reaches cos_min_ratio)")
-        return DeepSpeedWarmupCosine(
-            optimizer, _number(params, "total_num_steps", None, int, low=1),
-            _number(params, "warmup_min_ratio", 0.0, low=0.0),
-            _number(params, "warmup_num_steps", 1000, int, low=1),
-            _number(params, "cos_min_ratio", 0.0001, low=0.0), warmup_type,
-            _number(params, "last_batch_iteration", -1, int, low=-1))
+def _numbers(params, key, default, optimizer, low=None) -> list:
+    """A number, or a list of one per param group (as DeepSpeed takes)."""
+    values = per_group(optimizer, params.get(key, default), key)
+    return [_number({key: v}, key, None, low=low) for v in values]
+
+
+def _flag(params, key, default) -> bool:
+    value = params.get(key, default)
+    if not isinstance(value, bool):
+        raise ValueError(f"scheduler.params.{key} must be true or false, got {value!r}")
+    return value
+
+
+def _required(params, key, kind):
+    if key not in params:
+        raise ValueError(f"scheduler.params.{key} is required by {kind}")
+
+
+def _one_cycle(params, optimizer):
+    for key in ("cycle_min_lr", "cycle_max_lr"):
+        _required(params, key, "OneCycle")
+    first = _number(params, "cycle_first_step_size", 2000, low=0.0)
+    if first == 0:
+        raise ValueError("scheduler.params.cycle_first_step_size must be > 0, got 0")
+    second = params.get("cycle_second_step_size")
+    second = first if second is None else _number(params, "cycle_second_step_size", None,
+                                                   low=0.0)
+    first_stairs = _number(params, "cycle_first_stair_count", 0, int, low=0)
+    second_stairs = params.get("cycle_second_stair_count")
+    second_stairs = first_stairs if second_stairs is None else \
+        _number(params, "cycle_second_stair_count", None, int, low=0)
+    return DeepSpeedOneCycle(
+        optimizer, _numbers(params, "cycle_min_lr", None, optimizer, low=0.0),
+        _numbers(params, "cycle_max_lr", None, optimizer, low=0.0), first, second,
+        first_stairs, second_stairs, _number(params, "decay_step_size", 0, low=0.0),
+        _number(params, "decay_lr_rate", 0.0), _flag(params, "cycle_momentum", True),
+        _numbers(params, "cycle_min_mom", 0.8, optimizer, low=0.0),
+        _numbers(params, "cycle_max_mom", 0.9, optimizer, low=0.0),
+        _number(params, "decay_mom_rate", 0.0),
+        _number(params, "last_batch_iteration", -1, int, low=-1))
+
+
+def _range_test(params, optimizer):
+    return DeepSpeedRangeTest(
+        optimizer, _numbers(params, "lr_range_test_min_lr", 1e-3, optimizer, low=0.0),
+        _number(params, "lr_range_test_step_size", 2000, int, low=1),
+        _number(params, "lr_range_test_step_rate", 1.0),
+        _flag(params, "lr_range_test_staircase", False),
+        _number(params, "last_batch_iteration", -1, int, low=-1))
+
+
+def _warmup_cosine(params, optimizer, warmup_type):
+    _required(params, "total_num_steps", "WarmupCosineLR (the step at which the cosine "
+                                         "reaches cos_min_ratio)")
+    return DeepSpeedWarmupCosine(
+        optimizer, _number(params, "total_num_steps", None, int, low=1),
+        _number(params, "warmup_min_ratio", 0.0, low=0.0),
+        _number(params, "warmup_num_steps", 1000, int, low=1),
+        _number(params, "cos_min_ratio", 0.0001, low=0.0), warmup_type,
+        _number(params, "last_batch_iteration", -1, int, low=-1))
+
+
+def _warmup(kind, params, optimizer, warmup_type):
     total = None
     if kind == "WarmupDecayLR":
-        if "total_num_steps" not in params:
-            raise ValueError("scheduler.params.total_num_steps is required by WarmupDecayLR "
-                             "(the step at which the learning rate is back at warmup_min_lr)")
+        _required(params, "total_num_steps", "WarmupDecayLR (the step at which the learning "
+                                             "rate is back at warmup_min_lr)")
         total = _number(params, "total_num_steps", None, int, low=1)
     return DeepSpeedWarmup(
         optimizer, _number(params, "warmup_min_lr", 0.0, low=0.0),
         _number(params, "warmup_max_lr", 0.001, low=0.0),
         _number(params, "warmup_num_steps", 1000, int, low=1), warmup_type, total,
         _number(params, "last_batch_iteration", -1, int, low=-1))
+
+
+def scheduler_from_config(spec: dict, optimizer):
+    kind = spec.get("type")
+    if kind not in SCHEDULER_TYPES:
+        raise ValueError(f"scheduler.type {kind!r} is not supported; choose "
+                         f"{', '.join(SCHEDULER_TYPES)}, or pass lr_scheduler=")
+    params = dict(spec.get("params", {}))
+    unknown = set(params) - _KNOWN[kind]
+    if unknown:
+        raise ValueError(f"unknown scheduler.params key(s) for {kind}: "
+                         f"{', '.join(sorted(unknown))}")
+    if kind == "OneCycle":
+        return _one_cycle(params, optimizer)
+    if kind == "LRRangeTest":
+        return _range_test(params, optimizer)
+    warmup_type = params.get("warmup_type", "log")
+    if warmup_type not in ("log", "linear"):
+        raise ValueError(f"scheduler.params.warmup_type must be 'log' or 'linear', got "
+                         f"{warmup_type!r}")
+    if kind == "WarmupCosineLR":
+        return _warmup_cosine(params, optimizer, warmup_type)
+    return _warmup(kind, params, optimizer, warmup_type)

@@ -230,7 +230,7 @@ class ZeroTrainer(Trainer):
             # checked at create_scheduler)
             if scheduler.get("type") not in SCHEDULER_TYPES:
                 raise ValueError(f"the config's scheduler type {scheduler.get('type')!r} is not "
-                                 f"supported; choose {' or '.join(SCHEDULER_TYPES)}, or drop "
+                                 f"supported; choose {', '.join(SCHEDULER_TYPES)}, or drop "
                                  "the block and set TrainingArguments.lr_scheduler_type")
             rate = (scheduler.get("params") or {}).get("warmup_max_lr", "auto")
             if rate != "auto" and rate != args.learning_rate:
