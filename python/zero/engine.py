@@ -459,11 +459,16 @@ class Engine(DeepSpeedQueries, nn.Module):
     def loss_scale(self) -> float:
         return self.loss_scaler.scale if self.loss_scaler else 1.0
 
-    def backward(self, loss: torch.Tensor):
-        """loss.backward(), with the fp16 loss scale applied. With bf16 and
-        fp32, plain loss.backward() is the same."""
+    def backward(self, loss: torch.Tensor, retain_graph: bool = False):
+        """loss.backward(retain_graph=...), with the fp16 loss scale
+        applied. With bf16 and fp32, plain loss.backward() is the same.
+        Several backwards before a step() add up, at every stage (a second
+        one through a graph kept by retain_graph=True, or another loss)."""
         self._check_open()
-        (loss * self.loss_scale if self.loss_scaler else loss).backward()
+        if not isinstance(retain_graph, bool):
+            raise TypeError(f"retain_graph must be True or False, got {retain_graph!r}")
+        (loss * self.loss_scale if self.loss_scaler else loss).backward(
+            retain_graph=retain_graph)
         # only once it finished: a backward that raised leaves unscaled
         # partial gradients, which zero_grad() drops
         self._scaled_backward = True

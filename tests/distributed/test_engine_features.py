@@ -232,6 +232,29 @@ def submodule_zero_grad(rank, world):
     return out
 
 
+def retained_graph(rank, world):
+    """SGD with lr 1, two micro-batches a step, each backwarded twice:
+    engine.backward(loss, retain_graph=True), then a backward of loss / 2
+    through the same graph (DeepSpeed's backward takes retain_graph;
+    before, ours did not)."""
+    import zero
+    out = {}
+    for stage in (0, 1, 2, 3):
+        model = mlp()
+        engine = zero.initialize(model, optimizer=torch.optim.SGD(model.parameters(), lr=1.0),
+                                 stage=stage, gradient_accumulation_steps=2,
+                                 stage3_param_persistence_threshold=0)
+        before = engine.full_state_dict()
+        for i in range(2):
+            loss = engine(micro_input(rank, i)).square().mean()
+            engine.backward(loss, retain_graph=True)
+            engine.backward(loss / 2)
+            engine.step()
+        out[stage] = (before, engine.full_state_dict())
+        engine.close()
+    return out
+
+
 def all_features(rank, world):
     return dict(figures=figures(rank, world), prefetch_counts=prefetch_counts(rank, world),
                 idle_rank=idle_rank(rank, world),
@@ -241,7 +264,8 @@ def all_features(rank, world):
                 overflow1=overflow(rank, world, 1), half=half_run(rank, world),
                 no_sync=no_sync_run(rank, world),
                 fp32_accumulation=fp32_accumulation(rank, world),
-                submodule_zero_grad=submodule_zero_grad(rank, world))
+                submodule_zero_grad=submodule_zero_grad(rank, world),
+                retained_graph=retained_graph(rank, world))
 
 
 @pytest.fixture(scope="module", params=WORLDS, ids=[f"world{w}" for w in WORLDS])
@@ -414,6 +438,26 @@ def test_a_submodule_zero_grad_drops_its_gradients_on_every_stage(runs, stage):
                     sums[n] += p.grad
     for rank, result in enumerate(results):
         before, after = result["submodule_zero_grad"][stage]
+        ours = torch.cat([(before[n] - after[n]).reshape(-1) for n in sums])
+        exact = torch.cat([(s / (world * 2)).reshape(-1) for s in sums.values()])
+        assert max_rel_error(ours, exact) <= 1e-5, (stage, rank)
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_a_retained_graph_backwarded_twice_adds_up_on_every_stage(runs, stage):
+    """Against one process's averaged gradients times 1.5 (fp32; only the
+    order of the additions differs, 1e-5 normwise)."""
+    world, results = runs
+    twin = mlp()
+    sums = {n: torch.zeros_like(p) for n, p in twin.named_parameters()}
+    for r in range(world):
+        for i in range(2):
+            twin.zero_grad()
+            twin(micro_input(r, i)).square().mean().backward()
+            for n, p in twin.named_parameters():
+                sums[n] += 1.5 * p.grad
+    for rank, result in enumerate(results):
+        before, after = result["retained_graph"][stage]
         ours = torch.cat([(before[n] - after[n]).reshape(-1) for n in sums])
         exact = torch.cat([(s / (world * 2)).reshape(-1) for s in sums.values()])
         assert max_rel_error(ours, exact) <= 1e-5, (stage, rank)
