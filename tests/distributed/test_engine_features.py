@@ -208,12 +208,10 @@ def fp32_accumulation(rank, world):
     return out
 
 
-def submodule_zero_grad(rank, world):
+def sgd_two_micro_batches(rank, backward):
     """SGD with lr 1 (the update is the averaged gradient), two micro-batches
-    a step, and model[2].zero_grad() between their backwards: torch drops
-    the first micro-batch's gradients of model[2] only. At stages 2-3 they
-    were already reduced into the partitions, where the engine drops them
-    (before, the submodule's zero_grad changed nothing there)."""
+    a step, at each stage; backward(engine, model, i, loss) runs micro-batch
+    i's backward. The fp32 masters before and after."""
     import zero
     out = {}
     for stage in (0, 1, 2, 3):
@@ -223,36 +221,33 @@ def submodule_zero_grad(rank, world):
                                  stage3_param_persistence_threshold=0)
         before = engine.full_state_dict()
         for i in range(2):
-            engine.backward(engine(micro_input(rank, i)).square().mean())
-            if i == 0:
-                model[2].zero_grad()
+            backward(engine, model, i, engine(micro_input(rank, i)).square().mean())
             engine.step()
         out[stage] = (before, engine.full_state_dict())
         engine.close()
     return out
+
+
+def submodule_zero_grad(rank, world):
+    """model[2].zero_grad() between the two backwards: torch drops the first
+    micro-batch's gradients of model[2] only. At stages 2-3 they were
+    already reduced into the partitions, where the engine drops them
+    (before, the submodule's zero_grad changed nothing there)."""
+    def backward(engine, model, i, loss):
+        engine.backward(loss)
+        if i == 0:
+            model[2].zero_grad()
+    return sgd_two_micro_batches(rank, backward)
 
 
 def retained_graph(rank, world):
-    """SGD with lr 1, two micro-batches a step, each backwarded twice:
-    engine.backward(loss, retain_graph=True), then a backward of loss / 2
-    through the same graph (DeepSpeed's backward takes retain_graph;
-    before, ours did not)."""
-    import zero
-    out = {}
-    for stage in (0, 1, 2, 3):
-        model = mlp()
-        engine = zero.initialize(model, optimizer=torch.optim.SGD(model.parameters(), lr=1.0),
-                                 stage=stage, gradient_accumulation_steps=2,
-                                 stage3_param_persistence_threshold=0)
-        before = engine.full_state_dict()
-        for i in range(2):
-            loss = engine(micro_input(rank, i)).square().mean()
-            engine.backward(loss, retain_graph=True)
-            engine.backward(loss / 2)
-            engine.step()
-        out[stage] = (before, engine.full_state_dict())
-        engine.close()
-    return out
+    """Each micro-batch backwarded twice: engine.backward(loss,
+    retain_graph=True), then loss / 2 through the same graph (DeepSpeed's
+    backward takes retain_graph; before, ours did not)."""
+    def backward(engine, model, i, loss):
+        engine.backward(loss, retain_graph=True)
+        engine.backward(loss / 2)
+    return sgd_two_micro_batches(rank, backward)
 
 
 def all_features(rank, world):
@@ -421,11 +416,10 @@ def test_fp32_accumulation_of_bf16_gradients_over_ranks(runs, stage):
         assert max_rel_error(ours, exact) <= 1e-5, (stage, rank)
 
 
-@pytest.mark.parametrize("stage", [0, 1, 2, 3])
-def test_a_submodule_zero_grad_drops_its_gradients_on_every_stage(runs, stage):
-    """Against the averaged gradients of one process: model[2]'s from the
-    second micro-batch only, the others' from both (fp32; only the order of
-    the additions differs, 1e-5 normwise)."""
+def check_against_averaged_gradients(runs, stage, key, weight):
+    """The update (lr 1) against the averaged gradients of one process, each
+    micro-batch i's gradient of parameter n times weight(n, i) (fp32; only
+    the order of the additions differs, 1e-5 normwise)."""
     world, results = runs
     twin = mlp()
     sums = {n: torch.zeros_like(p) for n, p in twin.named_parameters()}
@@ -434,30 +428,22 @@ def test_a_submodule_zero_grad_drops_its_gradients_on_every_stage(runs, stage):
             twin.zero_grad()
             twin(micro_input(r, i)).square().mean().backward()
             for n, p in twin.named_parameters():
-                if i == 1 or not n.startswith("2."):
-                    sums[n] += p.grad
+                sums[n] += weight(n, i) * p.grad
     for rank, result in enumerate(results):
-        before, after = result["submodule_zero_grad"][stage]
+        before, after = result[key][stage]
         ours = torch.cat([(before[n] - after[n]).reshape(-1) for n in sums])
         exact = torch.cat([(s / (world * 2)).reshape(-1) for s in sums.values()])
         assert max_rel_error(ours, exact) <= 1e-5, (stage, rank)
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_a_submodule_zero_grad_drops_its_gradients_on_every_stage(runs, stage):
+    """model[2]'s gradients from the second micro-batch only."""
+    check_against_averaged_gradients(
+        runs, stage, "submodule_zero_grad",
+        lambda name, i: 1.0 if i == 1 or not name.startswith("2.") else 0.0)
 
 
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_a_retained_graph_backwarded_twice_adds_up_on_every_stage(runs, stage):
-    """Against one process's averaged gradients times 1.5 (fp32; only the
-    order of the additions differs, 1e-5 normwise)."""
-    world, results = runs
-    twin = mlp()
-    sums = {n: torch.zeros_like(p) for n, p in twin.named_parameters()}
-    for r in range(world):
-        for i in range(2):
-            twin.zero_grad()
-            twin(micro_input(r, i)).square().mean().backward()
-            for n, p in twin.named_parameters():
-                sums[n] += 1.5 * p.grad
-    for rank, result in enumerate(results):
-        before, after = result["retained_graph"][stage]
-        ours = torch.cat([(before[n] - after[n]).reshape(-1) for n in sums])
-        exact = torch.cat([(s / (world * 2)).reshape(-1) for s in sums.values()])
-        assert max_rel_error(ours, exact) <= 1e-5, (stage, rank)
+    check_against_averaged_gradients(runs, stage, "retained_graph", lambda name, i: 1.5)
