@@ -43,6 +43,7 @@ class GatheredParameters:
         self.modifier_rank = modifier_rank
         self.enabled = enabled
         self._units = []
+        self._saving = []  # saved-tensor hooks pushed for the block
 
     def __enter__(self):
         if not self.enabled:
@@ -69,6 +70,12 @@ class GatheredParameters:
             unit.active += 1
             if schedule is not None:
                 schedule.ensure(fg, unit)
+        # what autograd saves inside (a loss term w.pow(2)) is gathered
+        # again in a backward after the block, as inside a forward
+        self._saving = [schedule.saving_outside_forward() for schedule in
+                        {id(s): s for _f, _u, s, _e in self._units if s is not None}.values()]
+        for saving in self._saving:
+            saving.__enter__()
         if self.modifier_rank is not None:
             self._listed = [(fg, unit, j, self._values(unit, j).clone())
                             for fg, unit, j in self._listed]
@@ -104,6 +111,9 @@ class GatheredParameters:
             if problem is not None and exc[0] is None:
                 raise problem
         finally:
+            for saving in reversed(self._saving):
+                saving.__exit__(None, None, None)
+            self._saving = []
             for _fg, unit, schedule, _engine in self._units:
                 unit.active -= 1
                 if schedule is not None:

@@ -436,6 +436,7 @@ class Stage3Schedule:
 
     def _hook_before_accumulate(self, fg, unit):
         def before_accumulate(_grad):
+            self.begin_backward()
             # torch's accumulation lays the gradient out like the parameter,
             # which must then be the gathered one, not the placeholder
             # ([Note: saved parameters]: a late gradient, e.g. of x + bias)
@@ -444,6 +445,18 @@ class Stage3Schedule:
         return before_accumulate
 
     def _pack(self, tensor):
+        return self._pack_with(tensor, self._outer)
+
+    def saving_outside_forward(self):
+        """The saved-tensor hooks for a block that computes with gathered
+        parameters outside forward (zero.GatheredParameters): a loss term
+        like w.pow(2) taken there saves w itself, released at the block's
+        end, so its backward must gather it again ([Note: saved
+        parameters]). The hooks in force at entry get every other tensor."""
+        outer = _outer_saved_tensors_hooks()
+        return saved_tensors_hooks(lambda tensor: self._pack_with(tensor, outer), self._unpack)
+
+    def _pack_with(self, tensor, outer):
         """[Note: saved parameters]: a saved tensor in a unit's storage is
         kept as where it lies in its unit, to be gathered again if released
         by then (not as a view: see [Note: released parameters])."""
@@ -453,9 +466,9 @@ class Stage3Schedule:
             if tensor.dtype == unit.full.dtype:
                 return _SavedInUnit(fg, unit, tensor)
             return _SavedView(fg, unit, tensor)  # reinterpreted bytes: kept as it is
-        if self._outer is None:
+        if outer is None:
             return tensor
-        pack, unpack = self._outer
+        pack, unpack = outer
         return _SavedByOuter(unpack, pack(tensor))
 
     def _unpack(self, packed):
@@ -463,6 +476,7 @@ class Stage3Schedule:
             return packed.unpack(packed.packed)
         if isinstance(packed, (_SavedInUnit, _SavedView)):
             self._refuse_if_removed()
+            self.begin_backward()
         if isinstance(packed, _SavedView):
             self.ensure(packed.fg, packed.unit)
             return packed.tensor
@@ -486,15 +500,23 @@ class Stage3Schedule:
                     "backward, as in gradient penalties): the graph it builds would keep "
                     "parameters that stage 3 releases. Use stage 2, or compute the penalty "
                     "without differentiating the gradients.")
-            if not self.in_backward:
-                self.in_backward = True
-                self._start_pass("backward")
-                torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
+            self.begin_backward()
             self._advance(index)
             module = self.modules[index]
             for fg, unit in self.units_of[module]:
                 self.ensure(fg, unit)
         return pre_backward
+
+    def begin_backward(self):
+        """The first sign of a backward: a module output's gradient, or,
+        in a backward that reaches no module output (a loss term taken
+        from parameters in zero.GatheredParameters), a saved parameter
+        unpacked or a gradient accumulated. Its end then reduces what is
+        left and releases what it gathered, as stage 2's does."""
+        if not self.in_backward and torch._C._current_graph_task_id() != -1:
+            self.in_backward = True
+            self._start_pass("backward")
+            torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
 
     def _finish_backward(self):
         for fg in self.groups:

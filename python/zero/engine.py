@@ -192,7 +192,7 @@ class Engine(DeepSpeedQueries, nn.Module):
             self._register_stage2_hooks()
         elif config.stage == 3:
             for fg in self.groups:
-                self._on_each_grad(fg, _grad_ready)
+                self._on_each_grad(fg, _stage3_grad_ready)
         take_in_optimizer_states(optimizer, self.groups, resumed)
         self._guard_optimizer()
         record_parameters(self.all_groups)
@@ -826,7 +826,8 @@ def _accumulate_grad(_engine, fg, i):
     fg.accumulate_grad(i)
 
 
-def _grad_ready(_engine, fg, i):
+def _stage3_grad_ready(engine, fg, i):
+    engine._schedule.begin_backward()  # a backward that reached no module output
     fg.on_grad_ready(i)
 
 

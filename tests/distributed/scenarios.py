@@ -10,6 +10,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 VOCAB, DIM, BATCH, SEQ = 37, 13, 12, 5
+PENALTY = 0.05  # penalty_of: large enough to move branch.weight on odd steps
 
 
 class Net(nn.Module):
@@ -97,14 +98,23 @@ def make_optimizer(name, model, lr):
     return torch.optim.AdamW(param_groups(model, lr), lr=lr)
 
 
+def penalty_of(model):
+    """A loss term on parameters outside forward: branch.weight's, which
+    only the even steps' forwards use."""
+    return PENALTY * model.branch.weight.pow(2).sum()
+
+
 def reference_run(steps, accumulation=1, clip=0.0, lr=1e-2, seed=0, opt="adamw",
-                  with_eval=False, modify_at=None):
+                  with_eval=False, modify_at=None, penalty=None):
     """Single process, full batch, torch.optim.AdamW. zero_grad keeps zeros
     (set_to_none=False): a parameter unused on a step then takes part with a
     zero gradient, as it does under the engine (and under DeepSpeed).
     with_eval: a no_grad forward on another batch before each step, its
     output sum appended to the losses. modify_at: before that step, halve
-    row 0 of the embedding (the engine does it in GatheredParameters)."""
+    row 0 of the embedding (the engine does it in GatheredParameters).
+    penalty: penalty_of(model) added to each micro-batch's loss (the engine
+    takes it inside GatheredParameters: "in loss" adds it to the loss,
+    "apart" backwards it on its own)."""
     model = make_model(seed)
     opt = make_optimizer(opt, model, lr)
     losses = []
@@ -120,7 +130,8 @@ def reference_run(steps, accumulation=1, clip=0.0, lr=1e-2, seed=0, opt="adamw",
         total = 0.0
         for ids_m, labels_m in zip(ids.chunk(accumulation), labels.chunk(accumulation)):
             loss = F.cross_entropy(model(ids_m, use_branch=step % 2 == 0), labels_m)
-            (loss / accumulation).backward()
+            term = penalty_of(model) if penalty else 0.0
+            ((loss + term) / accumulation).backward()
             total += loss.item() / accumulation
         if clip:
             torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
@@ -131,7 +142,8 @@ def reference_run(steps, accumulation=1, clip=0.0, lr=1e-2, seed=0, opt="adamw",
 
 def engine_run(rank, world, steps, stage, precision="fp32", accumulation=1, clip=0.0,
                lr=1e-2, seed=0, opt="adamw", checkpointing=None, with_eval=False,
-               modify_at=None, first_step=0, load_dir=None, save_dir=None, **options):
+               modify_at=None, first_step=0, load_dir=None, save_dir=None, penalty=None,
+               **options):
     """The same training under zero.initialize on this rank's shard of each
     batch; returns (global losses, full fp32 state dict, extra facts).
     A run in legs: steps first_step.. after engine.load_checkpoint(load_dir)
@@ -161,7 +173,15 @@ def engine_run(rank, world, steps, stage, precision="fp32", accumulation=1, clip
         total = 0.0
         for ids_m, labels_m in zip(ids.chunk(accumulation), labels.chunk(accumulation)):
             loss = F.cross_entropy(engine(ids_m, use_branch=step % 2 == 0).float(), labels_m)
-            engine.backward(loss)
+            if penalty:
+                with zero.GatheredParameters([model.branch.weight]):
+                    term = penalty_of(model)  # saves branch.weight, released after
+            if penalty == "in loss":
+                engine.backward(loss + term)
+            else:
+                engine.backward(loss)
+            if penalty == "apart":  # a backward that reaches no module output
+                engine.backward(term)
             engine.step()
             total += loss.item() / accumulation
         t = torch.tensor([total])

@@ -12,7 +12,8 @@ order changes every step and prefetch must fall back), a buffer, and odd
 sizes. The cases add activation checkpointing (both torch.utils.checkpoint
 modes), a no_grad forward before every step, a change made through
 zero.GatheredParameters by rank 0 (the other ranks write garbage that must
-not survive), and bounded prefetch."""
+not survive), a loss term taken inside zero.GatheredParameters, and
+bounded prefetch."""
 import tempfile
 
 import pytest
@@ -44,6 +45,13 @@ CASES = {
         "device": "nvme", "nvme_path": tempfile.gettempdir()}), dict(clip=0.05)),
     "eval and modify": (dict(RELEASED, with_eval=True, modify_at=3),
                         dict(with_eval=True, modify_at=3)),
+    # a loss term taken inside GatheredParameters: its backward gathers the
+    # released parameter again (it read the empty placeholder), and one
+    # that reaches no module output still ends (its gradients were lost)
+    "penalty in loss": (dict(RELEASED, penalty="in loss", accumulation=2),
+                        dict(penalty=True, accumulation=2)),
+    "penalty apart": (dict(RELEASED, penalty="apart", accumulation=2),
+                      dict(penalty=True, accumulation=2)),
 }
 STEPS = 8
 
