@@ -54,6 +54,16 @@ static inline ZERO_HOST_DEVICE void adam_bias_corrections(
     *bias_correction2_sqrt = (float)sqrt(1.0 - pow(beta2, t));
 }
 
+/* max(a, b), NaN when either is NaN, as torch.maximum (fmaxf drops a NaN:
+ * amsgrad's max_exp_avg_sq would then differ from torch's). */
+static inline ZERO_HOST_DEVICE float max_keeping_nan(float a, float b)
+{
+    if (a != a || b != b) {
+        return a + b;
+    }
+    return a > b ? a : b;
+}
+
 /* One Adam/AdamW update of one element, following torch.optim's
  * single-tensor implementation operation by operation. g is the gradient
  * already multiplied by grad_scale; m, v (and max_v for amsgrad, else NULL)
@@ -62,14 +72,16 @@ static inline ZERO_HOST_DEVICE float adam_update(const optim_consts *k,
                                                  float p, float g, float *m,
                                                  float *v, float *max_v)
 {
-    g = g + k->l2 * p;
+    if (k->l2 != 0.0f) { /* as torch: 0 * inf would make an inf parameter NaN */
+        g = g + k->l2 * p;
+    }
     p = p * k->weight_factor;
     float m1 = lerp(*m, g, k->one_minus_beta1);
     float v1 = *v * k->beta2 + k->one_minus_beta2 * g * g;
     *m = m1;
     *v = v1;
     if (max_v) {
-        v1 = fmaxf(*max_v, v1);
+        v1 = max_keeping_nan(*max_v, v1);
         *max_v = v1;
     }
     float denom = sqrtf(v1) / k->bias_correction2_sqrt + k->eps;

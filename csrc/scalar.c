@@ -38,7 +38,9 @@ static void sgd_scalar(const optim_args *a, int64_t begin, int64_t end)
     for (int64_t i = begin; i < end; i++) {
         float p = a->param[i];
         float g = load_as_f32(a->grad, a->grad_dtype, i) * a->grad_scale;
-        g = g + k->l2 * p;
+        if (k->l2 != 0.0f) { /* see adam_update */
+            g = g + k->l2 * p;
+        }
         if (a->state1) {
             float buf = k->first_step
                             ? g
@@ -77,7 +79,9 @@ static void adagrad_scalar(const optim_args *a, int64_t begin, int64_t end)
     for (int64_t i = begin; i < end; i++) {
         float p = a->param[i];
         float g = load_as_f32(a->grad, a->grad_dtype, i) * a->grad_scale;
-        g = g + k->l2 * p;
+        if (k->l2 != 0.0f) { /* see adam_update */
+            g = g + k->l2 * p;
+        }
         float sum = a->state1[i] + g * g;
         a->state1[i] = sum;
         p = p - k->step_size * (g / (sqrtf(sum) + k->eps));

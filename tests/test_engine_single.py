@@ -1,6 +1,7 @@
 """The engine in one process with no launcher and no environment variables
 (a notebook): API, configs, bad input, re-initialisation."""
 import json
+import math
 
 import pytest
 import torch
@@ -359,6 +360,28 @@ def test_clip_grad_norm_returns_the_global_norm_and_clips():
         assert max_rel_error(full[k], v) <= 1e-5, k
     with pytest.raises(ValueError, match="max_norm must be > 0"):
         engine.clip_grad_norm_(0.0)
+    engine.close()
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_a_non_finite_gradient_gives_torchs_norm(bad):
+    """torch's clip_grad_norm_ reports NaN for a NaN gradient (we said
+    inf); the clipped update zeroes the other gradients (docs/engine.md)."""
+    m, ref = model(), model()
+    engine = zero.initialize(m, optimizer=torch.optim.SGD(m.parameters(), lr=0.1), stage=0,
+                             gradient_clipping=1.0)
+    x = torch.randn(4, 6, generator=torch.Generator().manual_seed(3))
+    engine.backward(engine(x).square().sum())
+    ref(x).square().sum().backward()
+    m[0].bias.grad[1] = ref[0].bias.grad[1] = bad  # stage 0: views of the flat gradients
+    torch_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0).item()
+    before = engine.full_state_dict()
+    engine.step()
+    norm = engine.get_global_grad_norm()
+    assert (math.isnan(norm), math.isinf(norm)) == (math.isnan(torch_norm), math.isinf(torch_norm))
+    after = engine.full_state_dict()
+    assert math.isnan(after["0.bias"][1])
+    assert all(torch.equal(after[k], v) for k, v in before.items() if k != "0.bias")
     engine.close()
 
 

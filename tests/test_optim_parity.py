@@ -177,3 +177,43 @@ def test_every_simd_path_gives_the_scalar_bits(name, kwargs):
     for path, params in results.items():
         for p, q in zip(params, scalar):
             assert torch.equal(p.view(torch.int32), q.view(torch.int32)), path
+
+
+NONFINITE_CASES = [
+    ("AdamW", dict(lr=1e-2, weight_decay=0.0)),
+    ("Adam", dict(lr=1e-2, amsgrad=True)),
+    ("SGD", dict(lr=0.05, momentum=0.9)),
+    ("Adagrad", dict(lr=0.1)),
+]
+
+
+@pytest.mark.parametrize("name,kwargs", NONFINITE_CASES,
+                         ids=[n for n, _ in NONFINITE_CASES])
+def test_non_finite_values_go_where_torchs_go(simd, name, kwargs):
+    """An inf parameter stays inf without weight decay (0 * inf made it
+    NaN), and a NaN gradient spreads into amsgrad's running max as
+    torch.maximum spreads it (fmaxf dropped it): the same NaN/inf pattern
+    as torch in parameters and states, in vector bodies and tails."""
+    ours = [torch.nn.Parameter(p.clone()) for p in make_params(4)]
+    theirs = [torch.nn.Parameter(p.clone()) for p in make_params(4)]
+    for params in (ours, theirs):
+        with torch.no_grad():
+            params[0][0, 0], params[0][3, 12] = float("inf"), -float("inf")
+            params[4][100] = float("inf")
+    opt = getattr(zero.optim, name)(ours, **kwargs)
+    ref = getattr(torch.optim, name)(theirs, foreach=False, **kwargs)
+    for step, grads in enumerate(random_grads(5, 3)):
+        if step == 1:
+            grads[4][0], grads[4][128] = float("nan"), float("nan")  # a body, a tail
+        for params, o in ((ours, opt), (theirs, ref)):
+            for p, g in zip(params, grads):
+                p.grad = g.clone()
+            o.step()
+    for a, b in zip(ours, theirs):
+        pairs = [(a.detach(), b.detach())] + \
+            [(opt.state[a][k], v) for k, v in ref.state[b].items() if k != "step"]
+        for x, y in pairs:
+            assert torch.equal(x.isnan(), y.isnan()) and torch.equal(x.isinf(), y.isinf())
+            finite = x.isfinite()
+            assert torch.equal(x[~finite].nan_to_num(), y[~finite].nan_to_num())
+            assert max_rel_error(x[finite], y[finite]) <= 1e-5

@@ -28,8 +28,14 @@ typedef __m256 vec;
 /* a * b + c and c - a * b, each rounded once */
 #define vfmadd(a, b, c) _mm256_fmadd_ps((a), (b), (c))
 #define vfnmadd(a, b, c) _mm256_fnmadd_ps((a), (b), (c))
-/* (a > b) ? a : b, which keeps a NaN in b, as the scalar code does */
-#define vmax(a, b) _mm256_max_ps((a), (b))
+
+/* max(a, b), NaN where either is NaN (max_keeping_nan in optim_math.h):
+ * maxps alone returns b then */
+static ISA_TARGET inline vec vmax_keeping_nan(vec a, vec b)
+{
+    return _mm256_blendv_ps(_mm256_max_ps(a, b), _mm256_add_ps(a, b),
+                            _mm256_cmp_ps(a, b, _CMP_UNORD_Q));
+}
 
 static ISA_TARGET inline vec vload_bf16(const uint16_t *p)
 {
@@ -64,11 +70,12 @@ static ISA_TARGET inline void vstore_f16(uint16_t *p, vec v)
     _mm_storeu_si128((__m128i *)p, h);
 }
 
-/* x > 0 -> 1, x < 0 -> -1, else x itself (keeps zeros and NaN) */
+/* x > 0 -> 1, x < 0 -> -1, else (zeros, NaN) +0, as sign_of in scalar.c
+ * and torch.sign */
 static ISA_TARGET inline vec vsign(vec x)
 {
     __m256 zero = _mm256_setzero_ps();
-    __m256 r = _mm256_blendv_ps(x, _mm256_set1_ps(1.0f),
+    __m256 r = _mm256_blendv_ps(zero, _mm256_set1_ps(1.0f),
                                 _mm256_cmp_ps(x, zero, _CMP_GT_OQ));
     return _mm256_blendv_ps(r, _mm256_set1_ps(-1.0f),
                             _mm256_cmp_ps(x, zero, _CMP_LT_OQ));

@@ -28,7 +28,13 @@ typedef __m512 vec;
 #define vsqrt(a) _mm512_sqrt_ps(a)
 #define vfmadd(a, b, c) _mm512_fmadd_ps((a), (b), (c))
 #define vfnmadd(a, b, c) _mm512_fnmadd_ps((a), (b), (c))
-#define vmax(a, b) _mm512_max_ps((a), (b))
+
+/* max(a, b), NaN where either is NaN (max_keeping_nan in optim_math.h) */
+static ISA_TARGET inline vec vmax_keeping_nan(vec a, vec b)
+{
+    return _mm512_mask_add_ps(_mm512_max_ps(a, b), _mm512_cmp_ps_mask(a, b, _CMP_UNORD_Q),
+                              a, b);
+}
 
 static ISA_TARGET inline vec vload_bf16(const uint16_t *p)
 {
@@ -62,12 +68,13 @@ static ISA_TARGET inline void vstore_f16(uint16_t *p, vec v)
     _mm256_storeu_si256((__m256i *)p, h);
 }
 
+/* as in avx2.c: zeros and NaN give +0 */
 static ISA_TARGET inline vec vsign(vec x)
 {
     __m512 zero = _mm512_setzero_ps();
     __mmask16 positive = _mm512_cmp_ps_mask(x, zero, _CMP_GT_OQ);
     __mmask16 negative = _mm512_cmp_ps_mask(x, zero, _CMP_LT_OQ);
-    __m512 r = _mm512_mask_mov_ps(x, positive, _mm512_set1_ps(1.0f));
+    __m512 r = _mm512_mask_mov_ps(zero, positive, _mm512_set1_ps(1.0f));
     return _mm512_mask_mov_ps(r, negative, _mm512_set1_ps(-1.0f));
 }
 

@@ -2,7 +2,7 @@
  * vocabulary that avx2.c and avx512.c define before including this file:
  *
  *   vec, W (floats per vector), ISA_TARGET, ISA_TABLE,
- *   vload vstore vstream (aligned, non-temporal) vset1 vadd vsub vmul vdiv vsqrt vfmadd vfnmadd vmax,
+ *   vload vstore vstream (aligned, non-temporal) vset1 vadd vsub vmul vdiv vsqrt vfmadd vfnmadd vmax_keeping_nan,
  *   vload_bf16 vstore_bf16 vload_f16 vstore_f16 vsign vany_nonfinite,
  *   vsum vsum_zero vsum_add vsum_total.
  *
@@ -111,7 +111,9 @@ static ISA_TARGET ALWAYS_INLINE void adam_body(const optim_args *a,
     for (; i + W <= end; i += W) {
         vec p = vload(a->param + i);
         vec g = vmul(load_vec(a->grad, grad_dtype, i), scale);
-        g = vadd(g, vmul(l2, p));
+        if (k->l2 != 0.0f) { /* see adam_update */
+            g = vadd(g, vmul(l2, p));
+        }
         p = vmul(p, weight_factor);
         vec m = vlerp(vload(a->state1 + i), g, one_minus_beta1, beta1, small);
         vec v = vadd(vmul(vload(a->state2 + i), beta2),
@@ -119,7 +121,7 @@ static ISA_TARGET ALWAYS_INLINE void adam_body(const optim_args *a,
         vstore(a->state1 + i, m);
         vstore(a->state2 + i, v);
         if (k->amsgrad) {
-            v = vmax(vload(a->state3 + i), v);
+            v = vmax_keeping_nan(vload(a->state3 + i), v);
             vstore(a->state3 + i, v);
         }
         vec denom = vadd(vdiv(vsqrt(v), bias_correction2_sqrt), eps);
@@ -149,7 +151,9 @@ static ISA_TARGET ALWAYS_INLINE void sgd_body(const optim_args *a,
     for (; i + W <= end; i += W) {
         vec p = vload(a->param + i);
         vec g = vmul(load_vec(a->grad, grad_dtype, i), scale);
-        g = vadd(g, vmul(l2, p));
+        if (k->l2 != 0.0f) { /* see adam_update */
+            g = vadd(g, vmul(l2, p));
+        }
         if (a->state1) {
             vec buf = k->first_step
                           ? g
@@ -215,7 +219,9 @@ static ISA_TARGET ALWAYS_INLINE void adagrad_body(const optim_args *a,
     for (; i + W <= end; i += W) {
         vec p = vload(a->param + i);
         vec g = vmul(load_vec(a->grad, grad_dtype, i), scale);
-        g = vadd(g, vmul(l2, p));
+        if (k->l2 != 0.0f) { /* see adam_update */
+            g = vadd(g, vmul(l2, p));
+        }
         vec sum = vadd(vload(a->state1 + i), vmul(g, g));
         vstore(a->state1 + i, sum);
         p = vsub(p, vmul(clr, vdiv(g, vadd(vsqrt(sum), eps))));

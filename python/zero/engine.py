@@ -509,7 +509,8 @@ class Engine(DeepSpeedQueries, nn.Module):
                                             across_ranks=self.stage != 0)
         base = 1.0 / (self.loss_scale * self._comm.world *
                       self.config.gradient_accumulation_steps)
-        norm = math.sqrt(sumsq) * base if math.isfinite(sumsq) else float("inf")
+        # a NaN gradient gives a NaN norm, as torch's clip_grad_norm_ does
+        norm = math.sqrt(sumsq) * base if math.isfinite(sumsq) else abs(sumsq)
         self._prepared = (sumsq, norm, base)
         return self._prepared
 
@@ -597,7 +598,7 @@ class Engine(DeepSpeedQueries, nn.Module):
         else:
             if self.loss_scaler:
                 self.loss_scaler.update(False)
-            coef = min(1.0, max_norm / (norm + 1e-6)) if max_norm else 1.0
+            coef = clip_coefficient(max_norm, norm)
             for fg in self.groups:
                 fg.step_count += 1
                 try:
@@ -820,6 +821,20 @@ class Engine(DeepSpeedQueries, nn.Module):
                 fg.param_files.close()
         self._leave_group()
         self._closed = True
+
+
+def clip_coefficient(max_norm, norm) -> float:
+    """What the gradients are multiplied by: torch's clip_grad_norm_
+    coefficient min(1, max_norm / (norm + 1e-6)), 0 for an inf norm. For
+    a NaN norm torch's is NaN, which turns every parameter NaN; the C core
+    refuses a NaN scale, so it is 0 as for inf: the NaN elements' own
+    parameters become NaN, the other gradients count for nothing that
+    step (min() in Python would have given 1.0). docs/engine.md."""
+    if not max_norm:
+        return 1.0
+    if math.isnan(norm):
+        return 0.0
+    return min(1.0, max_norm / (norm + 1e-6))
 
 
 def _accumulate_grad(_engine, fg, i):
