@@ -59,16 +59,17 @@ def run(world: int, fn, *args, timeout: float = 300):
                 raise TimeoutError(f"{world} workers still running after {timeout} s")
         except TimeoutError:
             raise
-        except Exception:
-            errors = []
+        except Exception as exited:  # torch's ProcessExitedException names the rank and signal
+            errors, finished = [], []
             for r in range(world):
                 path = os.path.join(out_dir, f"rank{r}.pkl")
                 if os.path.exists(path):
+                    finished.append(r)
                     with open(path, "rb") as f:
                         _, err = pickle.load(f)
                     if err:
                         errors.append(f"rank {r}:\n{err}")
-            raise RuntimeError("\n".join(errors) or "a worker failed") from None
+            raise RuntimeError("\n".join(errors) or f"a worker failed: {exited} (ranks {finished} had returned)") from None
         results = []
         for r in range(world):
             with open(os.path.join(out_dir, f"rank{r}.pkl"), "rb") as f:
