@@ -363,6 +363,43 @@ def test_clip_grad_norm_returns_the_global_norm_and_clips():
     engine.close()
 
 
+@pytest.mark.parametrize("stage", [0, 2])
+def test_sgd_momentum_warm_up_from_zero_starts_the_buffer_as_torch(stage, tmp_path):
+    """momentum 0 on the first update, 0.9 after, with dampening: torch
+    starts the buffer as the gradient at the first update that uses it.
+    The engine started it at the group's first update, and the second
+    update then took (1 - dampening) g: 0.5 off. A checkpoint saved
+    before the buffer started, loaded, and consolidated, goes on the same."""
+    m, ref = model(), model()
+    opt = torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9, dampening=0.5)
+    engine = zero.initialize(m, optimizer=opt, stage=stage)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9, dampening=0.5)
+    g = torch.Generator().manual_seed(5)
+    for update in range(4):
+        for o in (opt, ref_opt):
+            o.param_groups[0]["momentum"] = 0.0 if update == 0 else 0.9
+        x = torch.randn(4, 6, generator=g)
+        engine.backward(engine(x).square().sum())
+        engine.step()
+        ref(x).square().sum().backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        if update == 0:
+            engine.save_checkpoint(tmp_path)
+            saved = zero.checkpoint.consolidate(tmp_path)["optimizer"]
+            assert all("momentum_buffer" not in s for s in saved["state"].values())
+            engine.close()
+            m = model()
+            opt = torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9, dampening=0.5)
+            engine = zero.initialize(m, optimizer=opt, stage=stage)
+            engine.load_checkpoint(tmp_path)
+    engine.close()
+    for p, q in zip(m.parameters(), ref.parameters()):  # fp32: ulps over 4 updates
+        assert max_rel_error(p.detach(), q.detach()) <= 1e-5
+        assert max_rel_error(opt.state[p]["momentum_buffer"],
+                             ref_opt.state[q]["momentum_buffer"]) <= 1e-5
+
+
 @pytest.mark.parametrize("bad", [float("nan"), float("inf")])
 def test_a_non_finite_gradient_gives_torchs_norm(bad):
     """torch's clip_grad_norm_ reports NaN for a NaN gradient (we said

@@ -379,10 +379,12 @@ def _check_optimizer(engine, reader):
             raise ValueError(f"param group {gi} holds other parameters than in the "
                              f"checkpoint ({what})" + hint)
     for fg in engine.groups:
-        # the saved hyperparameters replace the optimizer's: they must ask
-        # for the states this engine keeps (amsgrad, momentum)
+        # the saved hyperparameters replace the optimizer's: the engine
+        # must keep the states they ask for (amsgrad, momentum); it may
+        # keep more (saved during a momentum warm-up at 0: the buffer is
+        # in the checkpoint, and used again when the momentum comes back)
         saved_states = set(states_for(engine._kind, meta["groups"][fg.index]["hyper"]))
-        if saved_states != set(fg.states):
+        if not saved_states <= set(fg.states):
             raise ValueError(f"param group {fg.index} was saved with hyperparameters that keep "
                              f"the states {sorted(saved_states)}, the engine's optimizer keeps "
                              f"{sorted(fg.states)} (amsgrad or momentum differ)" + hint)

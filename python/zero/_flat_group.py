@@ -122,6 +122,8 @@ class FlatGroup:
         self.layout_size = sum(u.total for u in self.units)  # the unsharded layout
         self._build_buffers(compute_dtype)
         self.states: dict[str, torch.Tensor] = {}
+        # updates made (SGD: those that used the momentum buffer; see
+        # counts_as_step in _optimizer_bridge.py)
         self.step_count = 0
         self.reduced_since_step = False
         self.accumulate_by_hook = False

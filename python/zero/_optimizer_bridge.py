@@ -76,6 +76,16 @@ def states_for(kind: str, group: dict) -> dict:
     return {"exp_avg": 0.0}
 
 
+def counts_as_step(kind: str, group: dict) -> bool:
+    """Whether an update advances the group's step count. SGD counts only
+    the updates that use the momentum buffer: torch starts the buffer as
+    the gradient at the first of them, also after updates made with
+    momentum 0 (a momentum warm-up), and keeps no step of its own. Before,
+    the buffer started only at the group's first update: with dampening,
+    a warm-up from 0 then trained on (1 - dampening) times the gradient."""
+    return kind != "sgd" or float(group.get("momentum", 0.0)) != 0.0
+
+
 def decoupled(optimizer, group) -> bool:
     # an AdamW decays decoupled whatever its groups say: a checkpoint of
     # Adam restores decoupled_weight_decay=False into them (torch's AdamW

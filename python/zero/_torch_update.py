@@ -114,7 +114,8 @@ def _scaled_grad(grad: torch.Tensor, grad_scale: float) -> torch.Tensor:
 
 
 def _add_l2(g: torch.Tensor, param: torch.Tensor, l2: float) -> torch.Tensor:
-    """g + l2 * p. Skipped at l2 == 0, where the reference adds a zero."""
+    """g + l2 * p. Skipped at l2 == 0, as the reference and torch.optim
+    skip it (0 * inf would make an inf parameter NaN)."""
     if l2 == 0.0:
         return g
     return (param * l2).add_(g)  # addition commutes exactly
@@ -182,8 +183,9 @@ def adam(param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq=None, copy_out=None, *
     del g
     root_of = v
     if amsgrad:
-        # fmax, not maximum: fmaxf keeps the number when one side is nan
-        torch.fmax(b["max_exp_avg_sq"], v, out=b["max_exp_avg_sq"])
+        # maximum: a NaN on either side gives NaN, as torch.optim's
+        # amsgrad and the C core's max_keeping_nan
+        torch.maximum(b["max_exp_avg_sq"], v, out=b["max_exp_avg_sq"])
         root_of = b["max_exp_avg_sq"]
     torch.sqrt(root_of, out=t).div_(_divisor(bias_correction2_sqrt, t)).add_(_f32(eps))
     torch.div(m, t, out=t).mul_(step_size)

@@ -33,10 +33,13 @@ def _optimizer_state_dict(reader) -> dict:
         numbers = []
         for name in saved["param_names"]:
             if meta["params"][name]["trainable"]:
-                entry = {} if meta["optimizer"] == "sgd" else \
-                    {"step": torch.tensor(float(saved["step"]))}
+                sgd = meta["optimizer"] == "sgd"
+                entry = {} if sgd else {"step": torch.tensor(float(saved["step"]))}
                 for key in saved["states"]:
-                    entry[key] = reader.read(name, key)
+                    # an SGD group that never used its momentum buffer
+                    # (step 0: counts_as_step) has none in torch
+                    if not (sgd and saved["step"] == 0):
+                        entry[key] = reader.read(name, key)
                 state[index] = entry
             numbers.append(index)
             index += 1

@@ -36,7 +36,8 @@ from zero._copying import ModuleHook
 from zero._flat_group import FlatGroup
 from zero._loss_scaler import DynamicLossScaler
 from zero._memory import MemorySummary, zero_formula
-from zero._optimizer_bridge import optimizer_kind, parameter_names, states_for
+from zero._optimizer_bridge import (counts_as_step, optimizer_kind, parameter_names,
+                                    states_for)
 from zero._outputs import tensors_in
 from zero._param_writes import (Place, bump_versions, check_parameters_in_place,
                                 record_parameters, take_in_parameter_writes)
@@ -600,7 +601,8 @@ class Engine(DeepSpeedQueries, nn.Module):
                 self.loss_scaler.update(False)
             coef = clip_coefficient(max_norm, norm)
             for fg in self.groups:
-                fg.step_count += 1
+                counted = counts_as_step(self._kind, self.optimizer.param_groups[fg.index])
+                fg.step_count += counted
                 try:
                     self.step_path.update(self._kind, self.optimizer,
                                           self.optimizer.param_groups[fg.index], fg, base * coef)
@@ -608,7 +610,7 @@ class Engine(DeepSpeedQueries, nn.Module):
                     # a refusal comes before anything changes; a failure in
                     # the middle of a chunked update (files, offload_param)
                     # leaves it partly applied (docs/offload.md)
-                    fg.step_count -= 1
+                    fg.step_count -= counted
                     raise
                 fg.all_gather_params()
                 # autograd then refuses a backward through a graph that
