@@ -19,7 +19,7 @@ from zero._checkpoint_format import (FORMAT, LATEST_FILE, META_FILE, REPLICATED_
                                      VERSION, CheckpointReader, check_plain, check_tag,
                                      owned_pieces, resolve_tag, shard_file,
                                      tag_directory_hint)
-from zero._optimizer_bridge import parameter_names, states_for
+from zero._optimizer_bridge import fresh_states, parameter_names, states_for
 from zero._param_writes import bump_versions, take_in_parameter_writes
 from zero._step_agreement import agree_on_call
 
@@ -447,7 +447,8 @@ def _reset_optimizer(engine):
     """load_optimizer_states=False: the optimizer starts afresh on the
     loaded weights, as one just built would."""
     for fg in engine.groups:
-        fills = states_for(engine._kind, engine.optimizer.param_groups[fg.index])
+        fills = fresh_states(engine.optimizer, engine._kind,
+                             engine.optimizer.param_groups[fg.index])
         for name, t in fg.states.items():
             # a state the group's settings no longer ask for (momentum set
             # to 0 since initialize) is kept, and starts from zero too

@@ -76,6 +76,18 @@ def states_for(kind: str, group: dict) -> dict:
     return {"exp_avg": 0.0}
 
 
+def fresh_states(optimizer, kind: str, group: dict) -> dict:
+    """states_for, with the values a new `optimizer` starts them at. torch's
+    Adagrad fills every parameter's sum at construction with the
+    constructor's initial_accumulator_value, whatever a param group says
+    (a group's own value is kept in the group and never used);
+    zero.optim.Adagrad takes each group's."""
+    states = states_for(kind, group)
+    if kind == "adagrad" and isinstance(optimizer, torch.optim.Adagrad):
+        states["sum"] = float(optimizer.defaults.get("initial_accumulator_value", 0.0))
+    return states
+
+
 def counts_as_step(kind: str, group: dict) -> bool:
     """Whether an update advances the group's step count. SGD counts only
     the updates that use the momentum buffer: torch starts the buffer as

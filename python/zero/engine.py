@@ -36,8 +36,8 @@ from zero._copying import ModuleHook
 from zero._flat_group import FlatGroup
 from zero._loss_scaler import DynamicLossScaler
 from zero._memory import MemorySummary, zero_formula
-from zero._optimizer_bridge import (counts_as_step, optimizer_kind, parameter_names,
-                                    states_for)
+from zero._optimizer_bridge import (counts_as_step, fresh_states, optimizer_kind,
+                                    parameter_names, states_for)
 from zero._outputs import tensors_in
 from zero._param_writes import (Place, bump_versions, check_parameters_in_place,
                                 record_parameters, take_in_parameter_writes)
@@ -163,7 +163,8 @@ class Engine(DeepSpeedQueries, nn.Module):
                            offload=offload(index),
                            staged=self._staged, reduce_comm=reduce_comm,
                            param_files=param_files(index))
-            for name, fill in states_for(self._kind, optimizer.param_groups[index]).items():
+            for name, fill in fresh_states(optimizer, self._kind,
+                                           optimizer.param_groups[index]).items():
                 fg.add_state(name, fill)
             self.groups.append(fg)
         self.frozen_group = None
