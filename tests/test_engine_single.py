@@ -378,12 +378,7 @@ def test_sgd_momentum_warm_up_from_zero_starts_the_buffer_as_torch(stage, tmp_pa
     for update in range(4):
         for o in (opt, ref_opt):
             o.param_groups[0]["momentum"] = 0.0 if update == 0 else 0.9
-        x = torch.randn(4, 6, generator=g)
-        engine.backward(engine(x).square().sum())
-        engine.step()
-        ref(x).square().sum().backward()
-        ref_opt.step()
-        ref_opt.zero_grad()
+        train_side_by_side(engine, ref, ref_opt, [torch.randn(4, 6, generator=g)])
         if update == 0:
             engine.save_checkpoint(tmp_path)
             saved = zero.checkpoint.consolidate(tmp_path)["optimizer"]
@@ -417,13 +412,7 @@ def test_adagrad_starts_every_sum_at_the_constructors_value_as_torch(stage, tmp_
     engine.save_checkpoint(tmp_path)
     engine.load_checkpoint(tmp_path, load_optimizer_states=False)
     g = torch.Generator().manual_seed(6)
-    for _ in range(3):
-        x = torch.randn(4, 6, generator=g)
-        engine.backward(engine(x).square().sum())
-        engine.step()
-        ref(x).square().sum().backward()
-        ref_opt.step()
-        ref_opt.zero_grad()
+    train_side_by_side(engine, ref, ref_opt, [torch.randn(4, 6, generator=g) for _ in range(3)])
     engine.close()
     for p, q in zip(m.parameters(), ref.parameters()):  # fp32: ulps over 3 updates
         assert max_rel_error(p.detach(), q.detach()) <= 1e-5
