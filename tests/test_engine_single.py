@@ -327,6 +327,32 @@ def test_a_group_the_update_refuses_leaves_the_step_unapplied(stage):
     engine.close()
 
 
+@pytest.mark.parametrize("setting, error, message", [
+    ({"lr": "0.01"}, TypeError, "lr is '0.01' \\(str\\); it must be a number"),
+    ({"betas": (0.9, None)}, TypeError, "betas is None \\(NoneType\\)"),
+    ({"differentiable": True}, ValueError, "differentiable=True: zero updates the partitions "
+                                           "outside autograd"),
+])
+def test_a_setting_the_update_cannot_honour_is_refused_by_name(setting, error, message):
+    """float() took an lr of "0.01" (torch's step refuses it), and
+    differentiable=True gave a step no gradient flows through, silently."""
+    m = model()
+    opt = torch.optim.AdamW([{"params": m[0].parameters()}, {"params": m[2].parameters()}])
+    engine = zero.initialize(m, optimizer=opt, stage=2)
+    before = engine.full_state_dict()
+    engine.backward(engine(torch.randn(4, 6)).square().mean())
+    opt.param_groups[1].update(setting)
+    with pytest.raises(error, match=f"param group 1: {message}.*nothing was updated"):
+        engine.step()
+    after = engine.full_state_dict()
+    assert all(torch.equal(after[k], v) for k, v in before.items())
+    opt.param_groups[1].update({k: opt.defaults[k] for k in setting})
+    opt.param_groups[1]["lr"] = torch.tensor(1e-3)  # torch's optimizers take a tensor lr
+    engine.step()
+    assert engine.global_steps == 1
+    engine.close()
+
+
 def test_parameter_missing_from_optimizer_is_named():
     m = model()
     with pytest.raises(ValueError, match="parameter '2.weight' requires grad but is in none"):

@@ -18,6 +18,7 @@ coefficient and the fp16 skip decision are made on the host from it.
 from __future__ import annotations
 
 import contextlib
+import numbers
 import warnings
 
 import torch
@@ -35,12 +36,34 @@ def check_update_arguments(kind, optimizer, group, step):
     """Run the update's argument checks (the C core's, which every step
     path's settings share) over no elements: a param group whose settings
     the update would refuse (nesterov without momentum, a negative lr)
-    raises here, before any group is updated."""
+    raises here, before any group is updated. What the C core cannot see
+    is checked first: float() would take an lr of "0.01" as a number (torch
+    refuses it), and differentiable=True asks for a step autograd can
+    differentiate, which an update outside autograd silently is not."""
+    if group.get("differentiable", False):
+        raise ValueError("differentiable=True: zero updates the partitions outside autograd, "
+                         "so no gradient would flow through the step; set it to False")
+    for key in ("lr", "eps", "weight_decay", "momentum", "dampening", "lr_decay"):
+        if key in group:
+            _check_number(key, group[key])
+    for beta in group.get("betas", ()):
+        _check_number("betas", beta)
     empty = _C.Buffer(torch.empty(0))
     buffers = {name: empty for name in ("master", "grad", "exp_avg", "exp_avg_sq",
                                          "max_exp_avg_sq", "momentum_buffer", "sum")}
     buffers["copy_out"] = None
     run_update(kind, optimizer, group, buffers, step, 1.0, HOST_FUNCTIONS)
+
+
+def _check_number(key, value):
+    """A hyperparameter must be a real number, or a one-element tensor
+    (torch's optimizers take a tensor lr)."""
+    if torch.is_tensor(value):
+        if value.numel() == 1 and not value.is_complex():
+            return
+    elif isinstance(value, numbers.Real):  # numpy's scalars too
+        return
+    raise TypeError(f"{key} is {value!r} ({type(value).__name__}); it must be a number")
 
 
 class HostStep:
