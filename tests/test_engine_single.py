@@ -445,6 +445,52 @@ def test_adagrad_starts_every_sum_at_the_constructors_value_as_torch(stage, tmp_
         assert max_rel_error(opt.state[p]["sum"], ref_opt.state[q]["sum"]) <= 1e-5
 
 
+@pytest.mark.parametrize("stage", [0, 2, 3])
+def test_scale_wrt_gas_false_keeps_that_losss_gradient_whole(stage):
+    """DeepSpeed's backward(loss, scale_wrt_gas=False): that micro-batch's
+    gradient is not divided by the accumulation count. Three micro-batches,
+    the second one whole: torch's SGD on g1/3 + g2 + g3/3. In fp16 the
+    same as multiplying that loss by 3 oneself, bit for bit (the loss
+    scale and its overflow skips included). The argument was refused
+    before (a TypeError for an unknown keyword)."""
+    def run(precision, whole_by_argument):
+        m = model()
+        scaling = {"initial_scale_power": 8} if precision == "fp16" else None
+        engine = zero.initialize(m, optimizer=torch.optim.SGD(m.parameters(), lr=0.1),
+                                 stage=stage, precision=precision,
+                                 gradient_accumulation_steps=3, loss_scaling=scaling)
+        g = torch.Generator().manual_seed(8)
+        for _update in range(2):
+            for micro in range(3):
+                loss = engine(torch.randn(4, 6, generator=g)).square().mean()
+                if micro != 1:
+                    engine.backward(loss)
+                elif whole_by_argument:
+                    engine.backward(loss, scale_wrt_gas=False)
+                else:
+                    engine.backward(loss * 3)
+                engine.step()
+        assert engine.global_steps == 2  # no overflow skipped one
+        engine.close()
+        return m
+
+    ref = model()
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    g = torch.Generator().manual_seed(8)
+    for _update in range(2):
+        for micro in range(3):
+            (ref(torch.randn(4, 6, generator=g)).square().mean() / (1 if micro == 1 else 3)
+             ).backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+    for p, q in zip(run("fp32", True).parameters(), ref.parameters()):  # fp32: ulps
+        assert max_rel_error(p.detach(), q.detach()) <= 1e-5
+    for p, q in zip(run("fp16", True).parameters(), run("fp16", False).parameters()):
+        assert torch.equal(p, q)
+    with pytest.raises(TypeError, match="scale_wrt_gas must be True or False, got 'no'"):
+        zero.initialize(model(), stage=1).backward(torch.zeros(()), scale_wrt_gas="no")
+
+
 @pytest.mark.parametrize("bad", [float("nan"), float("inf")])
 def test_a_non_finite_gradient_gives_torchs_norm(bad):
     """torch's clip_grad_norm_ reports NaN for a NaN gradient (we said

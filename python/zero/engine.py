@@ -461,16 +461,24 @@ class Engine(DeepSpeedQueries, nn.Module):
     def loss_scale(self) -> float:
         return self.loss_scaler.scale if self.loss_scaler else 1.0
 
-    def backward(self, loss: torch.Tensor, retain_graph: bool = False):
+    def backward(self, loss: torch.Tensor, retain_graph: bool = False,
+                 scale_wrt_gas: bool = True):
         """loss.backward(retain_graph=...), with the fp16 loss scale
         applied. With bf16 and fp32, plain loss.backward() is the same.
         Several backwards before a step() add up, at every stage (a second
-        one through a graph kept by retain_graph=True, or another loss)."""
+        one through a graph kept by retain_graph=True, or another loss).
+        The step averages the gradient_accumulation_steps micro-batches
+        (see "Averaging" in docs/engine.md); scale_wrt_gas=False, as
+        DeepSpeed's, keeps this loss's gradient whole: the loss is
+        multiplied by the count the step divides by."""
         self._check_open()
-        if not isinstance(retain_graph, bool):
-            raise TypeError(f"retain_graph must be True or False, got {retain_graph!r}")
-        (loss * self.loss_scale if self.loss_scaler else loss).backward(
-            retain_graph=retain_graph)
+        for name, value in (("retain_graph", retain_graph), ("scale_wrt_gas", scale_wrt_gas)):
+            if not isinstance(value, bool):
+                raise TypeError(f"{name} must be True or False, got {value!r}")
+        factor = self.loss_scale if self.loss_scaler else 1.0
+        if not scale_wrt_gas:
+            factor *= self.config.gradient_accumulation_steps
+        (loss * factor if factor != 1.0 else loss).backward(retain_graph=retain_graph)
         # only once it finished: a backward that raised leaves unscaled
         # partial gradients, which zero_grad() drops
         self._scaled_backward = True
