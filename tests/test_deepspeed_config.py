@@ -377,6 +377,56 @@ def test_engine_accumulates_what_the_batch_sizes_imply():
         zero.Config(gradient_accumulation_steps=None)
 
 
+def test_the_loss_scale_doubles_when_deepspeed_doubles_it():
+    """deepspeed 0.19.8's DynamicLossScaler.update_scale, driven with these
+    overflow patterns, printed these scales (window 3, hysteresis 2,
+    start 2**4): the first doubling comes at the 4th good step, not the
+    3rd, and after an overflow the count starts again."""
+    from zero._loss_scaler import DynamicLossScaler
+    cfg = zero.Config.from_deepspeed({"fp16": {"enabled": True, "initial_scale_power": 4,
+                                               "loss_scale_window": 3, "hysteresis": 2}})
+    cases = [([False] * 7, [16, 16, 16, 32, 32, 32, 64]),
+             ([False, False, True, False, False, False, False, True, True, False],
+              [16, 16, 16, 16, 16, 16, 32, 32, 16, 16])]
+    for pattern, want in cases:
+        scaler = DynamicLossScaler(cfg.loss_scaling)
+        seen = []
+        for overflow in pattern:
+            scaler.update(overflow)
+            seen.append(scaler.scale)
+        assert seen == want, pattern
+
+
+def test_a_static_scale_stays_the_configured_one_after_a_load():
+    """A checkpoint of a dynamic run (scale 256) loaded by a static engine
+    (1024) froze the scale at 256: neither the config nor the run."""
+    from zero._loss_scaler import DynamicLossScaler
+    dynamic = DynamicLossScaler(zero.LossScaling(initial_scale_power=8))
+    static = DynamicLossScaler(zero.LossScaling(static_loss_scale=1024))
+    static.load_state_dict(dynamic.state_dict())
+    assert static.scale == 1024.0
+    dynamic.load_state_dict({"scale": 32.0, "hysteresis_left": 1, "good_steps": 5})
+    assert (dynamic.scale, dynamic.hysteresis_left, dynamic.good_steps) == (32.0, 1, 5)
+
+
+def test_an_overflow_at_the_minimum_scale_stops_the_run():
+    """At min_loss_scale with the hysteresis spent, every later step was
+    skipped without a word (50 NaN steps, 0 updates); DeepSpeed raises.
+    A static scale never gets there: its overflows are skipped."""
+    m = model()
+    engine = zero.initialize(m, config={"fp16": {"enabled": True, "initial_scale_power": 1,
+                                                 "hysteresis": 1, "min_loss_scale": 1},
+                                        "optimizer": {"type": "SGD", "params": {"lr": 0.1}}})
+    engine.backward(engine(torch.full((2, 4), float("nan"))).sum())
+    engine.step()  # skipped; the scale halves to its floor
+    assert (engine.loss_scale, engine.skipped_steps) == (1.0, 1)
+    engine.backward(engine(torch.full((2, 4), float("nan"))).sum())
+    with pytest.raises(FloatingPointError, match="overflowed .* again with the loss scale at "
+                                                 "its floor, loss_scaling.min_loss_scale = 1"):
+        engine.step()
+    engine.close()
+
+
 @pytest.mark.parametrize("consecutive, scales", [
     # hysteresis 2; overflow, good, overflow, overflow
     (False, [2.0 ** 8, 2.0 ** 8, 2.0 ** 7, 2.0 ** 6]),  # the good step does not restore it

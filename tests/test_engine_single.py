@@ -189,9 +189,18 @@ def test_nested_blocks_as_keywords():
     # what DeepSpeed configs in the wild write is taken as DeepSpeed takes it
     ds = zero.Config.from_deepspeed({"fp16": {
         "enabled": True, "loss_scale": 0, "initial_scale_power": 16.0, "loss_scale_window": 1e3,
-        "hysteresis": 2.0, "min_loss_scale": 0}})
-    assert ds.loss_scaling == zero.LossScaling(min_loss_scale=0)
+        "hysteresis": 2.0, "min_loss_scale": 1}})
+    assert ds.loss_scaling == zero.LossScaling()
     assert type(ds.loss_scaling.initial_scale_power) is int
+    # a floor of 0 let NaN steps halve the scale to 0, and the step then
+    # divided by it (ZeroDivisionError at step 1075); DeepSpeed refuses it.
+    # A static scale or a disabled fp16 block may carry it unused.
+    with pytest.raises(ValueError, match="loss_scaling.min_loss_scale .*must be > 0 with "
+                                         "dynamic fp16 loss scaling, got 0"):
+        zero.Config.from_deepspeed({"fp16": {"enabled": True, "min_loss_scale": 0}})
+    zero.Config.from_deepspeed({"fp16": {"enabled": True, "loss_scale": 128,
+                                         "min_loss_scale": 0}})
+    zero.Config.from_deepspeed({"fp16": {"enabled": False, "min_loss_scale": 0}})
     auto = zero.Config.from_deepspeed({"fp16": {"enabled": True, "loss_scale": "auto",
                                                 "initial_scale_power": "auto"}})
     assert auto.precision == "fp16" and auto.loss_scaling == zero.LossScaling()

@@ -52,7 +52,9 @@ class LossScaling:
                 raise ValueError(f"loss_scaling.{name} must be an integer >= {low}, got "
                                  f"{getattr(self, name)!r}")
             object.__setattr__(self, name, int(value))
-        for name in ("min_loss_scale", "static_loss_scale"):  # 0 is common for both
+        # 0 is common for both; a dynamic fp16 scale needs min_loss_scale > 0
+        # (Config checks it: only it knows the precision)
+        for name in ("min_loss_scale", "static_loss_scale"):
             value = _number(getattr(self, name), f"loss_scaling.{name}")
             if value < 0:
                 raise ValueError(f"loss_scaling.{name} must be >= 0, got {value!r}")
@@ -240,6 +242,14 @@ class Config:
             elif not isinstance(value, block):
                 raise ValueError(f"{name} must be a dict or a zero.config.{block.__name__}, "
                                  f"got {value!r}")
+        scaling = self.loss_scaling
+        if self.precision == "fp16" and scaling.static_loss_scale == 0 and \
+                scaling.min_loss_scale <= 0:
+            # DeepSpeed 0.19.8 refuses it too: overflows would halve the
+            # scale to 0, and the step then divides by it
+            raise ValueError("loss_scaling.min_loss_scale (a DeepSpeed config's "
+                             "fp16.min_loss_scale) must be > 0 with dynamic fp16 loss scaling, "
+                             f"got {scaling.min_loss_scale!r}; DeepSpeed's default is 1")
         for name in ("stage3_param_persistence_threshold", "stage3_prefetch_bucket_size",
                      "stage3_max_live_parameters"):
             value = getattr(self, name)
