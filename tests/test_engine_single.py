@@ -362,6 +362,30 @@ def test_a_setting_the_update_cannot_honour_is_refused_by_name(setting, error, m
     engine.close()
 
 
+def test_parameters_that_share_memory_are_refused_by_name():
+    """Two Parameters over one tensor: torch's SGD gives each both
+    gradients (-2), the engine's flat buffers split them (-1 each)."""
+    class Twice(nn.Module):
+        def __init__(self):
+            super().__init__()
+            shared = torch.zeros(2)
+            self.c, self.d = nn.Parameter(shared), nn.Parameter(shared)
+
+        def forward(self, x):
+            return x * self.c + x * self.d
+
+    m = Twice()
+    with pytest.raises(ValueError, match="parameter 'c' and parameter 'd' share memory .*Tie "
+                                         "them as one Parameter"):
+        zero.initialize(m, optimizer=torch.optim.SGD(m.parameters(), lr=1.0), stage=1)
+    m.d = m.c  # tied: one parameter
+    engine = zero.initialize(m, optimizer=torch.optim.SGD(m.parameters(), lr=1.0), stage=1)
+    engine.backward(engine(torch.ones(2)).sum())
+    engine.step()
+    engine.close()
+    assert m.c.tolist() == [-2.0, -2.0]
+
+
 def test_parameter_missing_from_optimizer_is_named():
     m = model()
     with pytest.raises(ValueError, match="parameter '2.weight' requires grad but is in none"):

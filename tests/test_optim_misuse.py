@@ -147,6 +147,35 @@ def test_two_optimizers_over_one_parameter_both_step_as_torchs_do():
     assert_close([p], [r], tol=1e-6)
 
 
+@pytest.mark.parametrize("layout", ["one tensor twice", "overlapping views",
+                                    "across groups", "added to a laid-out one"])
+def test_parameters_that_share_memory_are_refused_by_name(layout):
+    """torch.optim updates shared memory in place, so both parameters see
+    both updates; laid out apart they trained on one each (-1 where torch
+    gives -2), silently. Disjoint views of one tensor are taken."""
+    base = torch.zeros(6)
+    message = "parameter . of param group . and parameter . of param group . share memory"
+    if layout == "added to a laid-out one":
+        laid_out = torch.nn.Parameter(base)
+        opt = zo.SGD([laid_out], lr=0.1)
+        with pytest.raises(ValueError, match=message):
+            opt.add_param_group({"params": [torch.nn.Parameter(laid_out.data[1:3])]})
+        assert len(opt.param_groups) == 1
+        return
+    groups = {"one tensor twice": [[torch.nn.Parameter(base), torch.nn.Parameter(base)]],
+              "overlapping views": [[torch.nn.Parameter(base[:4]), torch.nn.Parameter(base[3:])]],
+              "across groups": [[torch.nn.Parameter(base[:4])], [torch.nn.Parameter(base[2:])]],
+              }[layout]
+    with pytest.raises(ValueError, match=message):
+        zo.SGD([{"params": g} for g in groups], lr=0.1)
+    disjoint = torch.zeros(6)
+    a, b = torch.nn.Parameter(disjoint[:3]), torch.nn.Parameter(disjoint[3:])
+    opt = zo.SGD([a, b], lr=1.0)
+    a.grad, b.grad = torch.ones(3), torch.ones(3)
+    opt.step()
+    assert a.tolist() == b.tolist() == [-1.0] * 3
+
+
 def test_copies_of_a_laid_out_parameter_are_free():
     model = torch.nn.Linear(3, 2)
     zo.SGD(model.parameters(), lr=1.0)

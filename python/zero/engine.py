@@ -39,6 +39,7 @@ from zero._memory import MemorySummary, zero_formula
 from zero._optimizer_bridge import (counts_as_step, fresh_states, optimizer_kind,
                                     parameter_names, states_for)
 from zero._outputs import tensors_in
+from zero._shared_memory import first_shared_pair, memory_span, shared_memory_error
 from zero._param_writes import (Place, bump_versions, check_parameters_in_place,
                                 record_parameters, take_in_parameter_writes)
 from zero._partitioned_init import sharded_record, take_values
@@ -297,6 +298,10 @@ class Engine(DeepSpeedQueries, nn.Module):
             if p.requires_grad and id(p) not in seen:
                 raise ValueError(f"parameter '{name}' requires grad but is in none of the "
                                  "optimizer's param groups; add it, or set requires_grad=False")
+        shared = first_shared_pair((f"parameter '{name}'", memory_span(p))
+                                   for name, p in module.named_parameters())
+        if shared is not None:
+            raise shared_memory_error(*shared, "Tie them as one Parameter (model.b = model.a)")
         return groups
 
     def _register_stage2_hooks(self):

@@ -45,6 +45,7 @@ from torch.autograd.graph import increment_version
 
 from zero import _C
 from zero._param_writes import record_parameters, take_changed_elements
+from zero._shared_memory import first_shared_pair, memory_span, shared_memory_error
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -134,6 +135,11 @@ class FlatOptimizer(torch.optim.Optimizer):
 
     def __init__(self, params, defaults):
         self._init_layout()
+        params = list(params)
+        if params and isinstance(params[0], dict):
+            params = [dict(g, params=_as_list(g["params"])) for g in params]
+            # before any group moves into a segment, which ends the sharing
+            _refuse_shared_memory(params)
         super().__init__(params, defaults)
 
     def _init_layout(self):
@@ -218,6 +224,9 @@ class FlatOptimizer(torch.optim.Optimizer):
                 raise TypeError(f"{where} has layout {p.layout}; zero.optim needs dense "
                                 "(torch.strided) parameters")
             by_dtype.setdefault(p.dtype, []).append(p)
+        # the earlier groups' parameters are in segments by now: this
+        # compares with their memory there (a view of a segment is refused)
+        _refuse_shared_memory(self.param_groups[:group_index + 1])
         self._off_host = off_host
         return by_dtype
 
@@ -566,6 +575,20 @@ class FlatOptimizer(torch.optim.Optimizer):
                 record_parameters([seg])
         for post_hook in self._optimizer_load_state_dict_post_hooks.values():
             post_hook(self)
+
+
+def _as_list(params) -> list:
+    return [params] if isinstance(params, torch.Tensor) else list(params)
+
+
+def _refuse_shared_memory(groups):
+    """See _shared_memory.py: parameters that share memory would be laid
+    out apart."""
+    shared = first_shared_pair((f"parameter {i} of param group {gi}", memory_span(p))
+                               for gi, group in enumerate(groups)
+                               for i, p in enumerate(_as_list(group["params"])))
+    if shared is not None:
+        raise shared_memory_error(*shared, "Pass one Parameter for both")
 
 
 def _runs(present: list, keys: list):
