@@ -176,6 +176,23 @@ def test_parameters_that_share_memory_are_refused_by_name(layout):
     assert a.tolist() == b.tolist() == [-1.0] * 3
 
 
+@pytest.mark.parametrize("name", ["SGD", "AdamW", "Adagrad", "Lion"])
+def test_a_later_groups_bad_setting_leaves_the_step_unapplied(name):
+    """A schedule that makes group 1's lr negative: the step refused only
+    at group 1, after group 0 was updated and its step count advanced."""
+    a, b = torch.nn.Parameter(torch.zeros(2)), torch.nn.Parameter(torch.zeros(2))
+    opt = getattr(zo, name)([{"params": [a]}, {"params": [b]}], lr=1.0)
+    opt.param_groups[1]["lr"] = -0.1
+    a.grad, b.grad = torch.ones(2), torch.ones(2)
+    with pytest.raises(ValueError, match="param group 1: lr must be a finite number >= 0, got "
+                                         "-0.1; nothing was updated"):
+        opt.step()
+    assert a.tolist() == b.tolist() == [0.0, 0.0] and not opt.state[a].get("step")
+    opt.param_groups[1]["lr"] = 0.1
+    opt.step()
+    assert a.tolist() != [0.0, 0.0] and b.tolist() != [0.0, 0.0]
+
+
 def test_copies_of_a_laid_out_parameter_are_free():
     model = torch.nn.Linear(3, 2)
     zo.SGD(model.parameters(), lr=1.0)

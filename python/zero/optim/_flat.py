@@ -474,12 +474,26 @@ class FlatOptimizer(torch.optim.Optimizer):
                              "this one to zero.initialize, which runs it on the parameters' "
                              "device, or use torch.optim's")
         self._sync()
+        self._check_every_group(grad_scale)
         for group, segments in zip(self.param_groups, self._segments):
             scale = -grad_scale if group.get("maximize", False) else grad_scale
             lazy = [n for n in self._states_in_use(group) if n in self.LAZY_STATES]
             for seg in segments:
                 self._step_segment(seg, group, scale, lazy)
         return loss
+
+    def _check_every_group(self, grad_scale: float):
+        """Each group's settings through the core's argument checks, over no
+        elements, before the first group is updated: a later group's bad
+        setting (a schedule that made its lr negative) left the earlier
+        groups updated and their step counts advanced."""
+        for index, (group, segments) in enumerate(zip(self.param_groups, self._segments)):
+            if segments:
+                try:
+                    self._update(segments[0], group, 0, 0, 1, grad_scale, True)
+                except (ValueError, TypeError) as error:
+                    raise type(error)(f"param group {index}: {error}; nothing was "
+                                      "updated") from None
 
     def _step_segment(self, seg: _Segment, group, scale: float, lazy: list):
         present = self._gather_grads(seg)
