@@ -193,6 +193,23 @@ def test_a_later_groups_bad_setting_leaves_the_step_unapplied(name):
     assert a.tolist() != [0.0, 0.0] and b.tolist() != [0.0, 0.0]
 
 
+def test_a_hyperparameter_that_is_not_a_number_is_refused_by_name():
+    """float() took an lr of "0.01" (torch refuses it: a str cannot be
+    compared with 0.0), at construction and when set between steps. A
+    one-element tensor lr is taken, as torch takes it."""
+    p = torch.nn.Parameter(torch.zeros(2))
+    with pytest.raises(TypeError, match="lr is '0.01' \\(str\\); it must be a number"):
+        zo.AdamW([p], lr="0.01")
+    opt = zo.SGD([p], lr=torch.tensor(0.5))
+    p.grad = torch.ones(2)
+    opt.step()
+    assert p.tolist() == [-0.5, -0.5]
+    opt.param_groups[0]["momentum"] = "0.9"
+    with pytest.raises(TypeError, match="param group 0: momentum is '0.9' .*nothing was updated"):
+        opt.step()
+    assert p.tolist() == [-0.5, -0.5]
+
+
 def test_copies_of_a_laid_out_parameter_are_free():
     model = torch.nn.Linear(3, 2)
     zo.SGD(model.parameters(), lr=1.0)

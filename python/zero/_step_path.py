@@ -18,13 +18,13 @@ coefficient and the fp16 skip decision are made on the host from it.
 from __future__ import annotations
 
 import contextlib
-import numbers
 import warnings
 
 import torch
 
 from zero import _C, _torch_update
 from zero._optimizer_bridge import run_update
+from zero.optim._flat import check_group_numbers
 
 HOST_FUNCTIONS = {"adam": _C.adam_step, "sgd": _C.sgd_step, "adagrad": _C.adagrad_step,
                   "lion": _C.lion_step}
@@ -43,27 +43,12 @@ def check_update_arguments(kind, optimizer, group, step):
     if group.get("differentiable", False):
         raise ValueError("differentiable=True: zero updates the partitions outside autograd, "
                          "so no gradient would flow through the step; set it to False")
-    for key in ("lr", "eps", "weight_decay", "momentum", "dampening", "lr_decay"):
-        if key in group:
-            _check_number(key, group[key])
-    for beta in group.get("betas", ()):
-        _check_number("betas", beta)
+    check_group_numbers(group)
     empty = _C.Buffer(torch.empty(0))
     buffers = {name: empty for name in ("master", "grad", "exp_avg", "exp_avg_sq",
                                          "max_exp_avg_sq", "momentum_buffer", "sum")}
     buffers["copy_out"] = None
     run_update(kind, optimizer, group, buffers, step, 1.0, HOST_FUNCTIONS)
-
-
-def _check_number(key, value):
-    """A hyperparameter must be a real number, or a one-element tensor
-    (torch's optimizers take a tensor lr)."""
-    if torch.is_tensor(value):
-        if value.numel() == 1 and not value.is_complex():
-            return
-    elif isinstance(value, numbers.Real):  # numpy's scalars too
-        return
-    raise TypeError(f"{key} is {value!r} ({type(value).__name__}); it must be a number")
 
 
 class HostStep:

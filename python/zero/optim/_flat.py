@@ -37,6 +37,7 @@ load_state_dict) _sync() takes in what was changed since the last one:
 from __future__ import annotations
 
 import math
+import numbers
 from collections import defaultdict
 from dataclasses import dataclass, field
 
@@ -101,12 +102,37 @@ class _Segment:
                 and tensor.shape == slot.shape and tensor.stride() == slot.stride())
 
 
+NUMERIC_SETTINGS = ("lr", "eps", "weight_decay", "momentum", "dampening", "lr_decay")
+
+
+def check_number(name: str, value):
+    """A hyperparameter must be a real number or a one-element tensor
+    (torch's optimizers take a tensor lr); float() alone would take the
+    string "0.01", which torch refuses."""
+    if torch.is_tensor(value):
+        if value.numel() == 1 and not value.is_complex():
+            return
+    elif isinstance(value, numbers.Real):  # numpy's scalars too
+        return
+    raise TypeError(f"{name} is {value!r} ({type(value).__name__}); it must be a number")
+
+
+def check_group_numbers(group: dict):
+    """check_number over the numeric settings a param group holds."""
+    for key in NUMERIC_SETTINGS:
+        if key in group:
+            check_number(key, group[key])
+    for beta in group.get("betas", ()):
+        check_number("betas", beta)
+
+
 def check_hyperparameters(**values) -> list:
     """Raise ValueError naming the first out-of-range hyperparameter (a
     beta in [0, 1), anything else finite and >= 0); the values as floats,
     in the order given."""
     floats = []
     for name, value in values.items():
+        check_number(name, value)
         v = float(value)
         if name.startswith("beta"):
             if not 0.0 <= v < 1.0:
@@ -490,6 +516,7 @@ class FlatOptimizer(torch.optim.Optimizer):
         for index, (group, segments) in enumerate(zip(self.param_groups, self._segments)):
             if segments:
                 try:
+                    check_group_numbers(group)
                     self._update(segments[0], group, 0, 0, 1, grad_scale, True)
                 except (ValueError, TypeError) as error:
                     raise type(error)(f"param group {index}: {error}; nothing was "
