@@ -158,6 +158,11 @@ def test_a_meta_model_is_sized_without_memory():
     # 16Ψ/N: bf16 params and grads, fp32 master and two moments
     assert estimate["model_states"] == pytest.approx(16 * psi / 64, rel=1e-6)
     assert "stage 3: (2+2+12)Ψ/N" in estimate["formula"]
+    # a config's optimizer that zero.optim builds (Lion: 1 state) was refused
+    # on meta parameters
+    lion = zero.estimate_memory(big, 64, stage=3, precision="bf16",
+                                config={"optimizer": {"type": "Lion", "params": {"lr": 1e-4}}})
+    assert lion["model_states"] == pytest.approx(12 * psi / 64, rel=1e-6)
 
 
 def test_a_model_an_engine_trains_is_refused():

@@ -42,8 +42,12 @@ def describe_held(saved) -> str:
 
 def take_in_optimizer_states(optimizer, groups, saved) -> None:
     """groups: the engine's trainable FlatGroups (their states allocated);
-    saved: held_optimizer_states' answer."""
+    saved: held_optimizer_states' answer. The optimizer's own entries
+    go in every case: fresh ones too (torch's Adagrad fills a sum for each
+    parameter at construction), which held a whole fp32 copy of the model
+    on every rank, 4Ψ bytes no figure counted, beside the engine's states."""
     if not saved:
+        optimizer.state.clear()
         return
     index_of = _index_of(optimizer)
     for fg in groups:

@@ -685,7 +685,9 @@ class Engine(DeepSpeedQueries, nn.Module):
     def memory_summary(self) -> MemorySummary:
         """This rank's model-state bytes. At stage 3, `params` is the shard
         plus the persistent units, and `gathered_peak` the most bytes of
-        released units gathered at once (current module plus prefetch)."""
+        released units gathered at once (current module plus prefetch).
+        A closed engine holds nothing: its figures would be stale."""
+        self._check_open()
         totals = {"params": 0, "grads": 0, "optimizer_states": 0, "offloaded": 0, "host": 0,
                   "buckets": 0, "persistent": 0, "params_offloaded": 0}
         for fg in self.groups:
