@@ -35,10 +35,10 @@ def _optimizer_state_dict(reader) -> dict:
             if meta["params"][name]["trainable"]:
                 sgd = meta["optimizer"] == "sgd"
                 entry = {} if sgd else {"step": torch.tensor(float(saved["step"]))}
-                for key in saved["states"]:
-                    # an SGD group that never used its momentum buffer
-                    # (step 0: counts_as_step) has none in torch
-                    if not (sgd and saved["step"] == 0):
+                # an SGD group that never used its momentum buffer (step 0:
+                # counts_as_step) has none in torch
+                if not (sgd and saved["step"] == 0):
+                    for key in saved["states"]:
                         entry[key] = reader.read(name, key)
                 state[index] = entry
             numbers.append(index)

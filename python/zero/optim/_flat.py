@@ -102,7 +102,6 @@ class _Segment:
                 and tensor.shape == slot.shape and tensor.stride() == slot.stride())
 
 
-_META_PREFIX = "meta:"  # an _off_host reason that no device can fix
 NUMERIC_SETTINGS = ("lr", "eps", "weight_decay", "momentum", "dampening", "lr_decay")
 
 
@@ -243,8 +242,7 @@ class FlatOptimizer(torch.optim.Optimizer):
             if p.device.type == "meta" and off_host is None:
                 # built as torch's are on a meta model (zero.estimate_memory
                 # builds the config's optimizer so); step() refuses
-                off_host = _META_PREFIX + f"{where} is on the meta device: it has no values " \
-                    "to update"
+                off_host = f"{where} is on the meta device: it has no values to update"
             elif p.device.type != "cpu" and off_host is None:
                 off_host = f"{where} is on {p.device}"
             if p.dtype not in SUPPORTED_DTYPES:
@@ -499,9 +497,9 @@ class FlatOptimizer(torch.optim.Optimizer):
                 loss = closure()
         if not math.isfinite(grad_scale):
             raise ValueError(f"grad_scale must be finite, got {grad_scale}")
-        if self._off_host is not None and self._off_host.startswith(_META_PREFIX):
-            raise ValueError(self._off_host[len(_META_PREFIX):])
         if self._off_host is not None:
+            if any(p.device.type == "meta" for g in self.param_groups for p in g["params"]):
+                raise ValueError(self._off_host)  # no device would give it values
             raise ValueError(f"{self._off_host}; zero.optim optimizers step on the CPU: pass "
                              "this one to zero.initialize, which runs it on the parameters' "
                              "device, or use torch.optim's")
