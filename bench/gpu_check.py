@@ -4,10 +4,11 @@ device's image has another Python than the build machine), builds it in
 place first (a C compiler and, for the kernels, nvcc), runs tests/gpu (the kernels, and the engine's stages 0-3 against torch),
 times the flat Adam kernel against torch's fused AdamW and against the
 device's copy bandwidth measured in the same run, then a short training
-loop of examples/gpt.py's 30M GPT under the engine (stages 0-3, bf16, and
-stage 2 with the states offloaded to host memory) beside plain torch
-(autocast bf16, fused AdamW); prints the tables and
-writes JSON under $OUT when it is set.
+loop of examples/gpt.py's GPT at 30M (launch-bound) and 235M parameters
+under the engine (stages 0-3, bf16, and stage 2 with the states offloaded
+to host memory) beside plain torch (autocast bf16, fused AdamW); prints the
+tables and writes JSON (and, with --profile, torch.profiler tables of the
+30M steps) under $OUT when it is set.
 
 Two workloads over one flat parameter tensor of N elements (64M, 256M, 1G):
   fp32   fp32 gradients; torch: AdamW(fused=True).step().
@@ -24,7 +25,7 @@ back-to-back steps between two CUDA events (so the CPU's launch cost is
 hidden as it is in training), the runners taking turns within a round.
 
 Usage: python bench/gpu_check.py [--sizes 64M,256M,1G] [--rounds 7] [--steps 10]
-       [--train-steps 20] [--skip-tests]
+       [--train-steps 30] [--train-models 30M,235M] [--profile] [--skip-tests]
 """
 from __future__ import annotations
 
@@ -139,12 +140,21 @@ def workload(n, mixed, rounds, steps):
     return result["ours"], result["torch"]
 
 
-def train_loop(runner, steps, batch=16):
+TRAIN_MODELS = {  # name: (config, batch)
+    "30M": (GPTConfig.about_30m(), 16),  # 2048 tokens a step: launch-bound on an H200
+    # 32768*1024 tied embedding + 16 blocks of 12*1024^2: about 235M parameters,
+    # 4096 tokens a step: the matrix products outweigh the launches
+    "235M": (GPTConfig(vocab=32768, dim=1024, layers=16, heads=16, seq=512), 8),
+}
+
+
+def train_loop(runner, steps, model_name="30M", profile=None):
     """ms per step (median of `steps` after 3 warm-up steps), the last
     loss and the peak GPU memory, for one runner: "torch", "zero<stage>"
-    or "zero<stage> offload"."""
+    or "zero<stage> offload". With `profile` (a list), the last 5 steps run
+    under torch.profiler and its table (by self CPU time) is appended."""
     torch.manual_seed(0)
-    cfg = GPTConfig.about_30m()
+    cfg, batch = TRAIN_MODELS[model_name]
     data = MarkovText(cfg.vocab, cfg.seq)
     model = GPT(cfg).cuda()
     torch.cuda.reset_peak_memory_stats()
@@ -181,7 +191,17 @@ def train_loop(runner, steps, batch=16):
         torch.cuda.synchronize()
         if i >= 3:
             times.append(time.perf_counter() - start)
-    result = dict(runner=runner, ms=statistics.median(times) * 1e3, loss=loss.item(),
+    if profile is not None:
+        from torch.profiler import ProfilerActivity
+        with torch.profiler.profile(activities=[ProfilerActivity.CPU,
+                                                ProfilerActivity.CUDA]) as prof:
+            for i in range(5):
+                step(*(t.cuda() for t in data.batch(batch, steps + 3 + i)))
+            torch.cuda.synchronize()
+        profile.append(f"== {runner}, {model_name}, 5 steps ==\n" + prof.key_averages().table(
+            sort_by="self_cpu_time_total", row_limit=25))
+    result = dict(runner=runner, model=model_name, ms=statistics.median(times) * 1e3,
+                  loss=loss.item(),
                   peak_mib=torch.cuda.max_memory_allocated() / 2**20,
                   path=engine.step_path.name if engine else "torch fused AdamW")
     if engine is not None:
@@ -194,7 +214,11 @@ def main():
     ap.add_argument("--sizes", default="64M,256M,1G")
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--steps", type=int, default=10)
-    ap.add_argument("--train-steps", type=int, default=20)
+    ap.add_argument("--train-steps", type=int, default=30)
+    ap.add_argument("--train-models", default="30M,235M")
+    ap.add_argument("--profile", action="store_true",
+                    help="profile 5 steps of torch, zero0 and zero3 on the 30M model "
+                         "(tables to $OUT/profile.txt)")
     ap.add_argument("--skip-tests", action="store_true")
     args = ap.parse_args()
 
@@ -237,25 +261,32 @@ def main():
         print(f"{r['workload']:<8} {r['size']:>6} {r['ours_ms']:>9.3f} {r['torch_ms']:>9.3f} "
               f"{r['speedup']:>10.2f} {r['ours_gbs']:>10.0f} {r['of_copy']:>8.0%}")
 
-    training = []
-    for runner in ("torch", "zero0", "zero1", "zero2", "zero3", "zero2 offload"):
-        try:
-            training.append(train_loop(runner, args.train_steps))
+    training, profiles = [], []
+    for model_name in args.train_models.split(","):
+        rows_before = len(training)
+        for runner in ("torch", "zero0", "zero1", "zero2", "zero3", "zero2 offload"):
+            wanted = args.profile and model_name == "30M" and runner in ("torch", "zero0",
+                                                                          "zero3")
+            try:
+                training.append(train_loop(runner, args.train_steps, model_name,
+                                           profiles if wanted else None))
+            except Exception as error:  # one runner's failure must not lose the others' rows
+                print(f"{runner} ({model_name}) failed: {type(error).__name__}: {error}")
+                training.append(dict(runner=runner, model=model_name, ms=float("nan"),
+                                     loss=float("nan"), peak_mib=float("nan"),
+                                     path=f"failed: {error}"[:200]))
             torch.cuda.empty_cache()
-        except Exception as error:  # one runner's failure must not lose the others' rows
-            print(f"{runner} failed: {type(error).__name__}: {error}")
-            training.append(dict(runner=runner, ms=float("nan"), loss=float("nan"),
-                                 peak_mib=float("nan"), path=f"failed: {error}"[:200]))
-            torch.cuda.empty_cache()
-    base = training[0]["ms"]
-    print(f"\ntraining: 30M GPT, batch 16 x 128 tokens, bf16, clip 1.0, "
-          f"median of {args.train_steps} steps\n")
-    header = f"{'runner':<13} {'ms/step':>9} {'torch/zero':>10} {'loss':>8} {'peak MiB':>9}  step"
-    print(header)
-    print("-" * len(header))
-    for r in training:
-        print(f"{r['runner']:<13} {r['ms']:>9.2f} {base / r['ms']:>10.2f} {r['loss']:>8.4f} "
-              f"{r['peak_mib']:>9.0f}  {r['path']}")
+        cfg, batch = TRAIN_MODELS[model_name]
+        base = training[rows_before]["ms"]
+        print(f"\ntraining: {model_name} GPT, batch {batch} x {cfg.seq} tokens, bf16, "
+              f"clip 1.0, median of {args.train_steps} steps\n")
+        header = f"{'runner':<13} {'ms/step':>9} {'torch/zero':>10} {'loss':>8} " \
+                 f"{'peak MiB':>9}  step"
+        print(header)
+        print("-" * len(header))
+        for r in training[rows_before:]:
+            print(f"{r['runner']:<13} {r['ms']:>9.2f} {base / r['ms']:>10.2f} "
+                  f"{r['loss']:>8.4f} {r['peak_mib']:>9.0f}  {r['path']}")
 
     out_dir = os.environ.get("OUT")
     if out_dir:
@@ -266,6 +297,8 @@ def main():
             training=training,
             command=" ".join([Path(sys.executable).name, *sys.argv])), indent=2))
         print(f"\nwrote {path}")
+        if profiles:
+            (Path(out_dir) / "profile.txt").write_text("\n\n".join(profiles))
     return 1 if tests and tests["returncode"] else 0
 
 

@@ -90,24 +90,44 @@ def test_adam_with_l2_weight_decay(n):
         assert max_rel_error(got.cpu(), want) <= TOL
 
 
-@pytest.mark.parametrize("n", SIZES)
-def test_flat_adam_matches_torch_fused_adamw(n):
-    p, m, v = adam_state(n, seed=7)
+def torch_adamw_states(p, grads, **impl):
+    """torch.optim.AdamW's parameter and moments after one step per gradient."""
     param = torch.nn.Parameter(dev(p))
-    torch_opt = torch.optim.AdamW([param], lr=HP["lr"], betas=HP["betas"], eps=HP["eps"],
-                                  weight_decay=HP["weight_decay"], fused=True)
+    opt = torch.optim.AdamW([param], lr=HP["lr"], betas=HP["betas"], eps=HP["eps"],
+                            weight_decay=HP["weight_decay"], **impl)
+    for g in grads:
+        param.grad = g.clone()
+        opt.step()
+    state = opt.state[param]
+    return [param.detach().cpu(), state["exp_avg"].cpu(), state["exp_avg_sq"].cpu()], state
+
+
+@pytest.mark.parametrize("n", SIZES)
+def test_flat_adam_matches_torch_adamw(n):
+    """Against torch's foreach AdamW (the default on a GPU) within 1e-6 in
+    all three tensors, and against its fused AdamW as closely as torch's two
+    agree with each other. They do not quite: torch's CUDA fused kernel
+    rounds 1 - beta2 to fp32 (1 - 0.999f = 0.00099998713, 1.3e-5 below the
+    0.001 that foreach, the CPU and the C core multiply by), so its second
+    moment sits 1.3e-5 (relative) from foreach's, and from ours, on an H200
+    with torch 2.11. The parameter and first moment agree within 1e-6."""
+    p, _, _ = adam_state(n, seed=7)
+    grads = [dev(rand(n, 30 + t)) for t in (1, 2, 3)]
     ours = [dev(p), torch.zeros(n, device=DEVICE), torch.zeros(n, device=DEVICE)]
     step = torch.zeros(1, device=DEVICE)
-    for t in (1, 2, 3):
-        g = dev(rand(n, 30 + t))
-        param.grad = g.clone()
-        torch_opt.step()
+    for g in grads:
         _cuda.adam_step(ours[0], g, ours[1], ours[2], step=step, **HP)
-    state = torch_opt.state[param]
-    assert max_rel_error(ours[0].cpu(), param.detach().cpu()) <= TOL
-    assert max_rel_error(ours[1].cpu(), state["exp_avg"].cpu()) <= TOL
-    assert max_rel_error(ours[2].cpu(), state["exp_avg_sq"].cpu()) <= TOL
-    assert step.item() == float(state["step"])
+    ours = [t.cpu() for t in ours]
+    foreach, _ = torch_adamw_states(p, grads, foreach=True)
+    fused, fused_state = torch_adamw_states(p, grads, fused=True)
+    for name, got, want in zip(("param", "exp_avg", "exp_avg_sq"), ours, foreach):
+        assert max_rel_error(got, want) <= TOL, f"{name} against foreach"
+    for name, got, want in zip(("param", "exp_avg"), ours, fused):
+        assert max_rel_error(got, want) <= TOL, f"{name} against fused"
+    torch_disagreement = max_rel_error(foreach[2], fused[2])
+    assert torch_disagreement <= 2e-5  # the fp32 1 - beta2, if anything
+    assert max_rel_error(ours[2], fused[2]) <= torch_disagreement + TOL
+    assert step.item() == float(fused_state["step"])
 
 
 def test_multi_tensor_adam_matches_scalar_reference():
