@@ -6,7 +6,8 @@ times the flat Adam kernel against torch's fused AdamW and against the
 device's copy bandwidth measured in the same run, then a short training
 loop of examples/gpt.py's GPT at 30M (launch-bound) and 235M parameters
 under the engine (stages 0-3, bf16, and stage 2 with the states offloaded
-to host memory) beside plain torch (autocast bf16, fused AdamW); prints the
+to host memory) beside plain torch (autocast bf16, fused AdamW) and FSDP2
+on one GPU (bf16 compute, fp32 master, fused AdamW); prints the
 tables and writes JSON (and, with --profile, torch.profiler tables of the
 30M steps) under $OUT when it is set.
 
@@ -30,6 +31,7 @@ Usage: python bench/gpu_check.py [--sizes 64M,256M,1G] [--rounds 7] [--steps 10]
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import statistics
@@ -148,14 +150,29 @@ TRAIN_MODELS = {  # name: (config, batch)
 }
 
 
+def one_rank_group():
+    """FSDP2 needs a process group (the engine makes and drops its own);
+    the caller destroys this one before the engine's runs."""
+    import torch.distributed as dist
+    if not dist.is_initialized():
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", "29533")
+        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo", rank=0,
+                                world_size=1)
+
+
 def train_loop(runner, steps, model_name="30M", profile=None):
     """ms per step (median of `steps` after 3 warm-up steps), the last
-    loss and the peak GPU memory, for one runner: "torch", "zero<stage>"
+    loss and the peak GPU memory above what was allocated before the model
+    was built (what this runner took), for one runner: "torch", "zero<stage>"
     or "zero<stage> offload". With `profile` (a list), the last 5 steps run
     under torch.profiler and its table (by self CPU time) is appended."""
     torch.manual_seed(0)
     cfg, batch = TRAIN_MODELS[model_name]
     data = MarkovText(cfg.vocab, cfg.seq)
+    gc.collect()  # an earlier runner's tensors freed before the baseline is read
+    torch.cuda.synchronize()
+    baseline = torch.cuda.memory_allocated()
     model = GPT(cfg).cuda()
     torch.cuda.reset_peak_memory_stats()
     if runner == "torch":
@@ -164,6 +181,25 @@ def train_loop(runner, steps, model_name="30M", profile=None):
         def step(ids, labels):
             with torch.autocast("cuda", dtype=torch.bfloat16):
                 loss = model(ids, labels)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            return loss
+        engine = None
+    elif runner == "fsdp2":
+        # torch's FSDP2 on one GPU: bf16 parameters in compute, fp32 master
+        # and fp32 gradient reduction, each block a unit, fused AdamW
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+        one_rank_group()
+        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        for block in model.blocks:
+            fully_shard(block, mp_policy=policy)
+        fully_shard(model, mp_policy=policy)
+        opt = torch.optim.AdamW(model.parameters(), lr=3e-4, weight_decay=0.01, fused=True)
+
+        def step(ids, labels):
+            loss = model(ids, labels)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             opt.step()
@@ -202,8 +238,9 @@ def train_loop(runner, steps, model_name="30M", profile=None):
             sort_by="self_cpu_time_total", row_limit=25))
     result = dict(runner=runner, model=model_name, ms=statistics.median(times) * 1e3,
                   loss=loss.item(),
-                  peak_mib=torch.cuda.max_memory_allocated() / 2**20,
-                  path=engine.step_path.name if engine else "torch fused AdamW")
+                  peak_mib=(torch.cuda.max_memory_allocated() - baseline) / 2**20,
+                  before_mib=baseline / 2**20,  # grows if an earlier runner leaked
+                  path=engine.step_path.name if engine else f"{runner}, fused AdamW")
     if engine is not None:
         engine.close()
     return result  # the model and its states go with this frame
@@ -217,7 +254,7 @@ def main():
     ap.add_argument("--train-steps", type=int, default=30)
     ap.add_argument("--train-models", default="30M,235M")
     ap.add_argument("--profile", action="store_true",
-                    help="profile 5 steps of torch, zero0 and zero3 on the 30M model "
+                    help="profile 5 steps of torch, fsdp2, zero0 and zero3 on the 30M model "
                          "(tables to $OUT/profile.txt)")
     ap.add_argument("--skip-tests", action="store_true")
     args = ap.parse_args()
@@ -264,9 +301,11 @@ def main():
     training, profiles = [], []
     for model_name in args.train_models.split(","):
         rows_before = len(training)
-        for runner in ("torch", "zero0", "zero1", "zero2", "zero3", "zero2 offload"):
-            wanted = args.profile and model_name == "30M" and runner in ("torch", "zero0",
-                                                                          "zero3")
+        for runner in ("torch", "fsdp2", "zero0", "zero1", "zero2", "zero3", "zero2 offload"):
+            if runner == "zero0" and torch.distributed.is_initialized():
+                torch.distributed.destroy_process_group()  # fsdp2's: the engine makes its own
+            wanted = args.profile and model_name == "30M" and runner in ("torch", "fsdp2",
+                                                                          "zero0", "zero3")
             try:
                 training.append(train_loop(runner, args.train_steps, model_name,
                                            profiles if wanted else None))
@@ -274,6 +313,7 @@ def main():
                 print(f"{runner} ({model_name}) failed: {type(error).__name__}: {error}")
                 training.append(dict(runner=runner, model=model_name, ms=float("nan"),
                                      loss=float("nan"), peak_mib=float("nan"),
+                                     before_mib=float("nan"),
                                      path=f"failed: {error}"[:200]))
             torch.cuda.empty_cache()
         cfg, batch = TRAIN_MODELS[model_name]
@@ -281,12 +321,12 @@ def main():
         print(f"\ntraining: {model_name} GPT, batch {batch} x {cfg.seq} tokens, bf16, "
               f"clip 1.0, median of {args.train_steps} steps\n")
         header = f"{'runner':<13} {'ms/step':>9} {'torch/zero':>10} {'loss':>8} " \
-                 f"{'peak MiB':>9}  step"
+                 f"{'peak MiB':>9} {'before':>7}  step"
         print(header)
         print("-" * len(header))
         for r in training[rows_before:]:
             print(f"{r['runner']:<13} {r['ms']:>9.2f} {base / r['ms']:>10.2f} "
-                  f"{r['loss']:>8.4f} {r['peak_mib']:>9.0f}  {r['path']}")
+                  f"{r['loss']:>8.4f} {r['peak_mib']:>9.0f} {r['before_mib']:>7.0f}  {r['path']}")
 
     out_dir = os.environ.get("OUT")
     if out_dir:
