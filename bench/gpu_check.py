@@ -175,37 +175,30 @@ def train_loop(runner, steps, model_name="30M", profile=None):
     baseline = torch.cuda.memory_allocated()
     model = GPT(cfg).cuda()
     torch.cuda.reset_peak_memory_stats()
-    if runner == "torch":
+    engine = None
+    if runner in ("torch", "fsdp2"):
+        if runner == "fsdp2":
+            # torch's FSDP2 on one GPU: bf16 parameters in compute, fp32
+            # master and fp32 gradient reduction, each block a unit
+            from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+            one_rank_group()
+            policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16,
+                                          reduce_dtype=torch.float32)
+            for block in model.blocks:
+                fully_shard(block, mp_policy=policy)
+            fully_shard(model, mp_policy=policy)
         opt = torch.optim.AdamW(model.parameters(), lr=3e-4, weight_decay=0.01, fused=True)
+        # plain torch: fp32 parameters under bf16 autocast
+        autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=runner == "torch")
 
         def step(ids, labels):
-            with torch.autocast("cuda", dtype=torch.bfloat16):
+            with autocast:
                 loss = model(ids, labels)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             opt.step()
             opt.zero_grad(set_to_none=True)
             return loss
-        engine = None
-    elif runner == "fsdp2":
-        # torch's FSDP2 on one GPU: bf16 parameters in compute, fp32 master
-        # and fp32 gradient reduction, each block a unit, fused AdamW
-        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-        one_rank_group()
-        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-        for block in model.blocks:
-            fully_shard(block, mp_policy=policy)
-        fully_shard(model, mp_policy=policy)
-        opt = torch.optim.AdamW(model.parameters(), lr=3e-4, weight_decay=0.01, fused=True)
-
-        def step(ids, labels):
-            loss = model(ids, labels)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            return loss
-        engine = None
     else:
         opt = torch.optim.AdamW(model.parameters(), lr=3e-4, weight_decay=0.01)
         # "zero2 offload": the states in host memory, the C core steps them
