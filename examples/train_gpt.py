@@ -38,7 +38,7 @@ def main():
                     help="cuda: rank r trains on GPU LOCAL_RANK")
     ap.add_argument("--offload-nvme", metavar="DIR",
                     help="keep the AdamW states (and, in bf16/fp16, the fp32 master) in "
-                         "files under DIR (offload_optimizer device nvme), and at stage 3 "
+                         "files under DIR, an existing directory (offload_optimizer device nvme), and at stage 3 "
                          "the parameter shard too (offload_param)")
     args = ap.parse_args()
     device = torch.device("cpu")
