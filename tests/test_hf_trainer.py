@@ -164,6 +164,26 @@ def test_full_eval_casts_are_refused(one_process, tmp_path, flag):
         zero_trainer(tmp_path, {"stage": 2}, **{flag: True})
 
 
+@pytest.mark.parametrize("setting", [("torch_compile", True), ("fsdp", "full_shard"),
+                                     ("deepspeed", {"zero_optimization": {"stage": 2}})],
+                         ids=lambda setting: setting[0])
+def test_other_wrappers_of_the_model_are_refused(one_process, tmp_path, setting):
+    """The Trainer compiles or wraps the model in accelerate's prepare(),
+    which never sees it once the engine wraps it: torch_compile=True
+    trained uncompiled without a word. (deepspeed= needs DeepSpeed
+    installed to be set at construction: set here afterwards.)"""
+    from zero.integrations.hf import ZeroTrainer
+    name, value = setting
+    args = training_args(tmp_path, **({} if name == "deepspeed" else {name: value}))
+    if name == "deepspeed":
+        args.deepspeed = value
+    with pytest.raises(ValueError, match=f"TrainingArguments.{name}: "):
+        ZeroTrainer(model=llama(), args=args, train_dataset=token_data(),
+                    zero_options={"stage": 2})
+    with pytest.raises(ValueError, match=f"TrainingArguments.{name}: "):  # positional args
+        ZeroTrainer(llama(), args, train_dataset=token_data(), zero_options={"stage": 2})
+
+
 def test_model_init_trains_again_with_a_new_engine(one_process, tmp_path):
     """Trainer.train with model_init makes a new model each time (a
     hyperparameter search, a notebook re-run): each gets its own engine."""

@@ -147,6 +147,9 @@ class ZeroTrainer(Trainer):
         self.zero_options = options
         self.engine = None
         self._config_scheduler = None  # a DeepSpeed config's scheduler block
+        # before the Trainer's own setup: it acts on these (FSDP wraps the
+        # model on the spot) and would fail with its own message, or not at all
+        _refuse_other_wrappers(kwargs.get("args", args[1] if len(args) > 1 else None))
         super().__init__(*args, **kwargs)
         if self.args.fp16 or self.args.bf16:
             raise ValueError("TrainingArguments fp16/bf16 turn on torch autocast; with "
@@ -361,3 +364,24 @@ class ZeroTrainer(Trainer):
         scheduler = os.path.join(checkpoint, SCHEDULER_FILE)
         if self.lr_scheduler is not None and os.path.isfile(scheduler):
             self.lr_scheduler.load_state_dict(torch.load(scheduler, weights_only=True))
+
+
+def _refuse_other_wrappers(training_args):
+    """TrainingArguments that hand the model to another wrapper than the
+    engine. The Trainer compiles and wraps in accelerate's prepare(), which
+    never sees the model once the engine wraps it: torch_compile=True
+    trained uncompiled, silently."""
+    if training_args is None:  # the Trainer's defaults: none of these
+        return
+    if getattr(training_args, "torch_compile", False):
+        raise ValueError("TrainingArguments.torch_compile: ZeroTrainer's engine wraps the "
+                         "model, so the Trainer's compile step never runs and the model would "
+                         "train uncompiled; leave torch_compile False")
+    if getattr(training_args, "fsdp", None):
+        raise ValueError("TrainingArguments.fsdp: FSDP and ZeroTrainer each shard the model; "
+                         "use one. With ZeroTrainer set zero_options={'stage': 3} for "
+                         "sharded parameters, and leave fsdp unset")
+    if getattr(training_args, "deepspeed", None):
+        raise ValueError("TrainingArguments.deepspeed: ZeroTrainer reads a DeepSpeed config "
+                         "itself; pass it as zero_options={'config': <path or dict>} and leave "
+                         "TrainingArguments.deepspeed unset")
