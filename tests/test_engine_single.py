@@ -339,7 +339,7 @@ def test_a_group_the_update_refuses_leaves_the_step_unapplied(stage):
 @pytest.mark.parametrize("setting, error, message", [
     ({"lr": "0.01"}, TypeError, "lr is '0.01' \\(str\\); it must be a number"),
     ({"betas": (0.9, None)}, TypeError, "betas is None \\(NoneType\\)"),
-    ({"differentiable": True}, ValueError, "differentiable=True: zero updates the partitions "
+    ({"differentiable": True}, ValueError, "differentiable=True: zero updates the parameters "
                                            "outside autograd"),
 ])
 def test_a_setting_the_update_cannot_honour_is_refused_by_name(setting, error, message):

@@ -210,6 +210,20 @@ def test_a_hyperparameter_that_is_not_a_number_is_refused_by_name():
     assert p.tolist() == [-0.5, -0.5]
 
 
+@pytest.mark.parametrize("name", ["SGD", "AdamW", "Adagrad", "Lion"])
+def test_differentiable_set_between_steps_is_refused(name):
+    """Refused at construction, and now at the step too: set on a group
+    afterwards, the step ran outside autograd as if it were False."""
+    p = torch.nn.Parameter(torch.zeros(2))
+    opt = getattr(zo, name)([p], lr=1.0)
+    opt.param_groups[0]["differentiable"] = True
+    p.grad = torch.ones(2)
+    with pytest.raises(ValueError, match="param group 0: differentiable=True: .*nothing was "
+                                         "updated"):
+        opt.step()
+    assert p.tolist() == [0.0, 0.0] and not opt.state[p].get("step")
+
+
 def test_copies_of_a_laid_out_parameter_are_free():
     model = torch.nn.Linear(3, 2)
     zo.SGD(model.parameters(), lr=1.0)

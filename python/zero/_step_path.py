@@ -24,7 +24,7 @@ import torch
 
 from zero import _C, _torch_update
 from zero._optimizer_bridge import run_update
-from zero.optim._flat import check_group_numbers
+from zero.optim._flat import check_group_settings
 
 HOST_FUNCTIONS = {"adam": _C.adam_step, "sgd": _C.sgd_step, "adagrad": _C.adagrad_step,
                   "lion": _C.lion_step}
@@ -37,13 +37,8 @@ def check_update_arguments(kind, optimizer, group, step):
     path's settings share) over no elements: a param group whose settings
     the update would refuse (nesterov without momentum, a negative lr)
     raises here, before any group is updated. What the C core cannot see
-    is checked first: float() would take an lr of "0.01" as a number (torch
-    refuses it), and differentiable=True asks for a step autograd can
-    differentiate, which an update outside autograd silently is not."""
-    if group.get("differentiable", False):
-        raise ValueError("differentiable=True: zero updates the partitions outside autograd, "
-                         "so no gradient would flow through the step; set it to False")
-    check_group_numbers(group)
+    (differentiable=True, an lr of "0.01") is checked first."""
+    check_group_settings(group)
     empty = _C.Buffer(torch.empty(0))
     buffers = {name: empty for name in ("master", "grad", "exp_avg", "exp_avg_sq",
                                          "max_exp_avg_sq", "momentum_buffer", "sum")}

@@ -117,8 +117,15 @@ def check_number(name: str, value):
     raise TypeError(f"{name} is {value!r} ({type(value).__name__}); it must be a number")
 
 
-def check_group_numbers(group: dict):
-    """check_number over the numeric settings a param group holds."""
+def check_group_settings(group: dict):
+    """What the C core's argument checks cannot see in a param group, as
+    torch's step would refuse it: differentiable=True (set after
+    construction too) asks for a step autograd can differentiate, which an
+    update outside autograd silently is not; and check_number over the
+    numeric settings (float() would take an lr of "0.01")."""
+    if group.get("differentiable", False):
+        raise ValueError("differentiable=True: zero updates the parameters outside autograd, "
+                         "so no gradient would flow through the step; set it to False")
     for key in NUMERIC_SETTINGS:
         if key in group:
             check_number(key, group[key])
@@ -520,7 +527,7 @@ class FlatOptimizer(torch.optim.Optimizer):
         for index, (group, segments) in enumerate(zip(self.param_groups, self._segments)):
             if segments:
                 try:
-                    check_group_numbers(group)
+                    check_group_settings(group)
                     self._update(segments[0], group, 0, 0, 1, grad_scale, True)
                 except (ValueError, TypeError) as error:
                     raise type(error)(f"param group {index}: {error}; nothing was "
