@@ -369,8 +369,9 @@ class Stage3Schedule:
                 if len(tensors) == 1:
                     # what register_multi_grad_hook(mode="any") does for one
                     # tensor (a tensor's gradient is computed once per
-                    # backward), at a fifth of its cost: once per module
-                    # and forward, this is stage 3's busiest hook
+                    # backward), without its wrapper, lock and handle: set
+                    # once per module and forward, it was a fifth of stage
+                    # 3's overhead (bench/stage3_overhead.py)
                     tensors[0].register_hook(self._hook_pre_backward(index, is_root))
                 elif tensors:
                     register_multi_grad_hook(tensors, self._hook_pre_backward(index, is_root),
