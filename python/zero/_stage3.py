@@ -369,9 +369,10 @@ class Stage3Schedule:
                 if len(tensors) == 1:
                     # what register_multi_grad_hook(mode="any") does for one
                     # tensor (a tensor's gradient is computed once per
-                    # backward), without its wrapper, lock and handle: set
-                    # once per module and forward, it was a fifth of stage
-                    # 3's overhead (bench/stage3_overhead.py)
+                    # backward), without its wrapper, lock and handle; set
+                    # once per module and forward. With the frozen-unit
+                    # shortcut below: a fifth off stage 3's overhead
+                    # (bench/stage3_overhead.py)
                     tensors[0].register_hook(self._hook_pre_backward(index, is_root))
                 elif tensors:
                     register_multi_grad_hook(tensors, self._hook_pre_backward(index, is_root),
