@@ -174,7 +174,7 @@ def test_engine_trains_with_one_cycles_betas():
     opt = torch.optim.AdamW(reference.parameters(), lr=0.0, weight_decay=0.0)
     scheduler = scheduler_from_config(spec, opt)
     engine = zero.initialize(model(), config={
-        "zero_optimization": {"stage": 2}, "scheduler": spec,
+        "zero_optimization": {"stage": 2}, "scheduler": spec, "gradient_clipping": 0.0,
         "optimizer": {"type": "AdamW", "params": {"lr": 0.0}}})
     torch.manual_seed(1)
     beta1s = set()
@@ -443,3 +443,109 @@ def test_consecutive_hysteresis(consecutive, scales):
         scaler.update(overflow)
         seen.append(scaler.scale)
     assert seen == scales
+
+
+# ---- DeepSpeed 0.19.8's defaults and parsing (found by a review against
+# deepspeed 0.19.8's DeepSpeedConfig, lr_schedules and ops, on this machine)
+
+
+def test_warmup_lr_without_a_max_warms_each_group_to_its_own_lr():
+    """DeepSpeed's WarmupLR takes each group's lr when warmup_max_lr is
+    left out (its rates, printed by deepspeed 0.19.8 for these groups);
+    zero warmed every group up to 0.001. WarmupDecayLR's default stays
+    0.001, as DeepSpeed's."""
+    expected = [[0.0, 0.0], [0.0, 0.0], [7.5e-05, 2.5e-06], [1.5e-04, 5e-06],
+                [2.25e-04, 7.5e-06], [3e-04, 1e-05], [3e-04, 1e-05]]
+    p, q = nn.Parameter(torch.zeros(1)), nn.Parameter(torch.zeros(1))
+    opt = torch.optim.AdamW([{"params": [p], "lr": 3e-4}, {"params": [q], "lr": 1e-5}])
+    scheduler = scheduler_from_config({"type": "WarmupLR", "params": {
+        "warmup_num_steps": 4, "warmup_type": "linear"}}, opt)
+    for update, rates in enumerate(expected):
+        assert [g["lr"] for g in opt.param_groups] == pytest.approx(rates, rel=1e-12,
+                                                                    abs=1e-18), update
+        opt.step()
+        scheduler.step()
+    opt = torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=0.5)
+    scheduler = scheduler_from_config({"type": "WarmupDecayLR", "params": {
+        "warmup_num_steps": 2, "total_num_steps": 10, "warmup_type": "linear"}}, opt)
+    for _ in range(3):
+        opt.step()
+        scheduler.step()
+    assert opt.param_groups[0]["lr"] == pytest.approx(1e-3)  # the peak: 0.001, not 0.5
+    with pytest.raises(ValueError, match="for WarmupLR: total_num_steps .*WarmupDecayLR"):
+        scheduler_from_config({"type": "WarmupLR", "params": {"total_num_steps": 10}}, opt)
+
+
+def test_a_config_without_gradient_clipping_clips_at_one():
+    """DeepSpeed 0.19.8 clips at 1.0 when the config names no
+    gradient_clipping (zero read 0: no clipping); 0 written out turns it
+    off; zero.initialize without a config keeps 0."""
+    assert zero.Config.from_deepspeed({}).gradient_clipping == 1.0
+    assert zero.Config.from_deepspeed({"gradient_clipping": 0}).gradient_clipping == 0.0
+    assert zero.Config().gradient_clipping == 0.0
+    for config, moved in (({}, 1.0), ({"gradient_clipping": 0.0}, 200.0)):
+        layer = nn.Linear(4, 1, bias=False)
+        before = layer.weight.detach().clone()
+        engine = zero.initialize(layer, config={
+            **config, "zero_optimization": {"stage": 2},
+            "optimizer": {"type": "SGD", "params": {"lr": 1.0}}})
+        x = torch.zeros(1, 4)
+        x[0, 0] = 200.0  # a gradient of norm 200
+        engine.backward(engine(x).sum())
+        engine.step()
+        assert (layer.weight.detach() - before).norm().item() == pytest.approx(moved, rel=1e-6)
+        engine.close()
+
+
+@pytest.mark.parametrize("stage, skips", [(0, True), (1, True), (2, True), (3, False)])
+def test_a_bf16_config_skips_steps_with_nonfinite_gradients(stage, skips):
+    """DeepSpeed 0.19.8's bf16.check_grad_overflow defaults to true and
+    skips such a step at stages 0-2 (its stage 3 checks fp16 only): zero
+    applied it (an inf in the weights)."""
+    config = {"bf16": {"enabled": True}, "zero_optimization": {"stage": stage},
+              "optimizer": {"type": "SGD", "params": {"lr": 0.1}}}
+    assert zero.Config.from_deepspeed(config).check_grad_overflow is skips
+    written = {**config, "bf16": {"enabled": True, "check_grad_overflow": not skips}}
+    assert zero.Config.from_deepspeed(written).check_grad_overflow is (not skips)
+    layer = nn.Linear(4, 1, bias=False)
+    engine = zero.initialize(layer, config=config)
+    x = torch.full((1, 4), float("inf"))
+    engine.backward(engine(x).sum())
+    engine.step()
+    assert engine.was_step_applied() is (not skips)
+    engine.close()
+
+
+@pytest.mark.parametrize("enabled, precision", [
+    ("false", "fp32"), ("False", "fp32"), ("true", "bf16"), ("TRUE", "bf16"), (1, "bf16"),
+    (0, "fp32"), (True, "bf16"), (False, "fp32")])
+def test_enabled_is_read_as_deepspeed_reads_it(enabled, precision):
+    """DeepSpeed's config model reads "false" as false; zero took any
+    non-empty string as true, so "false" trained in bf16."""
+    assert zero.Config.from_deepspeed({"bf16": {"enabled": enabled}}).precision == precision
+    fp16 = "fp16" if precision == "bf16" else "fp32"
+    assert zero.Config.from_deepspeed({"fp16": {"enabled": enabled}}).precision == fp16
+
+
+def test_enabled_that_is_no_boolean_is_refused_by_name():
+    with pytest.raises(ValueError, match="fp16.enabled must be true or false, got 'maybe'"):
+        zero.Config.from_deepspeed({"fp16": {"enabled": "maybe"}})
+    with pytest.raises(ValueError, match="both true"):
+        zero.Config.from_deepspeed({"fp16": {"enabled": "true"}, "bf16": {"enabled": "yes"}})
+
+
+def test_optimizer_blocks_take_deepspeeds_defaults():
+    """Lion: DeepSpeed's FusedLion/DeepSpeedCPULion default to lr 1e-3 and
+    betas (0.9, 0.999) (zero gave 1e-4 and (0.9, 0.99)). AdamW ignores
+    adam_w_mode and Adam-family blocks take bias_correction true, as
+    DeepSpeed does (torch raised on the unknown keyword)."""
+    from zero._optimizer_bridge import optimizer_from_config
+    params = [nn.Parameter(torch.zeros(2))]
+    lion = optimizer_from_config({"type": "Lion"}, params)
+    assert (lion.defaults["lr"], tuple(lion.defaults["betas"])) == (1e-3, (0.9, 0.999))
+    adamw = optimizer_from_config({"type": "AdamW", "params": {"adam_w_mode": False,
+                                                               "bias_correction": True}}, params)
+    assert type(adamw) is torch.optim.AdamW
+    with pytest.raises(ValueError, match="optimizer.params.bias_correction: only true"):
+        optimizer_from_config({"type": "Adam", "params": {"bias_correction": False}}, params)
+

@@ -66,16 +66,21 @@ DEEPSPEED_TEMPLATE = {
 }
 
 
+@pytest.mark.parametrize("clipping", ["written", "left out"])
 def test_deepspeed_config_leaves_the_trainers_keys_to_the_trainer(one_process, tmp_path,
-                                                                  plain_trainer_run):
+                                                                  plain_trainer_run, clipping):
+    """Left out, gradient_clipping is DeepSpeed's 1.0 for zero.initialize;
+    under the Trainer, max_grad_norm alone clips (the engine not again)."""
     ref_state, ref_losses, _ref_norms = plain_trainer_run
     # without the scheduler block, which would replace the Trainer's linear
     # schedule (test_deepspeed_config_scheduler_type_is_honoured)
-    config = {k: v for k, v in DEEPSPEED_TEMPLATE.items() if k != "scheduler"}
+    dropped = ("scheduler",) if clipping == "written" else ("scheduler", "gradient_clipping")
+    config = {k: v for k, v in DEEPSPEED_TEMPLATE.items() if k not in dropped}
     trainer = zero_trainer(tmp_path, {"config": config})
     trainer.train()
     assert trainer.engine.stage == 2 and trainer.engine.lr_scheduler is None
     assert trainer.engine.config.gradient_accumulation_steps == 1  # the Trainer accumulates
+    assert trainer.engine.config.gradient_clipping == 0.0  # the Trainer clips
     state = trainer.engine.full_state_dict()
     for ours, ref in zip(logged(trainer, "loss"), ref_losses, strict=True):
         assert same_logged_loss(ours, ref)
@@ -117,8 +122,10 @@ def test_deepspeed_config_scheduler_type_is_honoured(one_process, tmp_path, kind
     """As under HuggingFace's DeepSpeed integration, the config's scheduler
     type sets the schedule ("auto" from TrainingArguments); before, the
     Trainer's linear schedule silently replaced it."""
-    config = {**DEEPSPEED_TEMPLATE, "scheduler": {"type": kind, "params": {
-        "warmup_max_lr": "auto", "warmup_num_steps": "auto", "total_num_steps": "auto"}}}
+    params = {"warmup_max_lr": "auto", "warmup_num_steps": "auto"}
+    if kind == "WarmupDecayLR":  # DeepSpeed's WarmupLR takes no total_num_steps
+        params["total_num_steps"] = "auto"
+    config = {**DEEPSPEED_TEMPLATE, "scheduler": {"type": kind, "params": params}}
     trainer = zero_trainer(tmp_path, {"config": config})
     trainer.train()
     rates = logged(trainer, "learning_rate")

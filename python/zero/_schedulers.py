@@ -12,7 +12,9 @@ gamma = log(i + 1) / log(W) ("log", the default) or i / W ("linear"), after
 it 1 (WarmupLR) or max(0, (T - i) / max(1, T - W)) (WarmupDecayLR, ending at
 min at step T). gamma(0) = 0, so the first two updates both use min. W is
 warmup_num_steps raised to at least 2, as DeepSpeed does. Every param group
-gets the same learning rate.
+gets the same learning rate, except where WarmupLR has no warmup_max_lr:
+then each group warms up to its own lr at construction, as DeepSpeed's
+WarmupLR does (WarmupDecayLR's default max is 0.001).
 """
 from __future__ import annotations
 
@@ -27,7 +29,8 @@ SCHEDULER_TYPES = ("WarmupLR", "WarmupDecayLR", "WarmupCosineLR", "OneCycle", "L
 _WARMUP_KEYS = {"warmup_min_lr", "warmup_max_lr", "warmup_num_steps", "warmup_type",
                 "total_num_steps", "last_batch_iteration"}
 _KNOWN = {  # each type's params: DeepSpeed's constructor arguments
-    "WarmupLR": _WARMUP_KEYS, "WarmupDecayLR": _WARMUP_KEYS,
+    # DeepSpeed's WarmupLR takes no total_num_steps (a TypeError there)
+    "WarmupLR": _WARMUP_KEYS - {"total_num_steps"}, "WarmupDecayLR": _WARMUP_KEYS,
     "WarmupCosineLR": {"total_num_steps", "warmup_min_ratio", "warmup_num_steps",
                        "cos_min_ratio", "warmup_type", "last_batch_iteration"},
     "OneCycle": {"cycle_min_lr", "cycle_max_lr", "decay_lr_rate", "cycle_first_step_size",
@@ -64,15 +67,20 @@ class DeepSpeedWarmup(_DeepSpeedSchedule):
 
     def __init__(self, optimizer, min_lr, max_lr, warmup_steps, warmup_type, total_steps=None,
                  last_batch_iteration=-1):
-        self.min_lr, self.max_lr = min_lr, max_lr
+        # max_lr None: each group's own lr (WarmupLR without warmup_max_lr)
+        self.min_lr = min_lr
+        self.max_lrs = [group["lr"] if max_lr is None else max_lr
+                        for group in optimizer.param_groups]
         self.total_steps = total_steps
         super().__init__(optimizer, warmup_steps, warmup_type, last_batch_iteration)
 
-    def lr_at(self, k: int) -> float:
+    def lrs_at(self, k: int) -> list:
+        """Each group's learning rate after torch's k-th step."""
         i = k - 1  # DeepSpeed's iteration; -1: before its first step
         if i < 0:
-            return self.min_lr
-        return self.min_lr + (self.max_lr - self.min_lr) * self._gamma(i)
+            return [self.min_lr for _ in self.max_lrs]
+        gamma = self._gamma(i)
+        return [self.min_lr + (max_lr - self.min_lr) * gamma for max_lr in self.max_lrs]
 
     def _gamma(self, i: int) -> float:
         if i < self.warmup_steps:
@@ -82,8 +90,7 @@ class DeepSpeedWarmup(_DeepSpeedSchedule):
         return max(0.0, (self.total_steps - i) / max(1, self.total_steps - self.warmup_steps))
 
     def get_lr(self):
-        lr = self.lr_at(self.last_epoch)
-        return [lr for _ in self.optimizer.param_groups]
+        return self.lrs_at(self.last_epoch)
 
 
 class DeepSpeedWarmupCosine(_DeepSpeedSchedule):
@@ -196,9 +203,12 @@ def _warmup(kind, params, optimizer, warmup_type):
         _required(params, "total_num_steps", "WarmupDecayLR (the step at which the learning "
                                              "rate is back at warmup_min_lr)")
         total = _number(params, "total_num_steps", None, int, low=1)
+    # DeepSpeed's WarmupLR warms each group up to its own lr when no
+    # warmup_max_lr is given (None here); WarmupDecayLR's default is 0.001
+    max_lr = None if kind == "WarmupLR" and "warmup_max_lr" not in params else \
+        _number(params, "warmup_max_lr", 0.001, low=0.0)
     return DeepSpeedWarmup(
-        optimizer, _number(params, "warmup_min_lr", 0.0, low=0.0),
-        _number(params, "warmup_max_lr", 0.001, low=0.0),
+        optimizer, _number(params, "warmup_min_lr", 0.0, low=0.0), max_lr,
         _number(params, "warmup_num_steps", 1000, int, low=1), warmup_type, total,
         _number(params, "last_batch_iteration", -1, int, low=-1))
 
@@ -211,8 +221,10 @@ def scheduler_from_config(spec: dict, optimizer):
     params = dict(spec.get("params", {}))
     unknown = set(params) - _KNOWN[kind]
     if unknown:
+        hint = " (WarmupLR holds the peak for good; WarmupDecayLR decays to " \
+            "total_num_steps)" if kind == "WarmupLR" and "total_num_steps" in unknown else ""
         raise ValueError(f"unknown scheduler.params key(s) for {kind}: "
-                         f"{', '.join(sorted(unknown))}")
+                         f"{', '.join(sorted(unknown))}{hint}")
     if kind == "OneCycle":
         return _one_cycle(params, optimizer)
     if kind == "LRRangeTest":

@@ -380,6 +380,27 @@ def _offload_options(zero_block, key, block_type, ignored):
     return block_type(**offload)
 
 
+# the strings DeepSpeed's config model (pydantic) reads as a boolean
+_TRUE_WORDS = {"true", "t", "yes", "y", "on", "1"}
+_FALSE_WORDS = {"false", "f", "no", "n", "off", "0"}
+
+
+def _enabled(block: dict, name: str) -> bool:
+    """A precision block's "enabled" as DeepSpeed reads it: JSON true/false,
+    or a word such as "false" (a string is no longer taken as true because
+    it is not empty)."""
+    value = block.get("enabled", False)
+    if value == "auto":
+        raise auto_refused(f"{name}.enabled", "set true or false")
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, str) and value.strip().lower() in _TRUE_WORDS | _FALSE_WORDS:
+        return value.strip().lower() in _TRUE_WORDS
+    if isinstance(value, (int, float)) and value in (0, 1):
+        return bool(value)
+    raise ValueError(f"{name}.enabled must be true or false, got {value!r}")
+
+
 def _translate(ds: dict) -> dict:
     top = dict(ds)
     options: dict[str, Any] = {}
@@ -438,17 +459,20 @@ def _translate(ds: dict) -> dict:
             zero_opts[key] = int(value)
     options.update(zero_opts)
     options.update(_take(data_types, "data_types.", {"grad_accum_dtype": "grad_accum_dtype"}))
-    for name, block in (("fp16", fp16), ("bf16", bf16)):
-        if block.get("enabled") == "auto":
-            raise auto_refused(f"{name}.enabled", "set true or false")
-    if fp16.get("enabled") and bf16.get("enabled"):
+    # DeepSpeed 0.19.8 clips at 1.0 when a config names no gradient_clipping
+    options.setdefault("gradient_clipping", 1.0)
+    enabled = {name: _enabled(block, name) for name, block in (("fp16", fp16), ("bf16", bf16))}
+    if enabled["fp16"] and enabled["bf16"]:
         raise ValueError("fp16.enabled and bf16.enabled are both true; choose one")
-    if bf16.get("enabled"):
+    if enabled["bf16"]:
         options.update(_take(bf16, "bf16.", {"enabled": None,
                                              "check_grad_overflow": "check_grad_overflow"},
                              {"immediate_grad_update"}))
+        # DeepSpeed 0.19.8 skips a bf16 step with an inf/nan gradient by
+        # default at stages 0-2; its stage 3 checks only fp16
+        options.setdefault("check_grad_overflow", options["stage"] in (0, 1, 2))
         options["precision"] = "bf16"
-    elif fp16.get("enabled"):
+    elif enabled["fp16"]:
         scaling = _take(fp16, "fp16.", {
             "enabled": None, "initial_scale_power": "initial_scale_power",
             "loss_scale_window": "loss_scale_window", "hysteresis": "hysteresis",

@@ -213,6 +213,9 @@ class ZeroTrainer(Trainer):
                                      "TrainingArguments and write \"auto\" (or leave it out) "
                                      "in the config")
         config.pop("train_batch_size", None)  # the Trainer's, across ranks and accumulation
+        # the Trainer clips (max_grad_norm) through the engine's clip_grad_norm_;
+        # left out, the engine would also clip at DeepSpeed's default of 1.0
+        config["gradient_clipping"] = 0.0
         for block in ("fp16", "bf16"):  # "auto": the Trainer's autocast, which is off here
             if isinstance(config.get(block), dict) and config[block].get("enabled") == "auto":
                 config[block] = {**config[block], "enabled": False}
