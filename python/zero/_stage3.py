@@ -471,6 +471,8 @@ class Stage3Schedule:
         kept as where it lies in its unit, to be gathered again if released
         by then (not as a view: see [Note: released parameters])."""
         entry = self.unit_by_storage.get(storage_key(tensor))  # None: no storage
+        if entry is not None and self.removed:
+            entry = None  # hooks left on under someone else's (see remove): as they are
         if entry is not None:
             fg, unit = entry
             if tensor.dtype == unit.full.dtype:
@@ -591,6 +593,12 @@ class Stage3Schedule:
             h.remove()
         self.hooks = []
         self.removed = True
+        # a root forward interrupted (KeyboardInterrupt skips the forward
+        # hooks) left our saved-tensor hooks on: the next root forward
+        # would drop them, but a closed engine has none
+        if self._saving is not None and _outer_saved_tensors_hooks() == (self._pack,
+                                                                          self._unpack):
+            self._pop_saved_tensors_hooks()
 
     def _refuse_if_removed(self):
         if self.removed:
