@@ -18,8 +18,8 @@ def release_the_group_partitioned_init_keeps():
     import os
     import torch.distributed as dist
     from zero import _comm
-    if dist.is_initialized() and "RANK" not in os.environ and _comm._owned["count"]:
-        _comm._owned["count"] = 0
+    if "RANK" not in os.environ and _comm._holds_current_group():
+        _comm._forget_group()
         dist.destroy_process_group()
 
 

@@ -676,3 +676,86 @@ def test_share_memory_after_initialize_trains_on(stage, precision):
         runs.append(engine.full_state_dict())
         engine.close()
     _assert_same(runs[0], runs[1])
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_ctrl_c_during_the_update_is_delivered_after_a_whole_step(stage, monkeypatch):
+    """Ctrl-C (a notebook's stop button) while the C core updates: Python
+    delivers it just after the update returns, where the partitions had
+    taken the step but the counts, the schedule and the gradients had not
+    moved on (a re-run cell applied the batch twice). The interrupt now
+    comes once the step is whole: the engine equals one that was not
+    interrupted."""
+    import os
+    import signal
+    engines = [_engine(_model(), stage) for _ in range(2)]
+    for engine in engines:
+        _train(engine, 2)
+    path = engines[0].step_path
+    real = path.update
+
+    def update_then_ctrl_c(*args, **kwargs):
+        real(*args, **kwargs)
+        os.kill(os.getpid(), signal.SIGINT)
+    monkeypatch.setattr(path, "update", update_then_ctrl_c)
+    x, y = _batch(2)
+    engines[0].backward(_loss(engines[0](x), y))
+    with pytest.raises(KeyboardInterrupt):
+        engines[0].step()
+    monkeypatch.setattr(path, "update", real)
+    _train(engines[1], 1, start=2)
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    for engine in engines:
+        _train(engine, 2, start=3)
+    assert engines[0].global_steps == engines[1].global_steps == 5
+    ours, theirs = (e.full_state_dict() for e in engines)
+    assert all(torch.equal(ours[k], theirs[k]) for k in theirs)
+    for engine in engines:
+        engine.close()
+
+
+def test_close_after_an_interrupted_stage3_forward_gives_back_a_plain_model():
+    """A root forward ended by KeyboardInterrupt skips the forward hooks, so
+    the engine's saved-tensor hooks stayed on; close() left them there and
+    the plain model's backward failed ('NoneType' object has no attribute
+    'dtype'). close() now takes them off."""
+    from torch.autograd.graph import saved_tensors_hooks
+    model = _model()
+    engine = _engine(model, 3)
+    x, y = _batch(0)
+
+    def interrupt(_module, _args):
+        raise KeyboardInterrupt
+    hook = model[2].register_forward_pre_hook(interrupt)
+    with pytest.raises(KeyboardInterrupt):
+        engine(x)
+    hook.remove()
+    engine.close()
+    _loss(model(x), y).backward()
+    assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in model.parameters())
+    # hooks the user pushed over ours are not popped in their place
+    model = _model()
+    engine = _engine(model, 3)
+    hook = model[2].register_forward_pre_hook(interrupt)
+    with pytest.raises(KeyboardInterrupt):
+        engine(x)
+    hook.remove()
+    with saved_tensors_hooks(lambda t: t, lambda t: t):
+        engine.close()
+        _loss(model(x), y).backward()
+    engine._schedule._pop_saved_tensors_hooks()  # what the next root forward would do
+
+
+def test_close_leaves_a_group_the_user_made_after_destroying_ours():
+    """An engine's in-memory group destroyed by the user, who then makes
+    their own: a second engine on it, then both closed. close() used to
+    count the user's group as the engines' and destroy it."""
+    first = _engine(_model(), 2)
+    dist.destroy_process_group()
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    theirs = dist.group.WORLD
+    second = _engine(_model(), 2)
+    second.close()
+    first.close()
+    assert dist.is_initialized() and dist.group.WORLD is theirs
+    dist.destroy_process_group()

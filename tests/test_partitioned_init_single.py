@@ -80,6 +80,21 @@ def test_trains_like_the_plain_model():
     engine.close()
 
 
+def test_running_it_again_holds_the_group_once():
+    """A notebook cell with partitioned_init run again: the group it keeps
+    for the life of the process is held once (each run added a reference,
+    so no close() could ever end it), and an engine's close() leaves just
+    that one."""
+    from zero import _comm
+    for _ in range(3):
+        model, _ = build(True)
+        engine = zero.initialize(model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                                 stage=3)
+        assert _comm._owned["count"] == 2  # partitioned_init's and this engine's
+        engine.close()
+        assert _comm._owned["count"] == 1
+
+
 def test_placeholder_outside_the_context_refuses_writes():
     model, _ = build(True)
     with pytest.raises(RuntimeError):

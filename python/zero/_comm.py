@@ -56,7 +56,13 @@ class _AllOf:
         return all(w.is_completed() for w in self.works)
 
 
-_owned = {"count": 0}  # process groups this module created, by engine
+# The in-memory group this module made (`group`: the default group object
+# then) and how many holders share it (engines, and partitioned_init once
+# for the life of the process: `held_for_process`). A group destroyed and
+# made again by the user is not `group`: it is never counted nor destroyed
+# here (a bare counter outlived the group it counted, and a later close()
+# destroyed the user's own group).
+_owned = {"count": 0, "group": None, "held_for_process": None}
 _channels = {"world": None, "groups": []}  # see Comm.channel
 
 
@@ -83,7 +89,7 @@ def check_backend(device: torch.device):
     if needs in backend or (device.type == "cpu" and "mpi" in backend) or \
             (device.type != "cpu" and dist.get_world_size() == 1):  # see backend_for
         return
-    if _owned["count"]:
+    if _holds_current_group():
         raise RuntimeError(
             f"an open zero engine (or zero.partitioned_init) made this process's group for "
             f"{'CPU' if needs == 'nccl' else 'CUDA'} tensors, with backend {backend!r}; "
@@ -108,11 +114,12 @@ def join_process_group(device: torch.device, backend: str | None = None) -> bool
     """
     if dist.is_initialized():
         check_backend(device)
-        if _owned["count"]:
+        if _holds_current_group():
             # an in-memory group another engine made: share it, so that
             # engine's close() does not destroy it under this one
             _owned["count"] += 1
             return True
+        _forget_group()  # the user's group (ours, if any, was destroyed)
         return False
     launched = all(v in os.environ for v in _LAUNCHER_VARS)
     backend = backend or backend_for(device, int(os.environ["WORLD_SIZE"]) if launched else 1)
@@ -134,8 +141,28 @@ def join_process_group(device: torch.device, backend: str | None = None) -> bool
         # partitioned_init's group is never left, and a live gloo group at
         # interpreter exit can end in "terminate called"
         _destroy_at_exit_once()
-    _owned["count"] += 1
+    _owned.update(count=1, group=dist.group.WORLD, held_for_process=None)
     return True
+
+
+def join_for_the_process(device: torch.device, backend: str | None = None):
+    """join_process_group for a holder that never leaves
+    (zero.partitioned_init): one reference per group, however often it
+    runs (a notebook cell run again)."""
+    if join_process_group(device, backend):
+        if _owned["held_for_process"] is _owned["group"]:
+            _owned["count"] -= 1  # held already
+        else:
+            _owned["held_for_process"] = _owned["group"]
+
+
+def _holds_current_group() -> bool:
+    return _owned["count"] > 0 and dist.is_initialized() and \
+        dist.group.WORLD is _owned["group"]
+
+
+def _forget_group():
+    _owned.update(count=0, group=None, held_for_process=None)
 
 
 def _destroy_at_exit_once():
@@ -159,10 +186,15 @@ def _destroy_at_exit():
 
 
 def leave_process_group(created: bool):
-    if created and dist.is_initialized():
-        _owned["count"] -= 1
-        if _owned["count"] == 0:
-            dist.destroy_process_group()
+    if not created:
+        return
+    if not _holds_current_group():
+        _forget_group()  # ours was destroyed by the user: theirs is not ours to end
+        return
+    _owned["count"] -= 1
+    if _owned["count"] == 0:
+        _forget_group()
+        dist.destroy_process_group()
 
 
 class CommLog:

@@ -40,7 +40,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 from torch.utils.weak import WeakIdKeyDictionary
 
-from zero._comm import backend_for, gather_by_broadcasts, join_process_group
+from zero._comm import backend_for, gather_by_broadcasts, join_for_the_process
 from zero._units import storage_key
 
 _CHUNK_ALIGN = 16
@@ -127,13 +127,14 @@ class partitioned_init(TorchDispatchMode):
     def __enter__(self):
         # The gathers need a process group. One made here (a one-process
         # group when no launcher is set) is left for zero.initialize to
-        # reuse, and stays for the life of the process; where CUDA is
+        # reuse, and stays for the life of the process (one reference,
+        # however often a notebook cell runs this); where CUDA is
         # present it gets NCCL too (connected only when first used), for
         # an engine that trains the model on a GPU (initialize(device=)).
         gpu = torch.cuda.is_available() and dist.is_nccl_available()
         world = int(os.environ.get("WORLD_SIZE", 1))
-        join_process_group(torch.device("cpu"),
-                           backend_for(torch.device("cuda" if gpu else "cpu"), world))
+        join_for_the_process(torch.device("cpu"),
+                             backend_for(torch.device("cuda" if gpu else "cpu"), world))
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self._check_same_seed()
         self._hook = nn.modules.module.register_module_parameter_registration_hook(

@@ -34,6 +34,7 @@ from zero._engine_routes import (AttributeRemoval, EngineZeroGrad, call_alive,
                                  model_zero_grad, refuse_states_call, submodule_zero_grad)
 from zero._copying import ModuleHook
 from zero._flat_group import FlatGroup
+from zero._interrupts import interrupts_held
 from zero._loss_scaler import DynamicLossScaler
 from zero._memory import MemorySummary, zero_formula
 from zero._optimizer_bridge import (counts_as_step, fresh_states, optimizer_kind,
@@ -601,6 +602,13 @@ class Engine(DeepSpeedQueries, nn.Module):
         if not boundary:
             return
         sumsq, norm, base = self._prepare_boundary()
+        with interrupts_held():  # the update and its bookkeeping: whole, or not at all
+            self._apply_boundary(sumsq, norm, base)
+
+    def _apply_boundary(self, sumsq, norm, base):
+        """step()'s part from the reduced gradients on: skip or update, gather
+        the parameters, count the step, move the schedule, zero the
+        gradients."""
         max_norm = self._clip_norm or self.config.gradient_clipping
         self._prepared, self._clip_norm = None, None
         overflow = not math.isfinite(sumsq)

@@ -1,0 +1,44 @@
+"""Holding back Ctrl-C (a notebook's stop button) while a step's update and
+its bookkeeping run, so that the step is either whole or not taken.
+
+KeyboardInterrupt is raised between Python bytecodes: one that arrives
+during the C core's update is delivered just after it returns, when the
+partitions and states have taken the update but the step counts, the
+schedule and the gradients have not been moved on. Training on from there
+applied that batch's gradient a second time, or reused a step number in
+Adam's bias correction. So the update runs with SIGINT recorded rather than
+raised, and the interrupt is delivered once the step is complete.
+"""
+from __future__ import annotations
+
+import contextlib
+import signal
+import threading
+
+
+@contextlib.contextmanager
+def interrupts_held():
+    """Run the body with SIGINT recorded; then deliver it (to the handler
+    that was in place) if it came. Only the main thread receives signals
+    in Python, so elsewhere this holds nothing."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    received = []
+
+    def record(signum, frame):
+        received.append((signum, frame))
+
+    try:
+        previous = signal.signal(signal.SIGINT, record)
+    except (ValueError, OSError):  # no signal support here (an embedded interpreter)
+        yield
+        return
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+        if received and callable(previous):
+            previous(*received[0])  # the default handler raises KeyboardInterrupt
+        elif received and previous == signal.SIG_DFL:
+            raise KeyboardInterrupt
