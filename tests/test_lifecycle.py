@@ -759,3 +759,25 @@ def test_close_leaves_a_group_the_user_made_after_destroying_ours():
     first.close()
     assert dist.is_initialized() and dist.group.WORLD is theirs
     dist.destroy_process_group()
+
+
+def test_a_held_interrupt_goes_to_the_handler_that_was_in_place():
+    """What step() holds reaches the handler in force before it, once, after
+    the body: a custom handler is called, an ignored SIGINT stays ignored."""
+    import os
+    import signal
+    from zero._interrupts import interrupts_held
+    calls = []
+    previous = signal.signal(signal.SIGINT, lambda signum, frame: calls.append(signum))
+    try:
+        with interrupts_held():
+            os.kill(os.getpid(), signal.SIGINT)
+            os.kill(os.getpid(), signal.SIGINT)
+            assert calls == []
+        assert calls == [signal.SIGINT]
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        with interrupts_held():
+            os.kill(os.getpid(), signal.SIGINT)
+        assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+    finally:
+        signal.signal(signal.SIGINT, previous)

@@ -18,19 +18,17 @@ import threading
 
 @contextlib.contextmanager
 def interrupts_held():
-    """Run the body with SIGINT recorded; then deliver it (to the handler
-    that was in place) if it came. Only the main thread receives signals
-    in Python, so elsewhere this holds nothing."""
-    if threading.current_thread() is not threading.main_thread():
+    """Run the body with SIGINT recorded; then raise it again, to whatever
+    handler was in place, if it came. Only the main thread receives
+    signals in Python, so elsewhere this holds nothing; nor where the
+    handler was installed outside Python (it could not be put back)."""
+    if threading.current_thread() is not threading.main_thread() or \
+            signal.getsignal(signal.SIGINT) is None:
         yield
         return
     received = []
-
-    def record(signum, frame):
-        received.append((signum, frame))
-
     try:
-        previous = signal.signal(signal.SIGINT, record)
+        previous = signal.signal(signal.SIGINT, lambda signum, frame: received.append(signum))
     except (ValueError, OSError):  # no signal support here (an embedded interpreter)
         yield
         return
@@ -38,7 +36,5 @@ def interrupts_held():
         yield
     finally:
         signal.signal(signal.SIGINT, previous)
-        if received and callable(previous):
-            previous(*received[0])  # the default handler raises KeyboardInterrupt
-        elif received and previous == signal.SIG_DFL:
-            raise KeyboardInterrupt
+        if received:
+            signal.raise_signal(signal.SIGINT)  # as if it came now
