@@ -239,6 +239,13 @@ def train_loop(runner, steps, model_name="30M", profile=None):
     return result  # the model and its states go with this frame
 
 
+def print_table(header: str, lines: list):
+    print(header)
+    print("-" * len(header))
+    for line in lines:
+        print(line)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--sizes", default="64M,256M,1G")
@@ -283,13 +290,11 @@ def main():
 
     print(f"\ndevice-to-device copy: {bandwidth / 1e9:.0f} GB/s "
           f"(1 GiB, 2 bytes moved per byte)\n")
-    header = f"{'workload':<8} {'N':>6} {'zero ms':>9} {'torch ms':>9} {'torch/zero':>10} " \
-             f"{'zero GB/s':>10} {'of copy':>8}"
-    print(header)
-    print("-" * len(header))
-    for r in rows:
-        print(f"{r['workload']:<8} {r['size']:>6} {r['ours_ms']:>9.3f} {r['torch_ms']:>9.3f} "
-              f"{r['speedup']:>10.2f} {r['ours_gbs']:>10.0f} {r['of_copy']:>8.0%}")
+    print_table(f"{'workload':<8} {'N':>6} {'zero ms':>9} {'torch ms':>9} {'torch/zero':>10} "
+                f"{'zero GB/s':>10} {'of copy':>8}",
+                [f"{r['workload']:<8} {r['size']:>6} {r['ours_ms']:>9.3f} {r['torch_ms']:>9.3f} "
+                 f"{r['speedup']:>10.2f} {r['ours_gbs']:>10.0f} {r['of_copy']:>8.0%}"
+                 for r in rows])
 
     training, profiles = [], []
     for model_name in args.train_models.split(","):
@@ -313,13 +318,11 @@ def main():
         base = training[rows_before]["ms"]
         print(f"\ntraining: {model_name} GPT, batch {batch} x {cfg.seq} tokens, bf16, "
               f"clip 1.0, median of {args.train_steps} steps\n")
-        header = f"{'runner':<13} {'ms/step':>9} {'torch/zero':>10} {'loss':>8} " \
-                 f"{'peak MiB':>9} {'before':>7}  step"
-        print(header)
-        print("-" * len(header))
-        for r in training[rows_before:]:
-            print(f"{r['runner']:<13} {r['ms']:>9.2f} {base / r['ms']:>10.2f} "
-                  f"{r['loss']:>8.4f} {r['peak_mib']:>9.0f} {r['before_mib']:>7.0f}  {r['path']}")
+        print_table(f"{'runner':<13} {'ms/step':>9} {'torch/zero':>10} {'loss':>8} "
+                    f"{'peak MiB':>9} {'before':>7}  step",
+                    [f"{r['runner']:<13} {r['ms']:>9.2f} {base / r['ms']:>10.2f} "
+                     f"{r['loss']:>8.4f} {r['peak_mib']:>9.0f} {r['before_mib']:>7.0f}  "
+                     f"{r['path']}" for r in training[rows_before:]])
 
     out_dir = os.environ.get("OUT")
     if out_dir:

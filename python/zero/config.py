@@ -394,8 +394,9 @@ def _enabled(block: dict, name: str) -> bool:
         raise auto_refused(f"{name}.enabled", "set true or false")
     if isinstance(value, bool):
         return value
-    if isinstance(value, str) and value.strip().lower() in _TRUE_WORDS | _FALSE_WORDS:
-        return value.strip().lower() in _TRUE_WORDS
+    word = value.strip().lower() if isinstance(value, str) else None
+    if word in _TRUE_WORDS or word in _FALSE_WORDS:
+        return word in _TRUE_WORDS
     if isinstance(value, (int, float)) and value in (0, 1):
         return bool(value)
     raise ValueError(f"{name}.enabled must be true or false, got {value!r}")
