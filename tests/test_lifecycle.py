@@ -678,8 +678,22 @@ def test_share_memory_after_initialize_trains_on(stage, precision):
     _assert_same(runs[0], runs[1])
 
 
+@pytest.fixture
+def ctrl_c_raises():
+    """SIGINT raising KeyboardInterrupt, as in a terminal or a notebook, for
+    the test's length. A process started in the background by a
+    non-interactive shell inherits SIGINT ignored, and Python then installs
+    no handler: the tests below failed ("DID NOT RAISE") when the suite ran
+    under `bash .ci/run &`."""
+    import signal
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, previous)
+
+
 @pytest.mark.parametrize("stage", STAGES)
-def test_ctrl_c_during_the_update_is_delivered_after_a_whole_step(stage, monkeypatch):
+def test_ctrl_c_during_the_update_is_delivered_after_a_whole_step(stage, monkeypatch,
+                                                                   ctrl_c_raises):
     """Ctrl-C (a notebook's stop button) while the C core updates: Python
     delivers it just after the update returns, where the partitions had
     taken the step but the counts, the schedule and the gradients had not
@@ -781,3 +795,22 @@ def test_a_held_interrupt_goes_to_the_handler_that_was_in_place():
         assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
     finally:
         signal.signal(signal.SIGINT, previous)
+
+
+def test_the_ctrl_c_tests_pass_with_sigint_ignored_on_entry(tmp_path):
+    """The suite started from a background job of a non-interactive shell
+    (SIGINT ignored, inherited): the Ctrl-C test still passes, since it
+    installs the handler it relies on rather than inheriting one."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    test = f"{__file__}::test_ctrl_c_during_the_update_is_delivered_after_a_whole_step[2]"
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK",
+                        "PYTEST_ADDOPTS", "PYTEST_XDIST_WORKER")}
+    done = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", test],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
