@@ -262,6 +262,51 @@ def test_sparse_embedding_refused():
     assert untouched(m, before)
 
 
+@pytest.mark.parametrize("stage", [0, 2, 3])
+def test_a_trainable_complex_parameter_is_refused_by_name(stage):
+    """It was copied into the real flat buffers: its imaginary part was
+    dropped (a warning at stage 0, nothing at stages 2-3) and it trained as
+    a real parameter. A frozen one is kept as it is, like an integer one."""
+    m = model()
+    m[2].phase = nn.Parameter(torch.randn(3, dtype=torch.complex64))
+    before = [p.data_ptr() for p in m.parameters()]
+    with pytest.raises(ValueError, match=r"parameter '2.phase' is complex \(complex64\): zero "
+                                         "trains real parameters only"):
+        zero.initialize(m, stage=stage)
+    assert all(p.data_ptr() == ptr for p, ptr in zip(m.parameters(), before))
+    assert m[2].phase.dtype == torch.complex64
+    m[2].phase.requires_grad_(False)
+    kept = m[2].phase.detach().clone()
+    engine = zero.initialize(m, stage=stage)
+    engine.backward(engine(torch.randn(2, 6)).square().mean())
+    engine.step()
+    assert torch.equal(engine.full_state_dict()["2.phase"], kept)
+    engine.close()
+
+
+def test_a_loss_scale_fp32_cannot_hold_is_refused_by_name():
+    """2**1000 was taken as the initial fp16 loss scale: inf in fp32, so
+    every gradient overflowed and every step was skipped. The bounds are
+    fp32's: 2**127 is its largest power of two."""
+    assert zero.LossScaling(initial_scale_power=127).initial_scale_power == 127
+    for power in (128, 1000):
+        with pytest.raises(ValueError, match=rf"loss_scaling.initial_scale_power \(fp16."
+                                             rf"initial_scale_power in a DeepSpeed config\) "
+                                             rf"must be an integer from 0 to 127, got {power}"):
+            zero.Config(precision="fp16", loss_scaling={"initial_scale_power": power})
+    with pytest.raises(ValueError, match="fp16.initial_scale_power .* from 0 to 127, got 1000"):
+        zero.Config.from_deepspeed({"fp16": {"enabled": True, "initial_scale_power": 1000}})
+    with pytest.raises(ValueError, match="fp16.initial_scale_power .* from 0 to 127, got 1000"):
+        zero.initialize(model(), precision="fp16", loss_scaling={"initial_scale_power": 1000})
+    largest = float.fromhex("0x1.fffffep+127")
+    assert zero.LossScaling(static_loss_scale=largest).static_loss_scale == largest
+    for field, key in (("static_loss_scale", "loss_scale"), ("min_loss_scale", "min_loss_scale")):
+        with pytest.raises(ValueError, match=rf"loss_scaling.{field} \(fp16.{key} in a DeepSpeed "
+                                             r"config\) must be from 0 to 3.40282346\d*e\+38, "
+                                             r"the largest fp32 number, got 1e\+39"):
+            zero.Config.from_deepspeed({"fp16": {"enabled": True, key: 1e39}})
+
+
 def test_model_without_parameters():
     with pytest.raises(ValueError, match="no parameters"):
         zero.initialize(nn.ReLU())

@@ -83,6 +83,7 @@ def initialize(model: nn.Module, *, optimizer=None, stage=None, precision=None,
     if not any(True for _ in model.parameters()):
         raise ValueError("the model has no parameters; nothing to train")
     _check_dense_gradients(model)
+    _check_real_parameters(model)
     device = _engine_device(model, device)
     if cfg.offload_param.device != "none" and device.type != "cpu":
         raise NotImplementedError(
@@ -166,6 +167,20 @@ def _check_dense_gradients(model: nn.Module) -> None:
             raise ValueError(f"module '{name or type(module).__name__}' is an "
                              f"{type(module).__name__} with sparse=True: zero reduces and "
                              "partitions dense gradients; build it with sparse=False")
+
+
+def _check_real_parameters(model: nn.Module) -> None:
+    """A trainable complex parameter would be copied into the flat buffers,
+    which hold real numbers, and lose its imaginary part (torch only warns,
+    once). A frozen one is kept as it is on every rank, like an integer one."""
+    for name, p in model.named_parameters():
+        if p.requires_grad and p.is_complex():
+            raise ValueError(
+                f"parameter '{name}' is complex ({str(p.dtype).replace('torch.', '')}): zero "
+                "trains real parameters only, in flat real buffers, where its imaginary part "
+                "would be lost. Keep it as a real tensor with a last dimension of 2 "
+                "(torch.view_as_real) and view it as complex in forward "
+                "(torch.view_as_complex), or freeze it (requires_grad=False: kept as it is)")
 
 
 def _check_scheduler(lr_scheduler, optimizer) -> None:

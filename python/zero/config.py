@@ -28,6 +28,11 @@ DEFAULT_PERSISTENCE_THRESHOLD = 100_000
 DEFAULT_PREFETCH_ELEMENTS = 50_000_000
 DEFAULT_MAX_LIVE_ELEMENTS = 1_000_000_000
 
+# The largest finite fp32 number, (2 - 2**-23) * 2**127, and the largest
+# power of two below it: the bounds of a loss scale, which is applied in fp32.
+FP32_MAX = float.fromhex("0x1.fffffep+127")
+FP32_MAX_POWER = 127
+
 
 @dataclass(frozen=True)
 class LossScaling:
@@ -52,12 +57,28 @@ class LossScaling:
                 raise ValueError(f"loss_scaling.{name} must be an integer >= {low}, got "
                                  f"{getattr(self, name)!r}")
             object.__setattr__(self, name, int(value))
+        # the scale multiplies the loss and divides the gradients in fp32: a
+        # scale fp32 cannot hold is inf there, every gradient overflows and
+        # every step is skipped (2**1000 was taken, and trained nothing)
+        if self.initial_scale_power > FP32_MAX_POWER:
+            raise ValueError(
+                f"loss_scaling.initial_scale_power (fp16.initial_scale_power in a DeepSpeed "
+                f"config) must be an integer from 0 to {FP32_MAX_POWER}, got "
+                f"{self.initial_scale_power}: the initial loss scale 2**"
+                f"{self.initial_scale_power} is not finite in fp32, whose largest power of two "
+                f"is 2**{FP32_MAX_POWER}. DeepSpeed's default is 16")
         # 0 is common for both; a dynamic fp16 scale needs min_loss_scale > 0
         # (Config checks it: only it knows the precision)
-        for name in ("min_loss_scale", "static_loss_scale"):
+        for name, key in (("min_loss_scale", "min_loss_scale"),
+                          ("static_loss_scale", "loss_scale")):
             value = _number(getattr(self, name), f"loss_scaling.{name}")
             if value < 0:
                 raise ValueError(f"loss_scaling.{name} must be >= 0, got {value!r}")
+            if value > FP32_MAX:
+                raise ValueError(
+                    f"loss_scaling.{name} (fp16.{key} in a DeepSpeed config) must be from 0 "
+                    f"to {FP32_MAX!r}, the largest fp32 number, got {value!r}: the loss "
+                    "scale is applied in fp32, where this value is inf")
         if not isinstance(self.consecutive_hysteresis, bool):
             raise ValueError("loss_scaling.consecutive_hysteresis must be true or false, got "
                              f"{self.consecutive_hysteresis!r}")
