@@ -8,7 +8,6 @@ machines).
 """
 from __future__ import annotations
 
-import errno
 import os
 import warnings
 
@@ -18,9 +17,12 @@ import zero
 from zero._checkpoint_format import (FORMAT, LATEST_FILE, META_FILE, REPLICATED_GROUP,
                                      VERSION, CheckpointReader, check_plain, check_tag,
                                      owned_pieces, resolve_tag, shard_file,
-                                     tag_directory_hint)
+                                     staging_directory, tag_directory_hint)
+from zero._checkpoint_writes import (discard_replaced, discard_staging, prepare_staging, publish,
+                                     recover_interrupted_saves, write_file, write_latest)
 from zero._optimizer_bridge import fresh_states, parameter_names, states_for
 from zero._param_writes import bump_versions, take_in_parameter_writes
+from zero._restored_settings import check_restored_settings
 from zero._step_agreement import agree_on_call
 
 
@@ -120,83 +122,6 @@ def _meta(engine, client_state, scheduler_state, shard_files) -> dict:
             "client_state": client_state, "shards": shard_files}
 
 
-def _write(obj, path):
-    """torch.save to a temporary name, flushed to the disk, then renamed: a
-    crash (or a power cut) never leaves a half-written file under the real
-    name, and `latest` is written only after every file it covers is on
-    the disk."""
-    _write_through_temporary(path, lambda f: torch.save(obj, f))
-
-
-class _RecordingFile:
-    """A file whose first write error is kept: torch.save reports a failed
-    write as a RuntimeError without its errno ("unexpected pos")."""
-
-    def __init__(self, f):
-        self.f, self.error = f, None
-
-    def write(self, data):
-        try:
-            return self.f.write(data)
-        except OSError as error:
-            self.error = self.error or error
-            raise
-
-    def flush(self):
-        return self.f.flush()
-
-
-_WRITE_FAILURES = {
-    errno.ENOSPC: "the disk is full; free space and save again",
-    errno.EDQUOT: "the disk quota is exceeded; free space and save again",
-    errno.EFBIG: "the file size limit (ulimit -f) is reached; raise it and save again",
-}
-
-
-def _write_through_temporary(path, fill):
-    """fill(file) into path + ".tmp", fsynced, renamed to path. On any
-    failure the temporary file is removed and an OSError names `path`."""
-    tmp = path + ".tmp"
-    recording = None
-    try:
-        with open(tmp, "wb") as f:
-            recording = _RecordingFile(f)
-            fill(recording)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException as error:
-        _remove_if_there(tmp)
-        if not isinstance(error, (OSError, RuntimeError)):
-            raise
-        raise _write_error(path, recording.error if recording and recording.error
-                           else error) from error
-    _sync_directory(os.path.dirname(path))
-
-
-def _write_error(path, cause) -> OSError:
-    code = getattr(cause, "errno", None)
-    why = _WRITE_FAILURES.get(code, f"the write failed ({type(cause).__name__}: {cause})")
-    message = f"cannot write checkpoint file {path!r}: {why}"
-    return OSError(code, message) if code is not None else OSError(message)
-
-
-def _remove_if_there(path):
-    try:
-        os.remove(path)
-    except OSError:  # gone already, or not removable: the write's error is the news
-        pass
-
-
-def _sync_directory(path):
-    """The rename itself reaches the disk with the directory's fsync."""
-    fd = os.open(path or ".", os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def _all_ok(engine, error, doing="saving") -> None:
     """A barrier that also tells every rank whether some rank failed, so a
     full disk on one rank raises everywhere instead of hanging the rest,
@@ -240,26 +165,52 @@ def save(engine, save_dir, tag=None, client_state=None, save_latest=True) -> str
             "engine.zero_grad() first")
     try:
         tag = check_tag(f"global_step{engine.global_steps}" if tag is None else tag)
+        save_dir = os.fspath(save_dir)
     except (TypeError, ValueError) as error:
         refusal = refusal or error
     # a collective that raises on every rank alike (a refusal on one rank
     # too): before the per-rank work
     take_in_parameter_writes(engine.all_groups, engine.call_text("save_checkpoint()"), refusal)
-    path = os.path.join(os.fspath(save_dir), tag)
+    path = os.path.join(save_dir, tag)
+    error = None
+    if comm.rank == 0:
+        try:  # before the save id's broadcast, which every rank waits for
+            prepare_staging(save_dir, tag)
+        except Exception as e:
+            error = e
     save_id = _agreed_save_id(comm)
-    meta, error = None, None
+    try:
+        _save_agreed(engine, save_dir, tag, save_id, client_state, save_latest, error)
+    except BaseException:
+        # every rank is past the failed agreement: nothing writes into
+        # the staging directory any more (a kill leaves it to the next save)
+        if comm.rank == 0:
+            discard_staging(save_dir, tag)
+        raise
+    return path
+
+
+def _save_agreed(engine, save_dir, tag, save_id, client_state, save_latest, error):
+    """The save's writes, each step agreed over the ranks; `error` is rank
+    0's from preparing the staging directory."""
+    comm = engine._comm
+    meta = None
+    # [Note: a save replaces a tag whole] in _checkpoint_writes.py
+    staging = staging_directory(save_dir, tag)
     try:  # this rank's checks and shard; a failure is raised on every rank by _all_ok
+        if error is not None:
+            raise error
         client_state = {} if client_state is None else client_state
         check_plain(client_state, "client_state")
         scheduler_state = engine.lr_scheduler.state_dict() if engine.lr_scheduler else None
         check_plain(scheduler_state, "lr_scheduler.state_dict()")
-        os.makedirs(path, exist_ok=True)
+        os.makedirs(staging, exist_ok=True)
         try:
             groups = _shard_groups(engine)
             if groups:
-                _write({"format": FORMAT, "version": VERSION, "rank": comm.rank,
-                        "save_id": save_id, "groups": groups},
-                       os.path.join(path, shard_file(comm.rank)))
+                write_file({"format": FORMAT, "version": VERSION, "rank": comm.rank,
+                            "save_id": save_id, "groups": groups},
+                           os.path.join(staging, shard_file(comm.rank)))
         finally:  # offloaded states were read through their mapping
             _release_offloaded(engine)
         if comm.rank == 0:
@@ -269,23 +220,24 @@ def save(engine, save_dir, tag=None, client_state=None, save_latest=True) -> str
     except Exception as e:
         error = e
     _all_ok(engine, error)
-    # the meta only once every shard is on the disk: until then the tag's
-    # old meta names another save_id, and the reader refuses the mixture
+    # the meta only once every shard is on the disk, then the staging
+    # directory replaces the tag whole
     try:
         if comm.rank == 0:
-            _write(meta, os.path.join(path, META_FILE))
+            write_file(meta, os.path.join(staging, META_FILE))
+            publish(save_dir, tag)
     except Exception as e:
         error = e
     _all_ok(engine, error)
     if save_latest:
         try:
             if comm.rank == 0:
-                _write_through_temporary(os.path.join(os.fspath(save_dir), LATEST_FILE),
-                                         lambda f: f.write(tag.encode("utf-8")))
+                write_latest(save_dir, tag)
         except Exception as e:
             error = e
         _all_ok(engine, error)
-    return path
+    if comm.rank == 0:
+        discard_replaced(save_dir, tag)
 
 
 def _agreed_save_id(comm) -> int:
@@ -477,6 +429,11 @@ def _check_buffers(engine, meta):
         if saved.shape != t.shape:
             raise ValueError(f"buffer {key!r} has shape {tuple(t.shape)} in the model but "
                              f"{tuple(saved.shape)} in the checkpoint")
+        # floats of any width load into floats (a run's precision may
+        # differ); anything else is another model's buffer
+        if saved.dtype != t.dtype and not (saved.is_floating_point() and t.is_floating_point()):
+            raise ValueError(f"buffer {key!r} has dtype {t.dtype} in the model but "
+                             f"{saved.dtype} in the checkpoint")
 
 
 def _load_buffers(engine, meta):
@@ -485,8 +442,21 @@ def _load_buffers(engine, meta):
             t.copy_(meta["buffers"][key])
 
 
+def _recover(engine, load_dir):
+    """Rank 0 puts back what a killed save left (before the agreement in
+    _nothing_to_load, which every rank waits for). Best effort: on a
+    read-only copy, the reader finds a replaced tag where it waits."""
+    if engine._comm.rank != 0:
+        return
+    try:
+        recover_interrupted_saves(os.fspath(load_dir))
+    except (OSError, TypeError):  # TypeError: not a path; the load's own checks say so
+        pass
+
+
 def load(engine, load_dir, tag=None, load_optimizer_states=True,
          load_lr_scheduler_states=True, load_module_only=False):
+    _recover(engine, load_dir)
     if _nothing_to_load(engine, load_dir, tag):
         warnings.warn(f"load_checkpoint: {os.fspath(load_dir)!r} holds no checkpoint yet; "
                       "nothing was loaded (returned None, None, as DeepSpeed does)",
@@ -503,6 +473,8 @@ def load(engine, load_dir, tag=None, load_optimizer_states=True,
             _check_optimizer(engine, reader)
         _check_stored(engine, reader, with_optimizer)
         _check_buffers(engine, meta)
+        check_restored_settings(engine, meta, with_optimizer, load_module_only,
+                                load_lr_scheduler_states)
     except Exception as e:  # raised on every rank, before anything changes
         error = e
     _all_ok(engine, error, "loading")

@@ -25,10 +25,13 @@ from __future__ import annotations
 
 import os
 import pickle
+import pickletools
+import zipfile
 from collections import defaultdict
 
 import torch
 
+from zero._storage_sizes import storage_size_mismatch
 from zero._zip_checksums import damaged_record
 
 FORMAT = "zeroshard.checkpoint"
@@ -36,6 +39,8 @@ VERSION = 1
 META_FILE = "zero_meta.pt"
 LATEST_FILE = "latest"
 REPLICATED_GROUP = "replicated"  # stage 0-2 frozen parameters, saved by rank 0
+STAGING_SUFFIX = ".zero-save.tmp"  # .<tag>.zero-save.tmp: a save in progress
+REPLACED_SUFFIX = ".zero-old.tmp"  # .<tag>.zero-old.tmp: the checkpoint it replaces
 PLAIN_TYPES = (str, int, float, bool, type(None), torch.Tensor, torch.dtype, torch.device)
 
 
@@ -79,12 +84,34 @@ def check_plain(value, where: str):
 
 def check_tag(tag) -> str:
     """A tag names a directory inside the checkpoint directory, never a
-    path out of it (an absolute path, or one through '..')."""
+    path out of it (an absolute path, or one through '..'), nor one of the
+    names a save works under."""
     tag = str(tag)
     separators = {"/", os.sep, os.altsep} - {None}
     if not tag or tag in (".", "..") or any(s in tag for s in separators):
         raise ValueError(f"tag {tag!r} must be a plain directory name (no path separators)")
+    if tag.endswith((STAGING_SUFFIX, REPLACED_SUFFIX)):
+        raise ValueError(f"tag {tag!r} ends as the directories a save works in do; choose "
+                         "another name")
     return tag
+
+
+def staging_directory(save_dir, tag) -> str:
+    """Where a save into `tag` writes its files before they replace the
+    tag's ([Note: a save replaces a tag whole] in _checkpoint_writes.py)."""
+    return os.path.join(save_dir, f".{tag}{STAGING_SUFFIX}")
+
+
+def replaced_directory(save_dir, tag) -> str:
+    """Where the tag's previous checkpoint waits while a save replaces it."""
+    return os.path.join(save_dir, f".{tag}{REPLACED_SUFFIX}")
+
+
+def inside(root, path) -> bool:
+    """Whether path, every link resolved, lies inside the directory root
+    (resolved too: a checkpoint directory may itself be a link)."""
+    root, path = os.path.realpath(root), os.path.realpath(path)
+    return path != root and os.path.commonpath([root, path]) == root
 
 
 def tag_directory_hint(save_dir) -> str:
@@ -98,28 +125,49 @@ def tag_directory_hint(save_dir) -> str:
             "command line)")
 
 
+_LATEST_MOST = 4096  # bytes: a tag name; a longer `latest` is not one of ours
+
+
 def _latest_tag(save_dir) -> str:
+    """The tag <save_dir>/latest names. Its contents are never quoted in an
+    error: a `latest` that is not zero's may hold anything."""
     latest = os.path.join(save_dir, LATEST_FILE)
-    if not os.path.isfile(latest):
+    if not os.path.lexists(latest):
         raise FileNotFoundError(tag_directory_hint(save_dir) or
                                 f"{latest!r} does not exist: pass tag= (--tag on the command "
                                 "line) to say which checkpoint in this directory to load")
+    if not inside(save_dir, latest):
+        raise ValueError(f"{latest!r} is a link to a file outside {save_dir!r}; a checkpoint "
+                         "is read from inside its directory only")
+    if not os.path.isfile(latest):  # a directory, a FIFO (whose read would wait forever)
+        raise ValueError(f"{latest!r} is not a regular file")
     try:
-        with open(latest, encoding="utf-8") as f:
-            tag = f.read().strip()
+        with open(latest, "rb") as f:
+            tag = f.read(_LATEST_MOST + 1).decode("utf-8").strip()
+        if len(tag) > _LATEST_MOST:
+            raise ValueError("too long")
         return check_tag(tag)
     except ValueError as error:  # a damaged file, or one naming a path out of save_dir
         raise ValueError(f"{latest!r} does not name a tag directory inside {save_dir!r} "
-                         f"({error}); pass tag= (--tag on the command line)") from error
+                         "(it must hold one plain directory name); pass tag= (--tag on the "
+                         "command line)") from None
 
 
 def resolve_tag(save_dir, tag=None) -> str:
-    """The tag directory to read: `tag`, or the one named in <save_dir>/latest."""
+    """The tag directory to read: `tag`, or the one named in <save_dir>/latest.
+    A tag whose replacement by a save was cut short between its two
+    renames is read from where its previous checkpoint waits."""
     save_dir = os.fspath(save_dir)
     if not os.path.isdir(save_dir):
         raise FileNotFoundError(f"checkpoint directory {save_dir!r} does not exist")
     tag = _latest_tag(save_dir) if tag is None else check_tag(tag)
     path = os.path.join(save_dir, tag)
+    if not os.path.lexists(path) and \
+            os.path.isfile(os.path.join(replaced_directory(save_dir, tag), META_FILE)):
+        path = replaced_directory(save_dir, tag)
+    if os.path.lexists(path) and not inside(save_dir, path):
+        raise ValueError(f"{path!r} is a link to a directory outside {save_dir!r}; a "
+                         "checkpoint is read from inside its directory only")
     if not os.path.isfile(os.path.join(path, META_FILE)):
         hint = tag_directory_hint(save_dir)
         raise FileNotFoundError(f"{path!r} holds no zero checkpoint ({META_FILE} is missing)"
@@ -152,12 +200,13 @@ def _field(obj, key, kinds, file, where):
 
 
 def _check_header(obj, file):
+    """Nothing of a file that is not zero's is quoted: it may hold anything."""
     if not isinstance(obj, dict) or obj.get("format") != FORMAT:
-        found = obj.get("format") if isinstance(obj, dict) else type(obj).__name__
-        raise ValueError(f"{file!r} is not a zero checkpoint file (format {found!r})")
+        raise ValueError(f"{file!r} is not a zero checkpoint file (it has no {FORMAT!r} "
+                         "header)")
     if obj.get("version") != VERSION:
-        raise ValueError(f"{file!r} has checkpoint version {obj.get('version')!r}; this zero "
-                         f"reads version {VERSION!r}")
+        raise ValueError(f"{file!r} has checkpoint version {obj.get('version')!r:.40}; this "
+                         f"zero reads version {VERSION!r}")
 
 
 def _check_params(params, file):
@@ -196,8 +245,8 @@ def _check_meta(meta, file):
                for f in _field(meta, "shards", list, file, top)):
         raise _damaged(file, "its 'shards' is not a list of file names")
     buffers = _field(meta, "buffers", dict, file, top)
-    if not all(isinstance(t, torch.Tensor) for t in buffers.values()):
-        raise _damaged(file, "its 'buffers' holds something other than tensors")
+    for key, t in buffers.items():
+        _check_record(t, file, f"buffers[{key!r}]", floating=False)
     for i, entry in enumerate(_field(meta, "state_dict", list, file, top)):
         if not _state_entry_ok(entry, params, buffers):
             raise _damaged(file, f"state_dict[{i}] is {entry!r}")
@@ -217,12 +266,50 @@ def _check_meta(meta, file):
     _field(meta, "client_state", object, file, top)
 
 
+def _dense_strides(t) -> bool:
+    """Whether t's elements sit one after another in some order of its
+    dimensions (contiguous up to a permutation, as torch.save keeps a
+    transposed buffer): no element shared, none skipped."""
+    expected = 1
+    for stride, size in sorted((st, s) for s, st in zip(t.shape, t.stride()) if s != 1):
+        if stride != expected:
+            return False
+        expected *= size
+    return True
+
+
+def _check_record(t, file, where, floating: bool):
+    """A tensor as zero's save writes one: dense (strided) and real, its
+    elements dense within its storage (contiguous for a partition,
+    `floating` for partition tensors). A sparse or quantized tensor passed
+    the name and shape checks and failed inside copy_() after weights were
+    already overwritten."""
+    if not isinstance(t, torch.Tensor):
+        raise _damaged(file, f"{where} is a {type(t).__name__}, not a tensor")
+    if t.layout != torch.strided or t.is_quantized or getattr(t, "is_nested", False):
+        raise _damaged(file, f"{where} is a {t.layout} tensor{' (quantized)' * t.is_quantized}"
+                       "; a checkpoint holds dense (strided) tensors only")
+    if t.is_complex() or (floating and not t.is_floating_point()):
+        raise _damaged(file, f"{where} has dtype {t.dtype}; "
+                       + ("partitions are real floating point" if floating else
+                          "a buffer's values are real"))
+    if not _dense_strides(t):
+        raise _damaged(file, f"{where} has shape {tuple(t.shape)} and strides {t.stride()}, "
+                       "which skip or share elements")
+    if t.numel() and t.storage_offset() + t.numel() > \
+            t.untyped_storage().nbytes() // t.element_size():
+        raise _damaged(file, f"{where} has {t.numel()} elements from offset "
+                       f"{t.storage_offset()} in a storage of "
+                       f"{t.untyped_storage().nbytes()} bytes")
+
+
 def _check_tensors(group, file, where) -> dict:
-    """The group's partition tensors: 1-D, one per key."""
+    """The group's partition tensors: 1-D, one per key, contiguous floats."""
     tensors = _field(group, "tensors", dict, file, where)
     for key, t in tensors.items():
         if not isinstance(key, str) or not isinstance(t, torch.Tensor) or t.dim() != 1:
             raise _damaged(file, f"{where}['tensors'][{key!r}] is not a 1-D tensor")
+        _check_record(t, file, f"{where}['tensors'][{key!r}]", floating=True)
     return tensors
 
 
@@ -263,6 +350,51 @@ def _stretch(source, start, n, file):
     return source.narrow(0, start, n)
 
 
+def _unreadable(file, error) -> ValueError:
+    """torch's own words are left out where they tell the reader to load
+    the file with weights_only=False (which would run its code)."""
+    said = str(error)
+    why = type(error).__name__ + ("" if "weights_only" in said else f": {said}")
+    return ValueError(f"checkpoint file {file!r} cannot be read, so it is truncated or "
+                      f"damaged ({why}); load another checkpoint")
+
+
+def _runs_code(file) -> ValueError:
+    return ValueError(f"checkpoint file {file!r} is refused: it holds objects that would run "
+                      "code when loaded; zero never loads such files")
+
+
+_CODE_OPS = {"GLOBAL", "STACK_GLOBAL", "INST", "OBJ", "REDUCE", "NEWOBJ", "NEWOBJ_EX", "BUILD"}
+
+
+def _not_an_archive(file) -> ValueError:
+    """zero writes torch.save's zip archives only. A bare pickle that
+    imports or calls anything is named for what it is (its opcodes are
+    read, never run); anything else is a damaged (truncated) archive."""
+    try:
+        with open(file, "rb") as f:
+            ops = {op.name for op, _arg, _pos in pickletools.genops(f)}
+    except Exception:  # noqa: BLE001 - not a pickle at all: nothing to name
+        ops = set()
+    if ops & _CODE_OPS:
+        return _runs_code(file)
+    return ValueError(f"checkpoint file {file!r} cannot be read, so it is truncated or "
+                      "damaged (it is not a torch.save zip archive); load another checkpoint")
+
+
+def _holds_code(file, error) -> bool:
+    """Whether torch's weights-only loader refused `file` for what its
+    pickle asks to run (a global outside its allow-list) rather than for
+    damaged bytes: the refusal, over a file whose records match the
+    CRC-32 its writer recorded."""
+    if not isinstance(error, pickle.UnpicklingError) or "weights_only" not in str(error):
+        return False
+    try:
+        return damaged_record(file) is None
+    except ValueError:  # an archive too damaged to check: damaged
+        return False
+
+
 class CheckpointReader:
     """Reads any stretch of any parameter's value or optimizer state from a
     checkpoint directory, whatever world size and stage wrote it. Shard
@@ -272,6 +404,9 @@ class CheckpointReader:
 
     def __init__(self, path: str):
         self.path = path
+        # the checkpoint directory (resolve_tag's save_dir): no file is
+        # read from outside it, through a link either
+        self.root = os.path.dirname(os.path.abspath(path))
         meta_file = os.path.join(path, META_FILE)
         self.meta = self._load(META_FILE)
         _check_header(self.meta, meta_file)
@@ -320,18 +455,34 @@ class CheckpointReader:
 
     def _load(self, file, mmap=False):
         full = os.path.join(self.path, file)
-        if not os.path.isfile(full):
+        if not os.path.lexists(full):
             raise FileNotFoundError(f"checkpoint file {full!r} is missing (every rank's shard "
                                     "must be readable from every loading rank)")
+        if not inside(self.root, full):
+            raise ValueError(f"checkpoint file {full!r} is a link to a file outside "
+                             f"{self.root!r}; a checkpoint is read from inside its directory "
+                             "only")
+        if not os.path.isfile(full):
+            raise ValueError(f"checkpoint file {full!r} is not a regular file")
+        if not zipfile.is_zipfile(full):
+            raise _not_an_archive(full)
+        try:
+            # before torch.load: a storage larger than its record reads
+            # other bytes through mmap, and is what a loader allocates
+            mismatch = storage_size_mismatch(full)
+        except ValueError as error:
+            raise _unreadable(full, error) from None
+        if mismatch:
+            raise _damaged(full, mismatch)
         try:
             return torch.load(full, map_location="cpu", weights_only=True, mmap=mmap)
         # the weights-only unpickler raises KeyError, IndexError or
         # TypeError on damaged pickle bytes (a memo index, an empty stack)
         except (RuntimeError, OSError, EOFError, ValueError, KeyError, IndexError, TypeError,
                 pickle.UnpicklingError) as error:
-            raise ValueError(f"checkpoint file {full!r} cannot be read, so it is truncated or "
-                             f"damaged ({type(error).__name__}: {error}); load another "
-                             "checkpoint") from error
+            if _holds_code(full, error):
+                raise _runs_code(full) from None
+            raise _unreadable(full, error) from None
 
     def _verify(self, file):
         """Refuse a file whose bytes differ from the CRC-32 torch.save wrote
@@ -382,8 +533,12 @@ class CheckpointReader:
             out[a - lo:b - lo].copy_(source)
 
     def read(self, name: str, key: str = "value") -> torch.Tensor:
-        """The whole parameter's `key`, fp32, in its shape."""
+        """The whole parameter's `key`, fp32, in its shape. Its size is the
+        meta's word, so the files must hold every element before the
+        memory is taken (a meta declaring 2**36 elements asked for 256 GiB)."""
         info = self.meta["params"][name]
+        stretches = self._stretches(name, key, 0, info["numel"])
         out = torch.empty(info["numel"], dtype=torch.float32)
-        self.read_into(name, key, 0, out)
+        for a, b, source in stretches:
+            out[a:b].copy_(source)
         return out.view(info["shape"])

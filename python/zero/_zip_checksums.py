@@ -18,7 +18,7 @@ import zlib
 from concurrent.futures import ThreadPoolExecutor
 
 _LOCAL_HEADER = b"PK\x03\x04"
-_LOCAL_HEADER_SIZE = 30
+LOCAL_HEADER_SIZE = 30
 _SLICE = 1 << 26  # bytes per zlib.crc32 call: bounded, so a huge record is fine too
 
 
@@ -67,13 +67,18 @@ def _record_ok(archive, view, info) -> bool:
         except zipfile.BadZipFile:
             return False
         return True
-    at = info.header_offset
-    header = view[at:at + _LOCAL_HEADER_SIZE]
-    if bytes(header[:4]) != _LOCAL_HEADER:
+    start = data_start(bytes(view[info.header_offset:info.header_offset + LOCAL_HEADER_SIZE]),
+                       info)
+    if start is None or start + info.file_size > len(view):
         return False
+    return _crc32(view[start:start + info.file_size]) == info.CRC
+
+
+def data_start(header: bytes, info):
+    """Where the stored record `info` starts in its file, given the
+    LOCAL_HEADER_SIZE bytes at info.header_offset; None when they are not
+    a local header."""
+    if len(header) != LOCAL_HEADER_SIZE or header[:4] != _LOCAL_HEADER:
+        return None
     name_len, extra_len = struct.unpack("<HH", header[26:30])
-    start = at + _LOCAL_HEADER_SIZE + name_len + extra_len
-    end = start + info.file_size
-    if end > len(view):
-        return False
-    return _crc32(view[start:end]) == info.CRC
+    return info.header_offset + LOCAL_HEADER_SIZE + name_len + extra_len

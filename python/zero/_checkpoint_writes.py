@@ -1,0 +1,182 @@
+"""How a checkpoint reaches the disk: every file through a temporary name,
+fsynced, renamed; every save into a directory of its own that replaces
+the tag whole, so a crash at any point leaves the last good checkpoint
+loadable.
+
+[Note: a save replaces a tag whole] A save into <save_dir>/<tag> writes
+every rank's files into .<tag>.zero-save.tmp (the staging directory), the
+meta last. Only then does rank 0 publish it: the tag's previous directory
+(if any) is renamed to .<tag>.zero-old.tmp, the staging directory is
+renamed to <tag>, the directory is fsynced, `latest` is written, and the
+previous checkpoint is removed. Before this, a save into the tag that
+`latest` named rewrote its files in place, and a crash midway left the
+only checkpoint refused (files of two saves). Now, at every point:
+
+- before the first rename, <tag> is the previous checkpoint, untouched;
+- between the two renames, <tag> is missing and .<tag>.zero-old.tmp is
+  the previous checkpoint, whole: the reader takes it from there
+  (resolve_tag), and the next save or load renames it back;
+- after the second, <tag> is the new checkpoint, whole.
+
+Leftovers of a killed save (a staging directory, a replaced one whose tag
+is whole again, latest.tmp) are removed at the next save or load
+(recover_interrupted_saves).
+"""
+from __future__ import annotations
+
+import errno
+import os
+import shutil
+
+import torch
+
+from zero._checkpoint_format import (LATEST_FILE, META_FILE, REPLACED_SUFFIX, STAGING_SUFFIX,
+                                     replaced_directory, staging_directory)
+
+
+def write_file(obj, path):
+    """torch.save to a temporary name, flushed to the disk, then renamed: a
+    crash (or a power cut) never leaves a half-written file under the real
+    name, and `latest` is written only after every file it covers is on
+    the disk."""
+    write_through_temporary(path, lambda f: torch.save(obj, f))
+
+
+class _RecordingFile:
+    """A file whose first write error is kept: torch.save reports a failed
+    write as a RuntimeError without its errno ("unexpected pos")."""
+
+    def __init__(self, f):
+        self.f, self.error = f, None
+
+    def write(self, data):
+        try:
+            return self.f.write(data)
+        except OSError as error:
+            self.error = self.error or error
+            raise
+
+    def flush(self):
+        return self.f.flush()
+
+
+_WRITE_FAILURES = {
+    errno.ENOSPC: "the disk is full; free space and save again",
+    errno.EDQUOT: "the disk quota is exceeded; free space and save again",
+    errno.EFBIG: "the file size limit (ulimit -f) is reached; raise it and save again",
+}
+
+
+def write_through_temporary(path, fill):
+    """fill(file) into path + ".tmp", fsynced, renamed to path. On any
+    failure the temporary file is removed and an OSError names `path`."""
+    tmp = path + ".tmp"
+    recording = None
+    try:
+        with open(tmp, "wb") as f:
+            recording = _RecordingFile(f)
+            fill(recording)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException as error:
+        _remove_if_there(tmp)
+        if not isinstance(error, (OSError, RuntimeError)):
+            raise
+        raise _write_error(path, recording.error if recording and recording.error
+                           else error) from error
+    sync_directory(os.path.dirname(path))
+
+
+def _write_error(path, cause) -> OSError:
+    code = getattr(cause, "errno", None)
+    why = _WRITE_FAILURES.get(code, f"the write failed ({type(cause).__name__}: {cause})")
+    message = f"cannot write checkpoint file {path!r}: {why}"
+    return OSError(code, message) if code is not None else OSError(message)
+
+
+def _remove_if_there(path):
+    try:
+        os.remove(path)
+    except OSError:  # gone already, or not removable: the write's error is the news
+        pass
+
+
+def sync_directory(path):
+    """The rename itself reaches the disk with the directory's fsync."""
+    fd = os.open(path or ".", os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _remove_tree(path):
+    shutil.rmtree(path, ignore_errors=True)  # what stays is removed at the next save
+
+
+def recover_interrupted_saves(save_dir):
+    """Put back what killed saves left in save_dir: a tag's previous
+    checkpoint moved aside and never replaced goes back under its name; a
+    staging directory, a replaced directory whose tag is whole, and
+    latest.tmp are removed. Rank 0's work, before a save or a load."""
+    try:
+        names = os.listdir(save_dir)
+    except OSError:  # missing or unreadable: the caller's own checks say why
+        return
+    changed = False
+    for name in names:
+        path = os.path.join(save_dir, name)
+        if name.startswith(".") and name.endswith(REPLACED_SUFFIX):
+            tag = os.path.join(save_dir, name[1:-len(REPLACED_SUFFIX)])
+            if not os.path.lexists(tag) and os.path.isfile(os.path.join(path, META_FILE)):
+                os.rename(path, tag)  # cut short between publish's two renames
+            else:
+                _remove_tree(path)
+            changed = True
+        elif name.startswith(".") and name.endswith(STAGING_SUFFIX):
+            _remove_tree(path)
+            changed = True
+        elif name == LATEST_FILE + ".tmp":
+            _remove_if_there(path)
+            changed = True
+    if changed:
+        sync_directory(save_dir)
+
+
+def prepare_staging(save_dir, tag) -> str:
+    """An empty staging directory for a save into `tag` (rank 0, before any
+    rank writes into it)."""
+    final = os.path.join(save_dir, tag)
+    if os.path.lexists(final) and not os.path.isdir(final):
+        raise FileExistsError(f"cannot save into {final!r}: it exists and is not a directory")
+    os.makedirs(save_dir, exist_ok=True)
+    recover_interrupted_saves(save_dir)
+    staging = staging_directory(save_dir, tag)
+    _remove_tree(staging)
+    os.makedirs(staging)
+    return staging
+
+
+def publish(save_dir, tag):
+    """The staging directory, whole, becomes <tag>; a previous <tag> waits
+    aside until discard_replaced ([Note: a save replaces a tag whole])."""
+    final = os.path.join(save_dir, tag)
+    if os.path.lexists(final):
+        os.rename(final, replaced_directory(save_dir, tag))
+    os.rename(staging_directory(save_dir, tag), final)
+    sync_directory(save_dir)
+
+
+def discard_replaced(save_dir, tag):
+    _remove_tree(replaced_directory(save_dir, tag))
+
+
+def discard_staging(save_dir, tag):
+    """After a failed save (a full disk on some rank): its files go."""
+    _remove_tree(staging_directory(save_dir, tag))
+
+
+def write_latest(save_dir, tag):
+    write_through_temporary(os.path.join(save_dir, LATEST_FILE),
+                            lambda f: f.write(tag.encode("utf-8")))

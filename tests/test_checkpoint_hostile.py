@@ -1,0 +1,398 @@
+"""Checkpoints rewritten by hand or by an attacker, with valid CRCs: tensors
+of another layout, dtype or stride, storages larger than their records,
+sizes that would take all memory, settings out of range, links out of the
+checkpoint directory, files that would run code. Each is refused with an
+error naming the file or the value, before anything changes: the engine
+(its weights, optimizer states, hyperparameters, scheduler, loss scale and
+counters), and the command line's output, which is never written.
+Before, a sparse shard tensor passed the checks and failed inside copy_()
+with the weights half overwritten, a group's `params` key emptied it, and
+an LR scheduler state replaced the scheduler's optimizer with None."""
+import copy
+import math
+import os
+import pickle
+import zipfile
+
+import pytest
+import torch
+
+import zero
+from zero.checkpoint import consolidate
+from engine_cases import no_launcher
+from test_checkpoint import make_engine, train
+from test_checkpoint_damage import SHARD, edit, run_main
+
+META = "zero_meta.pt"
+CODE_REFUSED = "holds objects that would run code when loaded; zero never loads such files"
+
+
+@pytest.fixture(autouse=True)
+def _no_launcher(monkeypatch):
+    no_launcher(monkeypatch)
+
+
+@pytest.fixture
+def saved(tmp_path):
+    """A stage-2 AdamW checkpoint (LambdaLR schedule) in tmp_path/ck/t."""
+    engine = make_engine(2)
+    train(engine, 0, 2)
+    engine.save_checkpoint(tmp_path / "ck", tag="t")
+    engine.close()
+    return tmp_path / "ck"
+
+
+@pytest.fixture
+def other():
+    engine = make_engine(2, seed=4)
+    train(engine, 0, 1)
+    yield engine
+    engine.close()
+
+
+def snapshot(engine):
+    """Everything a load may set."""
+    groups = [{k: copy.deepcopy(v) for k, v in g.items() if k != "params"} |
+              {"params": [id(p) for p in g["params"]]} for g in engine.optimizer.param_groups]
+    scheduler = {k: v for k, v in engine.lr_scheduler.state_dict().items()
+                 if k != "lr_lambdas"} if engine.lr_scheduler else None
+    return {"model": engine.full_state_dict(), "groups": groups,
+            "scheduler": copy.deepcopy(scheduler), "optimizer": engine.lr_scheduler.optimizer
+            if engine.lr_scheduler else None,
+            "states": [{k: t.clone() for k, t in fg.states.items()} for fg in engine.groups],
+            "master": [fg.master.clone() for fg in engine.groups],
+            "counts": (engine.global_steps, engine.micro_steps, engine.skipped_steps,
+                       engine.loss_scale, [fg.step_count for fg in engine.groups])}
+
+
+def assert_same(before, after):
+    assert before.keys() == after.keys()
+    for key in before:
+        b, a = before[key], after[key]
+        if key == "optimizer":
+            assert a is b
+        elif key in ("model",):
+            assert all(torch.equal(b[k], a[k]) for k in b)
+        elif key in ("states",):
+            assert all(torch.equal(x[k], y[k]) for x, y in zip(b, a) for k in x)
+        elif key == "master":
+            assert all(torch.equal(x, y) for x, y in zip(b, a))
+        else:
+            assert repr(b) == repr(a), key
+
+
+def refused_and_unchanged(engine, load, match):
+    """load() raises ValueError matching `match`; nothing changed; the
+    engine trains, saves and reloads after it."""
+    before = snapshot(engine)
+    with pytest.raises(ValueError, match=match) as caught:
+        load()
+    assert_same(before, snapshot(engine))
+    assert "weights_only" not in str(caught.value)
+    return caught.value
+
+
+def still_trains(engine, tmp_path):
+    train(engine, 1, 1)
+    engine.save_checkpoint(tmp_path / "after", tag="t")
+    engine.load_checkpoint(tmp_path / "after", tag="t")
+    train(engine, 2, 1)
+
+
+def command_line_refuses(capsys, saved, tmp_path, match):
+    out = tmp_path / "out.pt"
+    code, line = run_main(capsys, saved, out, "--tag", "t")
+    assert code == 2 and line.startswith("python -m zero.checkpoint: error:"), line
+    assert match in line, line
+    assert not out.exists()
+    return line
+
+
+# ---- 1. every record checked before the first write ---------------------------
+
+
+def _strided(t):
+    room = torch.zeros(2 * t.numel(), dtype=t.dtype)
+    view = room[::2]
+    view.copy_(t)
+    return view
+
+
+SHARD_TENSORS = {
+    "sparse": (lambda t: t.to_sparse(), "is a torch.sparse_coo tensor"),
+    "integer": (lambda t: t.to(torch.int32), "has dtype torch.int32"),
+    "complex": (lambda t: t.to(torch.complex64), "has dtype torch.complex64"),
+    "strided": (_strided, "which skip or share elements"),
+    "expanded": (lambda t: t[:1].expand(t.numel()), "which skip or share elements"),
+}
+
+
+@pytest.mark.parametrize("kind", list(SHARD_TENSORS))
+def test_a_shard_tensor_of_another_kind_is_refused_before_anything_changes(
+        saved, other, tmp_path, capsys, kind):
+    make, match = SHARD_TENSORS[kind]
+
+    def change(shard):
+        tensors = shard["groups"][0]["tensors"]
+        tensors["exp_avg"] = make(tensors["exp_avg"])
+    edit(saved / "t" / SHARD, change)
+    refused_and_unchanged(other, lambda: other.load_checkpoint(saved, tag="t"), match)
+    with pytest.raises(ValueError, match=match):
+        consolidate(saved, "t")
+    command_line_refuses(capsys, saved, tmp_path, match)
+    still_trains(other, tmp_path)
+
+
+def with_buffer(seed):
+    torch.manual_seed(seed)
+    model = torch.nn.Linear(4, 4)
+    model.register_buffer("scale", torch.randn(6, 5))
+    return zero.initialize(model, stage=1)
+
+
+@pytest.mark.parametrize("make, match", [
+    (lambda t: t.to_sparse(), r"buffers\['scale'\] is a torch.sparse_coo tensor"),
+    (lambda t: t.to(torch.complex64), r"buffers\['scale'\] has dtype torch.complex64"),
+    (lambda t: t.reshape(-1)[:1].expand(6, 5), "which skip or share elements"),
+    (lambda t: t.to(torch.int64), "buffer 'scale' has dtype torch.float32 in the model but "
+                                  "torch.int64 in the checkpoint"),
+], ids=["sparse", "complex", "expanded", "integer"])
+def test_a_buffer_of_another_kind_is_refused(tmp_path, make, match):
+    engine = with_buffer(0)
+    engine.save_checkpoint(tmp_path, tag="t")
+    engine.close()
+    edit(tmp_path / "t" / META, lambda meta: meta["buffers"].update(
+        scale=make(meta["buffers"]["scale"])))
+    other = with_buffer(1)
+    refused_and_unchanged(other, lambda: other.load_checkpoint(tmp_path, tag="t"), match)
+    other.close()
+    if "in the model" not in match:  # consolidate has no model to compare with
+        with pytest.raises(ValueError, match=match):
+            consolidate(tmp_path, "t")
+
+
+def test_a_transposed_buffer_still_loads(tmp_path):
+    """Dense in another order of its dimensions is what torch.save keeps of
+    a transposed buffer: not refused."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 4)
+    model.register_buffer("scale", torch.randn(5, 6).t())
+    engine = zero.initialize(model, stage=1)
+    engine.save_checkpoint(tmp_path, tag="t")
+    engine.close()
+    other = with_buffer(1)
+    other.load_checkpoint(tmp_path, tag="t")
+    assert torch.equal(other.module.scale, model.scale)
+    other.close()
+
+
+def rewrite_record(path, suffix, change):
+    """The torch.save archive at path, written again with the record whose
+    name ends in `suffix` replaced by change(its bytes), every CRC valid."""
+    with zipfile.ZipFile(path) as archive:
+        records = [(info.filename, archive.read(info)) for info in archive.infolist()]
+    with zipfile.ZipFile(path, "w", zipfile.ZIP_STORED) as archive:
+        for name, data in records:
+            archive.writestr(name, change(data) if name.endswith(suffix) else data)
+
+
+@pytest.mark.parametrize("keep", [0.5, 1.5])
+def test_a_storage_of_another_size_than_its_record_is_refused(saved, other, tmp_path,
+                                                              capsys, keep):
+    """Through torch.load(mmap=True) a record shorter than its storage read
+    the bytes after it (the next record, or past the end of the file)."""
+    def change(data):
+        return data[:int(len(data) * keep)] if keep < 1 else data + data[:len(data) // 2]
+    rewrite_record(saved / "t" / SHARD, "data/0", change)
+    match = "storage '0' declares .* bytes but its record holds"
+    refused_and_unchanged(other, lambda: other.load_checkpoint(saved, tag="t"), match)
+    with pytest.raises(ValueError, match=match):
+        consolidate(saved, "t")
+    command_line_refuses(capsys, saved, tmp_path, "but its record holds")
+
+
+# ---- 3. no allocation from a declared size before it is checked -------------------
+
+
+def test_a_huge_declared_parameter_is_refused_before_memory_is_taken(saved, tmp_path, capsys,
+                                                                     monkeypatch):
+    """A meta declaring a parameter of 2**36 elements: consolidate asked
+    for 256 GiB before it found the files hold 50."""
+    def huge(meta):
+        meta["params"]["head.bias"].update(shape=[2 ** 36], numel=2 ** 36)
+    edit(saved / "t" / META, huge)
+    real_empty = torch.empty
+
+    def bounded_empty(*size, **kwargs):
+        n = math.prod(size[0] if len(size) == 1 and isinstance(size[0], (tuple, list))
+                      else size)
+        assert n < 2 ** 30, f"torch.empty of {n} elements"
+        return real_empty(*size, **kwargs)
+    monkeypatch.setattr(torch, "empty", bounded_empty)
+    match = r"holds 50 of elements \[0, 68719476736\) of 'head.bias'"
+    with pytest.raises(ValueError, match=match):
+        consolidate(saved, "t")
+    command_line_refuses(capsys, saved, tmp_path, "of 'head.bias'")
+
+
+# ---- 2. settings from the checkpoint checked as user input ------------------------
+
+
+def _set_hyper(**values):
+    def change(meta):
+        meta["groups"][0]["hyper"].update(values)
+    return change
+
+
+SETTINGS = {
+    "params emptied": (_set_hyper(params=[]), "sets 'params' among its hyperparameters"),
+    "negative lr": (_set_hyper(lr=-1.0), "lr must be a finite number >= 0"),
+    "lr a string": (_set_hyper(lr="0.01"), "lr"),
+    "beta out of range": (_set_hyper(betas=(1.5, 0.999)), r"beta1 must be in \[0, 1\)"),
+    "scheduler's optimizer": (lambda meta: meta["lr_scheduler"].update(optimizer=None),
+                              "lr_scheduler state has the key 'optimizer'"),
+    "scheduler's lr nan": (lambda meta: meta["lr_scheduler"].update(_last_lr=[math.nan]),
+                           "lr must be a finite number >= 0"),
+    "scheduler's count a string": (lambda meta: meta["lr_scheduler"].update(last_epoch="3"),
+                                   r"lr_scheduler state\['last_epoch'\] is '3', not an "
+                                   "integer"),
+    "scheduler's lrs too few": (lambda meta: meta["lr_scheduler"].update(base_lrs=[]),
+                                r"\['base_lrs'\] is not a list of 1"),
+    "negative step count": (lambda meta: meta["groups"][0].update(step=-5),
+                            "param group 0 step count is -5"),
+    "negative micro steps": (lambda meta: meta["engine"].update(micro_steps=-1),
+                             "micro_steps is -1"),
+}
+
+
+@pytest.mark.parametrize("case", list(SETTINGS))
+def test_settings_from_the_checkpoint_are_checked_before_anything_changes(saved, other,
+                                                                         tmp_path, case):
+    change, match = SETTINGS[case]
+    edit(saved / "t" / META, change)
+    refused_and_unchanged(other, lambda: other.load_checkpoint(saved, tag="t"), match)
+    still_trains(other, tmp_path)
+
+
+def test_the_scheduler_state_is_not_applied_when_asked_not_to(saved, other):
+    edit(saved / "t" / META, lambda meta: meta["lr_scheduler"].update(optimizer=None))
+    other.load_checkpoint(saved, tag="t", load_lr_scheduler_states=False)
+    assert other.lr_scheduler.optimizer is other.optimizer
+    train(other, 1, 1)
+
+
+@pytest.mark.parametrize("scale, match", [(math.inf, "loss scale is inf"),
+                                          (-2.0, "loss scale is -2.0"),
+                                          ("big", "loss scale is 'big'")])
+def test_a_loss_scale_out_of_range_is_refused(tmp_path, scale, match):
+    engine = make_engine(2, "fp16")
+    train(engine, 0, 2)
+    engine.save_checkpoint(tmp_path, tag="t")
+    engine.close()
+    edit(tmp_path / "t" / META, lambda meta: meta["loss_scaler"].update(scale=scale))
+    other = make_engine(2, "fp16", seed=3)
+    refused_and_unchanged(other, lambda: other.load_checkpoint(tmp_path, tag="t"), match)
+    other.close()
+
+
+# ---- 5. read from inside the checkpoint directory only ----------------------------
+
+
+def test_a_tag_linked_out_of_the_directory_is_refused(saved, other, tmp_path, capsys):
+    outside = tmp_path / "elsewhere"
+    os.rename(saved / "t", outside)
+    os.symlink(outside, saved / "t")
+    match = "is a link to a directory outside"
+    refused_and_unchanged(other, lambda: other.load_checkpoint(saved, tag="t"), match)
+    (saved / "latest").write_text("t")
+    refused_and_unchanged(other, lambda: other.load_checkpoint(saved), match)
+    with pytest.raises(ValueError, match=match):
+        consolidate(saved)
+    command_line_refuses(capsys, saved, tmp_path, match)
+
+
+def test_a_link_inside_the_directory_is_followed(saved, other):
+    os.symlink("t", saved / "alias")
+    other.load_checkpoint(saved, tag="alias")
+
+
+def test_a_file_linked_out_of_the_directory_is_refused(saved, other, tmp_path):
+    outside = tmp_path / "elsewhere.pt"
+    os.rename(saved / "t" / SHARD, outside)
+    os.symlink(outside, saved / "t" / SHARD)
+    refused_and_unchanged(other, lambda: other.load_checkpoint(saved, tag="t"),
+                          f"{SHARD}' is a link to a file outside")
+
+
+def test_latest_linked_out_of_the_directory_is_refused_unread(saved, other, tmp_path,
+                                                              capsys):
+    secret = tmp_path / "secret.txt"
+    secret.write_text("t")  # names a real tag: read, it would load
+    os.remove(saved / "latest")
+    os.symlink(secret, saved / "latest")
+    error = refused_and_unchanged(other, lambda: other.load_checkpoint(saved),
+                                  "latest' is a link to a file outside")
+    assert "secret" not in str(error).replace(str(tmp_path), "")
+    with pytest.raises(ValueError, match="is a link to a file outside"):
+        consolidate(saved)
+
+
+@pytest.mark.parametrize("contents", ["../SECRET-TOKEN-41", "SECRET/TOKEN", "x" * 5000,
+                                      b"\xff\xfeSECRET"],
+                         ids=["path", "separator", "long", "not utf-8"])
+def test_a_latest_that_names_no_tag_is_not_quoted(saved, other, tmp_path, capsys, contents):
+    latest = saved / "latest"
+    latest.write_bytes(contents if isinstance(contents, bytes) else contents.encode())
+    error = refused_and_unchanged(other, lambda: other.load_checkpoint(saved),
+                                  "latest' does not name a tag directory inside")
+    assert "SECRET" not in str(error) and "xxxx" not in str(error)
+    code, line = run_main(capsys, saved, tmp_path / "out.pt")
+    assert code == 2 and "SECRET" not in line and "xxxx" not in line
+
+
+def test_a_latest_that_is_a_fifo_is_refused_without_waiting(saved, other):
+    os.remove(saved / "latest")
+    os.mkfifo(saved / "latest")  # opened for reading, it would wait for a writer
+    refused_and_unchanged(other, lambda: other.load_checkpoint(saved),
+                          "latest' is not a regular file")
+
+
+def test_a_file_not_of_zero_is_not_quoted(saved, other):
+    torch.save({"format": "SECRET-FORMAT", "version": "SECRET-VERSION"}, saved / "t" / META)
+    error = refused_and_unchanged(other, lambda: other.load_checkpoint(saved, tag="t"),
+                                  "is not a zero checkpoint file")
+    assert "SECRET" not in str(error)
+
+
+# ---- 6. a file that would run code is named as such ------------------------------
+
+
+class Payload:
+    """Unpickled, it would create a marker file (os.system)."""
+
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+@pytest.mark.parametrize("how", ["torch.save", "pickle.dump"])
+@pytest.mark.parametrize("victim", [META, SHARD])
+def test_a_file_that_would_run_code_is_refused_as_such(saved, other, tmp_path, capsys, how,
+                                                       victim):
+    marker = tmp_path / "ran"
+    path = saved / "t" / victim
+    payload = {"format": "zeroshard.checkpoint", "version": 1, "groups": [Payload(marker)]}
+    if how == "torch.save":
+        torch.save(payload, path)
+    else:
+        with open(path, "wb") as f:
+            pickle.dump(payload, f)
+    match = f"{victim}' is refused: it {CODE_REFUSED}"
+    refused_and_unchanged(other, lambda: other.load_checkpoint(saved, tag="t"), match)
+    with pytest.raises(ValueError, match=match):
+        consolidate(saved, "t")
+    line = command_line_refuses(capsys, saved, tmp_path, CODE_REFUSED)
+    assert "weights_only" not in line and "damaged" not in line
+    assert not marker.exists()
