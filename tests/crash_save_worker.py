@@ -11,9 +11,15 @@ directory must then load as A or as B, never fail.
         a forked child saves and is killed at its N-th boundary; this
         process (never killed) checks what loads, until a child saves whole.
         Prints one JSON line per N.
-    python crash_save_worker.py rank DIR KILL_RANK N
-        one rank of a launch (RANK, WORLD_SIZE, MASTER_* set by the test):
-        rank KILL_RANK is killed at its N-th boundary; the test checks.
+    python crash_save_worker.py ranks DIR KILL_RANK PORTS
+        one rank of two (RANK, WORLD_SIZE, MASTER_ADDR set by the test):
+        for N = 0, 1, ... (one port of the comma-separated PORTS each), a
+        forked child joins a new process group with the other rank's child,
+        prepares DIR/nN/ck and saves; rank KILL_RANK's child is killed at
+        its N-th boundary (N = 0: none, to count them). This process
+        imports torch and zero once and never joins a group itself, so
+        each child starts clean. Prints one JSON line per N; the test
+        checks the directories.
 
 A and B's model state dicts are written beside DIR as A.pt and B.pt.
 """
@@ -146,15 +152,27 @@ def sweep(directory):
             break
 
 
-def one_rank(directory, kill_rank, n):
-    engine = prepare(directory)
+def ranks(base, kill_rank, ports):
+    rank = int(os.environ["RANK"])
     boundaries = Boundaries()
     boundaries.install()
-    if engine._comm.rank == kill_rank:
-        boundaries.kill_at = n
-    engine.save_checkpoint(directory, tag="t")
-    print(json.dumps({"rank": engine._comm.rank, "boundaries": boundaries.count}), flush=True)
-    engine.close()
+    for n, port in enumerate(ports):
+        os.environ["MASTER_PORT"] = str(port)
+        directory = os.path.join(base, f"n{n}", "ck")
+        pid = os.fork()
+        if pid == 0:
+            engine = prepare(directory)
+            boundaries.count = 0
+            if rank == kill_rank:
+                boundaries.kill_at = n
+            engine.save_checkpoint(directory, tag="t")
+            print(json.dumps({"n": n, "rank": rank, "boundaries": boundaries.count}),
+                  flush=True)
+            os._exit(0)
+        _, status = os.waitpid(pid, 0)
+        print(json.dumps({"n": n, "rank": rank, "status": status,
+                          "killed": os.WIFSIGNALED(status) and
+                          os.WTERMSIG(status) == signal.SIGKILL}), flush=True)
 
 
 if __name__ == "__main__":
@@ -162,4 +180,4 @@ if __name__ == "__main__":
     if sys.argv[1] == "sweep":
         sweep(sys.argv[2])
     else:
-        one_rank(sys.argv[2], int(sys.argv[3]), int(sys.argv[4]))
+        ranks(sys.argv[2], int(sys.argv[3]), [int(p) for p in sys.argv[4].split(",")])
