@@ -1,5 +1,6 @@
 """The engine in one process with no launcher and no environment variables
 (a notebook): API, configs, bad input, re-initialisation."""
+import datetime
 import json
 import math
 
@@ -305,6 +306,34 @@ def test_a_loss_scale_fp32_cannot_hold_is_refused_by_name():
                                              r"config\) must be from 0 to 3.40282346\d*e\+38, "
                                              r"the largest fp32 number, got 1e\+39"):
             zero.Config.from_deepspeed({"fp16": {"enabled": True, key: 1e39}})
+
+
+@pytest.mark.parametrize("bad", [0, -5, float("inf"), float("nan"), True, "600", [600],
+                                 datetime.timedelta(0), datetime.timedelta(seconds=-1), 1e300])
+def test_timeout_is_checked_by_name(bad):
+    m = model()
+    before = [p.data_ptr() for p in m.parameters()]
+    with pytest.raises(ValueError, match=r"^timeout must be a positive, finite number of seconds "
+                                         r"\(from 0.001 to \d+\) or a datetime.timedelta, got "):
+        zero.initialize(m, timeout=bad)
+    assert untouched(m, before)
+    with pytest.raises(ValueError, match="^comms_timeout must be a positive, finite number"):
+        zero.Config.from_deepspeed({"comms_timeout": bad})
+
+
+def test_timeout_is_given_to_the_group_zero_makes():
+    """Seconds or a timedelta; left out, 10 minutes (torch's own default
+    for gloo is 30). An engine that joins the group later sets it again."""
+    from zero import _comm
+    assert zero.Config().timeout is None
+    assert zero.Config(timeout=datetime.timedelta(minutes=2)).timeout == 120.0
+    assert zero.Config.from_deepspeed({"comms_timeout": 45}).timeout == 45.0
+    first = zero.initialize(model(), timeout=42)
+    assert _comm.group_timeout() == datetime.timedelta(seconds=42)
+    second = zero.initialize(model())
+    assert _comm.group_timeout() == datetime.timedelta(minutes=10) == _comm.DEFAULT_TIMEOUT
+    second.close()
+    first.close()
 
 
 def test_model_without_parameters():

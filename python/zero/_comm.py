@@ -7,14 +7,27 @@ SUM, and the engine divides by the world size inside the optimizer pass.
 from __future__ import annotations
 
 import atexit
+import datetime
 import os
 import time
+import warnings
 from collections import defaultdict
 
 import torch
 import torch.distributed as dist
 
 _LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+# [Note: timeouts] How long a collective on a group zero makes waits for the
+# other ranks before it fails: torch's NCCL default, a third of its gloo one
+# (the reasons in docs/engine.md, "Timeouts"). Every group zero makes has the
+# same one at any time: the `timeout` setting of the last engine that joined,
+# else this default, else, beside a default group the user made, that
+# group's own (so the channels wait as long as the user's group does).
+# zero.partitioned_init joins without a setting and changes none. A
+# collective that times out raises an error that names the timeout and where
+# it is set (raise_if_timed_out), at the call or at the handle's wait().
+DEFAULT_TIMEOUT = datetime.timedelta(minutes=10)
+_UNCHANGED = object()  # join_process_group's timeout for partitioned_init
 # torch 2.13 renamed all_gather_into_tensor (now deprecated, with a warning
 # on every call) to all_gather_single; older releases have only the former.
 all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -41,6 +54,26 @@ def gather_by_broadcasts(output, shard, rank, world, group=None, async_op=False)
     return _AllOf(works) if async_op else None
 
 
+class _Watched:
+    """An async collective's handle whose wait() names a timeout
+    (raise_if_timed_out); torch's own handle raises gloo's bare message."""
+
+    __slots__ = ("work", "op", "group")
+
+    def __init__(self, work, op, group):
+        self.work, self.op, self.group = work, op, group
+
+    def wait(self):
+        try:
+            return self.work.wait()
+        except RuntimeError as error:
+            raise_if_timed_out(error, self.op, self.group)
+            raise
+
+    def is_completed(self) -> bool:
+        return self.work.is_completed()
+
+
 class _AllOf:
     """The handle of several collectives: done when all are."""
 
@@ -64,6 +97,12 @@ class _AllOf:
 # destroyed the user's own group).
 _owned = {"count": 0, "group": None, "held_for_process": None}
 _channels = {"world": None, "groups": []}  # see Comm.channel
+# The default group zero made last (from env:// or in memory; it is zero's
+# while it is dist.group.WORLD), and the timeout every group zero made has
+# now, with where it came from ("setting", "default", "your group"): see
+# [Note: timeouts].
+_made = {"world": None}
+_timeout = {"value": None, "source": None}
 
 
 def backend_for(device: torch.device, world: int) -> str:
@@ -100,10 +139,14 @@ def check_backend(device: torch.device):
         f"{backend_for(device, dist.get_world_size())!r}, or let zero.initialize make it")
 
 
-def join_process_group(device: torch.device, backend: str | None = None) -> bool:
+def join_process_group(device: torch.device, backend: str | None = None,
+                       timeout: float | None = None) -> bool:
     """Make sure a default process group exists that can reduce tensors on
     `device`; True if the caller owns it and should destroy it when done.
-    `backend` overrides backend_for() for a group made here.
+    `backend` overrides backend_for() for a group made here; `timeout`
+    (seconds, None: not set; _UNCHANGED: leave the groups' as they are) is
+    applied to every group zero made ([Note: timeouts]), never to one the
+    user made.
 
     An existing group is reused. Under torchrun (RANK etc. set) the group is
     made from env:// and kept for the life of the process (destroyed at
@@ -114,20 +157,25 @@ def join_process_group(device: torch.device, backend: str | None = None) -> bool
     """
     if dist.is_initialized():
         check_backend(device)
+        if timeout is not _UNCHANGED:
+            _settle_timeout(timeout)
         if _holds_current_group():
             # an in-memory group another engine made: share it, so that
             # engine's close() does not destroy it under this one
             _owned["count"] += 1
             return True
-        _forget_group()  # the user's group (ours, if any, was destroyed)
+        _forget_group()  # env:// (kept for the process) or the user's
         return False
     launched = all(v in os.environ for v in _LAUNCHER_VARS)
     backend = backend or backend_for(device, int(os.environ["WORLD_SIZE"]) if launched else 1)
     # bound to the model's device, so NCCL never guesses from the current one
     bind = {"device_id": device} if "nccl" in backend and device.type == "cuda" else {}
+    if timeout is _UNCHANGED:
+        timeout = None
+    wait = DEFAULT_TIMEOUT if timeout is None else datetime.timedelta(seconds=timeout)
     if launched:
-        dist.init_process_group(backend, init_method="env://", **bind)
-        _destroy_at_exit_once()
+        dist.init_process_group(backend, init_method="env://", timeout=wait, **bind)
+        _made_here(wait, timeout)
         return False
     else:
         present = [v for v in _LAUNCHER_VARS if v in os.environ]
@@ -137,19 +185,128 @@ def join_process_group(device: torch.device, backend: str | None = None) -> bool
                 f"launcher variables {', '.join(present)} are set but "
                 f"{', '.join(missing)} {'is' if len(missing) == 1 else 'are'} not; start "
                 "with torchrun, set the missing ones, or unset them")
-        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, **bind)
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1,
+                                timeout=wait, **bind)
         # partitioned_init's group is never left, and a live gloo group at
         # interpreter exit can end in "terminate called"
-        _destroy_at_exit_once()
+        _made_here(wait, timeout)
     _owned.update(count=1, group=dist.group.WORLD, held_for_process=None)
     return True
+
+
+def _made_here(wait: datetime.timedelta, timeout):
+    _made["world"] = dist.group.WORLD
+    _timeout.update(value=wait, source="default" if timeout is None else "setting")
+    _destroy_at_exit_once()
+
+
+def made_by_zero(group=None) -> bool:
+    """Whether `group` (None: the default group) is one zero made."""
+    if group is not None and group is not dist.group.WORLD:
+        return any(group is g for g in _channels["groups"])
+    return dist.is_initialized() and dist.group.WORLD is _made["world"]
+
+
+def _settle_timeout(timeout):
+    """Give every group zero made the timeout an engine joining now asks for
+    (seconds, None: not set); see [Note: timeouts]."""
+    if timeout is not None:
+        wait, source = datetime.timedelta(seconds=timeout), "setting"
+    elif made_by_zero():
+        wait, source = DEFAULT_TIMEOUT, "default"
+    else:
+        wait = group_timeout()
+        wait, source = (DEFAULT_TIMEOUT, "default") if wait is None else (wait, "your group")
+    ours = ([dist.group.WORLD] if made_by_zero() else []) + \
+        (_channels["groups"] if _channels["world"] is dist.group.WORLD else [])
+    if ours and wait != _timeout["value"]:
+        change = getattr(dist.distributed_c10d, "_set_pg_timeout", None)
+        if change is None:  # torch older than 2.3
+            warnings.warn(f"zero: the process groups zero made keep their timeout of "
+                          f"{_duration(_timeout['value'])}: torch {torch.__version__} cannot "
+                          f"change it to {_duration(wait)}", RuntimeWarning, stacklevel=3)
+            return
+        for group in ours:
+            change(wait, group)
+    _timeout.update(value=wait, source=source)
+
+
+def group_timeout(group=None):
+    """The timeout `group` (None: the default group) was made with, as torch
+    keeps it in its backend's options; None where this torch does not say."""
+    group = group or dist.group.WORLD
+    for device in ("cpu", "cuda"):
+        try:
+            wait = group._get_backend(torch.device(device)).options._timeout
+        except (AttributeError, RuntimeError, ValueError):
+            continue
+        if isinstance(wait, datetime.timedelta):
+            return wait
+    return None
+
+
+def _duration(wait) -> str:
+    if wait is None:
+        return "its timeout"
+    seconds = wait.total_seconds()
+    if seconds >= 120 and seconds % 60 == 0:
+        return f"{seconds / 60:g} minutes"
+    return f"{seconds:g} s"
+
+
+def issue(what: str, on, collective, *args, **kwargs):
+    """collective(*args, **kwargs), the collective `what` on the group `on`
+    (None: the default group), with its timeout named (raise_if_timed_out)
+    whether it is raised here or at the returned handle's wait() (when
+    kwargs has async_op=True)."""
+    try:
+        work = collective(*args, **kwargs)
+    except RuntimeError as error:
+        raise_if_timed_out(error, what, on)
+        raise
+    return _Watched(work, what, on) if kwargs.get("async_op") else work
+
+
+def raise_if_timed_out(error: RuntimeError, op: str, group=None):
+    """Raise, from `error`, the error that names the timeout and where it is
+    set when `error` is a collective's timeout; return otherwise (the
+    caller re-raises `error`). gloo raises a RuntimeError "Timed out
+    waiting 3000ms for recv operation to complete" at the call, or at the
+    wait() of an async one."""
+    text = str(error)
+    if "timed out" not in text.lower() or text.startswith("zero: "):
+        return
+    if made_by_zero(group):
+        wait = _timeout["value"]
+        where = "a process group zero made"
+        if _timeout["source"] == "your group":
+            how = ("zero's `timeout` setting is not set, so zero's groups take the timeout of "
+                   "the default process group your code made; set it with "
+                   "zero.initialize(timeout=seconds)")
+        else:
+            how = (f"it is zero's `timeout` setting ("
+                   f"{'set to' if _timeout['source'] == 'setting' else 'left at its default,'} "
+                   f"{_duration(wait)}): zero.initialize(timeout=seconds), zero.Config(timeout=), "
+                   "or \"comms_timeout\" in a DeepSpeed-style config")
+    else:
+        wait = group_timeout(group)
+        where = "the process group your code made"
+        how = ("it is that group's own, set where it is made (dist.init_process_group("
+               "timeout=...), or TrainingArguments(ddp_timeout=...) under the HF Trainer); "
+               "zero's `timeout` setting applies to the groups zero makes")
+    raise RuntimeError(
+        f"zero: {op} on {where} timed out: another rank did not join it within "
+        f"{_duration(wait)} (the process group's timeout). That rank has stopped, hangs, "
+        f"crashed without its process ending, or is busy elsewhere for longer (saving or "
+        f"evaluating alone); if a rank may legitimately wait that long, raise the timeout: "
+        f"{how}. ({type(error).__name__}: {error})") from error
 
 
 def join_for_the_process(device: torch.device, backend: str | None = None):
     """join_process_group for a holder that never leaves
     (zero.partitioned_init): one reference per group, however often it
     runs (a notebook cell run again)."""
-    if join_process_group(device, backend):
+    if join_process_group(device, backend, _UNCHANGED):
         if _owned["held_for_process"] is _owned["group"]:
             _owned["count"] -= 1  # held already
         else:
@@ -265,7 +422,7 @@ class Comm:
             _channels.update(world=dist.group.WORLD, groups=[])
         groups = _channels["groups"]
         while len(groups) <= index:
-            groups.append(dist.new_group())
+            groups.append(dist.new_group(timeout=_timeout["value"] or DEFAULT_TIMEOUT))
         channel = Comm.__new__(Comm)
         channel.__dict__.update(self.__dict__)
         channel.group = groups[index]
@@ -275,15 +432,15 @@ class Comm:
         self.log.record("all_reduce", tensor)
         if self.world == 1:
             return None
-        return dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self.group,
-                               async_op=async_op)
+        return self._issue("all_reduce", dist.all_reduce, tensor,
+                           op=dist.ReduceOp.SUM, group=self.group, async_op=async_op)
 
     def reduce_sum(self, tensor, dst: int, async_op=False):
         self.log.record("reduce", tensor)
         if self.world == 1:
             return None
-        return dist.reduce(tensor, dst=dst, op=dist.ReduceOp.SUM, group=self.group,
-                           async_op=async_op)
+        return self._issue("reduce", dist.reduce, tensor, dst=dst,
+                           op=dist.ReduceOp.SUM, group=self.group, async_op=async_op)
 
     def all_gather_into(self, output, shard, async_op=False):
         self.log.record("all_gather", output)
@@ -292,13 +449,17 @@ class Comm:
                 output.copy_(shard)
             return None
         if output.device.type == "cpu":  # [Note: gathers on gloo]
-            return gather_by_broadcasts(output, shard, self.rank, self.world, self.group,
-                                        async_op)
-        return all_gather_single(output, shard, group=self.group, async_op=async_op)
+            return self._issue("all_gather", gather_by_broadcasts, output, shard, self.rank,
+                               self.world, self.group, async_op=async_op)
+        return self._issue("all_gather", all_gather_single, output, shard, group=self.group,
+                           async_op=async_op)
 
     def broadcast(self, tensor, src=0):
         if self.world > 1:
-            dist.broadcast(tensor, src=src, group=self.group)
+            self._issue("broadcast", dist.broadcast, tensor, src=src, group=self.group)
+
+    def _issue(self, what, collective, *args, **kwargs):
+        return issue(what, self.group, collective, *args, **kwargs)
 
     def gather_scalars(self, value: int) -> list:
         """Every rank's integer, in rank order (not logged: a check, not
@@ -311,14 +472,15 @@ class Comm:
         mine = torch.tensor(values, dtype=torch.int64, device=self.scalar_device)
         every = torch.empty(self.world * mine.numel(), dtype=torch.int64,
                             device=self.scalar_device)
-        all_gather_single(every, mine, group=self.group)
+        self._issue("all_gather", all_gather_single, every, mine, group=self.group)
         return every.view(self.world, -1).tolist()
 
     def sum_scalars_(self, tensor):
         """Sum a few numbers (a tensor on the model's device) over ranks in
         place; not logged, like sum_scalar."""
         if self.world > 1:
-            dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self.group)
+            self._issue("all_reduce", dist.all_reduce, tensor, op=dist.ReduceOp.SUM,
+                        group=self.group)
 
     def sum_scalar(self, value: float) -> float:
         if self.world == 1:

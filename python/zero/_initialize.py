@@ -95,7 +95,7 @@ def initialize(model: nn.Module, *, optimizer=None, stage=None, precision=None,
     if optimizer is None:
         optimizer = default_optimizer(cfg, model)
     share_cores_among_local_ranks()
-    created = join_process_group(device)
+    created = join_process_group(device, timeout=cfg.timeout)
     engine = None
     try:
         comm = Comm(device)

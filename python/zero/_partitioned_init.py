@@ -40,7 +40,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 from torch.utils.weak import WeakIdKeyDictionary
 
-from zero._comm import backend_for, gather_by_broadcasts, join_for_the_process
+from zero._comm import backend_for, gather_by_broadcasts, issue, join_for_the_process
 from zero._units import storage_key
 
 _CHUNK_ALIGN = 16
@@ -89,7 +89,8 @@ class _Sharded:
         if self.world == 1:
             out.copy_(self.chunk)
         else:
-            gather_by_broadcasts(out, self.chunk, self.rank, self.world)
+            issue("all_gather", None, gather_by_broadcasts, out, self.chunk, self.rank,
+                  self.world)
         return out[:self.numel].view(self.shape)
 
     def store(self, full: torch.Tensor):
@@ -169,7 +170,7 @@ class partitioned_init(TorchDispatchMode):
         mine = torch.tensor([int.from_bytes(digest, "little") & (2**62 - 1)],
                             dtype=torch.int64)
         every = [torch.zeros_like(mine) for _ in range(self.world)]
-        dist.all_gather(every, mine)
+        issue("all_gather", None, dist.all_gather, every, mine)
         if any(int(t) != int(mine) for t in every):
             raise RuntimeError(
                 "zero.partitioned_init() needs the same random state on every rank (the "

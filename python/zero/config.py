@@ -4,6 +4,7 @@ can bring theirs. Unknown keys are reported by their full dotted name."""
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import json
 import math
 import numbers
@@ -82,6 +83,25 @@ class LossScaling:
         if not isinstance(self.consecutive_hysteresis, bool):
             raise ValueError("loss_scaling.consecutive_hysteresis must be true or false, got "
                              f"{self.consecutive_hysteresis!r}")
+
+
+def _seconds(value, name):
+    """A timeout as float seconds (None stays None): a positive, finite
+    number of seconds or a datetime.timedelta, at least the millisecond
+    torch counts in and at most what a timedelta holds."""
+    if value is None:
+        return None
+    seconds = value.total_seconds() if isinstance(value, datetime.timedelta) else value
+    if isinstance(seconds, bool) or not isinstance(seconds, numbers.Real) or \
+            not math.isfinite(seconds) or not 0.001 <= seconds <= _LONGEST_TIMEOUT:
+        raise ValueError(
+            f"{name} must be a positive, finite number of seconds (from 0.001 to "
+            f"{_LONGEST_TIMEOUT:.0f}) or a datetime.timedelta, got {value!r}; for a very long "
+            "wait give a large number, such as 86400 for a day")
+    return float(seconds)
+
+
+_LONGEST_TIMEOUT = datetime.timedelta.max.total_seconds()
 
 
 def _number(value, name):
@@ -206,8 +226,15 @@ class Config:
     check_grad_overflow: bool = False
     optimizer: Optional[dict] = None  # {"type": "AdamW", "params": {...}}
     scheduler: Optional[dict] = None  # {"type": "WarmupLR", "params": {...}}
+    # seconds (or a datetime.timedelta) a collective on a process group zero
+    # makes waits for the other ranks before it fails, naming this setting;
+    # None: 10 minutes, or beside a default group the user made, that
+    # group's own (docs/engine.md, "Timeouts"). A DeepSpeed-style config's
+    # "comms_timeout" (DeepSpeed has no key for it)
+    timeout: Optional[float] = None
 
     def __post_init__(self):
+        object.__setattr__(self, "timeout", _seconds(self.timeout, "timeout"))
         leaves = self.stage3_leaf_modules
         if isinstance(leaves, (str, type)):
             leaves = (leaves,)
@@ -448,6 +475,7 @@ def _translate(ds: dict) -> dict:
         "gradient_clipping": "gradient_clipping",
         "optimizer": "optimizer",
         "scheduler": "scheduler",
+        "comms_timeout": "timeout",  # ours: DeepSpeed reads DEEPSPEED_TIMEOUT (minutes) only
     }, _IGNORED))
     zero_opts = _take(zero_block, "zero_optimization.", {
         "stage": "stage", "reduce_bucket_size": "reduce_bucket_size",
@@ -480,6 +508,8 @@ def _translate(ds: dict) -> dict:
                 raise ValueError(f"zero_optimization.{key} must be an integer, got {value!r}")
             zero_opts[key] = int(value)
     options.update(zero_opts)
+    if "timeout" in options:  # named as the config names it
+        options["timeout"] = _seconds(options["timeout"], "comms_timeout")
     options.update(_take(data_types, "data_types.", {"grad_accum_dtype": "grad_accum_dtype"}))
     # DeepSpeed 0.19.8 clips at 1.0 when a config names no gradient_clipping
     options.setdefault("gradient_clipping", 1.0)
