@@ -103,6 +103,7 @@ _channels = {"world": None, "groups": []}  # see Comm.channel
 # [Note: timeouts].
 _made = {"world": None}
 _timeout = {"value": None, "source": None}
+_exit_hook = {"registered": False}
 
 
 def backend_for(device: torch.device, world: int) -> str:
@@ -159,6 +160,7 @@ def join_process_group(device: torch.device, backend: str | None = None,
         check_backend(device)
         if timeout is not _UNCHANGED:
             _settle_timeout(timeout)
+        _at_exit_once()  # [Note: gloo at exit], whoever made the group
         if _holds_current_group():
             # an in-memory group another engine made: share it, so that
             # engine's close() does not destroy it under this one
@@ -197,7 +199,7 @@ def join_process_group(device: torch.device, backend: str | None = None,
 def _made_here(wait: datetime.timedelta, timeout):
     _made["world"] = dist.group.WORLD
     _timeout.update(value=wait, source="default" if timeout is None else "setting")
-    _destroy_at_exit_once()
+    _at_exit_once()
 
 
 def made_by_zero(group=None) -> bool:
@@ -322,24 +324,43 @@ def _forget_group():
     _owned.update(count=0, group=None, held_for_process=None)
 
 
-def _destroy_at_exit_once():
-    atexit.unregister(_destroy_at_exit)  # one registration, however many groups
-    atexit.register(_destroy_at_exit)
+def _at_exit_once():
+    if not _exit_hook["registered"]:  # one, however many groups and engines
+        atexit.register(_at_exit)
+        _exit_hook["registered"] = True
 
 
-def _destroy_at_exit():
-    """[Note: gloo at exit] A gloo worker thread drops its reference to an
-    async collective's tensors just after the waiting rank is told the
-    work is done. When Python let go of such a tensor first, that last
-    drop takes the GIL; if the interpreter is finalizing by then, the
-    thread is ended inside a C++ destructor and the process aborts
-    ("terminate called without an active exception") after a run that
-    finished well: 1 in 5 two-rank nvme-offload runs here. Sleeping
-    releases the GIL to such a thread before finalization starts."""
+def _at_exit():
+    """[Note: gloo at exit] A gloo worker thread drops its reference to a
+    collective's tensors just after the rank waiting on it is told the work
+    is done. When Python let go of such a tensor first (a view made for one
+    broadcast, a temporary of a few numbers), that last drop takes the GIL;
+    if the interpreter is finalizing by then, the thread is ended inside a
+    C++ destructor and the process aborts ("terminate called without an
+    active exception", exit -6) after a run that finished well (1 in 5
+    two-rank nvme-offload runs on zero's own group before this hook).
+    Sleeping releases the GIL to such a thread before finalization starts
+    (the core dump of one abort: a gloo worker in ~AsyncBroadcastWork ->
+    decref_pyobject -> take_gil -> pthread_exit while the main thread was
+    in Py_FinalizeEx). This runs
+    whatever made the default group: runs on a group the user made (a
+    script's dist.init_process_group, accelerate under the HF Trainer)
+    aborted in 6 of 20 two-rank stage-2 runs without it (the last
+    collective, stage 2's gather of the updated parameters, broadcasts
+    views; stage 0, which reduces a long-lived buffer only, never did).
+    Then zero destroys what it made, and only that: every group when it
+    made the default one, else its channels beside the user's group, which
+    is left as it is for the user's own exit code."""
     time.sleep(0.05)
+    channels = _channels["groups"] if _channels["world"] is dist.group.WORLD else []
     _channels.update(world=None, groups=[])
-    if dist.is_initialized():
+    if not dist.is_initialized():
+        return
+    if made_by_zero():
         dist.destroy_process_group()  # every group, the channels too
+        return
+    for group in channels:
+        dist.destroy_process_group(group)
 
 
 def leave_process_group(created: bool):
