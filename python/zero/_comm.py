@@ -33,7 +33,8 @@ _UNCHANGED = object()  # join_process_group's timeout for partitioned_init
 all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
-def gather_by_broadcasts(output, shard, rank, world, group=None, async_op=False):
+def gather_by_broadcasts(output, shard, rank, world, group=None, async_op=False,
+                         sources=None):
     """All-gather `shard` (this rank's) into `output` (world shards back to
     back) on gloo. [Note: gathers on gloo] gloo's all-gather, both
     all_gather_into_tensor and all_gather into a list of views, receives
@@ -43,13 +44,15 @@ def gather_by_broadcasts(output, shard, rank, world, group=None, async_op=False)
     99 ms and 49 MB extra against 26 ms and none; bench numbers in
     docs/performance.md). So on the CPU each rank's slice is broadcast from
     that rank, in rank order on every rank. NCCL gathers in place and keeps
-    its own all-gather. Returns a handle whose wait() waits for all of them
-    (async_op), else None."""
+    its own all-gather. `sources`: the global rank of each of the group's
+    ranks (default: the same numbers). Returns a handle whose wait() waits
+    for all of them (async_op), else None."""
     slices = output.view(world, -1)
     mine = slices[rank]
     if mine.data_ptr() != shard.data_ptr():
         mine.copy_(shard.reshape(-1))
-    works = [dist.broadcast(slices[r], src=r, group=group, async_op=async_op)
+    sources = sources or range(world)
+    works = [dist.broadcast(slices[r], src=sources[r], group=group, async_op=async_op)
              for r in range(world)]
     return _AllOf(works) if async_op else None
 
@@ -96,7 +99,9 @@ class _AllOf:
 # here (a bare counter outlived the group it counted, and a later close()
 # destroyed the user's own group).
 _owned = {"count": 0, "group": None, "held_for_process": None}
-_channels = {"world": None, "groups": []}  # see Comm.channel
+# see Comm.channel: the default group they were made beside, and per set of
+# global ranks (None: all of them) the channels made for it
+_channels = {"world": None, "groups": {}}
 # The default group zero made last (from env:// or in memory; it is zero's
 # while it is dist.group.WORLD), and the timeout every group zero made has
 # now, with where it came from ("setting", "default", "your group"): see
@@ -202,10 +207,15 @@ def _made_here(wait: datetime.timedelta, timeout):
     _at_exit_once()
 
 
+def all_channels() -> list:
+    """Every reduction channel zero made (Comm.channel), for every group."""
+    return [g for groups in _channels["groups"].values() for g in groups]
+
+
 def made_by_zero(group=None) -> bool:
     """Whether `group` (None: the default group) is one zero made."""
     if group is not None and group is not dist.group.WORLD:
-        return any(group is g for g in _channels["groups"])
+        return any(group is g for g in all_channels())
     return dist.is_initialized() and dist.group.WORLD is _made["world"]
 
 
@@ -220,7 +230,7 @@ def _settle_timeout(timeout):
         wait = group_timeout()
         wait, source = (DEFAULT_TIMEOUT, "default") if wait is None else (wait, "your group")
     ours = ([dist.group.WORLD] if made_by_zero() else []) + \
-        (_channels["groups"] if _channels["world"] is dist.group.WORLD else [])
+        (all_channels() if _channels["world"] is dist.group.WORLD else [])
     if ours and wait != _timeout["value"]:
         change = getattr(dist.distributed_c10d, "_set_pg_timeout", None)
         if change is None:  # torch older than 2.3
@@ -352,8 +362,8 @@ def _at_exit():
     made the default one, else its channels beside the user's group, which
     is left as it is for the user's own exit code."""
     time.sleep(0.05)
-    channels = _channels["groups"] if _channels["world"] is dist.group.WORLD else []
-    _channels.update(world=None, groups=[])
+    channels = all_channels() if _channels["world"] is dist.group.WORLD else []
+    _channels.update(world=None, groups={})
     if not dist.is_initialized():
         return
     if made_by_zero():
@@ -409,19 +419,26 @@ class CommLog:
 
 
 class Comm:
-    """Collectives over the default group, logged. `device` is the model's.
+    """Collectives over one process group, logged: the default group, or
+    the one given to zero.initialize as `mesh` (a group or a 1-D
+    DeviceMesh's), whose ranks `rank` and `world` then count. Every rank
+    number passed in or out (src, dst, owner) is the group's; the global
+    rank each stands for is in `global_ranks`. `device` is the model's.
     Small host-side numbers (flags, checks) travel as CPU tensors when the
     group has gloo for them, so the host never waits for the GPU to read
     them back; a group made with NCCL alone gets them on the device."""
 
-    def __init__(self, device: torch.device = torch.device("cpu")):
+    def __init__(self, device: torch.device = torch.device("cpu"), group=None):
         self.device = device
         host_ok = device.type == "cpu" or "gloo" in group_backend()
         self.scalar_device = torch.device("cpu") if host_ok else device
-        self.rank = dist.get_rank()
-        self.world = dist.get_world_size()
+        self.group = group  # None: the default group
+        self.rank = dist.get_rank(group)
+        self.world = dist.get_world_size(group)
+        self.global_rank = dist.get_rank()
+        self.global_ranks = list(range(self.world)) if group is None else \
+            dist.get_process_group_ranks(group)
         self.log = CommLog()
-        self.group = None  # the default group
 
     def channel(self, index: int) -> "Comm":
         """Reduction channel `index`: a Comm over a process group of its own
@@ -440,10 +457,16 @@ class Comm:
         if self.world == 1:
             return self
         if _channels["world"] is not dist.group.WORLD:
-            _channels.update(world=dist.group.WORLD, groups=[])
-        groups = _channels["groups"]
+            _channels.update(world=dist.group.WORLD, groups={})
+        ranks = None if self.group is None else tuple(self.global_ranks)
+        groups = _channels["groups"].setdefault(ranks, [])
+        wait = _timeout["value"] or DEFAULT_TIMEOUT
         while len(groups) <= index:
-            groups.append(dist.new_group(timeout=_timeout["value"] or DEFAULT_TIMEOUT))
+            if ranks is None:
+                groups.append(dist.new_group(timeout=wait))
+            else:  # made by the group's ranks alone: the others train apart
+                groups.append(dist.new_group(list(ranks), timeout=wait,
+                                             use_local_synchronization=True))
         channel = Comm.__new__(Comm)
         channel.__dict__.update(self.__dict__)
         channel.group = groups[index]
@@ -460,7 +483,7 @@ class Comm:
         self.log.record("reduce", tensor)
         if self.world == 1:
             return None
-        return self._issue("reduce", dist.reduce, tensor, dst=dst,
+        return self._issue("reduce", dist.reduce, tensor, dst=self.global_ranks[dst],
                            op=dist.ReduceOp.SUM, group=self.group, async_op=async_op)
 
     def all_gather_into(self, output, shard, async_op=False):
@@ -471,13 +494,15 @@ class Comm:
             return None
         if output.device.type == "cpu":  # [Note: gathers on gloo]
             return self._issue("all_gather", gather_by_broadcasts, output, shard, self.rank,
-                               self.world, self.group, async_op=async_op)
+                               self.world, self.group, async_op=async_op,
+                               sources=self.global_ranks)
         return self._issue("all_gather", all_gather_single, output, shard, group=self.group,
                            async_op=async_op)
 
     def broadcast(self, tensor, src=0):
         if self.world > 1:
-            self._issue("broadcast", dist.broadcast, tensor, src=src, group=self.group)
+            self._issue("broadcast", dist.broadcast, tensor, src=self.global_ranks[src],
+                        group=self.group)
 
     def _issue(self, what, collective, *args, **kwargs):
         return issue(what, self.group, collective, *args, **kwargs)

@@ -48,10 +48,6 @@ class GatheredParameters:
     def __enter__(self):
         if not self.enabled:
             return self
-        world = dist.get_world_size() if dist.is_initialized() else 1
-        if self.modifier_rank is not None and not 0 <= self.modifier_rank < world:
-            raise ValueError(f"modifier_rank {self.modifier_rank} is not a rank of this "
-                             f"world of {world}")
         seen = set()
         self._listed = []  # (fg, unit, index in unit, value on entry)
         for p in self.params:
@@ -63,6 +59,12 @@ class GatheredParameters:
                 self._units.append(place)
             j = next(j for j, q in enumerate(place.unit.params) if q is p)
             self._listed.append((place.fg, place.unit, j))
+        # the engine's ranks: those of the group it partitions over (mesh=)
+        world = self._units[0].fg.comm.world if self._units else \
+            dist.get_world_size() if dist.is_initialized() else 1
+        if self.modifier_rank is not None and not 0 <= self.modifier_rank < world:
+            raise ValueError(f"modifier_rank {self.modifier_rank} is not a rank of this "
+                             f"world of {world}")
         # a value written into a listed parameter before entry is taken in
         # first, or the write-back (only what changed inside) would miss it
         take_in_parameter_writes(self._groups(), self._call_text("entering"))

@@ -8,7 +8,9 @@ from torch import nn
 
 from zero._comm import Comm, join_process_group, leave_process_group
 from zero._copying import EngineRef
+from zero._mesh import resolve_mesh
 from zero._optimizer_bridge import optimizer_from_config
+from zero._partitioned_init import sharded_record
 from zero._schedulers import scheduler_from_config
 from zero._threads import share_cores_among_local_ranks
 from zero.config import Config, check_nvme_path
@@ -40,7 +42,8 @@ def default_optimizer(cfg: Config, model: nn.Module):
 
 
 def initialize(model: nn.Module, *, optimizer=None, stage=None, precision=None,
-               config=None, lr_scheduler=None, device=None, **options) -> Engine:
+               config=None, lr_scheduler=None, device=None, mesh=None,
+               **options) -> Engine:
     """Wrap `model` in place and return the Engine that trains it.
 
     optimizer: a torch.optim (AdamW, Adam, SGD, Adagrad) or zero.optim
@@ -58,6 +61,10 @@ def initialize(model: nn.Module, *, optimizer=None, stage=None, precision=None,
         (a zero.partitioned_init model one parameter at a time); "cuda"
         without an index means cuda:LOCAL_RANK under a launcher (made the
         current device), else the current device.
+    mesh: the data-parallel group ZeRO partitions over: None for the whole
+        world, or a torch.distributed ProcessGroup or 1-D DeviceMesh that
+        holds this rank (two engines can then train on two halves of the
+        world). Ranks, partitions and checkpoints are the group's.
     options: any other zero.Config field (gradient_accumulation_steps,
         gradient_clipping, reduce_bucket_size, ...).
     """
@@ -98,7 +105,10 @@ def initialize(model: nn.Module, *, optimizer=None, stage=None, precision=None,
     created = join_process_group(device, timeout=cfg.timeout)
     engine = None
     try:
-        comm = Comm(device)
+        group = resolve_mesh(mesh)
+        if group is not None:
+            _check_not_partitioned_over_the_world(model)
+        comm = Comm(device, group)
         cfg = settle_batch_sizes(cfg, comm.world)
         if lr_scheduler is None and cfg.scheduler:
             lr_scheduler = scheduler_from_config(cfg.scheduler, optimizer)
@@ -114,6 +124,18 @@ def initialize(model: nn.Module, *, optimizer=None, stage=None, precision=None,
         else:  # its finalizer leaves, once
             engine._leave_group()
         raise
+
+
+def _check_not_partitioned_over_the_world(model: nn.Module) -> None:
+    """zero.partitioned_init partitions over the whole world, and taking a
+    placeholder's values is a collective of every rank: an engine on a
+    part of the world would wait for ranks that are not in it."""
+    for name, p in model.named_parameters():
+        if sharded_record(p) is not None:
+            raise ValueError(f"parameter '{name}' was built under zero.partitioned_init(), "
+                             "which partitions over the whole world, but mesh= names a part "
+                             "of it; build the model without partitioned_init to train it "
+                             "on a group")
 
 
 def _check_parameters_free(model: nn.Module) -> None:

@@ -230,7 +230,7 @@ class Engine(DeepSpeedQueries, nn.Module):
         if offload.device != "nvme":
             return lambda index: None
         from zero._nvme import NvmeFiles
-        return lambda index: NvmeFiles(offload.nvme_path, f"r{comm.rank}-g{index}",
+        return lambda index: NvmeFiles(offload.nvme_path, f"r{comm.global_rank}-g{index}",
                                        offload.chunk_elements, offload.write_through)
 
     @staticmethod
@@ -242,7 +242,7 @@ class Engine(DeepSpeedQueries, nn.Module):
         if offload.device != "nvme":
             return lambda index: None
         from zero._nvme import NvmeFiles
-        return lambda index: NvmeFiles(offload.nvme_path, f"r{comm.rank}-g{index}-params",
+        return lambda index: NvmeFiles(offload.nvme_path, f"r{comm.global_rank}-g{index}-params",
                                        chunk_elements, what="offload_param")
 
     @staticmethod

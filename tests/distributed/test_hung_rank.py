@@ -41,7 +41,7 @@ def _worker(made_by: str):
         engine = zero.initialize(model, stage=2)
     else:
         engine = zero.initialize(model, stage=2, timeout=TIMEOUT)
-    channel = _comm._channels["groups"][0]
+    channel = _comm.all_channels()[0]
     print(f"channel timeout {_comm.group_timeout(channel).total_seconds()}", flush=True)
     for step in range(2 * STOP_AT_STEP):
         if step == STOP_AT_STEP and rank == 1:

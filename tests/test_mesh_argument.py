@@ -1,0 +1,55 @@
+"""zero.initialize(mesh=...) in one process: what it accepts, and what it
+refuses by name (a mesh of more dimensions than the one built, another
+type, a model zero.partitioned_init partitioned over the whole world).
+Training over a part of the world: tests/distributed/test_mesh_groups.py."""
+import pytest
+import torch
+import torch.distributed as dist
+
+import zero
+from engine_cases import no_launcher
+
+
+@pytest.fixture(autouse=True)
+def one_process_group(monkeypatch):
+    no_launcher(monkeypatch)
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def _model():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 2))
+
+
+def test_a_group_and_a_1d_mesh_are_taken():
+    from torch.distributed.device_mesh import DeviceMesh
+    for mesh in (dist.group.WORLD, dist.new_group([0]), DeviceMesh("cpu", [0])):
+        engine = zero.initialize(_model(), stage=2, mesh=mesh)
+        engine.backward(engine(torch.randn(3, 4)).square().mean())
+        engine.step()
+        assert engine._comm.world == 1 and engine._comm.global_ranks == [0]
+        engine.close()
+
+
+def test_a_mesh_of_two_dimensions_is_refused_by_name():
+    from torch.distributed.device_mesh import DeviceMesh
+    mesh = DeviceMesh("cpu", [[0]], mesh_dim_names=("dp_replicate", "dp_shard"))
+    with pytest.raises(NotImplementedError, match=r"mesh has 2 dimensions \(dp_replicate, "
+                                                  r"dp_shard\).*mesh\['dp_shard'\]"):
+        zero.initialize(_model(), stage=2, mesh=mesh)
+
+
+@pytest.mark.parametrize("mesh", [0, "dp", [0]])
+def test_a_mesh_of_another_type_is_refused(mesh):
+    with pytest.raises(TypeError, match="mesh must be a torch.distributed DeviceMesh"):
+        zero.initialize(_model(), stage=2, mesh=mesh)
+
+
+def test_a_partitioned_init_model_is_refused_on_a_group():
+    with zero.partitioned_init():
+        model = _model()
+    with pytest.raises(ValueError, match="parameter '0.weight' was built under "
+                                         "zero.partitioned_init"):
+        zero.initialize(model, stage=3, mesh=dist.new_group([0]))
