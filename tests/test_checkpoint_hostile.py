@@ -19,31 +19,19 @@ import torch
 
 import zero
 from zero.checkpoint import consolidate
-from engine_cases import no_launcher
 from test_checkpoint import make_engine, train
-from test_checkpoint_damage import SHARD, edit, run_main
+# the stage-2 checkpoint in tmp_path/ck/t (its schedule a LambdaLR), and
+# one process with no launcher variables
+from test_checkpoint_damage import SHARD, _no_launcher, edit, run_main, saved  # noqa: F401
 
 META = "zero_meta.pt"
 CODE_REFUSED = "holds objects that would run code when loaded; zero never loads such files"
 
 
-@pytest.fixture(autouse=True)
-def _no_launcher(monkeypatch):
-    no_launcher(monkeypatch)
-
-
-@pytest.fixture
-def saved(tmp_path):
-    """A stage-2 AdamW checkpoint (LambdaLR schedule) in tmp_path/ck/t."""
-    engine = make_engine(2)
-    train(engine, 0, 2)
-    engine.save_checkpoint(tmp_path / "ck", tag="t")
-    engine.close()
-    return tmp_path / "ck"
-
-
 @pytest.fixture
 def other():
+    """An engine that has trained a step (its optimizer states and
+    schedule moved), to load into."""
     engine = make_engine(2, seed=4)
     train(engine, 0, 1)
     yield engine
