@@ -100,11 +100,12 @@ def prepare(directory):
     return engine
 
 
-def which(directory, a, b):
-    """"A" or "B": what the checkpoint directory loads as (consolidate,
-    read-only); the error's text if it does not load."""
+def which(directory, a, b, tag=None):
+    """"A" or "B": what the checkpoint directory (its `tag`, default the
+    latest) loads as (consolidate, read-only); the error's text if it does
+    not load."""
     try:
-        model = consolidate(directory)["model"]
+        model = consolidate(directory, tag)["model"]
     except Exception as error:  # noqa: BLE001 - reported to the test
         return f"error: {error}"
     for name, reference in (("A", a), ("B", b)):
@@ -141,13 +142,17 @@ def sweep(directory):
         killed = os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL
         read = which(directory, a, b)
         left = leftovers(directory)
-        loader.load_checkpoint(directory)  # cleans up what the kill left
+        loader.load_checkpoint(directory)  # reads only
         loaded = loader.full_state_dict()
         loaded_as = [name for name, ref in (("A", a), ("B", b))
                      if all(torch.equal(loaded[k], ref[k]) for k in ref)]
+        left_by_load = leftovers(directory)
+        loader.save_checkpoint(directory, tag="next")  # puts right what the kill left
         print(json.dumps({"n": n, "killed": killed, "exit": status, "read": read,
                           "leftovers_after_kill": left, "loaded": loaded_as,
-                          "leftovers_after_load": leftovers(directory)}), flush=True)
+                          "leftovers_after_load": left_by_load,
+                          "leftovers_after_next_save": leftovers(directory),
+                          "read_after_next_save": which(directory, a, b, "t")}), flush=True)
         if not killed:
             break
 

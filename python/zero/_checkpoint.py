@@ -19,7 +19,7 @@ from zero._checkpoint_format import (FORMAT, LATEST_FILE, META_FILE, REPLICATED_
                                      owned_pieces, resolve_tag, shard_file,
                                      staging_directory, tag_directory_hint)
 from zero._checkpoint_writes import (discard_replaced, discard_staging, prepare_staging, publish,
-                                     recover_interrupted_saves, write_file, write_latest)
+                                     write_file, write_latest)
 from zero._optimizer_bridge import fresh_states, parameter_names, states_for
 from zero._param_writes import bump_versions, take_in_parameter_writes
 from zero._restored_settings import check_restored_settings
@@ -442,21 +442,8 @@ def _load_buffers(engine, meta):
             t.copy_(meta["buffers"][key])
 
 
-def _recover(engine, load_dir):
-    """Rank 0 puts back what a killed save left (before the agreement in
-    _nothing_to_load, which every rank waits for). Best effort: on a
-    read-only copy, the reader finds a replaced tag where it waits."""
-    if engine._comm.rank != 0:
-        return
-    try:
-        recover_interrupted_saves(os.fspath(load_dir))
-    except (OSError, TypeError):  # TypeError: not a path; the load's own checks say so
-        pass
-
-
 def load(engine, load_dir, tag=None, load_optimizer_states=True,
          load_lr_scheduler_states=True, load_module_only=False):
-    _recover(engine, load_dir)
     if _nothing_to_load(engine, load_dir, tag):
         warnings.warn(f"load_checkpoint: {os.fspath(load_dir)!r} holds no checkpoint yet; "
                       "nothing was loaded (returned None, None, as DeepSpeed does)",

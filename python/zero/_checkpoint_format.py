@@ -156,7 +156,8 @@ def _latest_tag(save_dir) -> str:
 def resolve_tag(save_dir, tag=None) -> str:
     """The tag directory to read: `tag`, or the one named in <save_dir>/latest.
     A tag whose replacement by a save was cut short between its two
-    renames is read from where its previous checkpoint waits."""
+    renames (or is between them now) is read from where its previous
+    checkpoint waits."""
     save_dir = os.fspath(save_dir)
     if not os.path.isdir(save_dir):
         raise FileNotFoundError(f"checkpoint directory {save_dir!r} does not exist")

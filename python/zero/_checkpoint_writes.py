@@ -15,12 +15,15 @@ only checkpoint refused (files of two saves). Now, at every point:
 - before the first rename, <tag> is the previous checkpoint, untouched;
 - between the two renames, <tag> is missing and .<tag>.zero-old.tmp is
   the previous checkpoint, whole: the reader takes it from there
-  (resolve_tag), and the next save or load renames it back;
+  (resolve_tag), and the next save renames it back;
 - after the second, <tag> is the new checkpoint, whole.
 
 Leftovers of a killed save (a staging directory, a replaced one whose tag
-is whole again, latest.tmp) are removed at the next save or load
-(recover_interrupted_saves).
+is whole again, latest.tmp) are put right by the next save, before it
+writes (recover_interrupted_saves). A load changes nothing on the disk: an
+evaluation job may load from a directory while training saves into it,
+and removing that save's staging directory, or renaming a replaced tag
+back between its two renames, would fail the live save.
 """
 from __future__ import annotations
 
@@ -119,7 +122,7 @@ def recover_interrupted_saves(save_dir):
     """Put back what killed saves left in save_dir: a tag's previous
     checkpoint moved aside and never replaced goes back under its name; a
     staging directory, a replaced directory whose tag is whole, and
-    latest.tmp are removed. Rank 0's work, before a save or a load."""
+    latest.tmp are removed. Rank 0's work, before a save writes."""
     try:
         names = os.listdir(save_dir)
     except OSError:  # missing or unreadable: the caller's own checks say why

@@ -2,7 +2,7 @@
 rank ends with an error instead of waiting (unless the kill came after the
 save was agreed whole), and the checkpoint directory loads as the
 checkpoint before the save (A) or the one it wrote (B), never fails; the
-next load removes what the kill left. tests/crash_save_worker.py does the
+next save removes what the kill left. tests/crash_save_worker.py does the
 killing (one forked pair of ranks per boundary, each pair its own process
 group); test_checkpoint_crashes.py sweeps one process the same way."""
 import json
@@ -93,7 +93,9 @@ def test_a_rank_killed_at_any_boundary_leaves_a_loadable_checkpoint(tmp_path, bo
         loader.load_checkpoint(directory)
         loaded = loader.full_state_dict()
         assert all(torch.equal(loaded[k], (a if read == "A" else b)[k].float()) for k in loaded)
+        loader.save_checkpoint(directory, tag="next")  # puts right what the kill left
         assert leftovers(directory) == [], (n, leftovers(directory))
+        assert which(directory, a, b, "t") == read, n
         outcomes.append(read)
     # a rank 1 kill is always before the publish; rank 0's last ones after
     assert outcomes[0] == "A"
