@@ -1,6 +1,6 @@
 """zero.initialize(mesh=...) in one process: what it accepts, and what it
-refuses by name (a mesh of more dimensions than the one built, another
-type, a model zero.partitioned_init partitioned over the whole world).
+refuses by name (meshes with dimensions not built yet, another type, a
+model zero.partitioned_init partitioned over the whole world).
 Training over a part of the world: tests/distributed/test_mesh_groups.py."""
 import pytest
 import torch
@@ -33,11 +33,24 @@ def test_a_group_and_a_1d_mesh_are_taken():
         engine.close()
 
 
-def test_a_mesh_of_two_dimensions_is_refused_by_name():
+def test_a_hybrid_mesh_is_taken():
     from torch.distributed.device_mesh import DeviceMesh
     mesh = DeviceMesh("cpu", [[0]], mesh_dim_names=("dp_replicate", "dp_shard"))
-    with pytest.raises(NotImplementedError, match=r"mesh has 2 dimensions \(dp_replicate, "
-                                                  r"dp_shard\).*mesh\['dp_shard'\]"):
+    engine = zero.initialize(_model(), stage=3, mesh=mesh)
+    engine.backward(engine(torch.randn(3, 4)).square().mean())
+    engine.step()
+    assert engine._comm.replicate is not None and engine._comm.dp_world == 1
+    engine.close()
+
+
+@pytest.mark.parametrize("shape, names", [([[0]], ("dp_shard", "tp")),
+                                          ([[0]], ("dp_shard", "dp_replicate")),
+                                          ([[[0]]], ("pp", "dp_shard", "tp"))])
+def test_other_meshes_are_refused_by_name(shape, names):
+    from torch.distributed.device_mesh import DeviceMesh
+    mesh = DeviceMesh("cpu", shape, mesh_dim_names=names)
+    with pytest.raises(NotImplementedError, match=rf"mesh has {len(names)} dimensions "
+                                                  rf"\({', '.join(names)}\).*tp, pp"):
         zero.initialize(_model(), stage=2, mesh=mesh)
 
 

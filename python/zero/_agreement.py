@@ -73,6 +73,7 @@ def check_ranks_agree(comm, module, optimizer, config, extra=None) -> None:
     """Raise on every rank unless every rank describes the same training
     (a collective: the first of the engine's). extra: more aspects, name
     -> this rank's description."""
+    comm = comm.everyone  # every data-parallel rank, the replicas too
     if comm.world == 1:
         return
     described = {**aspects(module, optimizer, config), **(extra or {})}

@@ -53,6 +53,9 @@ def _shard_groups(engine) -> list:
     """This rank's part of the checkpoint: for each flat group it holds a
     partition of, the partition tensors and their pieces."""
     rank = engine._comm.rank
+    replicate = engine._comm.replicate
+    if replicate is not None and replicate.rank != 0:
+        return []  # a replica of partitions its replicate rank 0 writes
     groups = []
     for fg in engine.all_groups:
         if fg.num_partitions == 1 and rank != 0:
@@ -173,7 +176,7 @@ def save(engine, save_dir, tag=None, client_state=None, save_latest=True) -> str
     take_in_parameter_writes(engine.all_groups, engine.call_text("save_checkpoint()"), refusal)
     path = os.path.join(save_dir, tag)
     error = None
-    if comm.rank == 0:
+    if comm.everyone.rank == 0:
         try:  # before the save id's broadcast, which every rank waits for
             prepare_staging(save_dir, tag)
         except Exception as e:
@@ -184,7 +187,7 @@ def save(engine, save_dir, tag=None, client_state=None, save_latest=True) -> str
     except BaseException:
         # every rank is past the failed agreement: nothing writes into
         # the staging directory any more (a kill leaves it to the next save)
-        if comm.rank == 0:
+        if comm.everyone.rank == 0:
             discard_staging(save_dir, tag)
         raise
     return path
@@ -213,7 +216,7 @@ def _save_agreed(engine, save_dir, tag, save_id, client_state, save_latest, erro
                            os.path.join(staging, shard_file(comm.rank)))
         finally:  # offloaded states were read through their mapping
             _release_offloaded(engine)
-        if comm.rank == 0:
+        if comm.everyone.rank == 0:
             shard_files = [shard_file(r) for r in range(comm.world if engine.stage else 1)]
             meta = _meta(engine, client_state, scheduler_state, shard_files)
             meta["save_id"] = save_id
@@ -223,7 +226,7 @@ def _save_agreed(engine, save_dir, tag, save_id, client_state, save_latest, erro
     # the meta only once every shard is on the disk, then the staging
     # directory replaces the tag whole
     try:
-        if comm.rank == 0:
+        if comm.everyone.rank == 0:
             write_file(meta, os.path.join(staging, META_FILE))
             publish(save_dir, tag)
     except Exception as e:
@@ -231,12 +234,12 @@ def _save_agreed(engine, save_dir, tag, save_id, client_state, save_latest, erro
     _all_ok(engine, error)
     if save_latest:
         try:
-            if comm.rank == 0:
+            if comm.everyone.rank == 0:
                 write_latest(save_dir, tag)
         except Exception as e:
             error = e
         _all_ok(engine, error)
-    if comm.rank == 0:
+    if comm.everyone.rank == 0:
         discard_replaced(save_dir, tag)
 
 
@@ -246,7 +249,7 @@ def _agreed_save_id(comm) -> int:
     over an older one) is refused instead of loaded as a mixture."""
     drawn = int.from_bytes(os.urandom(7), "little")
     t = torch.tensor([drawn], dtype=torch.int64, device=comm.scalar_device)
-    comm.broadcast(t, src=0)
+    comm.everyone.broadcast(t, src=0)
     return int(t.item())
 
 
@@ -269,7 +272,7 @@ def _nothing_to_load(engine, load_dir, tag) -> bool:
         (not os.path.exists(save_dir) or
          (os.path.isdir(save_dir) and not _holds_a_tag(save_dir)))
     others = agree_on_call(engine._comm, engine.call_text("load_checkpoint()"), refused=empty)
-    if others != (engine._comm.world - 1 if empty else 0):
+    if others != (engine._comm.dp_world - 1 if empty else 0):
         raise RuntimeError(
             f"load_checkpoint: {save_dir!r} holds a checkpoint on some ranks and none on "
             "others (node-local disks?); give every rank the same checkpoint directory")

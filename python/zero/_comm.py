@@ -439,6 +439,23 @@ class Comm:
         self.global_ranks = list(range(self.world)) if group is None else \
             dist.get_process_group_ranks(group)
         self.log = CommLog()
+        # hybrid sharding (with_replicas): the Comm over this rank's
+        # replicas, and the one over every data-parallel rank, which the
+        # agreements and rank 0's broadcasts span
+        self.replicate = None
+        self.everyone = self
+
+    def with_replicas(self, replicate_group, everyone_group) -> "Comm":
+        """This Comm partitioning over its group, with replicas of its
+        partitions across `replicate_group` ([Note: hybrid sharding])."""
+        self.replicate = Comm(self.device, replicate_group)
+        self.everyone = Comm(self.device, everyone_group)
+        return self
+
+    @property
+    def dp_world(self) -> int:
+        """Every data-parallel rank: the partitions' group times its replicas."""
+        return self.everyone.world
 
     def channel(self, index: int) -> "Comm":
         """Reduction channel `index`: a Comm over a process group of its own

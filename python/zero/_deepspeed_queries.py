@@ -34,7 +34,7 @@ class DeepSpeedQueries:
         micro = self.config.train_micro_batch_size_per_gpu
         if micro is None:
             return self.config.train_batch_size
-        return micro * self.config.gradient_accumulation_steps * self._comm.world
+        return micro * self.config.gradient_accumulation_steps * self._comm.dp_world
 
     def zero_optimization_stage(self) -> int:
         return self.stage
@@ -65,11 +65,11 @@ class DeepSpeedQueries:
 
     @property
     def world_size(self) -> int:
-        return self._comm.world
+        return self._comm.dp_world
 
     @property
     def global_rank(self) -> int:
-        return self._comm.rank
+        return self._comm.everyone.rank
 
     def save_16bit_model(self, save_dir, save_filename: str = "pytorch_model.bin") -> bool:
         """DeepSpeed's: the whole model's state dict, parameters in the
@@ -80,7 +80,7 @@ class DeepSpeedQueries:
         every rank; a failed write raises on every rank). Returns True."""
         full = self.full_state_dict()
         error = None
-        if self._comm.rank == 0:
+        if self._comm.everyone.rank == 0:
             try:
                 path = os.path.join(os.fspath(save_dir), save_filename)
                 os.makedirs(os.path.dirname(path) or ".", exist_ok=True)

@@ -184,7 +184,7 @@ class FlatGroup:
                 # parameter at a time, and its chunk freed
                 full32[unit.offsets[j]:unit.offsets[j] + unit.numels[j]].copy_(
                     take_values(p).reshape(-1))
-            self.comm.broadcast(full32, src=0)
+            self.comm.everyone.broadcast(full32, src=0)  # the replicas too
             mine = unit.chunk(full32, self.owner)
             if releasing:
                 self.shard[unit.shard_slice].copy_(mine)
@@ -339,6 +339,16 @@ class FlatGroup:
             unit = self.units[0]
             for r in range(self.num_partitions):
                 self.comm.reduce_sum(unit.chunk(self.grad_flat, r), dst=r)
+
+    def reduce_across_replicas(self):
+        """[Note: hybrid sharding] At the boundary, once the gradients are
+        reduced inside the partitions' group: this rank's partition summed
+        over its replicas (the same partition on each), so every replica
+        steps on the sum over every data-parallel rank. Stage 0 holds one
+        partition, the whole model."""
+        replicate = self.comm.replicate
+        if replicate is not None and replicate.world > 1:
+            replicate.all_reduce_sum(self.grad_part)
 
     # ---- stages 2-3: bucketed reduction from hooks ----------------------------
 

@@ -60,7 +60,7 @@ class GatheredParameters:
             j = next(j for j, q in enumerate(place.unit.params) if q is p)
             self._listed.append((place.fg, place.unit, j))
         # the engine's ranks: those of the group it partitions over (mesh=)
-        world = self._units[0].fg.comm.world if self._units else \
+        world = self._units[0].fg.comm.dp_world if self._units else \
             dist.get_world_size() if dist.is_initialized() else 1
         if self.modifier_rank is not None and not 0 <= self.modifier_rank < world:
             raise ValueError(f"modifier_rank {self.modifier_rank} is not a rank of this "
@@ -133,7 +133,7 @@ class GatheredParameters:
 
     def _others_failed(self, failed: bool) -> bool:
         """Whether the block raised on another rank (a collective)."""
-        if not self._units or self._units[0].fg.comm.world == 1:
+        if not self._units or self._units[0].fg.comm.dp_world == 1:
             return False
         return agree_on_call(self._units[0].fg.comm, self._call_text("leaving"), failed) > 0
 
@@ -153,8 +153,8 @@ class GatheredParameters:
 
     def _write_back(self, fg, unit, j, before):
         values = self._values(unit, j)
-        if fg.comm.world > 1:
-            fg.comm.broadcast(values, src=self.modifier_rank)
+        if fg.comm.dp_world > 1:
+            fg.comm.everyone.broadcast(values, src=self.modifier_rank)
         write_into_partition(fg, unit, j, before)
         # taken in now: not a change for the next step to find ([Note:
         # parameter writes] in _param_writes.py)

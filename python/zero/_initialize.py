@@ -105,11 +105,13 @@ def initialize(model: nn.Module, *, optimizer=None, stage=None, precision=None,
     created = join_process_group(device, timeout=cfg.timeout)
     engine = None
     try:
-        group = resolve_mesh(mesh)
-        if group is not None:
+        group, replicate, everyone = resolve_mesh(mesh)
+        if group is not None or replicate is not None:
             _check_not_partitioned_over_the_world(model)
         comm = Comm(device, group)
-        cfg = settle_batch_sizes(cfg, comm.world)
+        if replicate is not None:
+            comm.with_replicas(replicate, everyone)
+        cfg = settle_batch_sizes(cfg, comm.dp_world)
         if lr_scheduler is None and cfg.scheduler:
             lr_scheduler = scheduler_from_config(cfg.scheduler, optimizer)
         elif callable(lr_scheduler) and not hasattr(lr_scheduler, "step"):

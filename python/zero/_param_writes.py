@@ -108,7 +108,7 @@ def take_in_parameter_writes(groups, call: str, refusal: Exception | None = None
             written = _writes(groups)
         except RuntimeError as error:  # raised once the ranks have compared notes
             problem = error
-    if groups and groups[0].comm.world > 1:
+    if groups and groups[0].comm.dp_world > 1:
         verdict = agree(groups[0].comm, call, hash_writes(written), hash_settings(settings),
                         refused=problem is not None)
         if not verdict.same_call:

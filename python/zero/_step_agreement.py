@@ -54,6 +54,7 @@ class Verdict:
 
 
 def agree(comm, call: str, writes_hash: int, settings_hash: int, refused: bool) -> Verdict:
+    comm = comm.everyone  # every data-parallel rank, the replicas too
     c = zlib.crc32(call.encode()) % _PRIME
     w, s = writes_hash % _PRIME, settings_hash % _PRIME
     totals = torch.tensor([int(refused), c, c * c, w, w * w, s, s * s], dtype=torch.int64,

@@ -521,9 +521,10 @@ class Engine(DeepSpeedQueries, nn.Module):
                 # covers one backward per step; see docs/engine.md).
                 fg.finish_backward()
             fg.reduced_since_step = False
+            fg.reduce_across_replicas()
         sumsq = self.step_path.squared_norm(self.groups, self._comm,
                                             across_ranks=self.stage != 0)
-        base = 1.0 / (self.loss_scale * self._comm.world *
+        base = 1.0 / (self.loss_scale * self._comm.dp_world *
                       self.config.gradient_accumulation_steps)
         # a NaN gradient gives a NaN norm, as torch's clip_grad_norm_ does
         norm = math.sqrt(sumsq) * base if math.isfinite(sumsq) else abs(sumsq)
@@ -652,6 +653,10 @@ class Engine(DeepSpeedQueries, nn.Module):
         if self._schedule is not None:
             self._last_comm["stage3_gathers"] = self._schedule.take_counts()
         self._comm.log.reset()
+        replicate = self._comm.replicate
+        if replicate is not None:  # hybrid sharding: what crossed the replicas
+            self._last_comm["dp_replicate"] = replicate.log.summary()
+            replicate.log.reset()
 
     def zero_grad(self, set_to_none: bool = True):
         """Zero the gradients (they stay views of the flat buffers). After a
@@ -728,7 +733,9 @@ class Engine(DeepSpeedQueries, nn.Module):
     def comm_summary(self) -> dict:
         """Elements and bytes per collective in the last optimizer step; at
         stage 3 also how many unit gathers were prefetched and how many
-        waited on demand ("stage3_gathers")."""
+        waited on demand ("stage3_gathers"). With hybrid sharding the
+        top-level figures are the partitions' group's (dp_shard) and
+        "dp_replicate" holds what was summed across the replicas."""
         return self._last_comm
 
     def module_state_entries(self) -> dict:
@@ -882,6 +889,7 @@ def _broadcast_buffer(comm, name, buf, kind="buffer"):
     numel x itemsize bytes from the data pointer, so a buffer that is not
     contiguous goes through a contiguous copy; one whose elements share
     memory (an expanded tensor) cannot take a value per element at all."""
+    comm = comm.everyone  # the replicas take rank 0's value too
     if comm.world == 1:
         return
     if torch._debug_has_internal_overlap(buf) == 1:

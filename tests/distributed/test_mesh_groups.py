@@ -1,4 +1,5 @@
-"""zero.initialize(mesh=...): ZeRO over a part of the world. On 4 gloo
+"""zero.initialize(mesh=...): ZeRO over a part of the world, and hybrid
+sharding over a 2 x 2 mesh. On 4 gloo
 ranks, ranks {0, 1} and {2, 3} train two different models at once, each
 half its own engine over its own group (a ProcessGroup, or the 1-D
 DeviceMesh of a 2 x 2 mesh's "dp_shard" dimension), at stages 0-3, and
@@ -8,7 +9,9 @@ parameters, sizes 2 does not divide, two param groups). Tolerance as in
 test_engine_parity.py: 1e-5 normwise relative error in fp32 (gradients
 summed in another order than one process sums them, a few ulps a step).
 Each half also saves a checkpoint into a directory of its own, which
-consolidates to what its engine holds."""
+consolidates to what its engine holds. Then all 4 ranks train one model
+on the mesh (dp_replicate x dp_shard) at stages 0-3, against the same
+single-process reference."""
 import os
 import tempfile
 
@@ -26,17 +29,23 @@ SEEDS = (0, 5)  # the model of ranks {0, 1}, of ranks {2, 3}
 
 
 def train_on_group(group, seed, stage, steps, opt="adamw", lr=1e-2, save_dir=None,
-                   **options):
+                   hybrid=False, **options):
     """scenarios.engine_run on a group: its ranks shard each batch, its
-    loss is averaged over it."""
+    loss is averaged over it. hybrid: `group` is a 2 x 2 mesh, and the
+    batch is split over all 4 ranks."""
     import torch.distributed as dist
     import zero
-    pg = group.get_group() if hasattr(group, "get_group") else group  # a 1-D DeviceMesh
+    if hybrid:
+        pg = None
+    else:  # a group, or a 1-D DeviceMesh's
+        pg = group.get_group() if hasattr(group, "get_group") else group
     rank, world = dist.get_rank(pg), dist.get_world_size(pg)
     model = scenarios.make_model(seed)
     engine = zero.initialize(model, optimizer=scenarios.make_optimizer(opt, model, lr),
                              stage=stage, mesh=group, **options)
+    # partitions over 2 ranks: a half, or a row of the 2 x 2 mesh
     assert engine._comm.world == 2 and engine._comm.rank == dist.get_rank() % 2
+    assert engine._comm.dp_world == (4 if hybrid else 2)
     losses = []
     for step in range(steps):
         ids, labels = scenarios.batch(step)
@@ -53,8 +62,9 @@ def train_on_group(group, seed, stage, steps, opt="adamw", lr=1e-2, save_dir=Non
         from zero.checkpoint import consolidate
         consolidated = consolidate(save_dir)["model"]
     state = engine.full_state_dict()
+    comm = engine.comm_summary()
     engine.close()
-    return losses, state, consolidated
+    return losses, state, consolidated, comm
 
 
 def _halves(rank, world):
@@ -77,6 +87,17 @@ def _halves(rank, world):
         out[("device mesh", 2)] = train_on_group(mesh["dp_shard"], seed, 2, STEPS,
                                                  save_dir=holder[0])
         dist.barrier()
+        # hybrid sharding: partitions over the rows {0, 1}, {2, 3}, replicas
+        # across the columns {0, 2}, {1, 3}; one model on all 4 ranks
+        hybrid_dir = os.path.join(scratch, "hybrid")
+        holder = [hybrid_dir]
+        dist.broadcast_object_list(holder, src=0)
+        for stage in STAGES:
+            out[("hybrid", stage)] = train_on_group(
+                mesh, SEEDS[0], stage, STEPS, hybrid=True,
+                save_dir=os.path.join(holder[0], f"stage{stage}"))
+        out["hybrid files"] = sorted(os.listdir(os.path.join(holder[0], "stage3", "t")))
+        dist.barrier()
     dist.destroy_process_group()
     return out
 
@@ -98,7 +119,7 @@ def test_two_halves_train_two_models_at_once(runs, case, stage):
     for half, seed in enumerate(SEEDS):
         ref_losses, ref_state = reference(case, seed)
         for rank in (2 * half, 2 * half + 1):
-            losses, state, consolidated = runs[rank][(case, stage)]
+            losses, state, consolidated, _comm = runs[rank][(case, stage)]
             assert max_rel_error(torch.tensor(losses), torch.tensor(ref_losses)) <= 1e-5
             for name, ref in ref_state.items():
                 err = max_rel_error(state[name], ref)
@@ -109,3 +130,30 @@ def test_two_halves_train_two_models_at_once(runs, case, stage):
     # the two models are really different ones
     a, b = runs[0][(case, stage)][1], runs[2][(case, stage)][1]
     assert not torch.equal(a["block.weight"], b["block.weight"])
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_hybrid_sharding_matches_one_process(runs, stage):
+    """A 2 x 2 mesh (dp_replicate x dp_shard): 4 ranks train one model, each
+    on a quarter of the batch; the same result as one process on all of it,
+    on every rank, and the checkpoint (written by the first replica's ranks)
+    consolidates to it."""
+    ref_losses, ref_state = scenarios.reference_run(STEPS, seed=SEEDS[0])
+    for rank in range(4):
+        losses, state, consolidated, comm = runs[rank][("hybrid", stage)]
+        # the replicas sum this rank's partition of the gradients, once per
+        # param group a step: the whole model at stage 0, half of it after
+        # (loose bounds: the state dict counts the tied weight twice and
+        # holds the frozen layer; partitions are padded)
+        replicated = comm["dp_replicate"]["ops"]["all_reduce"]
+        assert replicated["calls"] == 2
+        partition = sum(p.numel() for p in ref_state.values()) / (1 if stage == 0 else 2)
+        assert partition * 0.5 < replicated["elements"] < partition * 1.5
+        assert max_rel_error(torch.tensor(losses), torch.tensor(ref_losses)) <= 1e-5
+        for name, ref in ref_state.items():
+            err = max_rel_error(state[name], ref)
+            assert err <= 1e-5, f"rank {rank}: {name} off by {err:.2e}"
+        assert all(torch.equal(consolidated[k], state[k].float()) for k in consolidated)
+    # the replicas write nothing: one shard per partition, and the meta
+    assert runs[0]["hybrid files"] == ["zero_meta.pt", "zero_shard_00000.pt",
+                                       "zero_shard_00001.pt"]
