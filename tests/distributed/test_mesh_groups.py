@@ -67,7 +67,20 @@ def train_on_group(group, seed, stage, steps, opt="adamw", lr=1e-2, save_dir=Non
     return losses, state, consolidated, comm
 
 
-def _halves(rank, world):
+def loaded_state(directory, stage, mesh=None):
+    """What an engine of `stage` on `mesh` holds right after loading the
+    checkpoint in `directory` (tag "t")."""
+    import zero
+    model = scenarios.make_model(seed=9)  # other values, overwritten by the load
+    engine = zero.initialize(model, optimizer=scenarios.make_optimizer("adamw", model, 1e-2),
+                             stage=stage, mesh=mesh)
+    engine.load_checkpoint(directory, tag="t")
+    state = engine.full_state_dict()
+    engine.close()
+    return state
+
+
+def _halves(rank, world, keep_dir):
     import torch.distributed as dist
     from torch.distributed.device_mesh import DeviceMesh
     dist.init_process_group("gloo")
@@ -86,25 +99,38 @@ def _halves(rank, world):
         dist.broadcast_object_list(holder, src=2 * (rank // 2), group=mine)
         out[("device mesh", 2)] = train_on_group(mesh["dp_shard"], seed, 2, STEPS,
                                                  save_dir=holder[0])
-        dist.barrier()
-        # hybrid sharding: partitions over the rows {0, 1}, {2, 3}, replicas
-        # across the columns {0, 2}, {1, 3}; one model on all 4 ranks
-        hybrid_dir = os.path.join(scratch, "hybrid")
-        holder = [hybrid_dir]
-        dist.broadcast_object_list(holder, src=0)
-        for stage in STAGES:
-            out[("hybrid", stage)] = train_on_group(
-                mesh, SEEDS[0], stage, STEPS, hybrid=True,
-                save_dir=os.path.join(holder[0], f"stage{stage}"))
-        out["hybrid files"] = sorted(os.listdir(os.path.join(holder[0], "stage3", "t")))
-        dist.barrier()
+        dist.barrier()  # both halves done with the directory
+    # hybrid sharding: partitions over the rows {0, 1}, {2, 3}, replicas
+    # across the columns {0, 2}, {1, 3}; one model on all 4 ranks
+    for stage in STAGES:
+        out[("hybrid", stage)] = train_on_group(
+            mesh, SEEDS[0], stage, STEPS, hybrid=True,
+            save_dir=os.path.join(keep_dir, f"stage{stage}"))
+    out["hybrid files"] = sorted(os.listdir(os.path.join(keep_dir, "stage3", "t")))
+    # the 2 x 2 stage-3 checkpoint loaded on other layouts: 4 ranks without
+    # a mesh, 4 x 1 and 1 x 4 meshes, and each half of the world (2 ranks)
+    saved = os.path.join(keep_dir, "stage3")
+    out["loaded"] = {
+        "4 ranks, stage 1": loaded_state(saved, 1),
+        "4 x 1, stage 2": loaded_state(saved, 2, DeviceMesh(
+            "cpu", [[0], [1], [2], [3]], mesh_dim_names=("dp_replicate", "dp_shard"))),
+        "1 x 4, stage 3": loaded_state(saved, 3, DeviceMesh(
+            "cpu", [[0, 1, 2, 3]], mesh_dim_names=("dp_replicate", "dp_shard"))),
+        "2 ranks, stage 0": loaded_state(saved, 0, mine),
+    }
     dist.destroy_process_group()
     return out
 
 
 @pytest.fixture(scope="module")
-def runs():
-    return harness.run(4, _halves, timeout=600)
+def kept(tmp_path_factory):
+    """Where the ranks leave their hybrid checkpoints for the test to load."""
+    return tmp_path_factory.mktemp("hybrid")
+
+
+@pytest.fixture(scope="module")
+def runs(kept):
+    return harness.run(4, _halves, str(kept), timeout=600)
 
 
 def reference(case, seed):
@@ -157,3 +183,17 @@ def test_hybrid_sharding_matches_one_process(runs, stage):
     # the replicas write nothing: one shard per partition, and the meta
     assert runs[0]["hybrid files"] == ["zero_meta.pt", "zero_shard_00000.pt",
                                        "zero_shard_00001.pt"]
+
+
+def test_a_hybrid_checkpoint_loads_on_other_layouts(runs, kept, monkeypatch):
+    """Saved on 2 x 2 at stage 3; loaded, bit for bit, on 4 ranks without a
+    mesh, on 4 x 1 and 1 x 4 meshes, on a half of the world, and in one
+    process."""
+    saved = runs[0][("hybrid", 3)][1]
+    for rank in range(4):
+        for layout, state in runs[rank]["loaded"].items():
+            assert all(torch.equal(state[k], saved[k]) for k in saved), (rank, layout)
+    for var in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK"):
+        monkeypatch.delenv(var, raising=False)
+    state = loaded_state(str(kept / "stage3"), 2)
+    assert all(torch.equal(state[k], saved[k]) for k in saved)
