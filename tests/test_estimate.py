@@ -197,3 +197,21 @@ def test_str_is_the_summary_table():
     text = str(zero.estimate_memory(Net(), 4, stage=3, precision="bf16"))
     assert "optimizer_states" in text and "formula" in text
     assert "gathered_peak" not in text  # only a run knows it
+
+
+def test_a_mesh_shape_counts_its_shard_dimension():
+    """A rank of a (dp_replicate, dp_shard) mesh holds 1/dp_shard of what is
+    partitioned, as on dp_shard ranks alone; the 4-rank measurement beside
+    the engine is tests/distributed/test_mesh_groups.py."""
+    model = frozen_net()
+    for stage in (1, 3):
+        alone = zero.estimate_memory(model, 3, stage=stage)
+        for mesh in ((2, 3), [2, 3]):
+            assert dict(zero.estimate_memory(model, stage=stage, mesh=mesh)) == dict(alone)
+        assert dict(zero.estimate_memory(model, 6, stage=stage, mesh=(2, 3))) == dict(alone)
+        assert dict(zero.estimate_memory(model, stage=stage, mesh=3)) == dict(alone)
+    with pytest.raises(ValueError, match="world_size 4 differs from the mesh's 6 ranks"):
+        zero.estimate_memory(model, 4, mesh=(2, 3))
+    for bad in ((2, 0), (1, 2, 3), "2x3", (2.0, 3)):
+        with pytest.raises(ValueError, match="mesh must be"):
+            zero.estimate_memory(model, mesh=bad)

@@ -25,11 +25,36 @@ from zero._units import lay_out
 from zero.engine import DTYPES, Engine
 
 
+def _partitions_of_mesh(mesh, world_size) -> int:
+    """How many ranks a mesh's partitions span: dp_shard's size."""
+    if hasattr(mesh, "mesh") and hasattr(mesh, "ndim"):  # a DeviceMesh
+        names = tuple(getattr(mesh, "mesh_dim_names", None) or ())
+        shape = tuple(mesh.mesh.shape)
+        if mesh.ndim == 2 and names != ("dp_replicate", "dp_shard"):
+            raise ValueError(f"mesh: a 2-D mesh must be named ('dp_replicate', 'dp_shard'), "
+                             f"got {names}")
+    else:
+        shape = tuple(mesh) if isinstance(mesh, (tuple, list)) else (mesh,)
+    if not 1 <= len(shape) <= 2 or \
+            not all(isinstance(n, int) and not isinstance(n, bool) and n >= 1 for n in shape):
+        raise ValueError("mesh must be (dp_replicate, dp_shard) sizes, a 1-D size or a "
+                         f"DeviceMesh of one or two dimensions, got {mesh!r}")
+    total = shape[0] * (shape[1] if len(shape) == 2 else 1)
+    if world_size not in (1, total):
+        raise ValueError(f"world_size {world_size} differs from the mesh's {total} ranks; "
+                         "leave it out")
+    return shape[-1]
+
+
 def estimate_memory(model: nn.Module, world_size: int = 1, *, optimizer=None, stage=None,
-                    precision=None, config=None, device=None, **options) -> MemorySummary:
+                    precision=None, config=None, device=None, mesh=None,
+                    **options) -> MemorySummary:
     """One rank's model-state bytes, as memory_summary() will report them,
     for training `model` on `world_size` ranks; the other arguments are
     initialize's (optimizer None means the config's, default AdamW).
+    mesh: the shape of a hybrid mesh, (dp_replicate, dp_shard), or a
+    DeviceMesh as initialize takes it; a rank then holds 1/dp_shard of what
+    is partitioned (world_size is the mesh's size, or left out).
     device: where the model will train, "cpu" or "cuda" (default: where
     its parameters are; a meta model counts as "cpu"); with "cuda",
     offload_optimizer "cpu" or "nvme" puts the states in host memory,
@@ -43,6 +68,8 @@ def estimate_memory(model: nn.Module, world_size: int = 1, *, optimizer=None, st
                          "gives these figures")
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size must be an integer >= 1, got {world_size!r}")
+    if mesh is not None:
+        world_size = _partitions_of_mesh(mesh, world_size)
     cfg = resolve_config(config, stage, precision, options)
     staged = states_off_device(_training_device(model, device), cfg.offload_optimizer)
     if optimizer is None:

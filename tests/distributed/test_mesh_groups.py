@@ -22,6 +22,7 @@ import torch.nn.functional as F
 import harness
 import scenarios
 from conftest import max_rel_error
+from test_estimate import check as check_estimate
 
 STEPS = 6
 STAGES = [0, 1, 2, 3]
@@ -63,6 +64,11 @@ def train_on_group(group, seed, stage, steps, opt="adamw", lr=1e-2, save_dir=Non
         consolidated = consolidate(save_dir)["model"]
     state = engine.full_state_dict()
     comm = engine.comm_summary()
+    if hybrid:  # what a rank holds, beside the estimate for the mesh
+        fresh = scenarios.make_model(seed)
+        comm["memory"] = (dict(engine.memory_summary()), dict(zero.estimate_memory(
+            fresh, mesh=group, stage=stage,
+            optimizer=scenarios.make_optimizer(opt, fresh, lr))))
     engine.close()
     return losses, state, consolidated, comm
 
@@ -180,6 +186,11 @@ def test_hybrid_sharding_matches_one_process(runs, stage):
             err = max_rel_error(state[name], ref)
             assert err <= 1e-5, f"rank {rank}: {name} off by {err:.2e}"
         assert all(torch.equal(consolidated[k], state[k].float()) for k in consolidated)
+        # memory_summary counts N = dp_shard's 2 ranks, as estimate_memory
+        # does (test_estimate.py's check: what only the run knows aside)
+        measured, estimated = comm["memory"]
+        assert measured["world_size"] == 2
+        check_estimate(estimated, measured)
     # the replicas write nothing: one shard per partition, and the meta
     assert runs[0]["hybrid files"] == ["zero_meta.pt", "zero_shard_00000.pt",
                                        "zero_shard_00001.pt"]
