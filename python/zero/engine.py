@@ -587,7 +587,7 @@ class Engine(DeepSpeedQueries, nn.Module):
                 if refusal is None:
                     self._check_optimizer_unchanged()
                     self._check_update_arguments()
-                if self._comm.world > 1:
+                if self._comm.dp_world > 1:  # compared over every data-parallel rank
                     settings = describe_settings(self.optimizer.param_groups,
                                                  [fg.index for fg in self.groups])
             except (RuntimeError, ValueError, TypeError) as error:
