@@ -47,3 +47,63 @@ def test_a_save_killed_at_any_boundary_leaves_a_loadable_checkpoint(tmp_path):
     # not yet in place) is among them: read from where A waits
     assert any(".t.zero-old.tmp" in r["leftovers_after_kill"] and r["read"] == "A"
                for r in killed)
+
+
+def _engine():
+    import torch
+    import zero
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 3)
+    return zero.initialize(model, stage=1)
+
+
+def test_a_live_save_of_another_tag_is_left_alone(tmp_path, monkeypatch):
+    """Two engines saving other tags into one directory (two halves of a
+    mesh): the save's recovery removes only leftovers no live save holds
+    the lock of. Before, it removed every staging directory in sight."""
+    from zero._checkpoint_writes import SaveLock
+    for var in LAUNCHER_VARS:
+        monkeypatch.delenv(var, raising=False)
+    engine = _engine()
+    live = tmp_path / ".b.zero-save.tmp"
+    live.mkdir()
+    (live / "zero_shard_00001.pt").write_bytes(b"being written")
+    lock = SaveLock(str(tmp_path), "b")  # the other engine's save, running
+    engine.save_checkpoint(tmp_path, tag="a")
+    assert (live / "zero_shard_00001.pt").exists()
+    lock.release()  # that save died: its lock is free, its files are leftovers
+    engine.save_checkpoint(tmp_path, tag="a2")
+    assert not live.exists()
+    assert sorted(os.listdir(tmp_path)) == ["a", "a2", "latest"]
+    engine.close()
+
+
+def test_a_tag_that_is_a_link_can_be_saved_into_again(tmp_path, monkeypatch):
+    """`best` a link to a tag: the save replaces the link with a directory,
+    and the link is removed (rmtree refused it, and every later save into
+    the tag failed)."""
+    for var in LAUNCHER_VARS:
+        monkeypatch.delenv(var, raising=False)
+    engine = _engine()
+    engine.save_checkpoint(tmp_path, tag="t")
+    os.symlink("t", tmp_path / "best")
+    for _ in range(2):
+        engine.save_checkpoint(tmp_path, tag="best")
+        assert (tmp_path / "best").is_dir() and not (tmp_path / "best").is_symlink()
+    assert sorted(os.listdir(tmp_path)) == ["best", "latest", "t"]
+    engine.close()
+
+
+def test_a_killed_first_save_is_no_checkpoint_to_resume(tmp_path, monkeypatch):
+    """A first save killed after its meta and before its publish leaves a
+    staging directory only: "resume if there is one" starts afresh."""
+    import warnings
+    for var in LAUNCHER_VARS:
+        monkeypatch.delenv(var, raising=False)
+    engine = _engine()
+    engine.save_checkpoint(tmp_path / "other", tag="t")
+    os.rename(tmp_path / "other" / "t", tmp_path / ".t.zero-save.tmp")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        assert engine.load_checkpoint(tmp_path) == (None, None)
+    engine.close()

@@ -15,7 +15,7 @@ import torch
 
 import zero
 from zero._checkpoint_format import (FORMAT, LATEST_FILE, META_FILE, REPLICATED_GROUP,
-                                     VERSION, CheckpointReader, check_plain, check_tag,
+                                     STAGING_SUFFIX, VERSION, CheckpointReader, check_plain, check_tag,
                                      owned_pieces, resolve_tag, shard_file,
                                      staging_directory, tag_directory_hint)
 from zero._checkpoint_writes import (discard_replaced, discard_staging, prepare_staging, publish,
@@ -175,21 +175,24 @@ def save(engine, save_dir, tag=None, client_state=None, save_latest=True) -> str
     # too): before the per-rank work
     take_in_parameter_writes(engine.all_groups, engine.call_text("save_checkpoint()"), refusal)
     path = os.path.join(save_dir, tag)
-    error = None
+    error, lock = None, None
     if comm.everyone.rank == 0:
         try:  # before the save id's broadcast, which every rank waits for
-            prepare_staging(save_dir, tag)
+            lock = prepare_staging(save_dir, tag)
         except Exception as e:
             error = e
-    save_id = _agreed_save_id(comm)
     try:
+        save_id = _agreed_save_id(comm)
         _save_agreed(engine, save_dir, tag, save_id, client_state, save_latest, error)
     except BaseException:
         # every rank is past the failed agreement: nothing writes into
         # the staging directory any more (a kill leaves it to the next save)
-        if comm.everyone.rank == 0:
+        if lock is not None:
             discard_staging(save_dir, tag)
         raise
+    finally:
+        if lock is not None:
+            lock.release()
     return path
 
 
@@ -286,8 +289,9 @@ def _holds_a_tag(save_dir) -> bool:
         return True
     try:
         with os.scandir(save_dir) as entries:
-            return any(e.is_dir() and os.path.isfile(os.path.join(e.path, META_FILE))
-                       for e in entries)
+            # a killed first save's staging directory is no checkpoint
+            return any(e.is_dir() and os.path.isfile(os.path.join(e.path, META_FILE)) and
+                       not e.name.endswith(STAGING_SUFFIX) for e in entries)
     except OSError:
         return True  # unreadable: not "empty"; the load's own checks say why
 

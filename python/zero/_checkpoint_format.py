@@ -41,6 +41,7 @@ LATEST_FILE = "latest"
 REPLICATED_GROUP = "replicated"  # stage 0-2 frozen parameters, saved by rank 0
 STAGING_SUFFIX = ".zero-save.tmp"  # .<tag>.zero-save.tmp: a save in progress
 REPLACED_SUFFIX = ".zero-old.tmp"  # .<tag>.zero-old.tmp: the checkpoint it replaces
+LOCK_SUFFIX = ".zero-save.lock"  # .<tag>.zero-save.lock: held by the saving rank 0
 PLAIN_TYPES = (str, int, float, bool, type(None), torch.Tensor, torch.dtype, torch.device)
 
 
@@ -90,7 +91,7 @@ def check_tag(tag) -> str:
     separators = {"/", os.sep, os.altsep} - {None}
     if not tag or tag in (".", "..") or any(s in tag for s in separators):
         raise ValueError(f"tag {tag!r} must be a plain directory name (no path separators)")
-    if tag.endswith((STAGING_SUFFIX, REPLACED_SUFFIX)):
+    if tag.endswith((STAGING_SUFFIX, REPLACED_SUFFIX, LOCK_SUFFIX)):
         raise ValueError(f"tag {tag!r} ends as the directories a save works in do; choose "
                          "another name")
     return tag
@@ -270,7 +271,10 @@ def _check_meta(meta, file):
 def _dense_strides(t) -> bool:
     """Whether t's elements sit one after another in some order of its
     dimensions (contiguous up to a permutation, as torch.save keeps a
-    transposed buffer): no element shared, none skipped."""
+    transposed buffer): no element shared, none skipped. An empty tensor
+    has no elements to place (torch gives empty(3, 0) strides (1, 1))."""
+    if t.numel() == 0:
+        return True
     expected = 1
     for stride, size in sorted((st, s) for s, st in zip(t.shape, t.stride()) if s != 1):
         if stride != expected:
@@ -280,9 +284,9 @@ def _dense_strides(t) -> bool:
 
 
 def _check_record(t, file, where, floating: bool):
-    """A tensor as zero's save writes one: dense (strided) and real, its
-    elements dense within its storage (contiguous for a partition,
-    `floating` for partition tensors). A sparse or quantized tensor passed
+    """A tensor as zero's save writes one: dense (strided), its elements
+    dense within its storage; real floating point for partition tensors
+    (`floating`). A sparse or quantized tensor passed
     the name and shape checks and failed inside copy_() after weights were
     already overwritten."""
     if not isinstance(t, torch.Tensor):
@@ -290,10 +294,11 @@ def _check_record(t, file, where, floating: bool):
     if t.layout != torch.strided or t.is_quantized or getattr(t, "is_nested", False):
         raise _damaged(file, f"{where} is a {t.layout} tensor{' (quantized)' * t.is_quantized}"
                        "; a checkpoint holds dense (strided) tensors only")
-    if t.is_complex() or (floating and not t.is_floating_point()):
-        raise _damaged(file, f"{where} has dtype {t.dtype}; "
-                       + ("partitions are real floating point" if floating else
-                          "a buffer's values are real"))
+    # a buffer may be of any dtype (a complex table of rotary frequencies);
+    # _check_buffers compares it with the model's
+    if floating and (t.is_complex() or not t.is_floating_point()):
+        raise _damaged(file, f"{where} has dtype {t.dtype}; partitions are real floating "
+                       "point")
     if not _dense_strides(t):
         raise _damaged(file, f"{where} has shape {tuple(t.shape)} and strides {t.stride()}, "
                        "which skip or share elements")

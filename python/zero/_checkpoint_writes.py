@@ -19,8 +19,9 @@ only checkpoint refused (files of two saves). Now, at every point:
 - after the second, <tag> is the new checkpoint, whole.
 
 Leftovers of a killed save (a staging directory, a replaced one whose tag
-is whole again, latest.tmp) are put right by the next save, before it
-writes (recover_interrupted_saves). A load changes nothing on the disk: an
+is whole again, its temporary `latest`) are put right by the next save,
+before it writes (recover_interrupted_saves), unless a live save holds
+that tag's lock ([Note: save locks]). A load changes nothing on the disk: an
 evaluation job may load from a directory while training saves into it,
 and removing that save's staging directory, or renaming a replaced tag
 back between its two renames, would fail the live save.
@@ -28,13 +29,14 @@ back between its two renames, would fail the live save.
 from __future__ import annotations
 
 import errno
+import fcntl
 import os
 import shutil
 
 import torch
 
-from zero._checkpoint_format import (LATEST_FILE, META_FILE, REPLACED_SUFFIX, STAGING_SUFFIX,
-                                     replaced_directory, staging_directory)
+from zero._checkpoint_format import (LATEST_FILE, LOCK_SUFFIX, META_FILE, REPLACED_SUFFIX,
+                                     STAGING_SUFFIX, replaced_directory, staging_directory)
 
 
 def write_file(obj, path):
@@ -70,10 +72,11 @@ _WRITE_FAILURES = {
 }
 
 
-def write_through_temporary(path, fill):
-    """fill(file) into path + ".tmp", fsynced, renamed to path. On any
-    failure the temporary file is removed and an OSError names `path`."""
-    tmp = path + ".tmp"
+def write_through_temporary(path, fill, tmp=None):
+    """fill(file) into `tmp` (default path + ".tmp"), fsynced, renamed to
+    path. On any failure the temporary file is removed and an OSError
+    names `path`."""
+    tmp = tmp or path + ".tmp"
     recording = None
     try:
         with open(tmp, "wb") as f:
@@ -115,50 +118,121 @@ def sync_directory(path):
 
 
 def _remove_tree(path):
-    shutil.rmtree(path, ignore_errors=True)  # what stays is removed at the next save
+    """A directory and what it holds, or a link or file in its place (a tag
+    that is a link to another tag); what stays is removed at a later save."""
+    if os.path.islink(path) or os.path.isfile(path):
+        _remove_if_there(path)
+    else:
+        shutil.rmtree(path, ignore_errors=True)
 
 
-def recover_interrupted_saves(save_dir):
-    """Put back what killed saves left in save_dir: a tag's previous
-    checkpoint moved aside and never replaced goes back under its name; a
-    staging directory, a replaced directory whose tag is whole, and
-    latest.tmp are removed. Rank 0's work, before a save writes."""
+def _lock_path(save_dir, tag) -> str:
+    return os.path.join(save_dir, f".{tag}{LOCK_SUFFIX}")
+
+
+def _latest_temporary(save_dir, tag) -> str:
+    return os.path.join(save_dir, f".{LATEST_FILE}.{tag}.tmp")
+
+
+class SaveLock:
+    """[Note: save locks] Rank 0 holds an exclusive flock on
+    .<tag>.zero-save.lock for a save's whole length. The kernel drops it
+    when the process dies (SIGKILL too), so a save whose lock can be taken
+    is not running: its leftovers are a killed save's. Another engine
+    saving into the same directory (two halves of a mesh, say) keeps its
+    lock, and its live save is left alone."""
+
+    def __init__(self, save_dir, tag):
+        self.path = _lock_path(save_dir, tag)
+        self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(self.fd)
+            raise RuntimeError(f"another save into tag {tag!r} of {save_dir!r} is running "
+                               "(its lock is held); save under another tag, or wait") \
+                from None
+
+    def release(self):
+        """After the save's last step (its staging directory gone)."""
+        if self.fd is not None:
+            _remove_if_there(self.path)
+            os.close(self.fd)
+            self.fd = None
+
+
+def _unlocked(save_dir, tag):
+    """A SaveLock on `tag` if no live save holds it, else None."""
+    try:
+        return SaveLock(save_dir, tag)
+    except (RuntimeError, OSError):
+        return None
+
+
+def _recover_tag(save_dir, tag) -> bool:
+    """Put back what a killed save into `tag` left (its lock held by the
+    caller): a previous checkpoint moved aside and never replaced goes back
+    under its name; its staging directory, a replaced directory whose tag
+    is whole, and its temporary `latest` are removed."""
+    changed = False
+    replaced, final = replaced_directory(save_dir, tag), os.path.join(save_dir, tag)
+    if os.path.lexists(replaced):
+        if not os.path.lexists(final) and os.path.isfile(os.path.join(replaced, META_FILE)):
+            os.rename(replaced, final)  # cut short between publish's two renames
+        else:
+            _remove_tree(replaced)
+        changed = True
+    for leftover in (staging_directory(save_dir, tag), _latest_temporary(save_dir, tag)):
+        if os.path.lexists(leftover):
+            _remove_tree(leftover)
+            changed = True
+    return changed
+
+
+def recover_interrupted_saves(save_dir, own_tag):
+    """Put right what killed saves left in save_dir, for `own_tag` (whose
+    lock the caller holds) and for every other tag whose lock no live
+    save holds ([Note: save locks]). Rank 0's work, before a save writes."""
     try:
         names = os.listdir(save_dir)
     except OSError:  # missing or unreadable: the caller's own checks say why
         return
-    changed = False
+    tags = {own_tag}
     for name in names:
-        path = os.path.join(save_dir, name)
-        if name.startswith(".") and name.endswith(REPLACED_SUFFIX):
-            tag = os.path.join(save_dir, name[1:-len(REPLACED_SUFFIX)])
-            if not os.path.lexists(tag) and os.path.isfile(os.path.join(path, META_FILE)):
-                os.rename(path, tag)  # cut short between publish's two renames
-            else:
-                _remove_tree(path)
-            changed = True
-        elif name.startswith(".") and name.endswith(STAGING_SUFFIX):
-            _remove_tree(path)
-            changed = True
-        elif name == LATEST_FILE + ".tmp":
-            _remove_if_there(path)
-            changed = True
+        for suffix in (STAGING_SUFFIX, REPLACED_SUFFIX):
+            if name.startswith(".") and name.endswith(suffix) and len(name) > len(suffix) + 1:
+                tags.add(name[1:-len(suffix)])
+    changed = False
+    for tag in sorted(tags):
+        if tag == own_tag:
+            changed |= _recover_tag(save_dir, tag)
+            continue
+        lock = _unlocked(save_dir, tag)
+        if lock is not None:
+            try:
+                changed |= _recover_tag(save_dir, tag)
+            finally:
+                lock.release()
     if changed:
         sync_directory(save_dir)
 
 
-def prepare_staging(save_dir, tag) -> str:
-    """An empty staging directory for a save into `tag` (rank 0, before any
-    rank writes into it)."""
+def prepare_staging(save_dir, tag) -> SaveLock:
+    """Lock `tag` and make its staging directory, empty (rank 0, before any
+    rank writes into it). The caller releases the lock once the save is
+    over, whether it succeeded or not."""
     final = os.path.join(save_dir, tag)
     if os.path.lexists(final) and not os.path.isdir(final):
         raise FileExistsError(f"cannot save into {final!r}: it exists and is not a directory")
     os.makedirs(save_dir, exist_ok=True)
-    recover_interrupted_saves(save_dir)
-    staging = staging_directory(save_dir, tag)
-    _remove_tree(staging)
-    os.makedirs(staging)
-    return staging
+    lock = SaveLock(save_dir, tag)
+    try:
+        recover_interrupted_saves(save_dir, tag)
+        os.makedirs(staging_directory(save_dir, tag))
+    except BaseException:
+        lock.release()
+        raise
+    return lock
 
 
 def publish(save_dir, tag):
@@ -181,5 +255,8 @@ def discard_staging(save_dir, tag):
 
 
 def write_latest(save_dir, tag):
+    # a temporary name of the tag's own: two engines saving other tags into
+    # one directory never remove each other's
     write_through_temporary(os.path.join(save_dir, LATEST_FILE),
-                            lambda f: f.write(tag.encode("utf-8")))
+                            lambda f: f.write(tag.encode("utf-8")),
+                            tmp=_latest_temporary(save_dir, tag))

@@ -18,6 +18,7 @@ import pickletools
 import struct
 import warnings
 import zipfile
+import zlib
 
 import torch
 
@@ -97,12 +98,16 @@ def _element_size(storage_type) -> int:
     """Bytes per element of a persistent id's storage class (torch.FloatStorage
     and its kin, torch.UntypedStorage)."""
     if not (isinstance(storage_type, tuple) and len(storage_type) == 3 and
-            storage_type[1] == "torch" and isinstance(storage_type[2], str) and
-            storage_type[2].endswith("Storage")):
+            storage_type[1] in ("torch", "torch.storage") and
+            isinstance(storage_type[2], str) and storage_type[2].endswith("Storage")):
+        raise ValueError(f"a storage's type is {storage_type!r}, not one of torch's")
+    # torch.save names float8, uint16-64 and complex32 storages untyped:
+    # GLOBAL 'torch.storage UntypedStorage', sized in bytes
+    if storage_type[2] == "UntypedStorage":
+        return 1
+    if storage_type[1] != "torch":
         raise ValueError(f"a storage's type is {storage_type!r}, not one of torch's")
     cls = getattr(torch, storage_type[2], None)
-    if cls is torch.UntypedStorage:
-        return 1
     with warnings.catch_warnings():  # TypedStorage's deprecation notice
         warnings.simplefilter("ignore")
         dtype = getattr(cls, "dtype", None)
@@ -146,7 +151,10 @@ def storage_size_mismatch(path: str):
             if records[pickles[0]].file_size > 1 << 30:
                 raise ValueError("its data.pkl is larger than 1 GiB")
             declared = declared_storages(archive.read(pickles[0]))
-    except (zipfile.BadZipFile, OSError, EOFError, KeyError) as error:
+    # unknown compression (NotImplementedError), an encrypted record
+    # (RuntimeError), a damaged deflate stream (zlib.error)
+    except (zipfile.BadZipFile, OSError, EOFError, KeyError, NotImplementedError,
+            RuntimeError, zlib.error) as error:
         raise ValueError(f"it is not a readable torch.save archive ({error})") from error
     file_size = os.path.getsize(path)
     with open(path, "rb") as f:
