@@ -265,7 +265,40 @@ SETTINGS = {
                             "param group 0 step count is -5"),
     "negative micro steps": (lambda meta: meta["engine"].update(micro_steps=-1),
                              "micro_steps is -1"),
+    "scheduler's step a number": (lambda meta: meta["lr_scheduler"].update(step=3),
+                                  "lr_scheduler state has the key 'step'"),
 }
+
+
+def test_a_scheduler_state_of_another_torch_version_loads(saved, other):
+    """A plain key this torch's scheduler does not keep (an older torch's
+    `verbose`) is taken, as torch takes it."""
+    edit(saved / "t" / META, lambda meta: meta["lr_scheduler"].update(verbose=False))
+    other.load_checkpoint(saved, tag="t")
+    train(other, 1, 1)
+
+
+def test_a_loss_scale_fp32_cannot_hold_is_refused(tmp_path):
+    engine = make_engine(2, "fp16")
+    train(engine, 0, 1)
+    engine.save_checkpoint(tmp_path, tag="t")
+    engine.close()
+    edit(tmp_path / "t" / META, lambda meta: meta["loss_scaler"].update(scale=1e39))
+    other = make_engine(2, "fp16", seed=3)
+    refused_and_unchanged(other, lambda: other.load_checkpoint(tmp_path, tag="t"),
+                          "loss scale is 1e[+]?39, not a number in")
+    other.close()
+
+
+def test_a_tensor_subclass_in_client_state_is_refused_at_save(tmp_path):
+    class Tagged(torch.Tensor):
+        pass
+    engine = make_engine(2)
+    with pytest.raises(TypeError, match=r"client_state\['t'\] is a .*Tagged, a tensor "
+                                        "subclass"):
+        engine.save_checkpoint(tmp_path, tag="t",
+                               client_state={"t": torch.ones(2).as_subclass(Tagged)})
+    engine.close()
 
 
 @pytest.mark.parametrize("case", list(SETTINGS))

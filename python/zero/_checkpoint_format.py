@@ -77,6 +77,12 @@ def check_plain(value, where: str):
     elif isinstance(value, (list, tuple)):
         for i, v in enumerate(value):
             check_plain(v, f"{where}[{i}]")
+    elif isinstance(value, torch.Tensor) and \
+            type(value) not in (torch.Tensor, torch.nn.Parameter):
+        # weights_only refuses a subclass at load, as code it would run
+        raise TypeError(f"{where} is a {type(value).__module__}.{type(value).__name__}, a "
+                        "tensor subclass; a checkpoint keeps plain tensors only (pass "
+                        "t.as_subclass(torch.Tensor))")
     elif not isinstance(value, PLAIN_TYPES):
         raise TypeError(f"{where} is a {type(value).__module__}.{type(value).__name__}; a "
                         "checkpoint keeps only tensors, numbers, strings, None and lists or "

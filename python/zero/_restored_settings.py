@@ -16,7 +16,9 @@ import copy
 import math
 
 import torch
+from torch.optim.lr_scheduler import LRScheduler
 
+from zero.config import FP32_MAX
 from zero._step_path import check_update_arguments
 
 _OPTIMIZER_HINT = "; pass load_optimizer_states=False to start the optimizer afresh"
@@ -52,17 +54,24 @@ def _check_loss_scale(state):
         raise ValueError(f"the checkpoint's loss_scaler is a {type(state).__name__}, not a dict")
     scale = state.get("scale")
     if isinstance(scale, bool) or not isinstance(scale, (int, float)) or \
-            not (math.isfinite(scale) and scale > 0):
-        raise ValueError(f"the checkpoint's loss scale is {scale!r:.60}, not a finite number "
-                         "> 0")
+            not (math.isfinite(scale) and 0 < scale <= FP32_MAX):
+        raise ValueError(f"the checkpoint's loss scale is {scale!r:.60}, not a number in "
+                         f"(0, {FP32_MAX:.4g}] (fp32 holds no larger one)")
     _count(state.get("hysteresis_left"), "loss_scaler hysteresis_left")
     _count(state.get("good_steps"), "loss_scaler good_steps")
 
 
-def _same_form(saved, current, where):
-    """saved has current's form: keys the scheduler keeps, lists of the
-    same length, numbers for numbers (integers for integers), strings for
-    strings. A key it does not keep (its `optimizer`) is refused."""
+# what a saved state must never set on a scheduler: the optimizer it
+# drives, and its methods (a number in place of step() breaks every step)
+_NOT_STATE = frozenset(["optimizer"]) | frozenset(dir(LRScheduler))
+
+
+def _same_form(saved, current, where, attributes=_NOT_STATE):
+    """saved has current's form: lists of the same length, numbers for
+    numbers (integers for integers), strings for strings, dicts whose keys
+    are kept. A key the scheduler does not keep is taken (another torch
+    version's, such as an old `verbose`) unless it would replace one of its
+    attributes (`attributes`: its optimizer, its methods)."""
     def refuse(what):
         raise ValueError(f"the checkpoint's {where} {what}, which the engine's LR scheduler "
                          "does not keep (saved with another scheduler?)" + _SCHEDULER_HINT)
@@ -71,7 +80,10 @@ def _same_form(saved, current, where):
             refuse(f"is a {type(saved).__name__}, not a dict")
         for key, value in saved.items():
             if key not in current:
-                refuse(f"has the key {key!r:.60}")
+                if not isinstance(key, str) or key in attributes or \
+                        not isinstance(value, (int, float, str, bool, type(None))):
+                    refuse(f"has the key {key!r:.60}")
+                continue
             _same_form(value, current[key], f"{where}[{key!r}]")
     elif isinstance(current, (list, tuple)):
         if not isinstance(saved, (list, tuple)) or len(saved) != len(current):
@@ -98,7 +110,8 @@ def _scheduler_lrs(scheduler, saved):
     """The learning rates the saved state would set (None if the scheduler
     keeps none): the state is loaded on trial and the scheduler put back."""
     current = scheduler.state_dict()
-    _same_form(saved, current, "lr_scheduler state")
+    _same_form(saved, current, "lr_scheduler state",
+               _NOT_STATE | frozenset(dir(scheduler)) - set(current))
     before = copy.deepcopy(current)
     try:
         # load_state_dict may consume what it is given (LambdaLR pops)
@@ -129,19 +142,22 @@ def check_restored_settings(engine, meta, with_optimizer: bool, load_module_only
             meta["lr_scheduler"] is not None:
         lrs = _scheduler_lrs(engine.lr_scheduler, meta["lr_scheduler"])
     groups = engine.optimizer.param_groups
-    for fg in engine.groups:
-        candidate, step = dict(groups[fg.index]), fg.step_count
+    steps = {fg.index: fg.step_count for fg in engine.groups}
+    # every group, also one whose parameters are all frozen (no flat
+    # group): its settings are set and the schedule reads them
+    for index, group in enumerate(groups):
+        candidate, step = dict(group), steps.get(index, 0)
         checks = []
         if with_optimizer:  # as saved (the schedule may set another lr over it)
-            candidate.update(meta["groups"][fg.index]["hyper"])
-            step = meta["groups"][fg.index]["step"]
+            candidate.update(meta["groups"][index]["hyper"])
+            step = meta["groups"][index]["step"]
             checks.append((dict(candidate), _OPTIMIZER_HINT))
-        if lrs is not None and fg.index < len(lrs):
-            candidate["lr"] = lrs[fg.index]
+        if lrs is not None and index < len(lrs):
+            candidate["lr"] = lrs[index]
             checks.append((candidate, _SCHEDULER_HINT))
         for settings, hint in checks:
             try:
                 check_update_arguments(engine._kind, engine.optimizer, settings, step + 1)
             except (ValueError, TypeError) as error:
-                raise ValueError(f"the checkpoint would set param group {fg.index}'s "
+                raise ValueError(f"the checkpoint would set param group {index}'s "
                                  f"hyperparameters out of range: {error}" + hint) from error
