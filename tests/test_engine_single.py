@@ -309,7 +309,8 @@ def test_a_loss_scale_fp32_cannot_hold_is_refused_by_name():
 
 
 @pytest.mark.parametrize("bad", [0, -5, float("inf"), float("nan"), True, "600", [600],
-                                 datetime.timedelta(0), datetime.timedelta(seconds=-1), 1e300])
+                                 datetime.timedelta(0), datetime.timedelta(seconds=-1), 1e300,
+                                 1e10, datetime.timedelta.max])
 def test_timeout_is_checked_by_name(bad):
     m = model()
     before = [p.data_ptr() for p in m.parameters()]

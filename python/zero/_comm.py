@@ -120,11 +120,12 @@ def backend_for(device: torch.device, world: int) -> str:
     return "gloo" if device.type == "cpu" or world == 1 else "cpu:gloo,cuda:nccl"
 
 
-def group_backend() -> str:
-    """The default group's backends: "gloo", "nccl", or per device type
-    ("cpu:gloo,cuda:nccl"; torch writes plain "gloo" as "cpu:gloo,cuda:gloo")."""
+def group_backend(group=None) -> str:
+    """A group's backends (None: the default group's): "gloo", "nccl", or
+    per device type ("cpu:gloo,cuda:nccl"; torch writes plain "gloo" as
+    "cpu:gloo,cuda:gloo")."""
     describe = getattr(dist, "get_backend_config", dist.get_backend)
-    return str(describe()).lower()
+    return str(describe(group)).lower()
 
 
 def check_backend(device: torch.device):
@@ -205,6 +206,11 @@ def _made_here(wait: datetime.timedelta, timeout):
     _made["world"] = dist.group.WORLD
     _timeout.update(value=wait, source="default" if timeout is None else "setting")
     _at_exit_once()
+
+
+def current_timeout() -> datetime.timedelta:
+    """The timeout the groups zero makes are given now ([Note: timeouts])."""
+    return _timeout["value"] or DEFAULT_TIMEOUT
 
 
 def all_channels() -> list:
@@ -430,7 +436,7 @@ class Comm:
 
     def __init__(self, device: torch.device = torch.device("cpu"), group=None):
         self.device = device
-        host_ok = device.type == "cpu" or "gloo" in group_backend()
+        host_ok = device.type == "cpu" or "gloo" in group_backend(group)
         self.scalar_device = torch.device("cpu") if host_ok else device
         self.group = group  # None: the default group
         self.rank = dist.get_rank(group)
@@ -450,6 +456,18 @@ class Comm:
         partitions across `replicate_group` ([Note: hybrid sharding])."""
         self.replicate = Comm(self.device, replicate_group)
         self.everyone = Comm(self.device, everyone_group)
+        # each replica must hold the same partition: a rank's replicas have
+        # its rank in their rows (a hand-built mesh may pair them otherwise,
+        # and partitions of other ranks would be summed)
+        # and agreed over every rank, so all refuse together
+        partitions = self.replicate.gather_scalars(self.rank)
+        crossed = self.everyone.sum_scalar(float(len(set(partitions)) > 1))
+        if crossed:
+            raise ValueError(f"mesh: replicas must hold the same partition (the same place in "
+                             f"each dp_shard row, as init_device_mesh lays them out); the "
+                             f"dp_replicate group of global rank {self.global_rank} joins "
+                             f"places {partitions} of their rows, and {crossed:.0f} rank(s) "
+                             "found such a group")
         return self
 
     @property

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import torch.distributed as dist
 
+from zero._comm import current_timeout
+
 
 def _is_device_mesh(mesh) -> bool:
     try:
@@ -29,7 +31,8 @@ def _group_of_ranks(ranks):
     them made by those ranks alone."""
     if len(ranks) == dist.get_world_size():
         return None
-    return dist.new_group(sorted(ranks), use_local_synchronization=True)
+    return dist.new_group(sorted(ranks), use_local_synchronization=True,
+                          timeout=current_timeout())
 
 
 def resolve_mesh(mesh):

@@ -101,7 +101,10 @@ def _seconds(value, name):
     return float(seconds)
 
 
-_LONGEST_TIMEOUT = datetime.timedelta.max.total_seconds()
+# about 31 years: gloo's store timed out at once at 1e10 s and a collective
+# never returned at 1e11 s (helper review, 2 ranks), and timedelta.max
+# overflowed inside torch
+_LONGEST_TIMEOUT = 1e9
 
 
 def _number(value, name):

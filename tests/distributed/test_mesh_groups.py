@@ -124,6 +124,13 @@ def _halves(rank, world, keep_dir):
             "cpu", [[0, 1, 2, 3]], mesh_dim_names=("dp_replicate", "dp_shard"))),
         "2 ranks, stage 0": loaded_state(saved, 0, mine),
     }
+    # a hand-built mesh whose columns pair different places of the rows
+    crossed = DeviceMesh("cpu", [[0, 3], [2, 1]], mesh_dim_names=("dp_replicate", "dp_shard"))
+    try:
+        train_on_group(crossed, SEEDS[0], 2, 1, hybrid=True)
+        out["crossed"] = None
+    except ValueError as error:
+        out["crossed"] = str(error)
     dist.destroy_process_group()
     return out
 
@@ -208,3 +215,13 @@ def test_a_hybrid_checkpoint_loads_on_other_layouts(runs, kept, monkeypatch):
         monkeypatch.delenv(var, raising=False)
     state = loaded_state(str(kept / "stage3"), 2)
     assert all(torch.equal(state[k], saved[k]) for k in saved)
+
+
+def test_a_mesh_whose_replicas_hold_other_partitions_is_refused(runs):
+    """[[0, 3], [2, 1]]: rows {0, 3} and {1, 2} (a group's ranks are
+    sorted, so rank 2 is place 1 of its row), columns {0, 2} and {3, 1}:
+    each column joins place 0 of one row with place 1 of the other, whose
+    gradients would be summed. Refused on every rank, before training."""
+    for rank in range(4):
+        assert runs[rank]["crossed"] is not None and \
+            "replicas must hold the same partition" in runs[rank]["crossed"], runs[rank]["crossed"]
