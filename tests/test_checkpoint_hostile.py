@@ -432,3 +432,35 @@ def test_a_file_that_would_run_code_is_refused_as_such(saved, other, tmp_path, c
     line = command_line_refuses(capsys, saved, tmp_path, CODE_REFUSED)
     assert "weights_only" not in line and "damaged" not in line
     assert not marker.exists()
+
+
+@pytest.mark.parametrize("make, exact", [
+    (lambda: torch.tensor([1 + 2j, 3 - 4j]), False),
+    (lambda: torch.tensor([2 ** 24 + 1, 123456789]), False),
+    (lambda: torch.tensor([3, -7, 2 ** 20]), True),
+    (lambda: torch.tensor([1 + 0j, -2 + 0j]), True),
+], ids=["complex", "int64 past 2**24", "small int64", "real complex"])
+def test_a_frozen_parameter_fp32_cannot_hold_is_refused_at_save(tmp_path, make, exact):
+    """Frozen parameters are kept in fp32 in a checkpoint: values it cannot
+    hold loaded changed, silently ([1+2j] as [1+0j], 2**24+1 as 2**24).
+    They are refused at save now; values it holds round-trip exactly."""
+    def model_with(value):
+        torch.manual_seed(0)
+        model = torch.nn.Linear(4, 4)
+        model.table = torch.nn.Parameter(value, requires_grad=False)
+        return model
+    model = model_with(make())
+    engine = zero.initialize(model, stage=2)
+    if not exact:
+        with pytest.raises(ValueError, match="frozen parameter 'table' .* holds values fp32 "
+                                             "cannot keep exactly"):
+            engine.save_checkpoint(tmp_path, tag="t")
+        assert not (tmp_path / "t").exists()
+        engine.close()
+        return
+    engine.save_checkpoint(tmp_path, tag="t")
+    engine.close()
+    other = zero.initialize(model_with(torch.zeros_like(make())), stage=2)
+    other.load_checkpoint(tmp_path, tag="t")
+    assert torch.equal(other.module.table, make())
+    other.close()

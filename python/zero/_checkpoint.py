@@ -72,10 +72,30 @@ def _shard_groups(engine) -> list:
         for name, p in frozen:
             pieces.append((name, 0, p.numel(), offset))
             offset += p.numel()
-        value = torch.cat([p.detach().reshape(-1).to("cpu", torch.float32) for _, p in frozen])
+        value = torch.cat([_as_fp32_exactly(name, p) for name, p in frozen])
         groups.append({"index": REPLICATED_GROUP, "tensors": {"value": value},
                        "pieces": pieces})
     return groups
+
+
+def _as_fp32_exactly(name, p) -> torch.Tensor:
+    """A frozen parameter's values in fp32, as the checkpoint keeps them;
+    refused when fp32 cannot hold them exactly (an int64 past 2**24, a
+    complex one's imaginary part), which the load would otherwise give
+    back changed, without a word. (Floating ones are in the engine's
+    compute dtype since initialize, which fp32 holds.)"""
+    flat = p.detach().reshape(-1).to("cpu")
+    if flat.is_complex():
+        exact = not bool(flat.imag.any()) and \
+            torch.equal(flat.real.float().to(flat.real.dtype), flat.real)
+    else:
+        exact = torch.equal(flat.float().to(flat.dtype), flat)
+    if not exact:
+        raise ValueError(f"frozen parameter '{name}' ({str(p.dtype).replace('torch.', '')}) "
+                         "holds values fp32 cannot keep exactly, and a checkpoint keeps "
+                         "frozen values in fp32: they would load changed. Keep it as a "
+                         "buffer (register_buffer keeps its dtype), or in float32")
+    return flat.float() if not flat.is_complex() else flat.real.float()
 
 
 def _param_shapes(engine) -> dict:

@@ -204,7 +204,8 @@ def _check_real_parameters(model: nn.Module) -> None:
                 "trains real parameters only, in flat real buffers, where its imaginary part "
                 "would be lost. Keep it as a real tensor with a last dimension of 2 "
                 "(torch.view_as_real) and view it as complex in forward "
-                "(torch.view_as_complex), or freeze it (requires_grad=False: kept as it is)")
+                "(torch.view_as_complex), or make it a buffer (register_buffer: kept as it "
+                "is, also in checkpoints)")
 
 
 def _check_scheduler(lr_scheduler, optimizer) -> None:
