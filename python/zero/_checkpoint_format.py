@@ -154,7 +154,7 @@ def _latest_tag(save_dir) -> str:
         if len(tag) > _LATEST_MOST:
             raise ValueError("too long")
         return check_tag(tag)
-    except ValueError as error:  # a damaged file, or one naming a path out of save_dir
+    except ValueError:  # a damaged file, or one naming a path out of save_dir
         raise ValueError(f"{latest!r} does not name a tag directory inside {save_dir!r} "
                          "(it must hold one plain directory name); pass tag= (--tag on the "
                          "command line)") from None
