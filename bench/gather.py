@@ -52,7 +52,7 @@ def _measure(call, repeat):
 
 
 def _run(rank, world, repeat):
-    from zero._comm import all_gather_single, gather_by_broadcasts
+    from zero.comm._comm import all_gather_single, gather_by_broadcasts
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     rows = []

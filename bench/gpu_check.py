@@ -53,7 +53,8 @@ except ImportError:  # no zero._C carried here: build it in place
                    check=True)
     import zero  # noqa: E402
 from gpt import GPT, GPTConfig, MarkovText  # noqa: E402
-from zero import _C, _cuda  # noqa: E402
+from zero import _C
+from zero.step import _cuda  # noqa: E402
 
 BYTES_PER_PARAM = 28
 HP = dict(lr=1e-4, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)

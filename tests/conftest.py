@@ -17,7 +17,7 @@ def release_the_group_partitioned_init_keeps():
     yield
     import os
     import torch.distributed as dist
-    from zero import _comm
+    from zero.comm import _comm
     if "RANK" not in os.environ and _comm._holds_current_group():
         _comm._forget_group()
         dist.destroy_process_group()

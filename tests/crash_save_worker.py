@@ -33,7 +33,7 @@ import torch
 from torch import nn
 
 import zero
-from zero import _checkpoint_writes
+from zero.checkpoint import _writes as _checkpoint_writes
 from zero.checkpoint import consolidate
 
 

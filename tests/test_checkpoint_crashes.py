@@ -61,7 +61,7 @@ def test_a_live_save_of_another_tag_is_left_alone(tmp_path, monkeypatch):
     """Two engines saving other tags into one directory (two halves of a
     mesh): the save's recovery removes only leftovers no live save holds
     the lock of. Before, it removed every staging directory in sight."""
-    from zero._checkpoint_writes import SaveLock
+    from zero.checkpoint._writes import SaveLock
     for var in LAUNCHER_VARS:
         monkeypatch.delenv(var, raising=False)
     engine = _engine()

@@ -14,7 +14,8 @@ import pytest
 import torch
 
 import zero
-from zero.checkpoint import consolidate, main
+from zero.checkpoint import consolidate
+from zero.checkpoint._command import main
 from zero.config import OffloadOptimizer, check_nvme_path
 from engine_cases import no_launcher
 from test_checkpoint import make_engine, train, unchanged_after

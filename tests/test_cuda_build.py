@@ -114,11 +114,11 @@ def test_nothing_creates_a_cuda_context():
     CUDA state untouched (tests/gpu checks the driver's primary context on a
     GPU machine)."""
     code = (
-        "import torch, zero, zero._cuda\n"
+        "import torch, zero, zero.step._cuda\n"
         "from zero import _C\n"
         "_C.cuda_available(); _C.cuda_info()\n"
         "try:\n"
-        "    zero._cuda.l2_norm([torch.ones(3)])\n"
+        "    zero.step._cuda.l2_norm([torch.ones(3)])\n"
         "except ValueError:\n"
         "    pass\n"
         "print(torch.cuda.is_initialized())\n")
@@ -347,7 +347,7 @@ def test_buffer_holds_a_cuda_tensor_for_the_cuda_functions_only(fake):
 
 
 def test_wrapper_needs_cuda_tensors():
-    from zero import _cuda
+    from zero.step import _cuda
     with pytest.raises(ValueError, match=r"tensors\[0\] is on cpu; zero\._cuda needs CUDA"):
         _cuda.l2_norm([torch.ones(3)])
     with pytest.raises(ValueError, match=r"param is on cpu; zero\._cuda needs CUDA"):

@@ -15,7 +15,7 @@ from torch import nn
 
 import zero
 from engine_cases import no_launcher
-from zero._schedulers import scheduler_from_config
+from zero.config._schedulers import scheduler_from_config
 
 DEEPSPEED_LRS = {
     "decay_linear": (
@@ -352,7 +352,7 @@ def test_config_sources_are_checked(tmp_path):
     ((32, 4, 4), 2, (4, 4)),        # all three, agreeing
 ])
 def test_batch_sizes_settled_as_deepspeed_does(given, world, settled):
-    from zero._initialize import settle_batch_sizes
+    from zero.engine._initialize import settle_batch_sizes
     keys = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
     cfg = zero.Config.from_deepspeed({k: v for k, v in zip(keys, given) if v is not None})
     cfg = settle_batch_sizes(cfg, world)
@@ -361,7 +361,7 @@ def test_batch_sizes_settled_as_deepspeed_does(given, world, settled):
 
 @pytest.mark.parametrize("given", [(32, 4, 3), (30, 4, None), (6, None, 4)])
 def test_batch_sizes_that_cannot_agree_are_refused(given):
-    from zero._initialize import settle_batch_sizes
+    from zero.engine._initialize import settle_batch_sizes
     keys = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
     cfg = zero.Config.from_deepspeed({k: v for k, v in zip(keys, given) if v is not None})
     with pytest.raises(ValueError, match=f"train_batch_size {given[0]} != micro batch"):
@@ -382,7 +382,7 @@ def test_the_loss_scale_doubles_when_deepspeed_doubles_it():
     overflow patterns, printed these scales (window 3, hysteresis 2,
     start 2**4): the first doubling comes at the 4th good step, not the
     3rd, and after an overflow the count starts again."""
-    from zero._loss_scaler import DynamicLossScaler
+    from zero.step._loss_scaler import DynamicLossScaler
     cfg = zero.Config.from_deepspeed({"fp16": {"enabled": True, "initial_scale_power": 4,
                                                "loss_scale_window": 3, "hysteresis": 2}})
     cases = [([False] * 7, [16, 16, 16, 32, 32, 32, 64]),
@@ -400,7 +400,7 @@ def test_the_loss_scale_doubles_when_deepspeed_doubles_it():
 def test_a_static_scale_stays_the_configured_one_after_a_load():
     """A checkpoint of a dynamic run (scale 256) loaded by a static engine
     (1024) froze the scale at 256: neither the config nor the run."""
-    from zero._loss_scaler import DynamicLossScaler
+    from zero.step._loss_scaler import DynamicLossScaler
     dynamic = DynamicLossScaler(zero.LossScaling(initial_scale_power=8))
     static = DynamicLossScaler(zero.LossScaling(static_loss_scale=1024))
     static.load_state_dict(dynamic.state_dict())
@@ -433,7 +433,7 @@ def test_an_overflow_at_the_minimum_scale_stops_the_run():
     (True, [2.0 ** 8, 2.0 ** 8, 2.0 ** 8, 2.0 ** 7]),   # only 2 overflows in a row halve
 ])
 def test_consecutive_hysteresis(consecutive, scales):
-    from zero._loss_scaler import DynamicLossScaler
+    from zero.step._loss_scaler import DynamicLossScaler
     cfg = zero.Config.from_deepspeed({"fp16": {"enabled": True, "initial_scale_power": 8,
                                                "hysteresis": 2,
                                                "consecutive_hysteresis": consecutive}})
@@ -539,7 +539,7 @@ def test_optimizer_blocks_take_deepspeeds_defaults():
     betas (0.9, 0.999) (zero gave 1e-4 and (0.9, 0.99)). AdamW ignores
     adam_w_mode and Adam-family blocks take bias_correction true, as
     DeepSpeed does (torch raised on the unknown keyword)."""
-    from zero._optimizer_bridge import optimizer_from_config
+    from zero.optim._from_config import optimizer_from_config
     params = [nn.Parameter(torch.zeros(2))]
     lion = optimizer_from_config({"type": "Lion"}, params)
     assert (lion.defaults["lr"], tuple(lion.defaults["betas"])) == (1e-3, (0.9, 0.999))

@@ -325,7 +325,7 @@ def test_timeout_is_checked_by_name(bad):
 def test_timeout_is_given_to_the_group_zero_makes():
     """Seconds or a timedelta; left out, 10 minutes (torch's own default
     for gloo is 30). An engine that joins the group later sets it again."""
-    from zero import _comm
+    from zero.comm import _comm
     assert zero.Config().timeout is None
     assert zero.Config(timeout=datetime.timedelta(minutes=2)).timeout == 120.0
     assert zero.Config.from_deepspeed({"comms_timeout": 45}).timeout == 45.0

@@ -780,7 +780,7 @@ def test_a_held_interrupt_goes_to_the_handler_that_was_in_place():
     the body: a custom handler is called, an ignored SIGINT stays ignored."""
     import os
     import signal
-    from zero._interrupts import interrupts_held
+    from zero.engine._interrupts import interrupts_held
     calls = []
     previous = signal.signal(signal.SIGINT, lambda signum, frame: calls.append(signum))
     try:

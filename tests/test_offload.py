@@ -18,7 +18,7 @@ import pytest
 import torch
 
 import zero
-from zero._nvme import SLOTS
+from zero.offload._nvme import SLOTS
 from engine_cases import (Net, assert_checkpoint_chain_exact, assert_same_finish, batches,
                           finish, loss_of, make_optimizer, no_launcher, run_peak_script)
 
@@ -261,7 +261,7 @@ def test_an_exception_in_the_update_waits_for_the_io(tmp_path, monkeypatch):
     the next step gets fresh windows."""
     import threading
     import time
-    import zero._step_path as step_path
+    import zero.step._step_path as step_path
     engine = run(0, "bf16", "adamw", nvme_path=tmp_path, steps=1, chunk=1024)
     files = engine.groups[0].offload
     assert len(files.chunks(engine.groups[0].part_size)) >= 2
@@ -298,7 +298,7 @@ def test_an_exception_in_the_update_waits_for_the_io(tmp_path, monkeypatch):
 
 FORK_SCRIPT = textwrap.dedent("""
     import os, sys, torch
-    from zero._nvme import NvmeFiles
+    from zero.offload._nvme import NvmeFiles
     nvme = sys.argv[1]
     def add_one(lo, hi, windows):
         for t in windows.values():

@@ -241,7 +241,7 @@ def test_refusals(tmp_path, monkeypatch):
         zero.Config.from_deepspeed({"zero_optimization": {
             "stage": 3, "offload_param": {"device": "nvme", "nvme_dir": "/x"}}})
     # a GPU model: not built yet, said before anything is touched
-    import zero._initialize as initialize_module
+    import zero.engine._initialize as initialize_module
     monkeypatch.setattr(initialize_module, "_engine_device",
                         lambda _model, _device: torch.device("cuda", 0))
     with pytest.raises(NotImplementedError, match="offload_param .* not on cuda"):

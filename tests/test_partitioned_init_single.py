@@ -85,7 +85,7 @@ def test_running_it_again_holds_the_group_once():
     for the life of the process is held once (each run added a reference,
     so no close() could ever end it), and an engine's close() leaves just
     that one."""
-    from zero import _comm
+    from zero.comm import _comm
     for _ in range(3):
         model, _ = build(True)
         engine = zero.initialize(model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),

@@ -118,7 +118,7 @@ def test_ranks_on_one_machine_share_its_cores():
     (16, 4, 4, 4),    # the launcher bound the rank to 4 cores: all of them
 ])
 def test_core_share_rule(monkeypatch, machine, bound, local, expected):
-    from zero import _threads
+    from zero.step import _threads
     calls = []
     monkeypatch.setattr(_threads, "_chosen", False)
     monkeypatch.setattr(_threads.os, "cpu_count", lambda: machine)

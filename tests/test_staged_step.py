@@ -12,8 +12,8 @@ import pytest
 import torch
 
 import zero
-import zero._flat_group
-import zero._step_path as step_path
+import zero.sharding._flat_group
+import zero.step._step_path as step_path
 from engine_cases import (Net, assert_checkpoint_chain_exact, assert_same_finish, batches,
                           finish, loss_of, make_optimizer, no_launcher)
 
@@ -26,7 +26,7 @@ def _staged_on_the_cpu(monkeypatch):
     no_launcher(monkeypatch)
     monkeypatch.setattr(step_path, "states_off_device",
                         lambda device, offload: offload.device in ("cpu", "nvme"))
-    monkeypatch.setattr(zero._flat_group, "STAGING_CHUNK", STAGING_CHUNK)
+    monkeypatch.setattr(zero.sharding._flat_group, "STAGING_CHUNK", STAGING_CHUNK)
 
 
 def run(stage, precision, optimizer, offload=None, steps=4, accumulation=1):

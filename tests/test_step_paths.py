@@ -9,15 +9,15 @@ import torch
 import torch.distributed as dist
 
 import engine_cases
-import zero.engine
-from zero._step_path import HostStep, TorchStep, _kernels_unusable, step_path_for
+import zero.engine._engine
+from zero.step._step_path import HostStep, TorchStep, _kernels_unusable, step_path_for
 
 CPU = torch.device("cpu")
 
 
 @pytest.fixture
 def torch_step(monkeypatch, request):
-    monkeypatch.setattr(zero.engine, "step_path_for", lambda device: TorchStep(device))
+    monkeypatch.setattr(zero.engine._engine, "step_path_for", lambda device: TorchStep(device))
     engine_cases.no_launcher(monkeypatch)
     had_group = dist.is_initialized()
     yield
@@ -76,7 +76,7 @@ def test_a_gpu_without_usable_kernels_falls_back_with_a_warning():
 def test_a_kernel_launch_that_fails_at_initialize_means_the_torch_step(monkeypatch):
     """The driver opens but the fatbin does not load (a driver older than
     the nvcc that built it): found by the probe launch, not at step 1."""
-    from zero import _cuda
+    from zero.step import _cuda
 
     def fails(*_args, **_kwargs):
         raise RuntimeError("cuda_l2_norm: cuModuleLoadData failed: CUDA_ERROR_UNSUPPORTED_PTX")
@@ -97,7 +97,7 @@ def test_models_zero_cannot_place_are_refused(torch_step):
 
 
 def test_a_group_that_cannot_reduce_the_model_tensors_is_refused(torch_step, monkeypatch):
-    from zero._comm import check_backend
+    from zero.comm._comm import check_backend
     made = not dist.is_initialized()
     if made:
         dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
@@ -126,7 +126,7 @@ def test_device_argument_is_checked_by_name(torch_step):
 def test_gathering_the_master_in_slices_puts_each_rank_in_its_chunk():
     """The GPU's full_state_dict gathers in slices (_flat_group.gather_in_slices);
     a stand-in for the collective gives what three ranks would send."""
-    from zero._flat_group import gather_in_slices
+    from zero.sharding._flat_group import gather_in_slices
     n, part = 3, 10
     chunks = [torch.arange(part, dtype=torch.float32) + 100 * r for r in range(n)]
 

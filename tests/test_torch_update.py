@@ -1,4 +1,4 @@
-"""zero._torch_update (the optimizer updates in plain torch ops) against the
+"""zero.step._torch_update (the optimizer updates in plain torch ops) against the
 C scalar reference, zero._C.*_step on CPU copies: random data of odd sizes,
 five consecutive steps, grads in fp32, bf16 and fp16, grad_scale != 1 and
 negative (maximize), every option of each optimizer. Runs on the CPU, and on
@@ -18,7 +18,7 @@ import torch
 
 from conftest import bits, max_rel_error, rand
 from zero import _C
-from zero import _torch_update as tu
+from zero.step import _torch_update as tu
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 SIZES = [1, 33, 4097, 100_003]

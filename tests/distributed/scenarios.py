@@ -53,14 +53,14 @@ class Net(nn.Module):
 @contextlib.contextmanager
 def torch_step():
     """Engines made inside take the torch-op step a GPU falls back to."""
-    import zero.engine
-    from zero._step_path import TorchStep
-    chosen = zero.engine.step_path_for
-    zero.engine.step_path_for = TorchStep
+    import zero.engine._engine
+    from zero.step._step_path import TorchStep
+    chosen = zero.engine._engine.step_path_for
+    zero.engine._engine.step_path_for = TorchStep
     try:
         yield
     finally:
-        zero.engine.step_path_for = chosen
+        zero.engine._engine.step_path_for = chosen
 
 
 def make_model(seed=0, checkpointing=None):

@@ -32,7 +32,7 @@ def _worker(made_by: str):
     import torch.distributed as dist
 
     import zero
-    from zero import _comm
+    from zero.comm import _comm
     rank = int(os.environ["RANK"])
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4))

@@ -7,7 +7,8 @@ import os
 import pytest
 import torch
 
-from zero import _C, _cuda
+from zero import _C
+from zero.step import _cuda
 
 EMULATED = os.environ.get("ZERO_TEST_EMULATED_CUDA") == "1"
 SKIP_REASON = None

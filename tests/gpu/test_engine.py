@@ -15,10 +15,10 @@ import pytest
 import torch
 
 import engine_cases
-import zero._comm
-import zero.engine
+import zero.comm._comm
+import zero.engine._engine
 from gpu_device import DEVICE, EMULATED, SKIP_REASON, device_path  # noqa: F401 (fixture)
-from zero._step_path import CudaStep, StagedHostStep
+from zero.step._step_path import CudaStep, StagedHostStep
 
 if SKIP_REASON:
     pytest.skip(SKIP_REASON, allow_module_level=True)
@@ -30,7 +30,7 @@ STAGES = [0, 1, 2, 3]
 def cuda_step(monkeypatch):
     """The engine must take the CUDA step (emulated: it is handed it)."""
     if EMULATED:
-        monkeypatch.setattr(zero.engine, "step_path_for", lambda device: CudaStep(device))
+        monkeypatch.setattr(zero.engine._engine, "step_path_for", lambda device: CudaStep(device))
     engine_cases.no_launcher(monkeypatch)
 
 
@@ -72,7 +72,7 @@ def test_engine_buffers_live_on_the_gpu_and_one_rank_needs_no_nccl():
         for name, t in fg.tensors.items():
             assert t is None or t.device == DEVICE, name
     # one rank sends no model tensor: the group is gloo, no NCCL to set up
-    assert "nccl" not in zero._comm.group_backend()
+    assert "nccl" not in zero.comm._comm.group_backend()
     engine.close()
 
 

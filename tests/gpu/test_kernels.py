@@ -20,7 +20,8 @@ import torch
 
 from conftest import bits, max_rel_error, rand
 from gpu_device import DEVICE, EMULATED, SKIP_REASON, device_path  # noqa: F401 (fixture)
-from zero import _C, _cuda
+from zero import _C
+from zero.step import _cuda
 
 if SKIP_REASON:
     pytest.skip(SKIP_REASON, allow_module_level=True)

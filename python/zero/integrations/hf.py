@@ -38,9 +38,11 @@ import os
 import torch
 from transformers import Trainer
 
-import zero
-from zero._schedulers import SCHEDULER_TYPES, scheduler_from_config
-from zero.config import read_deepspeed
+from zero.config._config import Config
+from zero.engine._initialize import initialize
+from zero.step._registry import SPECS
+from zero.config._schedulers import SCHEDULER_TYPES, scheduler_from_config
+from zero.config._config import read_deepspeed
 
 ZERO_CHECKPOINT_DIR = "zero_checkpoint"
 SCHEDULER_FILE = "scheduler.pt"  # the Trainer's own name for it
@@ -112,8 +114,8 @@ _CONFIG_TRAINER_OWNS = ("gradient_accumulation_steps", "gradient_clipping",
                         "scheduler")
 # a DeepSpeed config's optimizer type -> the TrainingArguments.optim names
 # that build it (DeepSpeed's "Adam" is AdamW unless adam_w_mode is false)
-_OPTIMIZER_TYPES = {"adam": ("adamw",), "adamw": ("adamw",), "sgd": ("sgd",),
-                    "adagrad": ("adagrad",), "lion": ("lion",)}
+_OPTIMIZER_TYPES = {kind: spec.trainer_optims for spec in SPECS.values()
+                    for kind in spec.deepspeed_types}
 
 
 def _check_optimizer_type(kind, optim: str) -> None:
@@ -186,10 +188,10 @@ class ZeroTrainer(Trainer):
         type: the Trainer builds it. A scheduler block's type and values
         are honoured in place of the Trainer's schedule (create_scheduler).
         A zero.Config goes through the same checks, field by field."""
-        if isinstance(config, zero.Config):
+        if isinstance(config, Config):
             # its fields at their defaults are unset; the others go through
             # the same checks as a DeepSpeed config's keys
-            defaults = zero.Config()
+            defaults = Config()
             owned = {k: getattr(config, k) for k in _CONFIG_TRAINER_OWNS
                      if getattr(config, k) != getattr(defaults, k)}
             self._drop_trainer_owned(dict(owned))
@@ -257,7 +259,7 @@ class ZeroTrainer(Trainer):
             self.engine = None
         if self.engine is None:
             super().create_optimizer()  # the Trainer's optimizer, on the model's parameters
-            self.engine = zero.initialize(self.model, optimizer=self.optimizer,
+            self.engine = initialize(self.model, optimizer=self.optimizer,
                                           **self.zero_options)
             self.optimizer = _EngineOptimizer(self.engine, after_step=self._report_skipped_step)
         return self.optimizer

@@ -37,16 +37,17 @@ load_state_dict) _sync() takes in what was changed since the last one:
 from __future__ import annotations
 
 import math
-import numbers
 from collections import defaultdict
 from dataclasses import dataclass, field
 
 import torch
 from torch.autograd.graph import increment_version
 
-from zero import _C
-from zero._param_writes import record_parameters, take_changed_elements
-from zero._shared_memory import first_shared_pair, memory_span, shared_memory_error
+import zero._C as _C
+from zero.sharding._param_writes import record_parameters, take_changed_elements
+from zero.sharding._shared_memory import first_shared_pair, memory_span, shared_memory_error
+from zero.step._hyperparameters import check_group_settings
+from zero.step._registry import OptimizerSpec, decoupled
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -102,54 +103,6 @@ class _Segment:
                 and tensor.shape == slot.shape and tensor.stride() == slot.stride())
 
 
-NUMERIC_SETTINGS = ("lr", "eps", "weight_decay", "momentum", "dampening", "lr_decay")
-
-
-def check_number(name: str, value):
-    """A hyperparameter must be a real number or a one-element tensor
-    (torch's optimizers take a tensor lr); float() alone would take the
-    string "0.01", which torch refuses."""
-    if torch.is_tensor(value):
-        if value.numel() == 1 and not value.is_complex():
-            return
-    elif isinstance(value, numbers.Real):  # numpy's scalars too
-        return
-    raise TypeError(f"{name} is {value!r} ({type(value).__name__}); it must be a number")
-
-
-def check_group_settings(group: dict):
-    """What the C core's argument checks cannot see in a param group, as
-    torch's step would refuse it: differentiable=True (set after
-    construction too) asks for a step autograd can differentiate, which an
-    update outside autograd silently is not; and check_number over the
-    numeric settings (float() would take an lr of "0.01")."""
-    if group.get("differentiable", False):
-        raise ValueError("differentiable=True: zero updates the parameters outside autograd, "
-                         "so no gradient would flow through the step; set it to False")
-    for key in NUMERIC_SETTINGS:
-        if key in group:
-            check_number(key, group[key])
-    for beta in group.get("betas", ()):
-        check_number("betas", beta)
-
-
-def check_hyperparameters(**values) -> list:
-    """Raise ValueError naming the first out-of-range hyperparameter (a
-    beta in [0, 1), anything else finite and >= 0); the values as floats,
-    in the order given."""
-    floats = []
-    for name, value in values.items():
-        check_number(name, value)
-        v = float(value)
-        if name.startswith("beta"):
-            if not 0.0 <= v < 1.0:
-                raise ValueError(f"{name} must be in [0, 1), got {value}")
-        elif not (math.isfinite(v) and v >= 0.0):
-            raise ValueError(f"{name} must be a finite number >= 0, got {value}")
-        floats.append(v)
-    return floats
-
-
 def _where(seg: _Segment, i: int) -> str:
     return f"parameter {seg.indices[i]} of param group {seg.group_index}"
 
@@ -157,14 +110,14 @@ def _where(seg: _Segment, i: int) -> str:
 class FlatOptimizer(torch.optim.Optimizer):
     """Base class: flattening, gradient gathering, runs and state dicts.
 
-    Subclasses name their fp32 states (STATE_NAMES), say which are in use for
-    a group (_states_in_use) and run the core for one run (_update). States
-    in LAZY_STATES exist, as in torch, only from a parameter's first step
-    with them in use; until then they are not published.
+    Subclasses name their optimizer's spec (step/_registry.py): its fp32
+    states, which are in use for a group, and the core function one run
+    calls. The spec's lazy states exist, as in torch, only from a
+    parameter's first step with them in use; until then they are not
+    published.
     """
 
-    STATE_NAMES: tuple = ()
-    LAZY_STATES: tuple = ()
+    spec: OptimizerSpec  # set by each subclass
 
     def __init__(self, params, defaults):
         self._init_layout()
@@ -304,7 +257,7 @@ class FlatOptimizer(torch.optim.Optimizer):
             seg.states[name] = torch.full((seg.numel,), self._initial_state_value(name, group),
                                           dtype=torch.float32)
             seg.make_buffer(name)
-            if name in self.LAZY_STATES:
+            if name in self.spec.lazy_states:
                 seg.started = [False] * len(seg.params)
         if missing:
             self._publish_state(seg)
@@ -317,7 +270,7 @@ class FlatOptimizer(torch.optim.Optimizer):
         for i in range(len(seg.params)) if which is None else which:
             entry = {"step": seg.steps[i]}
             for name, flat in seg.states.items():
-                if name not in self.LAZY_STATES or seg.started[i]:
+                if name not in self.spec.lazy_states or seg.started[i]:
                     entry[name] = seg.view(flat, i)
             if seg.master is not seg.param_flat:
                 entry["master_param"] = seg.view(seg.master, i)
@@ -331,18 +284,21 @@ class FlatOptimizer(torch.optim.Optimizer):
         self.state.clear()
         self._laid_out = None
 
-    # ---- hooks for subclasses -------------------------------------------
+    # ---- the optimizer's spec (step/_registry.py) ----------------------
 
     def _states_in_use(self, group) -> tuple:
-        return self.STATE_NAMES
+        return tuple(self.spec.states(group))
 
     def _initial_state_value(self, name: str, group) -> float:
-        return 0.0
+        return self.spec.states(group).get(name, 0.0)
 
     def _update(self, seg: _Segment, group, start: int, stop: int, step: int,
                 grad_scale: float, fresh: bool):
-        """fresh: the run's lazy states do not exist yet."""
-        raise NotImplementedError
+        """One run [start, stop) of a segment through the C core. fresh: the
+        run's lazy states do not exist yet (step() has applied maximize)."""
+        args, kwargs = self.spec.arguments(group, seg.buffers, step, fresh,
+                                           decoupled(self, group))
+        self.spec.host(*args, **kwargs, grad_scale=grad_scale, start=start, stop=stop)
 
     # ---- changes made outside step(): see [Note: changes made outside step()]
 
@@ -456,7 +412,7 @@ class FlatOptimizer(torch.optim.Optimizer):
                 view.fill_(self._initial_state_value(name, group))
             elif value is not view:
                 view.copy_(value)
-        seg.started[i] = all(entry.get(n) is not None for n in self.LAZY_STATES
+        seg.started[i] = all(entry.get(n) is not None for n in self.spec.lazy_states
                              if n in seg.states)
         if seg.master is seg.param_flat:
             return
@@ -514,7 +470,7 @@ class FlatOptimizer(torch.optim.Optimizer):
         self._check_every_group(grad_scale)
         for group, segments in zip(self.param_groups, self._segments):
             scale = -grad_scale if group.get("maximize", False) else grad_scale
-            lazy = [n for n in self._states_in_use(group) if n in self.LAZY_STATES]
+            lazy = [n for n in self._states_in_use(group) if n in self.spec.lazy_states]
             for seg in segments:
                 self._step_segment(seg, group, scale, lazy)
         return loss

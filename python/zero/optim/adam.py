@@ -2,8 +2,9 @@
 defaults over the C core's fused Adam step (one pass per flat segment)."""
 from __future__ import annotations
 
-from zero import _C
-from zero.optim._flat import FlatOptimizer, check_hyperparameters
+from zero.optim._flat import FlatOptimizer
+from zero.step._hyperparameters import check_hyperparameters
+from zero.step._registry import ADAM as ADAM_SPEC
 
 
 def _reject_unsupported(name, capturable, differentiable):
@@ -18,7 +19,7 @@ class Adam(FlatOptimizer):
     """Adam (L2 weight decay added to the gradient), or AdamW with
     decoupled_weight_decay=True, as torch.optim.Adam."""
 
-    STATE_NAMES = ("exp_avg", "exp_avg_sq")
+    spec = ADAM_SPEC
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0,
                  amsgrad=False, *, foreach=None, maximize=False, capturable=False,
@@ -32,25 +33,11 @@ class Adam(FlatOptimizer):
                         decoupled_weight_decay=decoupled_weight_decay)
         super().__init__(params, defaults)
 
-    def _states_in_use(self, group):
-        if group["amsgrad"]:
-            return self.STATE_NAMES + ("max_exp_avg_sq",)
-        return self.STATE_NAMES
-
-    def _update(self, seg, group, start, stop, step, grad_scale, fresh):
-        beta1, beta2 = group["betas"]
-        b = seg.buffers
-        _C.adam_step(b["master"], b["grad"], b["exp_avg"], b["exp_avg_sq"],
-                     b.get("max_exp_avg_sq"), b["copy_out"],
-                     lr=float(group["lr"]), beta1=float(beta1), beta2=float(beta2),
-                     eps=group["eps"], weight_decay=float(group["weight_decay"]),
-                     step=step, decoupled=bool(group["decoupled_weight_decay"]),
-                     amsgrad=bool(group["amsgrad"]), grad_scale=grad_scale,
-                     start=start, stop=stop)
-
 
 class AdamW(Adam):
     """AdamW (decoupled weight decay), as torch.optim.AdamW."""
+
+    always_decoupled = True  # whatever a loaded state dict's groups say
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2,
                  amsgrad=False, *, maximize=False, foreach=None, capturable=False,

@@ -8,12 +8,13 @@ Optimization Algorithms" (2023), with the paper's defaults (lr 1e-4, betas
 """
 from __future__ import annotations
 
-from zero import _C
-from zero.optim._flat import FlatOptimizer, check_hyperparameters
+from zero.optim._flat import FlatOptimizer
+from zero.step._hyperparameters import check_hyperparameters
+from zero.step._registry import LION as LION_SPEC
 
 
 class Lion(FlatOptimizer):
-    STATE_NAMES = ("exp_avg",)
+    spec = LION_SPEC
 
     def __init__(self, params, lr=1e-4, betas=(0.9, 0.99), weight_decay=0.0, *,
                  maximize=False):
@@ -21,11 +22,3 @@ class Lion(FlatOptimizer):
                               weight_decay=weight_decay)
         defaults = dict(lr=lr, betas=betas, weight_decay=weight_decay, maximize=maximize)
         super().__init__(params, defaults)
-
-    def _update(self, seg, group, start, stop, step, grad_scale, fresh):
-        beta1, beta2 = group["betas"]
-        b = seg.buffers
-        _C.lion_step(b["master"], b["grad"], b["exp_avg"], b["copy_out"],
-                     lr=float(group["lr"]), beta1=float(beta1), beta2=float(beta2),
-                     weight_decay=float(group["weight_decay"]), grad_scale=grad_scale,
-                     start=start, stop=stop)

@@ -1,0 +1,1 @@
+"""comm: the one door to torch.distributed; every collective names its group."""

@@ -1,0 +1,112 @@
+"""DeepSpeed's engine queries and small calls, under its names, for code
+moved over from DeepSpeed (docs/engine.md, "Coming from DeepSpeed"). A
+mixin of Engine: it reads the engine's own attributes."""
+from __future__ import annotations
+
+import os
+
+import torch
+
+from zero.sharding._step_agreement import agree_on_call
+
+
+class DeepSpeedQueries:
+    def get_global_grad_norm(self) -> float:
+        """The global L2 norm of the last update's gradients, before
+        clipping (inf after an fp16 overflow); None before the first step."""
+        return getattr(self, "_global_grad_norm", None)
+
+    def get_lr(self) -> list:
+        return [group["lr"] for group in self.optimizer.param_groups]
+
+    def is_gradient_accumulation_boundary(self) -> bool:
+        return self.is_accumulation_boundary
+
+    def gradient_accumulation_steps(self) -> int:
+        return self.config.gradient_accumulation_steps
+
+    def train_micro_batch_size_per_gpu(self):
+        return self.config.train_micro_batch_size_per_gpu
+
+    def train_batch_size(self):
+        """micro batch x accumulation x world size, when the micro batch is
+        known (the config's train_batch_size was checked against it)."""
+        micro = self.config.train_micro_batch_size_per_gpu
+        if micro is None:
+            return self.config.train_batch_size
+        return micro * self.config.gradient_accumulation_steps * self._comm.dp_world
+
+    def zero_optimization_stage(self) -> int:
+        return self.stage
+
+    def was_step_applied(self) -> bool:
+        """Whether the last step() call updated the parameters: False after
+        a micro-step before the boundary, an fp16 (or check_grad_overflow)
+        skip, and before the first step, as DeepSpeed's."""
+        return self._step_applied
+
+    @property
+    def local_rank(self) -> int:
+        """The launcher's LOCAL_RANK (0 without a launcher)."""
+        return int(os.environ.get("LOCAL_RANK", 0))
+
+    @property
+    def global_samples(self) -> int | None:
+        """Samples of the updates applied so far (global_steps x
+        train_batch_size); None when the micro batch size is unknown."""
+        batch = self.train_batch_size()
+        return None if batch is None else self.global_steps * batch
+
+    def fp16_enabled(self) -> bool:
+        return self.config.precision == "fp16"
+
+    def bfloat16_enabled(self) -> bool:
+        return self.config.precision == "bf16"
+
+    @property
+    def world_size(self) -> int:
+        return self._comm.dp_world
+
+    @property
+    def global_rank(self) -> int:
+        return self._comm.everyone.rank
+
+    def save_16bit_model(self, save_dir, save_filename: str = "pytorch_model.bin") -> bool:
+        """DeepSpeed's: the whole model's state dict, parameters in the
+        compute dtype (bf16/fp16; fp32 under precision "fp32"), buffers in
+        their own, tied parameters still one tensor, written by rank 0 to
+        <save_dir>/<save_filename> with torch.save, for
+        model.load_state_dict. A collective (the parameters are gathered on
+        every rank; a failed write raises on every rank). Returns True."""
+        full = self.full_state_dict()
+        error = None
+        if self._comm.everyone.rank == 0:
+            try:
+                path = os.path.join(os.fspath(save_dir), save_filename)
+                os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+                torch.save(self._state_in_module_dtypes(full), path)
+            except Exception as e:  # raised on every rank below
+                error = e
+        failed = agree_on_call(self._comm, self.call_text("save_16bit_model()"),
+                               refused=error is not None)
+        if error is not None:
+            raise error
+        if failed:
+            raise RuntimeError("save_16bit_model: rank 0 failed to write the file (its own "
+                               "error says why)")
+        return True
+
+    def _state_in_module_dtypes(self, full: dict) -> dict:
+        """full_state_dict's entries (fp32) as the model holds them:
+        parameters in the compute dtype, buffers in their own dtype, one
+        tensor for every name of a tied parameter."""
+        dtypes = {name: self.compute_dtype for name, _p
+                  in self.module.named_parameters(remove_duplicate=False)}
+        dtypes.update((name, b.dtype) for name, b
+                      in self.module.named_buffers(remove_duplicate=False))
+        cast = {}  # id of full's tensor -> its cast: ties stay one tensor
+        for name, value in full.items():
+            dtype = dtypes.get(name, value.dtype) if value.is_floating_point() else value.dtype
+            if id(value) not in cast:
+                cast[id(value)] = value.to(dtype)
+        return {name: cast[id(value)] for name, value in full.items()}

@@ -1,0 +1,202 @@
+"""zero.estimate_memory: the model-state bytes one rank will hold, before
+anything is allocated, for a world size and the options initialize takes.
+
+It lays the model out with the engine's own rules (the same param groups,
+stage 3's per-module units, the same padding and alignment, persistence,
+the offload windows) and counts bytes instead of allocating them, so a
+model built on the meta device (`with torch.device("meta"): model = ...`)
+can be sized at any scale. The figures are exactly what
+Engine.memory_summary() reports on every rank once training runs
+(tests/test_estimate.py), except what only a run decides: stage 3's
+gathered peak and the bucket peak of stages 2-3, given as None.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from zero.sharding import _flat_group
+from zero.engine._initialize import default_optimizer, resolve_config
+from zero.engine._memory import MemorySummary, zero_formula
+from zero.offload._nvme import PAGE_ELEMENTS, SLOTS
+from zero.step._registry import spec_for
+from zero.step._step_path import states_off_device
+from zero.sharding._units import lay_out
+from zero.engine._engine import DTYPES, Engine
+
+
+def _partitions_of_mesh(mesh, world_size) -> int:
+    """How many ranks a mesh's partitions span: dp_shard's size."""
+    if hasattr(mesh, "mesh") and hasattr(mesh, "ndim"):  # a DeviceMesh
+        names = tuple(getattr(mesh, "mesh_dim_names", None) or ())
+        shape = tuple(mesh.mesh.shape)
+        if mesh.ndim == 2 and names != ("dp_replicate", "dp_shard"):
+            raise ValueError(f"mesh: a 2-D mesh must be named ('dp_replicate', 'dp_shard'), "
+                             f"got {names}")
+    else:
+        shape = tuple(mesh) if isinstance(mesh, (tuple, list)) else (mesh,)
+    if not 1 <= len(shape) <= 2 or \
+            not all(isinstance(n, int) and not isinstance(n, bool) and n >= 1 for n in shape):
+        raise ValueError("mesh must be (dp_replicate, dp_shard) sizes, a 1-D size or a "
+                         f"DeviceMesh of one or two dimensions, got {mesh!r}")
+    total = shape[0] * (shape[1] if len(shape) == 2 else 1)
+    if world_size not in (1, total):
+        raise ValueError(f"world_size {world_size} differs from the mesh's {total} ranks; "
+                         "leave it out")
+    return shape[-1]
+
+
+def estimate_memory(model: nn.Module, world_size: int = 1, *, optimizer=None, stage=None,
+                    precision=None, config=None, device=None, mesh=None,
+                    **options) -> MemorySummary:
+    """One rank's model-state bytes, as memory_summary() will report them,
+    for training `model` on `world_size` ranks; the other arguments are
+    initialize's (optimizer None means the config's, default AdamW).
+    mesh: the shape of a hybrid mesh, (dp_replicate, dp_shard), or a
+    DeviceMesh as initialize takes it; a rank then holds 1/dp_shard of what
+    is partitioned (world_size is the mesh's size, or left out).
+    device: where the model will train, "cpu" or "cuda" (default: where
+    its parameters are; a meta model counts as "cpu"); with "cuda",
+    offload_optimizer "cpu" or "nvme" puts the states in host memory,
+    reported as `host`."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    engine = getattr(model, "_zero_engine", None)
+    if engine is not None and engine() is not None and not engine()._closed:
+        # stage 3 has released its parameters: their shapes are (0,) now
+        raise ValueError("model is already trained by an engine: its memory_summary() "
+                         "gives these figures")
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"world_size must be an integer >= 1, got {world_size!r}")
+    if mesh is not None:
+        world_size = _partitions_of_mesh(mesh, world_size)
+    cfg = resolve_config(config, stage, precision, options)
+    staged = states_off_device(_training_device(model, device), cfg.offload_optimizer)
+    if optimizer is None:
+        optimizer = default_optimizer(cfg, model)
+    spec = spec_for(optimizer)
+    groups = Engine._match_param_groups(model, optimizer)
+    if not any(params for params, _ in groups):
+        raise ValueError("the model has no trainable parameters; nothing to train")
+    owners = Engine._owners(model, cfg.stage3_leaf_modules) if cfg.stage == 3 else None
+    pb = DTYPES[cfg.precision].itemsize
+    gb = DTYPES[cfg.grad_accum_dtype or cfg.precision].itemsize
+    fp32 = cfg.precision == "fp32"
+    totals = {"params": 0, "grads": 0, "optimizer_states": 0, "offloaded": 0, "host": 0,
+              "persistent": 0, "params_offloaded": 0}
+    shapes = []  # (Ψ of the group, its number of states), for the formula
+    for index, (params, _names) in enumerate(groups):
+        if not params:
+            continue
+        units = _layout(params, Engine._units(params, owners), cfg, world_size)
+        part = sum(u.part for u in units)
+        states = len(spec.states(optimizer.param_groups[index]))
+        params_bytes, persistent, params_offloaded = _param_bytes(units, part, pb, cfg)
+        totals["params"] += params_bytes
+        totals["persistent"] += persistent
+        totals["params_offloaded"] += params_offloaded
+        totals["grads"] += (units[0].total if cfg.stage <= 1 else part) * gb
+        # the master is the parameters only in fp32 on one device
+        own_master = not fp32 or staged
+        kept, offloaded = _optimizer_bytes(part, states + own_master, cfg)
+        totals["offloaded"] += offloaded
+        if staged:  # with the staged step's gradient and parameter windows
+            window = max(1, min(_staging_chunk(cfg), part))
+            totals["host"] += kept + window * (gb + pb)
+        else:
+            totals["optimizer_states"] += kept
+        shapes.append((sum(u.numel for u in units), states))
+    trainable = {id(p) for params, _ in groups for p in params}
+    frozen = [p for p in model.parameters() if id(p) not in trainable]
+    totals["frozen_params"], frozen_offloaded = _frozen_bytes(frozen, owners, cfg, world_size,
+                                                             pb)
+    totals["params_offloaded"] += frozen_offloaded
+    totals["gathered_peak"] = None if cfg.stage == 3 else 0
+    totals["buckets"] = None if cfg.stage >= 2 else 0
+    totals["model_states"] = totals["params"] + totals["grads"] + totals["optimizer_states"]
+    formula, expected = zero_formula(cfg.stage, world_size, pb, gb, not fp32 or staged, shapes,
+                                     totals)
+    return MemorySummary(totals, formula=formula, formula_bytes=expected,
+                         world_size=world_size, stage=cfg.stage,
+                         trainable_params=sum(numel for numel, _ in shapes), estimate=True)
+
+
+def _training_device(model, device):
+    if device is not None:
+        try:
+            device = torch.device(device)
+        except (RuntimeError, TypeError):
+            raise ValueError(f"device must be 'cpu' or 'cuda', got {device!r}") from None
+        if device.type not in ("cpu", "cuda"):
+            raise ValueError(f"device must be 'cpu' or 'cuda', got {str(device)!r}")
+        return device
+    where = next(model.parameters(), None)
+    if where is None or where.device.type == "meta":
+        return torch.device("cpu")
+    return where.device
+
+
+def _layout(params, unit_lists, cfg, world_size):
+    """The group's units, as FlatGroup lays them out (no storage)."""
+    if unit_lists is None:
+        unit_lists = [list(range(len(params)))]
+    ordered = [params[i] for members in unit_lists for i in members]
+    return lay_out(ordered, [len(m) for m in unit_lists], 1 if cfg.stage == 0 else world_size)
+
+
+def _param_bytes(units, part, pb, cfg):
+    """(parameter bytes in memory, of which persistent at stage 3, bytes
+    in offload_param files): stages 0-2 hold the whole group; stage 3 its
+    shard (in a file with offload_param "nvme") plus the units at or under
+    the persistence threshold, gathered for good."""
+    if cfg.stage != 3:
+        return sum(u.total for u in units) * pb, 0, 0
+    persistent = sum(u.total for u in units
+                     if u.numel <= cfg.stage3_param_persistence_threshold) * pb
+    if cfg.offload_param.device == "nvme":
+        return persistent, persistent, part * pb
+    return part * pb + persistent, persistent, 0
+
+
+def _optimizer_bytes(part, files, cfg):
+    """(bytes in RAM, bytes in offload files) of the fp32 master and states:
+    `files` fp32 tensors of `part` elements each; offloaded to nvme, RAM
+    keeps only the step's windows (_nvme.NvmeFiles.window_bytes)."""
+    whole = 4 * part * files
+    offload = cfg.offload_optimizer
+    if offload.device != "nvme" or part == 0:
+        return whole, 0
+    chunk = _file_chunk(offload)
+    chunks = -(-part // chunk)
+    return min(SLOTS, chunks) * min(chunk, part) * 4 * files, whole
+
+
+def _staging_chunk(cfg):
+    """Elements of a staged step's windows: the files' chunk for "nvme",
+    else _flat_group.STAGING_CHUNK (read at call time)."""
+    offload = cfg.offload_optimizer
+    return _file_chunk(offload) if offload.device == "nvme" else _flat_group.STAGING_CHUNK
+
+
+def _file_chunk(offload):
+    """NvmeFiles' chunk: whole pages."""
+    return max(PAGE_ELEMENTS, offload.chunk_elements // PAGE_ELEMENTS * PAGE_ELEMENTS)
+
+
+def _frozen_bytes(frozen, owners, cfg, world_size, pb):
+    """(bytes in memory, bytes in offload_param files) of the frozen
+    parameters: at stage 3 the floating ones a group of their own (shard
+    plus persistent units), the rest (and all at stages 0-2) whole,
+    floating ones cast to the compute dtype."""
+    if cfg.stage == 3:
+        whole = [p for p in frozen if not p.is_floating_point()]
+        partitioned = [p for p in frozen if p.is_floating_point()]
+    else:
+        whole, partitioned = frozen, []
+    total = sum(p.numel() * (pb if p.is_floating_point() else p.element_size()) for p in whole)
+    offloaded = 0
+    if partitioned:
+        units = _layout(partitioned, Engine._units(partitioned, owners), cfg, world_size)
+        held, _persistent, offloaded = _param_bytes(units, sum(u.part for u in units), pb, cfg)
+        total += held
+    return total, offloaded

@@ -1,0 +1,263 @@
+"""zero.initialize: one call from a plain torch model to a ZeRO engine."""
+from __future__ import annotations
+
+import os
+
+import torch
+from torch import nn
+
+from zero.comm._comm import Comm, join_process_group, leave_process_group
+from zero.sharding._copying import EngineRef
+from zero.parallel._mesh import resolve_mesh
+from zero.optim._from_config import optimizer_from_config
+from zero.sharding._partitioned_init import sharded_record
+from zero.config._schedulers import scheduler_from_config
+from zero.step._threads import share_cores_among_local_ranks
+from zero.config._config import Config, check_nvme_path
+from zero.engine._engine import Engine
+
+
+def resolve_config(config, stage, precision, options) -> Config:
+    """The Config that initialize's arguments describe."""
+    if config is None:
+        cfg = Config()
+    elif isinstance(config, Config):
+        cfg = config
+    else:
+        cfg = Config.from_deepspeed(config)
+    options = dict(options)
+    if stage is not None:
+        options["stage"] = stage
+    if precision is not None:
+        options["precision"] = precision
+    return cfg.replace(**options) if options else cfg
+
+
+def default_optimizer(cfg: Config, model: nn.Module):
+    """The config's optimizer block on the model, else torch's AdamW with
+    lr 1e-3 and its other defaults."""
+    if cfg.optimizer is None:
+        return torch.optim.AdamW(model.parameters(), lr=1e-3)
+    return optimizer_from_config(cfg.optimizer, model.parameters())
+
+
+def initialize(model: nn.Module, *, optimizer=None, stage=None, precision=None,
+               config=None, lr_scheduler=None, device=None, mesh=None,
+               **options) -> Engine:
+    """Wrap `model` in place and return the Engine that trains it.
+
+    optimizer: a torch.optim (AdamW, Adam, SGD, Adagrad) or zero.optim
+        optimizer built on model.parameters(), or None for the config's
+        optimizer block (default AdamW, lr 1e-3).
+    stage: 0 (DDP), 1 (optimizer states partitioned), 2 (+ gradients),
+        3 (+ parameters, gathered per module just in time).
+    precision: "fp32", "bf16" or "fp16" (dynamic loss scaling).
+    config: a zero.Config, or a DeepSpeed-style dict or JSON path.
+    lr_scheduler: a scheduler on `optimizer`, or a callable
+        optimizer -> scheduler; stepped by the engine on every update that
+        is not skipped.
+    device: where to train: None for the device the parameters are on, or
+        "cpu", "cuda", "cuda:1", a torch.device. The model is moved there
+        (a zero.partitioned_init model one parameter at a time); "cuda"
+        without an index means cuda:LOCAL_RANK under a launcher (made the
+        current device), else the current device.
+    mesh: the data-parallel group ZeRO partitions over: None for the whole
+        world, or a torch.distributed ProcessGroup or 1-D DeviceMesh that
+        holds this rank (two engines can then train on two halves of the
+        world). Ranks, partitions and checkpoints are the group's.
+    options: any other zero.Config field (gradient_accumulation_steps,
+        gradient_clipping, reduce_bucket_size, ...).
+    """
+    if isinstance(model, Engine):
+        # `model = zero.initialize(model)` run twice (a re-run notebook cell)
+        model = model.module
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    if torch.is_inference_mode_enabled():
+        raise RuntimeError("zero.initialize was called inside torch.inference_mode(): the "
+                           "engine's parameters would be inference tensors, which cannot be "
+                           "trained. Call it outside")
+    previous = getattr(model, "_zero_engine", None)
+    if previous is not None and previous() is not None:
+        # a re-run notebook cell: the old engine's hooks must not fire twice
+        previous().close()
+    _check_parameters_free(model)
+    cfg = resolve_config(config, stage, precision, options)
+    if cfg.offload_optimizer.device == "nvme":  # before the model is touched
+        check_nvme_path(cfg.offload_optimizer.nvme_path)
+    if cfg.offload_param.device == "nvme":
+        check_nvme_path(cfg.offload_param.nvme_path, "offload_param.nvme_path")
+    if not any(True for _ in model.parameters()):
+        raise ValueError("the model has no parameters; nothing to train")
+    _check_dense_gradients(model)
+    _check_real_parameters(model)
+    device = _engine_device(model, device)
+    if cfg.offload_param.device != "none" and device.type != "cpu":
+        raise NotImplementedError(
+            f"offload_param (device {cfg.offload_param.device!r}) is implemented for a model "
+            f"trained on the CPU only, not on {device.type}: a GPU model's shard would have to "
+            "be copied to the GPU before each gather, which has not been built yet. Leave "
+            "offload_param out (offload_optimizer moves the larger part, 12 of 16 bytes per "
+            "parameter)")
+    if optimizer is None:
+        optimizer = default_optimizer(cfg, model)
+    share_cores_among_local_ranks()
+    created = join_process_group(device, timeout=cfg.timeout)
+    engine = None
+    try:
+        group, replicate, everyone = resolve_mesh(mesh)
+        if group is not None or replicate is not None:
+            _check_not_partitioned_over_the_world(model)
+        comm = Comm(device, group)
+        if replicate is not None:
+            comm.with_replicas(replicate, everyone)
+        cfg = settle_batch_sizes(cfg, comm.dp_world)
+        if lr_scheduler is None and cfg.scheduler:
+            lr_scheduler = scheduler_from_config(cfg.scheduler, optimizer)
+        elif callable(lr_scheduler) and not hasattr(lr_scheduler, "step"):
+            lr_scheduler = lr_scheduler(optimizer)
+        _check_scheduler(lr_scheduler, optimizer)
+        engine = Engine(model, optimizer, cfg, comm, created, lr_scheduler)
+        model._zero_engine = EngineRef(engine)
+        return engine
+    except BaseException:
+        if engine is None:
+            leave_process_group(created)
+        else:  # its finalizer leaves, once
+            engine._leave_group()
+        raise
+
+
+def _check_not_partitioned_over_the_world(model: nn.Module) -> None:
+    """zero.partitioned_init partitions over the whole world, and taking a
+    placeholder's values is a collective of every rank: an engine on a
+    part of the world would wait for ranks that are not in it."""
+    for name, p in model.named_parameters():
+        if sharded_record(p) is not None:
+            raise ValueError(f"parameter '{name}' was built under zero.partitioned_init(), "
+                             "which partitions over the whole world, but mesh= names a part "
+                             "of it; build the model without partitioned_init to train it "
+                             "on a group")
+
+
+def _check_parameters_free(model: nn.Module) -> None:
+    """Refuse parameters another live engine trains (a model containing an
+    engine's model, or a part of one) and stage-3 placeholders whose
+    values are gone (an engine dropped without close(), or an initialize
+    that failed half-way)."""
+    for name, p in model.named_parameters():
+        place = p.__dict__.get("_zero_place")
+        owner = place.engine() if place is not None else None
+        if owner is not None and not owner._closed:
+            raise ValueError(f"parameter '{name}' is trained by another zero engine (this "
+                             "model contains that engine's model, or is a part of it): call "
+                             "that engine's close() first")
+        lost = p.__dict__.get("_zero_lost", False) or \
+            (place is not None and not place.unit.gathered and p.numel() == 0)
+        if lost:
+            raise ValueError(f"parameter '{name}' holds no values: a stage-3 engine released "
+                             "it, and then its initialize failed or it was dropped without "
+                             "close(), which gives the values back. Build the model again")
+
+
+def settle_batch_sizes(cfg: Config, world: int) -> Config:
+    """DeepSpeed's rule for train_batch_size = micro batch x accumulation x
+    world size: given the total and one of the other two, the third is
+    derived (the total alone: no accumulation); given all three, they must
+    agree."""
+    total, micro, accumulation = (cfg.train_batch_size, cfg.train_micro_batch_size_per_gpu,
+                                  cfg.gradient_accumulation_steps)
+    if total is None:
+        return cfg
+    if accumulation is None:
+        accumulation = 1 if micro is None else total // (micro * world)
+    if micro is None:
+        micro = total // (accumulation * world)
+    if micro < 1 or accumulation < 1 or micro * accumulation * world != total:
+        raise ValueError(
+            f"train_batch_size {total} != micro batch {cfg.train_micro_batch_size_per_gpu} x "
+            f"accumulation {cfg.gradient_accumulation_steps} x world size {world} (None: "
+            "derived, but no whole number fits)")
+    return cfg.replace(train_micro_batch_size_per_gpu=micro,
+                       gradient_accumulation_steps=accumulation)
+
+
+def _check_dense_gradients(model: nn.Module) -> None:
+    """Sparse gradients (an embedding with sparse=True) cannot go through
+    the flat buckets and partitions, which hold dense gradients."""
+    for name, module in model.named_modules():
+        if isinstance(module, (nn.Embedding, nn.EmbeddingBag)) and module.sparse and \
+                module.weight.requires_grad:
+            raise ValueError(f"module '{name or type(module).__name__}' is an "
+                             f"{type(module).__name__} with sparse=True: zero reduces and "
+                             "partitions dense gradients; build it with sparse=False")
+
+
+def _check_real_parameters(model: nn.Module) -> None:
+    """A trainable complex parameter would be copied into the flat buffers,
+    which hold real numbers, and lose its imaginary part (torch only warns,
+    once). A frozen one is kept as it is on every rank, like an integer one."""
+    for name, p in model.named_parameters():
+        if p.requires_grad and p.is_complex():
+            raise ValueError(
+                f"parameter '{name}' is complex ({str(p.dtype).replace('torch.', '')}): zero "
+                "trains real parameters only, in flat real buffers, where its imaginary part "
+                "would be lost. Keep it as a real tensor with a last dimension of 2 "
+                "(torch.view_as_real) and view it as complex in forward "
+                "(torch.view_as_complex), or make it a buffer (register_buffer: kept as it "
+                "is, also in checkpoints)")
+
+
+def _check_scheduler(lr_scheduler, optimizer) -> None:
+    if lr_scheduler is None:
+        return
+    if not callable(getattr(lr_scheduler, "step", None)):
+        raise TypeError("lr_scheduler must be a scheduler (with a step() method) or a callable "
+                        f"that makes one from the optimizer, got {type(lr_scheduler).__name__}")
+    if isinstance(lr_scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau):
+        # engine.step() steps the scheduler with no metric: it would raise
+        # there, after the update, with the gradients not yet zeroed
+        raise ValueError("lr_scheduler: ReduceLROnPlateau needs the metric it watches, which "
+                         "engine.step() does not have; keep it out of initialize and call "
+                         "its step(metric) yourself after engine.step()")
+    bound = getattr(lr_scheduler, "optimizer", optimizer)
+    if bound is not optimizer:
+        raise ValueError("lr_scheduler was built on another optimizer than the one the engine "
+                         "trains with; build it on the optimizer passed to initialize")
+
+
+def _engine_device(model: nn.Module, device) -> torch.device:
+    """The device the engine trains on: `device` when given (the engine
+    moves the model there as it casts it), else the one device the model's
+    parameters are on. The engine keeps its buffers there and picks the
+    step for it (_step_path)."""
+    current = {p.device for p in model.parameters()}
+    if any(d.type == "meta" for d in current):
+        raise ValueError("the model has parameters on the meta device (no values); build it "
+                         "under zero.partitioned_init() instead, or materialise it first "
+                         "(model.to_empty(device=...) and initialise the values)")
+    if device is None:
+        if len(current) > 1:
+            names = ", ".join(sorted(str(d) for d in current))
+            raise ValueError(f"the model's parameters are on several devices ({names}); zero "
+                             "trains a model on one device per rank: pass device=, or move it "
+                             "with model.to(device)")
+        target = current.pop()
+    else:
+        try:
+            target = torch.device(device)
+        except (RuntimeError, TypeError) as error:
+            raise ValueError(f"device={device!r} is not a device ({error})") from None
+        if target.type == "cuda":
+            if not torch.cuda.is_available():
+                raise ValueError(f"device={device!r}, but torch.cuda.is_available() is False "
+                                 f"here (torch {torch.__version__}); train on device='cpu'")
+            if target.index is None:
+                local = os.environ.get("LOCAL_RANK")
+                target = torch.device("cuda", int(local) if local is not None
+                                      else torch.cuda.current_device())
+                if local is not None:
+                    torch.cuda.set_device(target)  # the rank's own GPU, as torchrun means
+    if target.type not in ("cpu", "cuda"):
+        raise NotImplementedError(f"zero trains on cpu and cuda devices, not on {target}")
+    return target

@@ -1,0 +1,1 @@
+"""offload: host and disk placement of parameters and optimizer states."""

@@ -1,0 +1,242 @@
+"""Values written straight into the parameters, outside the engine: kept.
+
+[Note: parameter writes] The engine owns each parameter's value in its
+partition (the fp32 master, stage 3's shard) and copies the update out into
+the parameters, so a value written into a parameter after initialize
+(model.load_state_dict, nn.init under no_grad, p.data = ..., a
+model.float() and back) would be overwritten by the next step.
+- Each parameter's version counter (torch bumps it on every in-place op
+  through the parameter) is recorded after every step; where its unit is
+  gathered, the parameter must still be a view of the unit's buffer.
+- Before a step, a checkpoint or full_state_dict, a parameter whose
+  counter moved, or whose .data was replaced by a tensor of the same
+  dtype, shape and device, is taken in: its values go into the unit's
+  buffer, and the elements that differ from the rounded master go into
+  this rank's partition (so untouched elements keep their fp32 bits, as
+  with GatheredParameters(modifier_rank=...)). Every rank takes in its
+  own values, so write the same values on every rank (as DDP expects):
+  the ranks check that they did ([Note: writes agreed] in _step_agreement.py).
+- A parameter cast or moved (another dtype or device) is refused by
+  name, and so is a change to a released stage-3 parameter (an empty
+  placeholder: the values were never there), in place or by p.data = ....
+- Inside zero.GatheredParameters the listed parameters are gathered, so
+  p.data = ... there is taken back into the unit's buffer on exit, before
+  the write-back of modifier_rank.
+- After a step the counters are bumped, so autograd refuses a backward
+  through a graph built before the step, as it does after torch.optim's.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+from torch.autograd.graph import increment_version
+
+from zero.sharding._copying import none
+from zero.sharding._step_agreement import (agree, different_calls, hash_settings, hash_writes,
+                                  other_rank_refused)
+
+
+class Place(NamedTuple):
+    """Where a managed parameter lives (the `_zero_place` attribute). A
+    pickled parameter (torch.save(model)) gets None: see _copying.py."""
+    fg: object          # its FlatGroup
+    unit: object        # its Unit
+    schedule: object    # stage 3's schedule, or None
+    engine: object      # weakref to the Engine
+
+    def __deepcopy__(self, memo):
+        return None
+
+    def __reduce__(self):
+        return (none, ())
+
+
+def record_parameters(groups):
+    for fg in groups:
+        fg.seen_versions = [p._version for p in fg.params]
+
+
+def bump_versions(fg):
+    increment_version(fg.params)
+    fg.seen_versions = [p._version for p in fg.params]
+
+
+def _slot(unit, j):
+    off, n = unit.offsets[j], unit.numels[j]
+    return unit.full[off:off + n].view(unit.shapes[j])
+
+
+def check_parameters_in_place(groups):
+    """Re-point a parameter of a gathered unit whose .data was replaced by
+    an equal kind of tensor (its values are copied in and taken in at the
+    next step); refuse one cast or moved. Returns nothing; marks."""
+    for fg in groups:
+        for unit in fg.units:
+            if not unit.gathered or unit.work is not None or unit.full is None:
+                continue
+            item = unit.full.element_size()
+            base = unit.full.data_ptr()
+            for j, p in enumerate(unit.params):
+                if p.data_ptr() == base + unit.offsets[j] * item and \
+                        p.dtype == unit.full.dtype:
+                    continue
+                name = fg.names[unit.members.start + j]
+                if p.dtype != unit.full.dtype or p.device != unit.full.device or \
+                        p.shape != unit.shapes[j]:
+                    raise _cast_error(name, p, unit, j)
+                slot = _slot(unit, j)
+                with torch.no_grad():
+                    slot.copy_(p.detach())
+                p.data = slot
+                fg.seen_versions[unit.members.start + j] = -1  # taken in at the next step
+
+
+def take_in_parameter_writes(groups, call: str, refusal: Exception | None = None,
+                             settings: str = ""):
+    """Before a step or a read of the partitions: see [Note: parameter
+    writes]. A collective where the groups span several ranks: the ranks
+    agree that they are in the same `call` (its name and the engine's
+    counts), on what was written, on `settings` (describe_settings of the
+    step's param groups) and on whether any refuses ([Note: writes agreed]
+    in _step_agreement.py). `refusal` is the caller's own check's error on
+    this rank, raised once the ranks have compared notes."""
+    problem, written = refusal, []
+    if problem is None:
+        try:
+            check_parameters_in_place(groups)
+            written = _writes(groups)
+        except RuntimeError as error:  # raised once the ranks have compared notes
+            problem = error
+    if groups and groups[0].comm.dp_world > 1:
+        verdict = agree(groups[0].comm, call, hash_writes(written), hash_settings(settings),
+                        refused=problem is not None)
+        if not verdict.same_call:
+            raise different_calls(call)
+        if problem is None and verdict.other_refused:
+            raise other_rank_refused()
+        if problem is None and not verdict.writes_alike:
+            raise _writes_differ(groups, written)
+        if problem is None and not verdict.settings_alike:
+            raise _settings_differ(settings)
+    if problem is not None:
+        raise problem
+    for fg, unit, j in written:
+        write_into_partition(fg, unit, j, None)
+        fg.seen_versions[unit.members.start + j] = unit.params[j]._version
+
+
+def _writes(groups) -> list:
+    """(group, unit, index in unit) of each parameter written since its
+    version was recorded; raises for a write a released unit cannot keep."""
+    written = []
+    for fg in groups:
+        for unit in fg.units:
+            for j, p in enumerate(unit.params):
+                i = unit.members.start + j
+                released = not unit.gathered or unit.work is not None
+                # p.data = ... on a released parameter leaves the version
+                # as it was; its placeholder is empty, a new tensor is not
+                replaced = released and p.numel() != 0
+                if p._version == fg.seen_versions[i] and not replaced:
+                    continue
+                if released:
+                    raise _lost_change(fg, unit, j)
+                written.append((fg, unit, j))
+    return written
+
+
+def _writes_differ(groups, written) -> RuntimeError:
+    names = [fg.names[unit.members.start + j] for fg, unit, j in written]
+    listed = ", ".join(f"'{n}'" for n in names[:4]) + (" ..." if len(names) > 4 else "")
+    return RuntimeError(
+        "parameters were written since the last step, and not alike on every rank (this "
+        f"rank wrote {listed or 'none'}; another rank wrote other parameters or other "
+        "values). Each rank keeps its own slice of the model, so the ranks' slices would "
+        "come from different models: make the same write on every rank (load the state dict "
+        "on every rank, seed nn.init alike), or write on one rank inside "
+        "zero.GatheredParameters(params, modifier_rank=that rank). Nothing was taken in")
+
+
+def _settings_differ(settings) -> RuntimeError:
+    return RuntimeError(
+        "the optimizer's param group settings are not alike on every rank (this rank has "
+        f"{settings}). Each rank updates its own slice of the model with its own settings, "
+        "so the slices would train differently: change a setting (group['lr'] = ...) on "
+        "every rank alike. Nothing was updated on any rank")
+
+
+def _cast_error(name, p, unit, j) -> RuntimeError:
+    return RuntimeError(
+        f"parameter '{name}' is now {p.dtype} {tuple(p.shape)} on {p.device}, but the engine "
+        f"trains it as {unit.full.dtype} {tuple(unit.shapes[j])} on {unit.full.device}: the "
+        "model was cast or moved after zero.initialize (model.float(), .half(), .to(...)). "
+        f"Cast it back (model.to({unit.full.dtype})), or call zero.initialize again")
+
+
+def check_released_untouched(fg, unit):
+    """Before a released unit is gathered (which re-points its parameters):
+    refuse a change made to one of them, which the gather would drop, and a
+    cast of its placeholder (model.half()), which the gather would undo."""
+    seen = getattr(fg, "seen_versions", None)
+    if seen is None:  # the engine is still being built
+        return
+    for j, p in enumerate(unit.params):
+        i = unit.members.start + j
+        if p.dtype != unit.full.dtype or p.device != unit.full.device:
+            raise _cast_error(fg.names[i], p, unit, j)
+        if p.numel() != 0 or p._version != seen[i]:
+            raise _lost_change(fg, unit, j)
+
+
+def _lost_change(fg, unit, j) -> RuntimeError:
+    """The error for a change the released unit cannot keep. The change is
+    dropped as it is reported (the placeholder back, the version seen), so
+    training can go on from the values the engine kept, and the write can
+    be made again where it is kept."""
+    i = unit.members.start + j
+    p = unit.params[j]
+    if unit._placeholder is not None:
+        p.data = unit._placeholder
+    fg.seen_versions[i] = p._version
+    return RuntimeError(
+        f"parameter '{fg.names[i]}' was changed (in place, or by p.data = ...) where stage 3 "
+        "cannot keep the change (released: an empty placeholder outside its module's forward; "
+        "or inside zero.GatheredParameters without modifier_rank), so it was dropped: the "
+        "engine goes on from the values it had. Change parameters inside "
+        "zero.GatheredParameters(params, modifier_rank=0), or load weights with "
+        "engine.load_checkpoint")
+
+
+def take_changed_elements(master, new, old=None):
+    """master (fp32) = new where new differs from `old` (its values before
+    the write), or, with old=None, from the master rounded to new's dtype;
+    elsewhere the master keeps its fp32 bits."""
+    new = new.to(master.device)  # the master may be on the host
+    old = master.to(new.dtype) if old is None else old.to(master.device)
+    master.copy_(torch.where(new != old, new.float(), master))
+
+
+def write_into_partition(fg, unit, j, before):
+    """This rank's chunk of unit parameter j, from the unit's buffer, into
+    the shard and the master: the elements that differ from `before` (the
+    values on entry to GatheredParameters), or, with before=None, from the
+    master rounded to the compute dtype."""
+    lo, hi, span = fg.partition_span(unit, j)
+    if lo >= hi:
+        return
+    fg.check_shard_writable()
+    new = unit.full[lo:hi]
+    shard = fg.shard[span]
+    if shard.data_ptr() != new.data_ptr():
+        shard.copy_(new)
+    fg.drop_param_pages(span)  # [Note: shard on a disk]
+    if not fg.trainable or fg.master is fg.shard:
+        return
+    master = fg.master[span]
+    old = None if before is None else before[lo - unit.offsets[j]:hi - unit.offsets[j]]
+    take_changed_elements(master, new, old)
+    if fg.offload is not None:
+        # the master's file: unmap it all, as reading it mapped
+        # neighbouring pages too (the kernel's fault-around)
+        fg.offload.drop("master")

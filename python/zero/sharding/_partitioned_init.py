@@ -1,0 +1,356 @@
+"""zero.partitioned_init(): build a model too large for one rank.
+
+    with zero.partitioned_init():
+        model = GPT(config)          # each rank keeps 1/N of every parameter
+    engine = zero.initialize(model, stage=3, ...)
+
+[Note: partitioned construction]
+- When a module registers a parameter (torch's global parameter-registration
+  hook, a documented hook, not a patch), the parameter's values are cut to
+  this rank's chunk and the module gets a placeholder parameter of the right
+  shape and dtype whose storage is one element (stride 0).
+- A TorchDispatchMode sees every op while the context is open. An op that
+  touches a placeholder runs for real on the parameter's full values: they
+  are all-gathered from the chunks (or, when the op overwrites the whole
+  parameter, such as normal_ or zero_, just allocated), the op runs, and the
+  chunk is cut again when another parameter is touched. So the model's own
+  init code (module constructors, `self.apply(_init_weights)`, rejection
+  sampling in trunc_normal_) runs the same ops in the same order on the same
+  random stream as without the engine, and the values are bit-identical,
+  while a rank holds its chunks plus one full parameter at a time.
+- View ops on a placeholder (w[0], w.data, w.t()) return a placeholder of
+  the view's shape that remembers how it was made, and is resolved against
+  the full values when an op uses it.
+- Every rank must run the same construction code with the same seed (as
+  any torchrun job does for identical initial weights); this is checked on
+  entry. Gathers are collectives, issued in program order.
+- No torch global is replaced. Outside the context, reading a placeholder
+  gives zeros and writing it raises; zero.initialize() turns the chunks into
+  the engine's partitions one parameter at a time.
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten, tree_map
+from torch.utils.weak import WeakIdKeyDictionary
+
+from zero.comm._comm import backend_for, gather_by_broadcasts, issue, join_for_the_process
+from zero.sharding._units import storage_key
+
+_CHUNK_ALIGN = 16
+# ops that overwrite every element of their target, so the old values need
+# not be gathered first
+_OVERWRITES = {
+    torch.ops.aten.normal_.default, torch.ops.aten.uniform_.default,
+    torch.ops.aten.zero_.default, torch.ops.aten.fill_.Scalar,
+    torch.ops.aten.random_.default, getattr(torch.ops.aten.random_, "from"),
+    torch.ops.aten.random_.to, torch.ops.aten.bernoulli_.float,
+    torch.ops.aten.exponential_.default, torch.ops.aten.log_normal_.default,
+    torch.ops.aten.cauchy_.default, torch.ops.aten.geometric_.default,
+}
+
+# view ops that alias the whole tensor (w.data, w.detach()): an op that
+# overwrites such a view overwrites the whole parameter
+_WHOLE_ALIASES = {torch.ops.aten.detach.default, torch.ops.aten.alias.default}
+
+
+def _whole(chain) -> bool:
+    return all(op in _WHOLE_ALIASES for op, _args, _kwargs in chain)
+
+
+# placeholder parameter -> its _Sharded record, for zero.initialize
+_registry = WeakIdKeyDictionary()
+
+
+class _Sharded:
+    """One parameter's chunk on this rank, and the cached full values."""
+
+    def __init__(self, full: torch.Tensor, rank: int, world: int):
+        self.shape, self.dtype = full.shape, full.dtype
+        self.numel = full.numel()
+        per = -(-self.numel // world)
+        self.part = -(-per // _CHUNK_ALIGN) * _CHUNK_ALIGN
+        self.rank, self.world = rank, world
+        self.chunk = torch.zeros(self.part, dtype=self.dtype)
+        flat = full.detach().reshape(-1)
+        lo = min(rank * self.part, self.numel)
+        hi = min(lo + self.part, self.numel)
+        self.chunk[:hi - lo].copy_(flat[lo:hi])
+
+    def gather(self) -> torch.Tensor:
+        """The full values (a collective)."""
+        out = torch.empty(self.part * self.world, dtype=self.dtype)
+        if self.world == 1:
+            out.copy_(self.chunk)
+        else:
+            issue("all_gather", None, gather_by_broadcasts, out, self.chunk, self.rank,
+                  self.world)
+        return out[:self.numel].view(self.shape)
+
+    def store(self, full: torch.Tensor):
+        flat = full.reshape(-1)
+        lo = min(self.rank * self.part, self.numel)
+        hi = min(lo + self.part, self.numel)
+        self.chunk[:hi - lo].copy_(flat[lo:hi])
+
+
+def _placeholder(shape, dtype, requires_grad=None):
+    t = torch.zeros((), dtype=dtype).expand(shape)
+    return nn.Parameter(t, requires_grad=requires_grad) if requires_grad is not None else t
+
+
+class _LazyView:
+    def __init__(self, base, chain):
+        self.base = base      # the placeholder parameter
+        self.chain = chain    # [(view op, args after the tensor, kwargs)]
+
+
+class partitioned_init(TorchDispatchMode):
+    """Context manager: parameters created inside live as 1/N chunks."""
+
+    def __init__(self):
+        super().__init__()
+        # storage of a placeholder (or of its .data alias) -> (its owner, _LazyView);
+        # the owner is held so the storage key stays unique while open
+        self._by_storage = {}
+        self._replaced = WeakIdKeyDictionary()  # original parameter -> placeholder
+        self._cached = None    # (placeholder param, full values)
+        self._hook = None
+
+    # ---- entering and leaving ------------------------------------------------
+
+    def __enter__(self):
+        # The gathers need a process group. One made here (a one-process
+        # group when no launcher is set) is left for zero.initialize to
+        # reuse, and stays for the life of the process (one reference,
+        # however often a notebook cell runs this); where CUDA is
+        # present it gets NCCL too (connected only when first used), for
+        # an engine that trains the model on a GPU (initialize(device=)).
+        gpu = torch.cuda.is_available() and dist.is_nccl_available()
+        world = int(os.environ.get("WORLD_SIZE", 1))
+        join_for_the_process(torch.device("cpu"),
+                             backend_for(torch.device("cuda" if gpu else "cpu"), world))
+        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        self._check_same_seed()
+        self._hook = nn.modules.module.register_module_parameter_registration_hook(
+            self._on_register)
+        self._buffer_hook = nn.modules.module.register_module_buffer_registration_hook(
+            self._on_register_buffer)
+        self._records = []
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        try:
+            self._evict()
+        finally:
+            self._hook.remove()
+            self._buffer_hook.remove()
+            self._by_storage.clear()
+            mine = {id(record) for record in self._records}
+            for param, record in list(_registry.items()):
+                if id(record) in mine and storage_key(param) != record.key:
+                    # given other data inside the context (module.half()): its
+                    # own values count, whatever happens to it later
+                    del _registry[param]
+            for record in self._records:
+                record.closed = True
+            super().__exit__(*exc)
+        return False
+
+    def _check_same_seed(self):
+        if self.world == 1:
+            return
+        digest = hashlib.sha256(torch.random.get_rng_state().numpy().tobytes()).digest()[:8]
+        mine = torch.tensor([int.from_bytes(digest, "little") & (2**62 - 1)],
+                            dtype=torch.int64)
+        every = [torch.zeros_like(mine) for _ in range(self.world)]
+        issue("all_gather", None, dist.all_gather, every, mine)
+        if any(int(t) != int(mine) for t in every):
+            raise RuntimeError(
+                "zero.partitioned_init() needs the same random state on every rank (the "
+                "ranks build the parameters together): call torch.manual_seed(seed) with "
+                "the same seed on every rank before entering it")
+
+    # ---- parameter registration ------------------------------------------------
+
+    def _on_register(self, module, name, param):
+        if param is None or param in _registry:
+            return None  # tied or re-registered: already a placeholder
+        if param in self._replaced:
+            return self._replaced[param]  # the same parameter given to a second module
+        with torch.no_grad():
+            record = _Sharded(param.detach(), self.rank, self.world)
+        ph = _placeholder(param.shape, param.dtype, param.requires_grad)
+        # The record holds the placeholder's storage, so its key cannot be
+        # reused by another tensor while the record lives, even if the
+        # parameter is given other data (p.data = ..., module.half()).
+        record.storage = ph.untyped_storage()
+        record.key = storage_key(ph)
+        record.closed = False
+        self._records.append(record)
+        _registry[ph] = record
+        self._replaced[param] = ph
+        self._by_storage[record.key] = (ph, _LazyView(ph, []))
+        return ph
+
+    def _on_register_buffer(self, module, name, buffer):
+        """A buffer made from a placeholder without an op that computes new
+        values (self.register_buffer("w0", self.lin.weight.detach())) would
+        alias the parameter's memory, which is partitioned: refused."""
+        if buffer is not None and self._tracked(buffer) is not None:
+            raise ValueError(
+                f"buffer '{name}' of {type(module).__name__} is the memory of a parameter built "
+                "in zero.partitioned_init() (a detach or view of it), which each rank holds "
+                "only 1/N of; register a copy (.clone()) instead")
+        return None
+
+    # ---- resolving placeholders ---------------------------------------------------
+
+    def _full(self, param, overwrite=False):
+        """The full values of a placeholder parameter, cached until another
+        parameter is touched."""
+        if self._cached is not None and self._cached[0] is param:
+            return self._cached[1]
+        self._evict()
+        record = _registry[param]
+        full = torch.empty(record.shape, dtype=record.dtype) if overwrite else record.gather()
+        self._cached = (param, full)
+        return full
+
+    def _evict(self):
+        if self._cached is not None:
+            param, full = self._cached
+            _registry[param].store(full)
+            self._cached = None
+
+    def _tracked(self, t):
+        """(owner, _LazyView) when t is a placeholder, a view made from one,
+        or an alias of either (w.data shares the placeholder's storage)."""
+        if not isinstance(t, torch.Tensor) or t.device.type != "cpu":
+            return None
+        return self._by_storage.get(storage_key(t))
+
+    def _resolve(self, t, primary, overwrite):
+        """The real tensor for t: the cached full values for the primary
+        parameter (the one the op writes, else the first it reads), a
+        temporary gather for any other placeholder."""
+        found = self._tracked(t)
+        if found is None:
+            return t
+        _, view = found
+        if view.base is primary:
+            real = self._full(primary, overwrite and _whole(view.chain))
+        else:
+            real = _registry[view.base].gather()
+        for op, args, kwargs in view.chain:
+            real = op(real, *args, **kwargs)
+        return real
+
+    # ---- the dispatch hook ----------------------------------------------------------
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        # nested too: cat, stack and the _foreach ops take lists of tensors
+        tensors = [a for a in tree_flatten((args, kwargs))[0] if isinstance(a, torch.Tensor)]
+        tracked = [self._tracked(t) for t in tensors]
+        if not any(f is not None for f in tracked):
+            return func(*args, **kwargs)
+        if func.is_view and args and self._tracked(args[0]) is not None:
+            return self._view(func, args, kwargs)
+        target = self._written(func, args, kwargs)
+        if isinstance(target, (list, tuple)):
+            # _foreach_*_ over parameters: only one full copy is cached at a
+            # time, so writes to the others would go to temporaries
+            if any(self._tracked(t) is not None for t in target):
+                raise RuntimeError(
+                    f"zero.partitioned_init(): {func} writes a list of tensors that holds "
+                    "parameters built in the context; each rank holds 1/N of them, one at "
+                    "a time: apply the op to each parameter in turn")
+            target = None
+        found = self._tracked(target)
+        primary = (found or next(f for f in tracked if f is not None))[1].base
+        # (module.weight.data.normal_(): HuggingFace's init writes through .data)
+        overwrite = func in _OVERWRITES and found is not None and target is args[0] \
+            and _whole(found[1].chain)
+        # the primary's full values first: this may store the previous
+        # cached parameter's chunk, which a temporary gather then reads
+        self._full(primary, overwrite)
+        real_args = tree_map(lambda a: self._resolve(a, primary, overwrite and a is target),
+                             args)
+        real_kwargs = tree_map(lambda a: self._resolve(a, primary, False), kwargs)
+        out = func(*real_args, **real_kwargs)
+        returns = func._schema.returns
+        if target is not None and returns and returns[0].alias_info is not None \
+                and returns[0].alias_info.is_write:
+            return target  # an in-place or out= op returns its (placeholder) target
+        return out
+
+    @staticmethod
+    def _written(func, args, kwargs):
+        """The tensor an in-place or out= op writes, or None."""
+        for i, arg in enumerate(func._schema.arguments):
+            if arg.alias_info is not None and arg.alias_info.is_write:
+                if i < len(args) and not arg.kwarg_only:
+                    return args[i]
+                return kwargs.get(arg.name)
+        return None
+
+    def _view(self, func, args, kwargs):
+        _owner, view = self._tracked(args[0])
+        chain = view.chain + [(func, tuple(args[1:]), dict(kwargs))]
+        # the view's shape, found on the meta device without touching data
+        probe = torch.empty(_registry[view.base].shape, dtype=args[0].dtype, device="meta")
+        for op, a, k in chain:
+            probe = op(probe, *a, **k)
+        ph = _placeholder(probe.shape, probe.dtype)
+        self._by_storage[storage_key(ph)] = (ph, _LazyView(view.base, chain))
+        return ph
+
+
+def sharded_record(param):
+    """The _Sharded record of a placeholder made by partitioned_init, or
+    None. A parameter given other data since (p.data = ..., module.half()
+    inside the context) is no longer a placeholder: its record is dropped
+    and its own values count. A cast after the context closed (a new
+    dtype, the same shape: model.to(torch.bfloat16) before initialize) read
+    the placeholder's zeros; the record is kept and its values are cast."""
+    record = _registry.get(param)
+    if record is not None and storage_key(param) != record.key:
+        if record.closed and param.dtype != record.dtype and param.shape == record.shape:
+            # model.to(torch.bfloat16) after the context: a cast of the
+            # placeholder's zeros. The values are the chunks', cast alike.
+            record.key, record.storage = storage_key(param), param.untyped_storage()
+            record.cast_to = param.dtype
+        else:
+            del _registry[param]
+            return None
+    if record is not None:
+        # writes inside the context never reach a placeholder's storage; a
+        # one-element placeholder (the only kind that accepts a write) that
+        # is not zero was written after the context closed, and that write
+        # would be lost
+        stored = torch.empty(0, dtype=param.dtype).set_(param.untyped_storage(), 0, (1,))
+        if stored.item() != 0:
+            raise RuntimeError(
+                f"a parameter of shape {tuple(param.shape)} built in zero.partitioned_init() "
+                "was written after the context closed; the write would be lost. Write it "
+                "inside the context, or after zero.initialize through "
+                "zero.GatheredParameters(..., modifier_rank=0)")
+    return record
+
+
+def take_values(param):
+    """The full values of a placeholder (a collective), after which the
+    record is dropped; any other tensor is returned as it is."""
+    record = sharded_record(param)
+    if record is None:
+        return param.detach()
+    values = record.gather()
+    del _registry[param]
+    return values.to(getattr(record, "cast_to", record.dtype))

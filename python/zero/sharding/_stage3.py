@@ -1,0 +1,663 @@
+"""Stage 3's schedule: gather each module's parameters just before it runs,
+release them after, gather again for its backward, and prefetch ahead along
+the order recorded on earlier passes.
+
+[Note: stage 3 hooks]
+- forward: a module's pre-forward hook gathers the units of the parameters
+  registered on it (tied parameters included), its forward hook releases
+  them (unless persistent, or another running forward still needs them)
+  and puts a grad hook on its outputs that gathers them again when the
+  backward reaches the module.
+- backward: the root module's output grad hook marks the start of a
+  backward and queues the end-of-backward callback on that (outer) graph
+  task; a unit is released as soon as all its parameters' gradients are
+  accumulated (each gradient has then been copied into its reduction
+  bucket), a frozen unit once its module's inputs have their gradients,
+  and the callback releases whatever is left.
+- Inside a backward, forward hooks do not release: that is activation
+  checkpointing recomputing, and its backward comes right after.
+- [Note: saved parameters] The module hooks cover the common case, but
+  autograd may read a parameter in backward after its unit was released:
+  a parameter unused on the last step (not yet expected to get a
+  gradient, so its unit went when the others' gradients were in), one
+  read off the path through the module's outputs (an auxiliary loss of
+  the weights computed in forward). So while the root's forward runs,
+  every tensor autograd saves that lies in a unit's storage is saved
+  through a hook whose unpack gathers that unit again first (on demand;
+  the end of the backward releases it). A gradient hook on each parameter
+  does the same before torch accumulates its gradient (shaped like the
+  parameter), for a late parameter no saved tensor names (x + bias).
+- Collective order: every gather is issued from these hooks, in program
+  order, and prefetch decisions depend only on the recorded order and the
+  unit sizes, so ranks that run the same modules issue the same
+  collectives. A pass whose order differs from the recording stops
+  prefetching at the first difference (gathers on demand from there) and
+  becomes the new recording.
+"""
+from __future__ import annotations
+
+import bisect
+import sys
+import warnings
+
+import torch
+from torch import nn
+from torch.autograd.graph import register_multi_grad_hook, saved_tensors_hooks
+
+from zero.sharding._copying import ModuleHook
+from zero.sharding._outputs import map_tensors, tensors_in
+from zero.sharding._param_writes import check_released_untouched
+from zero.sharding._step_agreement import agree_on_call
+from zero.sharding._units import leaf_roots, storage_key
+
+
+_HASH_MOD = (1 << 61) - 1
+
+
+class Stage3Schedule:
+    def __init__(self, root, groups, comm, config):
+        self.comm = comm
+        self.groups = groups
+        self.max_prefetch = int(config.stage3_prefetch_bucket_size)
+        self.max_live = int(config.stage3_max_live_parameters)
+        self.live = 0        # elements of non-persistent units gathered or in flight
+        self.peak_live = 0
+        self.counts = {"prefetched": 0, "on_demand": 0}  # gathers since the last step
+        self.in_backward = False
+        self.phase = None
+        self.recorded = {"forward": None, "backward": None}
+        self.current, self.pos, self.diverged = [], 0, True
+        self.pass_hash = 0
+        self.hooks = []
+        self.removed = False  # see remove()
+
+        place = {}
+        for fg in groups:
+            for unit in fg.units:
+                for p in unit.params:
+                    place[id(p)] = (fg, unit)
+                # its parameters' elements, as documented (the padded
+                # total grows with the world size)
+                if unit.numel <= config.stage3_param_persistence_threshold:
+                    unit.persistent = True
+                    self._gather(fg, unit, async_op=False)
+            if fg.trainable:
+                fg.on_unit_grads_done = self._grads_done
+        self.place = place
+        # persistent units too: their saved tensors get the version check
+        self.unit_by_storage = {storage_key(unit.full): (fg, unit) for fg in groups
+                                for unit in fg.units}
+        self._saving = None  # the saved-tensor hooks, pushed while the root's forward runs
+        self._outer = None   # the (pack, unpack) below ours then, if any
+        self.reading_state = False  # the engine reads the state dict's names: allowed
+        self.entered = []    # per hooked module: forwards whose pre-hook ran, not yet ended
+        self.root = root
+        self.modules = []
+        self.units_of = {}
+        leaf_of = leaf_roots(root, config.stage3_leaf_modules)
+        for module in root.modules():
+            leaf = leaf_of.get(id(module))
+            if leaf is not None and leaf is not module:
+                continue  # inside a leaf: gathered with it, no hooks of its own
+            params = module.parameters() if leaf is module else module._parameters.values()
+            needed, seen = [], set()
+            for p in params:
+                if p is not None and id(p) in place and id(place[id(p)][1]) not in seen:
+                    seen.add(id(place[id(p)][1]))
+                    needed.append(place[id(p)])
+            if leaf is module:
+                self._mark_leaf_units(needed)
+            if needed or module is root:
+                self._hook_module(module, needed)
+        for fg in groups:
+            if not fg.trainable:
+                continue
+            for unit in fg.units:
+                if not unit.persistent:
+                    for p in unit.params:
+                        self.hooks.append(p.register_hook(self._hook_before_accumulate(fg, unit)))
+        for module, units in self.units_of.items():
+            if units:
+                self.hooks.append(module.register_state_dict_post_hook(
+                    ModuleHook(self._hook_state_dict(units))))
+        for module in root.modules():
+            if isinstance(module, nn.MultiheadAttention) and id(module) not in leaf_of:
+                # its forward reads out_proj's weights without calling out_proj
+                for p in module.out_proj.parameters():
+                    self.add_external(module, p)
+            for child in module.children():
+                if isinstance(child, (nn.ParameterList, nn.ParameterDict)) and \
+                        id(child) not in leaf_of:
+                    # a container has no forward that runs: its owner reads
+                    # the parameters (Reformer's axial position embeddings)
+                    for p in child.parameters():
+                        self.add_external(module, p)
+
+    @staticmethod
+    def _mark_leaf_units(entries):
+        """A leaf module's units: released when its inputs have their
+        gradients (as a frozen unit), and no bucket waits for their
+        parameters (FlatGroup.never_expect)."""
+        by_group = {}
+        for fg, unit in entries:
+            unit.leaf = True
+            if fg.trainable:
+                by_group.setdefault(id(fg), (fg, []))[1].extend(unit.members)
+        for fg, members in by_group.values():
+            fg.never_expect(sorted(set(fg.never_expected) | set(members)))
+
+    def _hook_module(self, module, needed):
+        self.units_of[module] = needed
+        index = len(self.modules)
+        self.modules.append(module)
+        self.entered.append(0)
+        # a copy of the module gets hooks that do nothing, or none at all
+        # while its parameters are released (see _copying.py)
+        whole = self._whole_check(module)
+        self.hooks.append(module.register_forward_pre_hook(
+            ModuleHook(self._hook_pre_forward(index), whole)))
+        self.hooks.append(module.register_forward_hook(
+            ModuleHook(self._hook_post_forward(index, module is self.root), whole),
+            always_call=True))
+
+    def _whole_check(self, module):
+        units = self.units_of[module]  # the list itself: add_external extends it
+        return lambda: all(u.gathered or u.persistent for _fg, u in units)
+
+    def add_external(self, module, param):
+        """Gather param's unit around module's forward too (a parameter the
+        module uses without registering it, e.g. F.linear(x, other.weight))."""
+        if id(param) not in self.place:
+            raise ValueError("the parameter is not one the engine partitions (it is not "
+                             "in the wrapped model)")
+        if not any(m is module for m in self.root.modules()):
+            raise ValueError(f"{type(module).__name__} is not a module of the wrapped model")
+        entry = self.place[id(param)]
+        if module not in self.units_of:
+            self._hook_module(module, [entry])
+        elif all(u is not entry[1] for _fg, u in self.units_of[module]):
+            self.units_of[module].append(entry)
+
+    # ---- gathering and releasing -------------------------------------------------
+
+    def _gather(self, fg, unit, async_op):
+        # [Note: matched gathers] ranks running different modules would pair
+        # one unit's all-gather with another's; when the sizes match, gloo
+        # and NCCL mix them silently. Each pass hashes the units it gathers,
+        # and the ranks compare hashes when the pass ends.
+        self.pass_hash = (self.pass_hash * 1_000_003 + fg.index * 65_537 + unit.index + 1) \
+            % _HASH_MOD
+        check_released_untouched(fg, unit)
+        unit.reserve()
+        work = self.comm.all_gather_into(unit.full, fg.shard[unit.shard_slice],
+                                         async_op=async_op)
+        if not unit.persistent:
+            self.live += unit.total
+            self.peak_live = max(self.peak_live, self.live)
+        if work is None:
+            self._gathered(fg, unit)
+        else:
+            unit.work = work
+
+    @staticmethod
+    def _gathered(fg, unit):
+        unit.point_params()
+        unit.gathered = True
+        fg.drop_param_pages(unit.shard_slice)  # [Note: shard on a disk] in _flat_group.py
+
+    def ensure(self, fg, unit):
+        if unit.gathered:
+            return
+        if unit.work is None:
+            self.counts["on_demand"] += 1
+            self._gather(fg, unit, async_op=False)
+            return
+        unit.work.wait()
+        unit.work = None
+        self._gathered(fg, unit)
+
+    def release(self, unit):
+        if unit.persistent or unit.active > 0:
+            return
+        if unit.work is not None:
+            unit.work.wait()
+            unit.work = None
+            self._gathered(self.place[id(unit.params[0])][0], unit)
+        if unit.gathered:
+            old_key = storage_key(unit.full)
+            if unit.release():  # a new storage: see [Note: released parameters]
+                entry = self.unit_by_storage.pop(old_key)
+                self.unit_by_storage[storage_key(unit.full)] = entry
+            self.live -= unit.total
+
+    def release_all(self):
+        for fg in self.groups:
+            for unit in fg.units:
+                self.release(unit)
+
+    def _grads_done(self, unit):
+        self.release(unit)
+
+    # ---- order recording and prefetch ------------------------------------------
+
+    def _start_pass(self, phase):
+        self.pass_hash = 0
+        self.phase = phase
+        self.current = []
+        self.pos = 0
+        self.diverged = self.recorded[phase] is None
+
+    def _agree_on_forward(self):
+        """The forward's gathers are collectives: a rank that is in another
+        engine call (full_state_dict or save_checkpoint made on rank 0
+        alone) would pair them with that call's all-reduce and wait for
+        good. One all-reduce, the one every such call starts with, finds it
+        first ([Note: writes agreed] in _step_agreement.py)."""
+        agree_on_call(self.comm, "a forward at stage 3")
+
+    def _check_same_gathers(self):
+        """Raise if another rank gathered other units in this pass (see
+        [Note: matched gathers]): its values were mixed with ours."""
+        if self.comm.world == 1 or self.phase is None:
+            return
+        every = self.comm.gather_scalars(self.pass_hash)
+        if len(set(every)) > 1:
+            raise RuntimeError(
+                f"zero stage 3: the ranks gathered different parameters in this {self.phase} "
+                "pass, so they ran different modules (rank-dependent control flow inside the "
+                "model). Each module's gather is a collective: every rank must run the same "
+                "modules in the same order (a mixture of experts: name its block in "
+                "stage3_leaf_modules). The values of this pass are not to be trusted.")
+
+    def _end_pass(self):
+        if self.recorded[self.phase] != self.current:
+            self.recorded[self.phase] = self.current
+        self.phase = None
+
+    def _advance(self, index):
+        if self.phase is None:
+            return
+        self.current.append(index)
+        recorded = self.recorded[self.phase]
+        if self.diverged:
+            return
+        if self.pos < len(recorded) and recorded[self.pos] == index:
+            self.pos += 1
+            self._prefetch(recorded)
+        else:
+            self.diverged = True
+
+    def _prefetch(self, recorded):
+        """Issue the gathers of the modules that come next, while the
+        elements gathered ahead of use fit in max_prefetch and all live
+        elements in max_live."""
+        ahead = 0
+        for j in range(self.pos, len(recorded)):
+            for fg, unit in self.units_of[self.modules[recorded[j]]]:
+                if unit.persistent:
+                    continue
+                if unit.gathered or unit.work is not None:
+                    if unit.work is not None and fg.param_files is not None and \
+                            unit.work.is_completed():
+                        # a shard on a disk: its chunk unmapped once the
+                        # gather is done, not at the unit's first use
+                        self.ensure(fg, unit)
+                    if unit.active == 0:
+                        ahead += unit.total
+                    continue
+                if ahead + unit.total > self.max_prefetch or \
+                        self.live + unit.total > self.max_live:
+                    return
+                self.counts["prefetched"] += 1
+                self._gather(fg, unit, async_op=True)
+                ahead += unit.total
+
+    # ---- hooks ------------------------------------------------------------------
+
+    def _hook_pre_forward(self, index):
+        def pre_forward(module, _args):
+            if module is self.modules[0] and self.root_depth and \
+                    not _inside_forward_of(module):
+                self._forget_interrupted_forward()
+            if module is self.modules[0] and self.root_depth == 0 and \
+                    not self.in_backward and self.comm.world > 1:  # outermost, entering
+                self._agree_on_forward()
+            self.entered[index] += 1
+            if module is self.modules[0] and self.root_depth == 1:  # not a recursive call
+                self.abandon_if_unfinished()
+                if not self.in_backward:
+                    self._start_pass("forward")
+                if self._saving is None:
+                    # hooks pushed around the engine call (torch.utils.checkpoint of
+                    # the whole model, save_on_cpu) still get every other tensor
+                    self._outer = _outer_saved_tensors_hooks()
+                    self._saving = saved_tensors_hooks(self._pack, self._unpack)
+                    self._saving.__enter__()
+            self._advance(index)
+            for fg, unit in self.units_of[module]:
+                unit.active += 1
+                self.ensure(fg, unit)
+        return pre_forward
+
+    def _hook_post_forward(self, index, is_root):
+        def post_forward(module, args, output):
+            if self.entered[index] == 0:
+                return output  # an earlier pre-hook raised: ours never ran for this call
+            # torch runs always_call hooks on the way out of a forward that
+            # raised (output None, the exception being handled): then this
+            # rank leaves the pass without the ranks' comparison, a
+            # collective its peers, still gathering, would never join
+            failed = output is None and sys.exc_info()[1] is not None
+            self.entered[index] -= 1
+            # a root that calls itself: the inner call is an ordinary module
+            outermost = is_root and self.root_depth == 0
+            if outermost:
+                self._pop_saved_tensors_hooks()
+            for _fg, unit in self.units_of[module]:
+                unit.active -= 1
+            if not self.in_backward:
+                leaving = [u for fg in self.groups for u in fg.units] if outermost else \
+                    [u for _fg, u in self.units_of[module]]
+                output = self._detach_from(leaving, output)
+                for unit in leaving:
+                    self.release(unit)
+            if torch.is_grad_enabled():
+                # leaves (a parameter returned as it is) have no backward to
+                # wait for, and a hook on one would stay for good
+                tensors = [t for t in tensors_in(output)
+                           if t.requires_grad and t.grad_fn is not None]
+                if len(tensors) == 1:
+                    # what register_multi_grad_hook(mode="any") does for one
+                    # tensor (a tensor's gradient is computed once per
+                    # backward), without its wrapper, lock and handle; set
+                    # once per module and forward. With the frozen-unit
+                    # shortcut below: a fifth off stage 3's overhead
+                    # (bench/stage3_overhead.py)
+                    tensors[0].register_hook(self._hook_pre_backward(index, is_root))
+                elif tensors:
+                    register_multi_grad_hook(tensors, self._hook_pre_backward(index, is_root),
+                                             mode="any")
+                if not self.in_backward and not is_root:
+                    self._release_frozen_after_backward(module, args)
+            if outermost and not self.in_backward:
+                if not failed:
+                    self._check_same_gathers()
+                self._end_pass()
+            return output
+        return post_forward
+
+    def _release_frozen_after_backward(self, module, args):
+        """A frozen unit gets no gradient to say its module's backward is
+        over; the gradients of the module's inputs do (every path from
+        the module's output to its inputs runs through its weights), so
+        the unit goes then rather than at the end of the backward: a
+        frozen base model under adapters (LoRA) then holds one module's
+        weights at a time in backward, not the whole model."""
+        frozen = [u for fg, u in self.units_of[module]
+                  if (not fg.trainable or u.leaf) and not u.persistent]
+        if not frozen:
+            return  # the usual case, decided before walking the inputs
+        # a leaf's hook would stay on it for good (see post_forward)
+        inputs = [t for t in tensors_in(args) if t.requires_grad and t.grad_fn is not None]
+        if not inputs:
+            return  # nothing to wait for: released at the end of the backward
+
+        def release_frozen(_grads):
+            if self.removed:
+                return
+            for unit in frozen:
+                self.release(unit)
+        register_multi_grad_hook(inputs, release_frozen, mode="all")
+
+    @staticmethod
+    def _detach_from(units, output):
+        """Copies of the outputs that are views of a unit about to be
+        released (a module returning self.weight[:n]): the release frees
+        that storage. The copy keeps the autograd graph."""
+        freed = {(u.full.device, u.full.untyped_storage().data_ptr()) for u in units
+                 if u.gathered and not u.persistent and u.active == 0}
+        if not freed:
+            return output
+
+        def copy_if_view(t):
+            if torch.is_tensor(t) and not t.is_meta and \
+                    (t.device, t.untyped_storage().data_ptr()) in freed:
+                return t.clone()
+            return t
+        return map_tensors(copy_if_view, output)
+
+    def _hook_state_dict(self, units):
+        def warn_if_released(_module, _state, _prefix, _metadata):
+            """state_dict() of a module whose parameters are released holds
+            their empty placeholders: a checkpoint saved from it is empty.
+            A warning, not an error: PEFT takes the whole model's
+            state_dict() and keeps only the adapters. (The engine's own
+            readers say so with `reading_state`.)"""
+            if self.reading_state or all(u.gathered or u.persistent for _fg, u in units):
+                return
+            warnings.warn(
+                "zero stage 3: state_dict() holds empty placeholders for the parameters "
+                "released after use, so a checkpoint saved from it lacks them. Use "
+                "engine.full_state_dict() (a collective: every rank calls it, and it returns "
+                "copies) or engine.save_checkpoint(); within zero.GatheredParameters(...) "
+                "the listed parameters are whole (copy what you keep).",
+                RuntimeWarning, stacklevel=2)
+        return warn_if_released
+
+    def _hook_before_accumulate(self, fg, unit):
+        def before_accumulate(_grad):
+            self.begin_backward()
+            # torch's accumulation lays the gradient out like the parameter,
+            # which must then be the gathered one, not the placeholder
+            # ([Note: saved parameters]: a late gradient, e.g. of x + bias)
+            if not unit.gathered:
+                self.ensure(fg, unit)
+        return before_accumulate
+
+    def _pack(self, tensor):
+        return self._pack_with(tensor, self._outer)
+
+    def saving_outside_forward(self):
+        """The saved-tensor hooks for a block that computes with gathered
+        parameters outside forward (zero.GatheredParameters): a loss term
+        like w.pow(2) taken there saves w itself, released at the block's
+        end, so its backward must gather it again ([Note: saved
+        parameters]). The hooks in force at entry get every other tensor."""
+        outer = _outer_saved_tensors_hooks()
+        return saved_tensors_hooks(lambda tensor: self._pack_with(tensor, outer), self._unpack)
+
+    def _pack_with(self, tensor, outer):
+        """[Note: saved parameters]: a saved tensor in a unit's storage is
+        kept as where it lies in its unit, to be gathered again if released
+        by then (not as a view: see [Note: released parameters])."""
+        entry = self.unit_by_storage.get(storage_key(tensor))  # None: no storage
+        if entry is not None and self.removed:
+            entry = None  # hooks left on under someone else's (see remove): as they are
+        if entry is not None:
+            fg, unit = entry
+            if tensor.dtype == unit.full.dtype:
+                return _SavedInUnit(fg, unit, tensor)
+            return _SavedView(fg, unit, tensor)  # reinterpreted bytes: kept as it is
+        if outer is None:
+            return tensor
+        pack, unpack = outer
+        return _SavedByOuter(unpack, pack(tensor))
+
+    def _unpack(self, packed):
+        if isinstance(packed, _SavedByOuter):
+            return packed.unpack(packed.packed)
+        if isinstance(packed, (_SavedInUnit, _SavedView)):
+            self._refuse_if_removed()
+            self.begin_backward()
+        if isinstance(packed, _SavedView):
+            self.ensure(packed.fg, packed.unit)
+            return packed.tensor
+        if not isinstance(packed, _SavedInUnit):
+            return packed
+        self.ensure(packed.fg, packed.unit)
+        param = packed.param
+        if param is not None and param._version != packed.version:
+            raise RuntimeError(
+                "one of the variables needed for gradient computation has been modified by "
+                f"an inplace operation: a parameter of shape {tuple(param.shape)} is at "
+                f"version {param._version}; expected version {packed.version}")
+        return packed.unit.full.as_strided(packed.size, packed.stride, packed.offset)
+
+    def _hook_pre_backward(self, index, is_root):
+        def pre_backward(_grad):
+            self._refuse_if_removed()
+            if torch.is_grad_enabled():
+                raise RuntimeError(
+                    "zero stage 3 does not support a backward with create_graph=True (double "
+                    "backward, as in gradient penalties): the graph it builds would keep "
+                    "parameters that stage 3 releases. Use stage 2, or compute the penalty "
+                    "without differentiating the gradients.")
+            self.begin_backward()
+            self._advance(index)
+            module = self.modules[index]
+            for fg, unit in self.units_of[module]:
+                self.ensure(fg, unit)
+        return pre_backward
+
+    def begin_backward(self):
+        """The first sign of a backward: a module output's gradient, or,
+        in a backward that reaches no module output (a loss term taken
+        from parameters in zero.GatheredParameters), a saved parameter
+        unpacked or a gradient accumulated. Its end then reduces what is
+        left and releases what it gathered, as stage 2's does."""
+        if not self.in_backward and torch._C._current_graph_task_id() != -1:
+            self.in_backward = True
+            self._start_pass("backward")
+            torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
+
+    def _finish_backward(self):
+        for fg in self.groups:
+            if fg.trainable:
+                fg.finish_backward()
+        self.release_all()
+        self.in_backward = False
+        try:
+            self._check_same_gathers()
+        finally:
+            self._end_pass()
+
+    @property
+    def root_depth(self) -> int:
+        """Root forwards running (a root may call itself)."""
+        return self.entered[0]
+
+    def _pop_saved_tensors_hooks(self):
+        if self._saving is not None:
+            saving, self._saving = self._saving, None
+            saving.__exit__(None, None, None)
+
+    def _forget_interrupted_forward(self):
+        """A root forward that ended by KeyboardInterrupt (a notebook's stop
+        button) skipped the post-forward hooks, which torch calls only for
+        an Exception: drop what it left, so the next forward is a pass of
+        its own and not taken for a recursive call."""
+        self._pop_saved_tensors_hooks()
+        self.entered = [0] * len(self.entered)
+        self.phase = None
+        for fg in self.groups:
+            for unit in fg.units:
+                unit.active = 0
+
+    def abandon_if_unfinished(self):
+        if self.in_backward and torch._C._current_graph_task_id() == -1:
+            self._abandon_backward()
+
+    def _abandon_backward(self):
+        """A backward that raised never reached its end callback: drop its
+        unreduced gradients (what was already reduced stays, as a failed
+        torch backward leaves partial .grad: call engine.zero_grad()) and
+        its gathered units, so the next pass starts clean."""
+        for fg in self.groups:
+            if fg.trainable:
+                fg.abandon_backward()
+        self.in_backward = False
+        self.phase = None
+        for fg in self.groups:
+            for unit in fg.units:
+                unit.active = 0
+        self.release_all()
+
+    def take_counts(self) -> dict:
+        counts, self.counts = self.counts, {"prefetched": 0, "on_demand": 0}
+        return counts
+
+    def remove(self):
+        """Engine.close(). The hooks set on autograd graphs (a backward's,
+        the saved tensors') cannot be removed: they refuse from now on."""
+        for h in self.hooks:
+            h.remove()
+        self.hooks = []
+        self.removed = True
+        # a root forward interrupted (KeyboardInterrupt skips the forward
+        # hooks) left our saved-tensor hooks on: the next root forward
+        # would drop them, but a closed engine has none
+        if self._saving is not None and _outer_saved_tensors_hooks() == (self._pack,
+                                                                          self._unpack):
+            self._pop_saved_tensors_hooks()
+
+    def _refuse_if_removed(self):
+        if self.removed:
+            raise RuntimeError(
+                "this autograd graph was built by a zero stage-3 engine that has been closed "
+                "(its parameters were released while it was built): run the forward again "
+                "on the model as it is now")
+
+
+class _SavedInUnit:
+    """A saved tensor that lies in a stage-3 unit's storage: where (its
+    size, strides and offset in the unit's buffer), and the parameter it
+    lies in with that parameter's version (torch checks versions of what it
+    saves itself; with a hook the hook must; the step bumps them)."""
+    __slots__ = ("fg", "unit", "size", "stride", "offset", "param", "version")
+
+    def __init__(self, fg, unit, tensor):
+        self.fg, self.unit = fg, unit
+        self.size, self.stride = tensor.shape, tensor.stride()
+        self.offset = tensor.storage_offset()
+        j = bisect.bisect_right(unit.offsets, self.offset) - 1
+        self.param = unit.params[j] if j >= 0 else None
+        self.version = self.param._version if self.param is not None else 0
+
+
+class _SavedView:
+    """A saved tensor of a unit's storage under another dtype, kept as it
+    is (the unit is gathered again into its storage before it is read)."""
+    __slots__ = ("fg", "unit", "tensor")
+
+    def __init__(self, fg, unit, tensor):
+        self.fg, self.unit, self.tensor = fg, unit, tensor
+
+
+class _SavedByOuter:
+    """A saved tensor handed to the hooks that were in force when the
+    root's forward began, with their unpack."""
+    __slots__ = ("unpack", "packed")
+
+    def __init__(self, unpack, packed):
+        self.unpack, self.packed = unpack, packed
+
+
+def _outer_saved_tensors_hooks():
+    """The saved-tensor hooks in force (pack, unpack), or None. torch has
+    no public call for this; without the private one, other tensors are
+    saved as they are (as before any outer hooks)."""
+    top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+    return top(False) if top is not None else None
+
+
+def _inside_forward_of(module) -> bool:
+    """Whether a frame of `module`'s forward is on this thread's stack (a
+    root that calls itself), checked only when a root forward seems to be
+    running already."""
+    code = getattr(type(module).forward, "__code__", None)
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code is code and frame.f_locals.get("self") is module:
+            return True
+        frame = frame.f_back
+    return False

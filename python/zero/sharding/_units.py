@@ -1,0 +1,157 @@
+"""A unit: parameters laid out together and partitioned as one piece.
+
+At stages 0-2 a whole param group is one unit that stays gathered. At
+stage 3 each module's own parameters form a unit that is all-gathered just
+before use and released after (_stage3.py). See [Note: flat group layout]
+in _flat_group.py.
+
+[Note: released parameters] A released unit's parameters point at an empty
+placeholder (shape (0,)), as under DeepSpeed's stage 3, so code that reads
+them by mistake fails on a shape mismatch instead of reading freed memory.
+The `full` buffer's storage is resized to zero bytes, so the next gather
+reuses the same storage object. But a tensor that still views it (a
+forward hook that kept m.weight.detach() for logging, a view kept past a
+GatheredParameters block) would then read freed memory: a segfault. So
+when anything but `full` still holds the storage, the unit leaves it to
+them, with the values it had, and takes a new storage for its next gather.
+Stage 3's saved-tensor hook keeps no view of a unit (only where in it),
+so autograd's saved tensors never hold the storage. On gloo a few releases
+in a hundred find one more holder for a moment: the backend's worker thread
+drops its reference to an all-gather's output just after wait() returns
+(measured: every such storage was free 5 ms later), so the swap costs an
+allocation, not memory.
+"""
+from __future__ import annotations
+
+import torch
+
+ALIGN = 16  # chunk sizes are multiples of 16 elements (64-byte rows)
+# Each parameter starts at a multiple of 64 elements: GEMM libraries run
+# slower on operands that start mid-cache-line.
+PARAM_ALIGN = 64
+
+
+class Unit:
+    def __init__(self, index, members, params, num_partitions, shard_offset, layout_offset):
+        self.index = index
+        self.members = members            # range of param indices in the group
+        self.params = list(params)
+        self.shapes = [p.shape for p in self.params]
+        self.numels = [p.numel() for p in self.params]
+        self.offsets = []
+        start = 0
+        for n in self.numels:
+            start = -(-start // PARAM_ALIGN) * PARAM_ALIGN
+            self.offsets.append(start)
+            start += n
+        self.span = start                 # laid-out elements, gaps included
+        per = -(-self.span // num_partitions)
+        self.part = -(-per // ALIGN) * ALIGN  # elements of one rank's chunk
+        self.total = self.part * num_partitions
+        self.numel = sum(self.numels)
+        self.shard_offset = shard_offset  # this unit's chunk in the rank's partition
+        self.shard_slice = slice(shard_offset, shard_offset + self.part)
+        self.layout_offset = layout_offset  # this unit in the unsharded layout
+        self.full = None                  # [total] compute dtype
+        self.gathered = False
+        self.persistent = False
+        self.leaf = False                 # all the parameters of a stage3 leaf module
+        self.work = None                  # an all-gather in flight
+        self.active = 0                   # forwards running that need it
+        self._placeholder = None
+
+    def chunk(self, t, r):
+        return t[r * self.part:(r + 1) * self.part]
+
+    def point_params(self):
+        for p, off, n, shape in zip(self.params, self.offsets, self.numels, self.shapes):
+            p.data = self.full[off:off + n].view(shape)
+
+    def release(self) -> bool:
+        """Free the gathered values (see [Note: released parameters]).
+        True when `full` got a new storage (another holder kept the old).
+        Tensors made here must be ordinary ones even when the release
+        comes at the end of an eval under torch.inference_mode(): an
+        inference tensor could not be gathered into by a training step."""
+        with torch.inference_mode(False):
+            return self._release()
+
+    def _release(self) -> bool:
+        if self._placeholder is None:
+            self._placeholder = torch.empty(0, dtype=self.full.dtype,
+                                            device=self.full.device)
+        for p in self.params:
+            p.data = self._placeholder
+        self.gathered = False
+        storage = self.full.untyped_storage()
+        # holders: `full` and `storage` here; any more is somebody's view
+        if torch._C._storage_Use_Count(storage._cdata) > 2:
+            self.full = torch.empty(self.total, dtype=self.full.dtype, device=self.full.device)
+            self.full.untyped_storage().resize_(0)
+            return True
+        storage.resize_(0)
+        return False
+
+    def reserve(self):
+        """Storage for a gather into `full` (the same storage object)."""
+        nbytes = self.total * self.full.element_size()
+        if self.full.untyped_storage().nbytes() != nbytes:
+            self.full.untyped_storage().resize_(nbytes)
+
+
+def lay_out(params, unit_sizes, num_partitions) -> list:
+    """The units of a flat group whose params are in unit order: unit k
+    takes the next unit_sizes[k] of them; each unit's chunk follows the
+    last in a rank's partition, and its whole layout in the unsharded one.
+    Shared by FlatGroup and zero.estimate_memory, which must agree."""
+    units, first, shard_at, layout_at = [], 0, 0, 0
+    for size in unit_sizes:
+        members = range(first, first + size)
+        unit = Unit(len(units), members, [params[i] for i in members], num_partitions,
+                    shard_at, layout_at)
+        units.append(unit)
+        first += size
+        shard_at += unit.part
+        layout_at += unit.total
+    return units
+
+
+def leaf_roots(module, leaf_modules) -> dict:
+    """id(m) -> the outermost leaf module m is or lies in, for every module
+    of `module` that matches stage3_leaf_modules (a class or class name)
+    and everything below one."""
+    if not leaf_modules:
+        return {}
+    names = {x for x in leaf_modules if isinstance(x, str)}
+    types = tuple(x for x in leaf_modules if isinstance(x, type))
+    matched = {type(m) for m in module.modules()}
+    for spec in leaf_modules:
+        if not any(t.__name__ == spec if isinstance(spec, str) else issubclass(t, spec)
+                   for t in matched):
+            raise ValueError(f"stage3_leaf_modules: no module of the model is a {spec!r}")
+    roots = {}
+    for m in module.modules():  # parents before children: the outermost wins
+        if id(m) not in roots and (type(m).__name__ in names or isinstance(m, types)):
+            for inner in m.modules():
+                roots.setdefault(id(inner), m)
+    return roots
+
+
+def storage_key(t):
+    """The identity of a tensor's storage, the same after the storage is
+    resized (a unit released and gathered again), or None for a tensor
+    without one (sparse, some subclasses)."""
+    try:
+        return t.untyped_storage()._cdata
+    except (RuntimeError, NotImplementedError):
+        return None
+
+
+def parameter_names(module) -> dict:
+    """id(parameter) -> its name in the module; a tied parameter goes by
+    the name it is first registered under, as named_parameters gives it."""
+    names = {}
+    for name, p in module.named_parameters():
+        names.setdefault(id(p), name)
+    return names
+

@@ -1,0 +1,124 @@
+"""The package's layout holds (DESIGN.md section 3): subpackages by concern,
+imports that run one way only, and no Python file past 600 lines.
+
+Imports are read from the source (ast), at module level and inside
+functions alike, since a deferred import is still a dependency."""
+import ast
+import pathlib
+
+import pytest
+
+PACKAGE = pathlib.Path(__file__).resolve().parents[1] / "python" / "zero"
+MAX_LINES = 600
+
+# The concerns, lowest first: a subpackage may import from those before it
+# (and from itself), never from one after it. The top-level modules _C and
+# _version sit below them all; zero/__init__.py above them all.
+LAYERS = ["config", "comm", "parallel", "offload", "sharding", "step", "optim", "checkpoint",
+          "engine", "integrations"]
+LEAVES = {"_C", "_version"}
+
+
+def modules():
+    for path in sorted(PACKAGE.rglob("*.py")):
+        parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+        yield path, ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def imported(path, name):
+    """The zero modules `path` (module `name`) imports, as dotted names; a
+    `from zero.x import y` counts as zero.x (and zero.x.y if that is a module)."""
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")[:len(package.split(".")) - node.level + 1]
+                target = ".".join(base + ([node.module] if node.module else []))
+            else:
+                target = node.module
+            found.add(target)
+            for alias in node.names:
+                candidate = f"{target}.{alias.name}"
+                if (PACKAGE.parent / (candidate.replace(".", "/") + ".py")).exists() or \
+                        (PACKAGE.parent / candidate.replace(".", "/")).is_dir():
+                    found.add(candidate)
+    return {m for m in found if m == "zero" or m.startswith("zero.")}
+
+
+def concern(module):
+    """The subpackage (or leaf module) a dotted zero.* name belongs to."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else None
+
+
+def test_every_module_belongs_to_a_concern():
+    loose = [name for path, name in modules()
+             if name.count(".") == 1 and path.name != "__init__.py"
+             and concern(name) not in LEAVES]
+    assert not loose, f"modules outside the subpackages of DESIGN.md: {loose}"
+    for path, name in modules():
+        if name != "zero":
+            assert concern(name) in LAYERS or concern(name) in LEAVES, name
+
+
+def test_no_file_past_600_lines():
+    long = {str(p.relative_to(PACKAGE)): n for p, _ in modules()
+            if (n := len(p.read_text().splitlines())) > MAX_LINES}
+    assert not long, f"split these by concern: {long}"
+
+
+def test_no_module_imports_up():
+    """No module imports the top package (`from zero import _C`, `import
+    zero`) or the package it sits in; a subpackage imports only from the
+    concerns below it."""
+    wrong = []
+    for path, name in modules():
+        if name == "zero":
+            continue
+        mine = concern(name)
+        for target in imported(path, name):
+            theirs = concern(target)
+            if target == "zero":
+                wrong.append(f"{name} imports the top package zero")
+            elif target == name.rpartition(".")[0] and path.name != "__init__.py":
+                wrong.append(f"{name} imports its own package {target}")
+            elif theirs in LEAVES or theirs == mine or mine in LEAVES:
+                continue
+            elif LAYERS.index(theirs) > LAYERS.index(mine):
+                wrong.append(f"{name} ({mine}) imports {target} ({theirs}), a concern above it")
+    assert not wrong, "\n".join(wrong)
+
+
+def test_no_import_cycle_between_modules():
+    graph = {name: {t for t in imported(path, name) if t != name} for path, name in modules()}
+    # a package's __init__ is a node of its own; a submodule's import of a
+    # sibling goes to the sibling, not through the package
+    state = {}
+
+    def visit(node, trail):
+        if state.get(node) == "done":
+            return
+        if state.get(node) == "open":
+            cycle = trail[trail.index(node):] + [node]
+            pytest.fail("import cycle: " + " -> ".join(cycle))
+        state[node] = "open"
+        for nxt in sorted(graph.get(node, ())):
+            if nxt in graph:
+                visit(nxt, trail + [node])
+        state[node] = "done"
+
+    for node in sorted(graph):
+        visit(node, [])
+
+
+def test_check_sees_a_wrong_import(tmp_path):
+    """The rules above are not vacuous: the reader finds an upward import."""
+    fake = tmp_path / "zero" / "sharding"
+    fake.mkdir(parents=True)
+    module = fake / "_bad.py"
+    module.write_text("from zero import _C\nfrom zero.engine._engine import Engine\n")
+    found = imported(module, "zero.sharding._bad")
+    assert "zero" in found and "zero.engine._engine" in found
