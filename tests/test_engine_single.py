@@ -693,7 +693,7 @@ def test_unused_module_does_not_hold_back_later_buckets(stage):
     peaks = []
     for _ in range(3):
         for fg in engine.groups:
-            fg.peak_bucket_bytes = 0
+            fg.reducer.peak_bucket_bytes = 0
         engine.backward(engine(torch.randn(4, 64)).sum())
         engine.step()
         peaks.append(engine.memory_summary()["buckets"])
@@ -779,7 +779,7 @@ def test_recovers_from_a_backward_that_raised(stage):
         # the last layer's backward runs (and reduces) before the raise
         engine.backward(engine(x).square().mean())
     Boom.armed = False
-    assert engine._schedule.in_backward if stage == 3 else engine.groups[0].backward_started
+    assert engine._schedule.in_backward if stage == 3 else engine.groups[0].reducer.backward_started
     engine.zero_grad()
     engine.backward(engine(x).square().mean())
     engine.step()

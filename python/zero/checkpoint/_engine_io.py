@@ -164,7 +164,7 @@ def _gradients_pending(engine) -> bool:
     element in its gradient buffers (a backward's, or a .grad set by hand,
     taken in as the step would)."""
     for fg in engine.groups:
-        if fg.stage <= 1:
+        if not fg.policy.partitions_grads:
             fg.gather_stray_grads()
         grads = fg.grad_flat if fg.grad_flat is not None else fg.grad_part
         if bool(grads.any()):
@@ -241,7 +241,7 @@ def _save_agreed(engine, save_dir, tag, save_id, client_state, save_latest, erro
         finally:  # offloaded states were read through their mapping
             _release_offloaded(engine)
         if comm.everyone.rank == 0:
-            shard_files = [shard_file(r) for r in range(comm.world if engine.stage else 1)]
+            shard_files = [shard_file(r) for r in range(comm.world if engine.policy.partitions else 1)]
             meta = _meta(engine, client_state, scheduler_state, shard_files)
             meta["save_id"] = save_id
     except Exception as e:

@@ -25,7 +25,6 @@ import weakref
 
 import torch
 from torch import nn
-from torch.autograd.graph import register_multi_grad_hook
 
 from zero.engine._agreement import check_ranks_agree
 from zero.comm._comm import Comm, leave_process_group
@@ -38,13 +37,14 @@ from zero.engine._interrupts import interrupts_held
 from zero.step._loss_scaler import DynamicLossScaler
 from zero.engine._memory import MemorySummary, zero_formula
 from zero.step._registry import fresh_states, spec_for
-from zero.sharding._outputs import tensors_in
 from zero.sharding._shared_memory import first_shared_pair, memory_span, shared_memory_error
 from zero.sharding._param_writes import (Place, bump_versions, check_parameters_in_place,
                                 record_parameters, take_in_parameter_writes)
 from zero.sharding._partitioned_init import sharded_record, take_values
 from zero.step._resumed_states import (describe_held, give_back_optimizer_states,
                                   held_optimizer_states, take_in_optimizer_states)
+from zero.sharding._backward import BackwardLifecycle
+from zero.sharding._policy import StagePolicy
 from zero.sharding._stage3 import Stage3Schedule
 from zero.sharding._step_agreement import describe_settings
 from zero.sharding._units import leaf_roots, parameter_names
@@ -78,6 +78,7 @@ class Engine(DeepSpeedQueries, nn.Module):
         self.step_path = _step_path.StagedHostStep(self.device) if self._staged \
             else step_path_for(self.device)
         self.stage = config.stage
+        self.policy = StagePolicy.of(config.stage)
         self.micro_steps = 0
         self.global_steps = 0
         self.step_was_skipped = False
@@ -96,8 +97,8 @@ class Engine(DeepSpeedQueries, nn.Module):
 
         # what can be refused is refused before the model is changed
         groups = self._match_param_groups(module, optimizer)
-        owners = self._owners(module, config.stage3_leaf_modules) if config.stage == 3 \
-            else None
+        owners = self._owners(module, config.stage3_leaf_modules) \
+            if self.policy.partitions_params else None
         if not any(params for params, _names in groups):
             raise ValueError("the model has no trainable parameters (every parameter has "
                              "requires_grad=False); nothing to train")
@@ -119,7 +120,7 @@ class Engine(DeepSpeedQueries, nn.Module):
                 h.remove()
             if self._schedule is not None:
                 self._schedule.remove()
-            if config.stage == 3:
+            if self.policy.releases_params:
                 # released parameters hold no values now: say so to the
                 # next initialize instead of training empty placeholders
                 for p in module.parameters():
@@ -138,14 +139,14 @@ class Engine(DeepSpeedQueries, nn.Module):
         for params, _names in groups:
             for p in params:
                 p.grad = None
-        self._cast(module, config.stage)
+        self._cast(module)
         for name, buf in module.named_buffers():
             _broadcast_buffer(comm, name, buf)
         # parameters outside the flat groups (which broadcast their own):
         # frozen ones at stages 0-2, integer ones at stage 3
         with torch.no_grad():
             for name, p in module.named_parameters():
-                if not p.requires_grad and (config.stage < 3 or not p.is_floating_point()):
+                if not p.requires_grad and (not self.policy.partitions_params or not p.is_floating_point()):
                     _broadcast_buffer(comm, name, p.data, kind="parameter")
         offload = self._offload_files(config.offload_optimizer, comm)
         param_files = self._param_files(config.offload_param,
@@ -156,8 +157,9 @@ class Engine(DeepSpeedQueries, nn.Module):
                 continue
             # stages 2-3 reduce buckets mid-backward, each group on its own
             # channel: see [Note: reduction channels] in _comm.py
-            reduce_comm = comm.channel(len(self.groups)) if config.stage >= 2 else None
-            fg = FlatGroup(index, params, names, self.compute_dtype, comm, config.stage,
+            reduce_comm = comm.channel(len(self.groups)) \
+                if self.policy.reduces_in_backward else None
+            fg = FlatGroup(index, params, names, self.compute_dtype, comm, self.policy,
                            config.reduce_bucket_size, units=self._units(params, owners),
                            device=self.device,
                            grad_dtype=DTYPES[config.grad_accum_dtype or config.precision],
@@ -169,7 +171,10 @@ class Engine(DeepSpeedQueries, nn.Module):
                 fg.add_state(name, fill)
             self.groups.append(fg)
         self.frozen_group = None
-        if config.stage == 3:
+        # [Note: backward lifecycle] in _backward.py
+        self._backward = BackwardLifecycle(self.groups) \
+            if self.policy.reduces_in_backward else None
+        if self.policy.partitions_params:
             # integer parameters (indices, counters) are not cast nor
             # partitioned: kept whole on every rank, as at stages 0-2
             frozen = [(n, p) for n, p in module.named_parameters()
@@ -177,25 +182,26 @@ class Engine(DeepSpeedQueries, nn.Module):
             if frozen:
                 self.frozen_group = FlatGroup(
                     -1, [p for _, p in frozen], [n for n, _ in frozen], self.compute_dtype,
-                    comm, 3, config.reduce_bucket_size,
+                    comm, self.policy, config.reduce_bucket_size,
                     units=self._units([p for _, p in frozen], owners), trainable=False,
                     device=self.device, param_files=param_files("frozen"))
-            self._schedule = Stage3Schedule(module, self.all_groups, comm, config)
+            self._schedule = Stage3Schedule(module, self.all_groups, comm, config,
+                                            self._backward)
         self._param_groups_seen = len(optimizer.param_groups)
         me = weakref.ref(self)
         for fg in self.all_groups:
             for unit in fg.units:
                 for p in unit.params:
                     p._zero_place = Place(fg, unit, self._schedule, me)
-        if config.stage <= 1:
+        if not self.policy.reduces_in_backward:
             for fg in self.groups:
                 if fg.accumulate_by_hook:
                     self._on_each_grad(fg, _accumulate_grad)
-        elif config.stage == 2:
-            self._register_stage2_hooks()
-        elif config.stage == 3:
+        else:
             for fg in self.groups:
-                self._on_each_grad(fg, _stage3_grad_ready)
+                self._on_each_grad(fg, _grad_ready)
+            if self._schedule is None:
+                self._hook_root_for_backward()
         take_in_optimizer_states(optimizer, self.groups, resumed)
         self._guard_optimizer()
         record_parameters(self.all_groups)
@@ -207,7 +213,7 @@ class Engine(DeepSpeedQueries, nn.Module):
 
     # ---- construction helpers ----------------------------------------------
 
-    def _cast(self, module, stage):
+    def _cast(self, module):
         """module.to(the engine's device, compute dtype), leaving
         partitioned_init placeholders for the flat groups to gather one at
         a time (casting one would allocate it in full). At stages 0-2 frozen
@@ -217,7 +223,7 @@ class Engine(DeepSpeedQueries, nn.Module):
 
         def cast(t):
             if sharded_record(t) is not None:
-                if stage == 3 or t.requires_grad:
+                if self.policy.partitions_params or t.requires_grad:
                     return t
                 return take_values(t).to(device=device, dtype=dtype)
             return t.to(device=device, dtype=dtype if t.is_floating_point() else None)
@@ -304,15 +310,13 @@ class Engine(DeepSpeedQueries, nn.Module):
             raise shared_memory_error(*shared, "Tie them as one Parameter (model.b = model.a)")
         return groups
 
-    def _register_stage2_hooks(self):
-        """Stage 2: gradients go to their buckets as they are accumulated;
-        the end of each backward is signalled by the root module's output
-        (its gradient is the first computed), so every rank finishes every
+    def _hook_root_for_backward(self):
+        """Stage 2: a backward begins at the root module's output (its
+        gradient is the first computed), so every rank finishes every
         backward, even one whose backward reaches none of its trainable
-        parameters (it then reduces zeros: the collectives stay matched)."""
-        self._backward_armed = False
-        for fg in self.groups:
-            self._on_each_grad(fg, _stage2_grad_ready)
+        parameters (it then reduces zeros: the collectives stay matched);
+        a backward that raised is abandoned at the next forward. (Stage 3's
+        schedule hooks every module, the root among them.)"""
         me = weakref.ref(self)
         self._hooks.append(self.module.register_forward_pre_hook(ModuleHook(
             lambda _m, _a: call_alive(me, Engine._abandon_unfinished_backward))))
@@ -320,35 +324,12 @@ class Engine(DeepSpeedQueries, nn.Module):
             lambda _m, _a, output: call_alive(me, Engine._watch_root_output, output))))
 
     def _watch_root_output(self, output):
-        if torch.is_grad_enabled():
-            tensors = [t for t in tensors_in(output) if t.requires_grad and t.grad_fn is not None]
-            if tensors:
-                me = weakref.ref(self)
-                register_multi_grad_hook(
-                    tensors, lambda _grad: call_alive(me, Engine._arm_backward_end),
-                    mode="any")
-
-    def _arm_backward_end(self):
-        if not self._backward_armed:
-            self._backward_armed = True
-            # runs when the autograd engine is done with the whole graph
-            torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
-
-    def _end_backward(self):
-        self._backward_armed = False
-        for fg in self.groups:
-            fg.finish_backward()
+        self._backward.watch_output(output)
 
     def _abandon_unfinished_backward(self):
-        """A backward that raised never reached _end_backward: drop what it
-        left (stage 2; stage 3's schedule does the same for itself)."""
-        if self._schedule is not None:
-            self._schedule.abandon_if_unfinished()
-        elif self.stage == 2 and torch._C._current_graph_task_id() == -1 and \
-                (self._backward_armed or any(fg.backward_started for fg in self.groups)):
-            for fg in self.groups:
-                fg.abandon_backward()
-            self._backward_armed = False
+        """A backward that raised never reached its end: drop what it left."""
+        if self._backward is not None:
+            self._backward.abandon_if_unfinished()
 
     def _on_each_grad(self, fg, body):
         """body(engine, fg, i) once parameter i of fg has its gradient
@@ -497,7 +478,7 @@ class Engine(DeepSpeedQueries, nn.Module):
         """Micro-steps inside do not count toward the accumulation boundary:
         gradients accumulate locally and engine.step() does nothing. Stages
         2 and 3 reduce every backward, so they refuse (as DeepSpeed does)."""
-        if self.stage >= 2:
+        if self.policy.reduces_in_backward:
             raise RuntimeError(f"no_sync() cannot be used with stage {self.stage}: its "
                                "gradients are reduced during every backward")
         self._in_no_sync = True
@@ -511,18 +492,18 @@ class Engine(DeepSpeedQueries, nn.Module):
         if self._prepared is not None:
             return self._prepared
         for fg in self.groups:
-            if fg.stage <= 1:
+            if not self.policy.reduces_in_backward:
                 fg.gather_stray_grads()
                 fg.reduce_full()
             elif not fg.reduced_since_step:
                 # No backward reached this rank's hooks since the last step:
                 # still issue the collectives the other ranks issue (this
                 # covers one backward per step; see docs/engine.md).
-                fg.finish_backward()
+                fg.reducer.finish_backward()
             fg.reduced_since_step = False
             fg.reduce_across_replicas()
         sumsq = self.step_path.squared_norm(self.groups, self._comm,
-                                            across_ranks=self.stage != 0)
+                                            across_ranks=self.policy.partitions)
         base = 1.0 / (self.loss_scale * self._comm.dp_world *
                       self.config.gradient_accumulation_steps)
         # a NaN gradient gives a NaN norm, as torch's clip_grad_norm_ does
@@ -873,14 +854,9 @@ def _accumulate_grad(_engine, fg, i):
     fg.accumulate_grad(i)
 
 
-def _stage3_grad_ready(engine, fg, i):
-    engine._schedule.begin_backward()  # a backward that reached no module output
-    fg.on_grad_ready(i)
-
-
-def _stage2_grad_ready(engine, fg, i):
-    engine._arm_backward_end()  # a backward that did not start at the root's output
-    fg.on_grad_ready(i)
+def _grad_ready(engine, fg, i):
+    engine._backward.begin()  # a backward that reached no module output
+    fg.reducer.on_grad_ready(i)
 
 
 def _broadcast_buffer(comm, name, buf, kind="buffer"):

@@ -20,47 +20,18 @@ data-parallel ranks: the single sharding mechanism of every stage.
   accumulation boundary; stages 2-3 keep only the owned chunks (`grad_part`)
   and reduce fixed buckets from post-accumulate-grad hooks while backward
   runs.
-- Buckets are fixed ranges of units, numbered from the last unit's end (the
-  order backward produces gradients) and always reduced in that order, so
-  every rank issues the same collectives in the same order even when some
-  parameters get no gradient on some rank (their part of a bucket is zero).
-- [Note: rank-local gradients] A bucket leaves when its expected gradients
-  are in ([Note: expected gradients]), which is rank-local: a parameter used
-  on one rank only (a data-dependent branch) has its bucket leave
-  mid-backward there and at the end of backward on the other. So
-  - each group reduces on a channel of its own ([Note: reduction channels]
-    in _comm.py), apart from the other groups' buckets and stage 3's
-    all-gathers: only the order of a group's own buckets must match, and it
-    is fixed;
-  - a parameter that got a gradient on some ranks but not all is never
-    expected again, so the ranks launch their buckets at the same points
-    once more;
-  - until then a rank must not wait long for a bucket: its peer may be
-    waiting for this rank's next all-gather, or another group's bucket.
-    Backward keeps MAX_IN_FLIGHT buckets in flight and waits for the oldest
-    beyond that, but at most STALL_SECONDS; then it stops waiting for the
-    rest of that backward (more buckets held, never a hang). Waiting
-    matters: without it, on gloo, the whole gradient would sit in buckets
-    (the memory figures' `buckets` counts them).
+  The buckets: _buckets.py.
 """
 from __future__ import annotations
 
 import os
-import time
 
 import torch
 
 import zero._C as _C
 from zero.sharding._partitioned_init import take_values
+from zero.sharding._buckets import BucketReducer
 from zero.sharding._units import Unit, lay_out
-
-# Buckets whose reduction may still be running while backward fills the
-# next: two let communication overlap computation without holding more.
-MAX_IN_FLIGHT = 2
-# the longest backward waits for a bucket before it stops waiting for the
-# rest of that backward ([Note: rank-local gradients]); far above a
-# bucket's reduction time (25 MB at 1 GB/s: 25 ms)
-STALL_SECONDS = 1.0
 
 # how far around a faulting page Linux maps a file's pages in (its default
 # fault_around_bytes)
@@ -72,10 +43,11 @@ STAGING_CHUNK = 1 << 22  # elements a staged step moves between device and host 
 
 
 class FlatGroup:
-    def __init__(self, index, params, names, compute_dtype, comm, stage, bucket_elements,
+    def __init__(self, index, params, names, compute_dtype, comm, policy, bucket_elements,
                  units=None, trainable=True, device=torch.device("cpu"), grad_dtype=None,
                  offload=None, staged=False, reduce_comm=None, param_files=None):
-        """units: lists of indices into params, one list per unit (stage 3);
+        """policy: the stage's StagePolicy (_policy.py).
+        units: lists of indices into params, one list per unit (stage 3);
         None makes the whole group one unit. The params are reordered unit
         by unit. trainable=False (stage 3's frozen parameters) keeps no
         master, gradients or optimizer states. Every buffer lives on
@@ -99,7 +71,7 @@ class FlatGroup:
         self.names = [names[i] for i in order]
         self.comm = comm
         self.reduce_comm = reduce_comm or comm
-        self.stage = stage
+        self.policy = policy
         self.trainable = trainable
         self.compute_dtype = compute_dtype
         self.device = device
@@ -107,9 +79,9 @@ class FlatGroup:
         self.state_device = torch.device("cpu") if staged else device
         self.offload = offload if trainable else None
         self.param_files = param_files
-        self.num_partitions = 1 if stage == 0 else comm.world
+        self.num_partitions = comm.world if policy.partitions else 1
         self.numel = sum(p.numel() for p in self.params)  # Ψ of this group
-        self.owner = 0 if stage == 0 else comm.rank
+        self.owner = comm.rank if policy.partitions else 0
         self.units: list[Unit] = lay_out(self.params, [len(m) for m in units],
                                          self.num_partitions)
         self.unit_of = []      # param index -> its unit
@@ -127,9 +99,10 @@ class FlatGroup:
         self.step_count = 0
         self.reduced_since_step = False
         self.accumulate_by_hook = False
+        self.reducer = None  # stages 2-3: the buckets reduced from hooks
         if not trainable:
             return
-        if stage <= 1:
+        if not policy.partitions_grads:
             grad_dtype = grad_dtype or compute_dtype
             self.grad_flat = torch.zeros(self.units[0].total, dtype=grad_dtype, device=device)
             lo = self.owner * self.units[0].part
@@ -142,7 +115,7 @@ class FlatGroup:
             self.grad_flat = None
             self.grad_part = torch.zeros(self.part_size, dtype=grad_dtype or compute_dtype,
                                          device=device)
-            self._plan_buckets(bucket_elements)
+            self.reducer = BucketReducer(self, bucket_elements)
         self.tensors["grad"] = self.grad_part
         self._register("grad", self.grad_part)
         if self.staged:
@@ -160,7 +133,7 @@ class FlatGroup:
         rank 0, one unit at a time, so no rank holds more than the model
         itself plus one unit in fp32."""
         fp32 = compute_dtype == torch.float32
-        releasing = self.stage == 3
+        releasing = self.policy.partitions_params
         # the master is the parameters themselves only in fp32 with both on
         # one device; an offloaded master is written straight into its
         # file, so RAM never holds a second copy of this rank's partition
@@ -333,7 +306,7 @@ class FlatGroup:
 
     def reduce_full(self):
         """Stages 0-1, at the boundary: sum the gradients over ranks."""
-        if self.stage == 0:
+        if not self.policy.partitions:
             self.comm.all_reduce_sum(self.grad_flat)
         else:
             unit = self.units[0]
@@ -350,225 +323,15 @@ class FlatGroup:
         if replicate is not None and replicate.world > 1:
             replicate.all_reduce_sum(self.grad_part)
 
-    # ---- stages 2-3: bucketed reduction from hooks ----------------------------
-
-    def _plan_buckets(self, bucket_elements):
-        self.buckets = []  # (unit, start, end) in unit coordinates; 0 = last
-        for unit in reversed(self.units):
-            end = unit.span
-            while end > 0:
-                start = max(0, end - bucket_elements)
-                self.buckets.append((unit, start, end))
-                end = start
-        # which buckets each parameter touches
-        self.param_buckets = [[] for _ in self.params]
-        for b, (unit, bs, be) in enumerate(self.buckets):
-            for j, i in enumerate(unit.members):
-                lo = unit.offsets[j]
-                if lo < be and bs < lo + unit.numels[j]:
-                    self.param_buckets[i].append(b)
-        self.on_unit_grads_done = None  # stage 3 releases the unit then
-        # [Note: expected gradients] A bucket leaves once every parameter
-        # *expected* to get a gradient has one. At first all are expected;
-        # after each backward, those that got one on some rank (agreed by a
-        # small all-reduce, so every rank expects the same). A parameter
-        # unused on a step (a pooler under masked-LM training) then does
-        # not hold back every bucket after it until the end of backward.
-        self.expected = bytearray(b"\x01" * len(self.params))
-        self.never_expected = ()  # see never_expect
-        self.reset_buckets()
-        self.in_flight = []
-        self.peak_bucket_bytes = 0
-
-    def never_expect(self, indices):
-        """Parameters whose gradients come or not depending on the rank's
-        data (stage 3 leaf modules: the experts of a mixture). No bucket
-        waits for them, so every rank launches its reductions at the same
-        points of the backward, whichever experts its tokens chose; their
-        gradients join the bucket while it is open, else a late one."""
-        self.never_expected = tuple(indices)
-        for i in self.never_expected:
-            self.expected[i] = 0
-        self.reset_buckets()
-
-    def reset_buckets(self):
-        self.pending = [0] * len(self.buckets)
-        for i, buckets in enumerate(self.param_buckets):
-            if self.expected[i]:
-                for b in buckets:
-                    self.pending[b] += 1
-        # A unit goes once all its parameters have their gradients. One with
-        # a parameter that got none last time (not expected) waits for the
-        # end of the backward instead: autograd may still read that
-        # parameter after the others' gradients are in, and not every read
-        # goes through stage 3's saved-tensor hook (activation
-        # checkpointing keeps its own).
-        self.unit_pending = [len(u.members) if all(self.expected[i] for i in u.members)
-                             else None for u in self.units]
-        self.staging = [None] * len(self.buckets)
-        self.next_bucket = 0
-        self.fired = bytearray(len(self.params))  # got a gradient this backward
-        self.late = {}  # bucket -> gradients that came after it was launched
-        self.stalled = False  # see _wait_a_while
-
-    def _staging(self, b):
-        if self.staging[b] is None:
-            _unit, bs, be = self.buckets[b]
-            self.staging[b] = self._bucket_buffer(be - bs)
-            live = sum(s.numel() for s in self.staging if s is not None) + \
-                sum(f[1].numel() for f in self.in_flight)
-            self.peak_bucket_bytes = max(self.peak_bucket_bytes,
-                                         live * self.compute_dtype.itemsize)
-        return self.staging[b]
-
-    def _bucket_buffer(self, n):
-        # in the compute dtype, whatever the partition accumulates in:
-        # what travels is what backward produced
-        return torch.zeros(n, dtype=self.compute_dtype, device=self.device)
-
-    def on_grad_ready(self, i):
-        """Post-accumulate-grad hook body for parameter i (stages 2-3)."""
-        p = self.params[i]
-        g = p.grad.reshape(-1)
-        unit = self.unit_of[i]
-        lo = unit.offsets[i - unit.members.start]
-        # A parameter's gradient can be accumulated more than once in one
-        # backward (reentrant activation checkpointing runs a nested backward
-        # per checkpointed call): later parts add into the bucket, or, once
-        # the bucket has left, into a late bucket reduced at the end.
-        first = not self.fired[i]
-        self.fired[i] = 1
-        for b in self.param_buckets[i]:
-            _unit, bs, be = self.buckets[b]
-            s, e = max(lo, bs), min(lo + g.numel(), be)
-            if b < self.next_bucket:
-                target = self.late.get(b)
-                if target is None:
-                    target = self.late[b] = self._bucket_buffer(be - bs)
-            else:
-                target = self._staging(b)
-            target[s - bs:e - bs].add_(g[s - lo:e - lo])
-            if first and self.expected[i]:
-                self.pending[b] -= 1
-                # launch as soon as a bucket fills, so a parameter spanning
-                # many buckets never holds them all at once
-                self._launch_ready(force=False)
-        p.grad = None
-        if first and self.unit_pending[unit.index] is not None:
-            self.unit_pending[unit.index] -= 1
-            if self.unit_pending[unit.index] == 0 and self.on_unit_grads_done is not None:
-                self.on_unit_grads_done(unit)
-
-    def _launch_ready(self, force):
-        while self.next_bucket < len(self.buckets) and \
-                (force or self.pending[self.next_bucket] == 0):
-            self._launch(self.next_bucket)
-            self.next_bucket += 1
-
-    def _launch(self, b, late=None):
-        unit, bs, be = self.buckets[b]
-        staging = self._staging(b) if late is None else late
-        works, mine = [], None
-        r = bs // unit.part
-        while r * unit.part < be:
-            lo, hi = max(bs, r * unit.part), min(be, (r + 1) * unit.part)
-            portion = staging[lo - bs:hi - bs]
-            works.append(self.reduce_comm.reduce_sum(portion, dst=r, async_op=True))
-            if r == self.comm.rank:
-                mine = (portion, unit.shard_offset + lo - r * unit.part)
-            r += 1
-        if late is None:
-            self.staging[b] = None
-        self.in_flight.append((works, staging, mine))
-        self._retire(wait=False)
-
-    def _retire(self, wait):
-        """Add this rank's reduced portions of the buckets in flight into its
-        gradient partition, oldest first (the same order every time, so the
-        same bits); their staging memory is then free. All of them when
-        `wait`; else the complete ones, waiting (a while: [Note: rank-local
-        gradients]) only while more than MAX_IN_FLIGHT are left."""
-        while self.in_flight:
-            works, _staging, mine = self.in_flight[0]
-            if not wait and not _complete(works) and \
-                    (len(self.in_flight) <= MAX_IN_FLIGHT or not self._wait_a_while(works)):
-                return
-            self.in_flight.pop(0)
-            for w in works:
-                if w is not None:
-                    w.wait()
-            if mine is not None:
-                portion, off = mine
-                self.grad_part[off:off + portion.numel()].add_(portion)
-
-    def _wait_a_while(self, works) -> bool:
-        """True once `works` are complete; False after STALL_SECONDS, and
-        from then on until this backward ends."""
-        if self.stalled:
-            return False
-        deadline = time.monotonic() + STALL_SECONDS
-        pause = 1e-5
-        while not _complete(works):
-            if time.monotonic() > deadline:
-                self.stalled = True
-                return False
-            time.sleep(pause)
-            pause = min(2 * pause, 1e-3)
-        return True
-
-    def finish_backward(self):
-        """End of a backward: reduce what is left, in order; agree with the
-        other ranks on which parameters got gradients and which buckets got
-        late gradients; reduce the late buckets (zeros where this rank has
-        none), in order; collect."""
-        self._launch_ready(force=True)
-        flags = list(self.fired) + [int(b in self.late) for b in range(len(self.buckets))]
-        if self.comm.world > 1:
-            # host numbers: on the CPU (gloo) where the group allows, so
-            # reading them back does not wait for the GPU
-            flags = torch.tensor(flags, dtype=torch.int32, device=self.comm.scalar_device)
-            self.comm.all_reduce_sum(flags)
-            flags = flags.tolist()
-        for b in range(len(self.buckets)):
-            if flags[len(self.params) + b]:
-                late = self.late.get(b)
-                if late is None:
-                    _unit, bs, be = self.buckets[b]
-                    late = self._bucket_buffer(be - bs)
-                self._launch(b, late)
-        self._retire(wait=True)
-        counts = flags[:len(self.params)]
-        world = self.comm.world
-        rank_local = [i for i, n in enumerate(counts) if 0 < n < world]
-        if rank_local:  # [Note: rank-local gradients]
-            self.never_expected = tuple(sorted(set(self.never_expected) | set(rank_local)))
-        self.expected = bytearray(1 if n else 0 for n in counts)
-        for i in self.never_expected:
-            self.expected[i] = 0
-        self.reset_buckets()
-        self.reduced_since_step = True
-
-    def abandon_backward(self):
-        """Forget a backward that raised: wait for the reductions already
-        issued (a collective cannot be taken back) and drop the rest."""
-        self._retire(wait=True)
-        self.reset_buckets()
-
-    @property
-    def backward_started(self):
-        return self.next_bucket > 0 or any(self.fired)
-
-    # ---- after the step ------------------------------------------------------
-
     def all_gather_params(self):
         """Refresh the gathered units from the updated shard (stages 1-2:
         the whole group; stage 3: the persistent units)."""
-        if self.num_partitions == 1 and self.stage != 3:
+        if self.num_partitions == 1 and not self.policy.partitions_params:
             return
         for unit in self.units:
             if unit.gathered:
                 mine = self.shard[unit.shard_slice]
-                if self.stage != 3 and mine.device.type != "cpu":
+                if not self.policy.partitions_params and mine.device.type != "cpu":
                     # it aliases unit.full, which NCCL's all-gather may not
                     # read from; gloo's broadcasts leave it in place
                     mine = mine.clone()
@@ -631,13 +394,13 @@ class FlatGroup:
         gathered = sum(u.total for u in self.units if u.gathered and u.persistent) * item
         # an offloaded shard ([Note: shard on a disk]) is counted apart
         params_offloaded = self.shard.nbytes if self.param_files is not None else 0
-        if self.stage != 3:
+        if not self.policy.partitions_params:
             params = gathered
         else:
             params = self.shard.nbytes - params_offloaded + gathered
         if not self.trainable:
             return {"params": params, "grads": 0, "optimizer_states": 0, "offloaded": 0,
-                    "host": 0, "buckets": 0, "persistent": gathered if self.stage == 3 else 0,
+                    "host": 0, "buckets": 0, "persistent": gathered if self.policy.partitions_params else 0,
                     "params_offloaded": params_offloaded}
         master = 0 if self.master is self.shard else self.master.nbytes
         states = master + sum(t.nbytes for t in self.states.values())
@@ -656,14 +419,11 @@ class FlatGroup:
             "optimizer_states": states,
             "offloaded": offloaded,
             "host": host,
-            "buckets": getattr(self, "peak_bucket_bytes", 0),
-            "persistent": gathered if self.stage == 3 else 0,
+            "buckets": self.reducer.peak_bucket_bytes if self.reducer is not None else 0,
+            "persistent": gathered if self.policy.partitions_params else 0,
             "params_offloaded": params_offloaded,
         }
 
-
-def _complete(works) -> bool:
-    return all(w is None or w.is_completed() for w in works)
 
 
 def gather_in_slices(comm, out, mine, n, slice_elements):

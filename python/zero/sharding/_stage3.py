@@ -55,15 +55,20 @@ _HASH_MOD = (1 << 61) - 1
 
 
 class Stage3Schedule:
-    def __init__(self, root, groups, comm, config):
+    def __init__(self, root, groups, comm, config, backward):
         self.comm = comm
+        # [Note: backward lifecycle] in _backward.py: the engine's, with
+        # this schedule's own start, end and reset added
+        self.backward = backward
+        backward.after_begin.append(lambda: self._start_pass("backward"))
+        backward.after_end.append(self._after_backward)
+        backward.after_abandon.append(self._reset_after_abandon)
         self.groups = groups
         self.max_prefetch = int(config.stage3_prefetch_bucket_size)
         self.max_live = int(config.stage3_max_live_parameters)
         self.live = 0        # elements of non-persistent units gathered or in flight
         self.peak_live = 0
         self.counts = {"prefetched": 0, "on_demand": 0}  # gathers since the last step
-        self.in_backward = False
         self.phase = None
         self.recorded = {"forward": None, "backward": None}
         self.current, self.pos, self.diverged = [], 0, True
@@ -82,7 +87,7 @@ class Stage3Schedule:
                     unit.persistent = True
                     self._gather(fg, unit, async_op=False)
             if fg.trainable:
-                fg.on_unit_grads_done = self._grads_done
+                fg.reducer.on_unit_grads_done = self._grads_done
         self.place = place
         # persistent units too: their saved tensors get the version check
         self.unit_by_storage = {storage_key(unit.full): (fg, unit) for fg in groups
@@ -144,7 +149,7 @@ class Stage3Schedule:
             if fg.trainable:
                 by_group.setdefault(id(fg), (fg, []))[1].extend(unit.members)
         for fg, members in by_group.values():
-            fg.never_expect(sorted(set(fg.never_expected) | set(members)))
+            fg.reducer.never_expect(sorted(set(fg.reducer.never_expected) | set(members)))
 
     def _hook_module(self, module, needed):
         self.units_of[module] = needed
@@ -525,17 +530,15 @@ class Stage3Schedule:
         from parameters in zero.GatheredParameters), a saved parameter
         unpacked or a gradient accumulated. Its end then reduces what is
         left and releases what it gathered, as stage 2's does."""
-        if not self.in_backward and torch._C._current_graph_task_id() != -1:
-            self.in_backward = True
-            self._start_pass("backward")
-            torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
+        self.backward.begin()
 
-    def _finish_backward(self):
-        for fg in self.groups:
-            if fg.trainable:
-                fg.finish_backward()
+    @property
+    def in_backward(self) -> bool:
+        return self.backward.running
+
+    def _after_backward(self):
+        """The end of a backward, once the buckets are reduced."""
         self.release_all()
-        self.in_backward = False
         try:
             self._check_same_gathers()
         finally:
@@ -564,18 +567,13 @@ class Stage3Schedule:
                 unit.active = 0
 
     def abandon_if_unfinished(self):
-        if self.in_backward and torch._C._current_graph_task_id() == -1:
-            self._abandon_backward()
+        self.backward.abandon_if_unfinished()
 
-    def _abandon_backward(self):
-        """A backward that raised never reached its end callback: drop its
-        unreduced gradients (what was already reduced stays, as a failed
-        torch backward leaves partial .grad: call engine.zero_grad()) and
-        its gathered units, so the next pass starts clean."""
-        for fg in self.groups:
-            if fg.trainable:
-                fg.abandon_backward()
-        self.in_backward = False
+    def _reset_after_abandon(self):
+        """A backward that raised never reached its end callback: once its
+        buckets are dropped (what was already reduced stays, as a failed
+        torch backward leaves partial .grad: call engine.zero_grad()),
+        release its gathered units, so the next pass starts clean."""
         self.phase = None
         for fg in self.groups:
             for unit in fg.units:

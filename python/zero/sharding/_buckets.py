@@ -1,0 +1,260 @@
+"""The bucket reducer of a flat group at stages 2-3: which bucket each
+gradient lands in, when a bucket leaves, and how its reduced portion comes
+back into this rank's gradient partition.
+
+- Buckets are fixed ranges of units, numbered from the last unit's end (the
+  order backward produces gradients) and always reduced in that order, so
+  every rank issues the same collectives in the same order even when some
+  parameters get no gradient on some rank (their part of a bucket is zero).
+- [Note: rank-local gradients] A bucket leaves when its expected gradients
+  are in ([Note: expected gradients]), which is rank-local: a parameter used
+  on one rank only (a data-dependent branch) has its bucket leave
+  mid-backward there and at the end of backward on the other. So
+  - each group reduces on a channel of its own ([Note: reduction channels]
+    in _comm.py), apart from the other groups' buckets and stage 3's
+    all-gathers: only the order of a group's own buckets must match, and it
+    is fixed;
+  - a parameter that got a gradient on some ranks but not all is never
+    expected again, so the ranks launch their buckets at the same points
+    once more;
+  - until then a rank must not wait long for a bucket: its peer may be
+    waiting for this rank's next all-gather, or another group's bucket.
+    Backward keeps MAX_IN_FLIGHT buckets in flight and waits for the oldest
+    beyond that, but at most STALL_SECONDS; then it stops waiting for the
+    rest of that backward (more buckets held, never a hang). Waiting
+    matters: without it, on gloo, the whole gradient would sit in buckets
+    (the memory figures' `buckets` counts them).
+"""
+from __future__ import annotations
+
+import time
+
+import torch
+
+# Buckets whose reduction may still be running while backward fills the
+# next: two let communication overlap computation without holding more.
+MAX_IN_FLIGHT = 2
+# the longest backward waits for a bucket before it stops waiting for the
+# rest of that backward ([Note: rank-local gradients]); far above a
+# bucket's reduction time (25 MB at 1 GB/s: 25 ms)
+STALL_SECONDS = 1.0
+
+
+class BucketReducer:
+    """The gradient buckets of one flat group (stages 2-3): filled from the
+    post-accumulate-grad hooks as backward produces gradients, reduced to
+    their owners as they fill, and collected into the group's gradient
+    partition (fg.grad_part)."""
+
+    def __init__(self, fg, bucket_elements):
+        self.fg = fg
+        self.buckets = []  # (unit, start, end) in unit coordinates; 0 = last
+        for unit in reversed(self.fg.units):
+            end = unit.span
+            while end > 0:
+                start = max(0, end - bucket_elements)
+                self.buckets.append((unit, start, end))
+                end = start
+        # which buckets each parameter touches
+        self.param_buckets = [[] for _ in self.fg.params]
+        for b, (unit, bs, be) in enumerate(self.buckets):
+            for j, i in enumerate(unit.members):
+                lo = unit.offsets[j]
+                if lo < be and bs < lo + unit.numels[j]:
+                    self.param_buckets[i].append(b)
+        self.on_unit_grads_done = None  # stage 3 releases the unit then
+        # [Note: expected gradients] A bucket leaves once every parameter
+        # *expected* to get a gradient has one. At first all are expected;
+        # after each backward, those that got one on some rank (agreed by a
+        # small all-reduce, so every rank expects the same). A parameter
+        # unused on a step (a pooler under masked-LM training) then does
+        # not hold back every bucket after it until the end of backward.
+        self.expected = bytearray(b"\x01" * len(self.fg.params))
+        self.never_expected = ()  # see never_expect
+        self.reset_buckets()
+        self.in_flight = []
+        self.peak_bucket_bytes = 0
+
+    def never_expect(self, indices):
+        """Parameters whose gradients come or not depending on the rank's
+        data (stage 3 leaf modules: the experts of a mixture). No bucket
+        waits for them, so every rank launches its reductions at the same
+        points of the backward, whichever experts its tokens chose; their
+        gradients join the bucket while it is open, else a late one."""
+        self.never_expected = tuple(indices)
+        for i in self.never_expected:
+            self.expected[i] = 0
+        self.reset_buckets()
+
+    def reset_buckets(self):
+        self.pending = [0] * len(self.buckets)
+        for i, buckets in enumerate(self.param_buckets):
+            if self.expected[i]:
+                for b in buckets:
+                    self.pending[b] += 1
+        # A unit goes once all its parameters have their gradients. One with
+        # a parameter that got none last time (not expected) waits for the
+        # end of the backward instead: autograd may still read that
+        # parameter after the others' gradients are in, and not every read
+        # goes through stage 3's saved-tensor hook (activation
+        # checkpointing keeps its own).
+        self.unit_pending = [len(u.members) if all(self.expected[i] for i in u.members)
+                             else None for u in self.fg.units]
+        self.staging = [None] * len(self.buckets)
+        self.next_bucket = 0
+        self.fired = bytearray(len(self.fg.params))  # got a gradient this backward
+        self.late = {}  # bucket -> gradients that came after it was launched
+        self.stalled = False  # see _wait_a_while
+
+    def _staging(self, b):
+        if self.staging[b] is None:
+            _unit, bs, be = self.buckets[b]
+            self.staging[b] = self._bucket_buffer(be - bs)
+            live = sum(s.numel() for s in self.staging if s is not None) + \
+                sum(f[1].numel() for f in self.in_flight)
+            self.peak_bucket_bytes = max(self.peak_bucket_bytes,
+                                         live * self.fg.compute_dtype.itemsize)
+        return self.staging[b]
+
+    def _bucket_buffer(self, n):
+        # in the compute dtype, whatever the partition accumulates in:
+        # what travels is what backward produced
+        return torch.zeros(n, dtype=self.fg.compute_dtype, device=self.fg.device)
+
+    def on_grad_ready(self, i):
+        """Post-accumulate-grad hook body for parameter i (stages 2-3)."""
+        p = self.fg.params[i]
+        g = p.grad.reshape(-1)
+        unit = self.fg.unit_of[i]
+        lo = unit.offsets[i - unit.members.start]
+        # A parameter's gradient can be accumulated more than once in one
+        # backward (reentrant activation checkpointing runs a nested backward
+        # per checkpointed call): later parts add into the bucket, or, once
+        # the bucket has left, into a late bucket reduced at the end.
+        first = not self.fired[i]
+        self.fired[i] = 1
+        for b in self.param_buckets[i]:
+            _unit, bs, be = self.buckets[b]
+            s, e = max(lo, bs), min(lo + g.numel(), be)
+            if b < self.next_bucket:
+                target = self.late.get(b)
+                if target is None:
+                    target = self.late[b] = self._bucket_buffer(be - bs)
+            else:
+                target = self._staging(b)
+            target[s - bs:e - bs].add_(g[s - lo:e - lo])
+            if first and self.expected[i]:
+                self.pending[b] -= 1
+                # launch as soon as a bucket fills, so a parameter spanning
+                # many buckets never holds them all at once
+                self._launch_ready(force=False)
+        p.grad = None
+        if first and self.unit_pending[unit.index] is not None:
+            self.unit_pending[unit.index] -= 1
+            if self.unit_pending[unit.index] == 0 and self.on_unit_grads_done is not None:
+                self.on_unit_grads_done(unit)
+
+    def _launch_ready(self, force):
+        while self.next_bucket < len(self.buckets) and \
+                (force or self.pending[self.next_bucket] == 0):
+            self._launch(self.next_bucket)
+            self.next_bucket += 1
+
+    def _launch(self, b, late=None):
+        unit, bs, be = self.buckets[b]
+        staging = self._staging(b) if late is None else late
+        works, mine = [], None
+        r = bs // unit.part
+        while r * unit.part < be:
+            lo, hi = max(bs, r * unit.part), min(be, (r + 1) * unit.part)
+            portion = staging[lo - bs:hi - bs]
+            works.append(self.fg.reduce_comm.reduce_sum(portion, dst=r, async_op=True))
+            if r == self.fg.comm.rank:
+                mine = (portion, unit.shard_offset + lo - r * unit.part)
+            r += 1
+        if late is None:
+            self.staging[b] = None
+        self.in_flight.append((works, staging, mine))
+        self._retire(wait=False)
+
+    def _retire(self, wait):
+        """Add this rank's reduced portions of the buckets in flight into its
+        gradient partition, oldest first (the same order every time, so the
+        same bits); their staging memory is then free. All of them when
+        `wait`; else the complete ones, waiting (a while: [Note: rank-local
+        gradients]) only while more than MAX_IN_FLIGHT are left."""
+        while self.in_flight:
+            works, _staging, mine = self.in_flight[0]
+            if not wait and not _complete(works) and \
+                    (len(self.in_flight) <= MAX_IN_FLIGHT or not self._wait_a_while(works)):
+                return
+            self.in_flight.pop(0)
+            for w in works:
+                if w is not None:
+                    w.wait()
+            if mine is not None:
+                portion, off = mine
+                self.fg.grad_part[off:off + portion.numel()].add_(portion)
+
+    def _wait_a_while(self, works) -> bool:
+        """True once `works` are complete; False after STALL_SECONDS, and
+        from then on until this backward ends."""
+        if self.stalled:
+            return False
+        deadline = time.monotonic() + STALL_SECONDS
+        pause = 1e-5
+        while not _complete(works):
+            if time.monotonic() > deadline:
+                self.stalled = True
+                return False
+            time.sleep(pause)
+            pause = min(2 * pause, 1e-3)
+        return True
+
+    def finish_backward(self):
+        """End of a backward: reduce what is left, in order; agree with the
+        other ranks on which parameters got gradients and which buckets got
+        late gradients; reduce the late buckets (zeros where this rank has
+        none), in order; collect."""
+        self._launch_ready(force=True)
+        flags = list(self.fired) + [int(b in self.late) for b in range(len(self.buckets))]
+        if self.fg.comm.world > 1:
+            # host numbers: on the CPU (gloo) where the group allows, so
+            # reading them back does not wait for the GPU
+            flags = torch.tensor(flags, dtype=torch.int32, device=self.fg.comm.scalar_device)
+            self.fg.comm.all_reduce_sum(flags)
+            flags = flags.tolist()
+        for b in range(len(self.buckets)):
+            if flags[len(self.fg.params) + b]:
+                late = self.late.get(b)
+                if late is None:
+                    _unit, bs, be = self.buckets[b]
+                    late = self._bucket_buffer(be - bs)
+                self._launch(b, late)
+        self._retire(wait=True)
+        counts = flags[:len(self.fg.params)]
+        world = self.fg.comm.world
+        rank_local = [i for i, n in enumerate(counts) if 0 < n < world]
+        if rank_local:  # [Note: rank-local gradients]
+            self.never_expected = tuple(sorted(set(self.never_expected) | set(rank_local)))
+        self.expected = bytearray(1 if n else 0 for n in counts)
+        for i in self.never_expected:
+            self.expected[i] = 0
+        self.reset_buckets()
+        self.fg.reduced_since_step = True
+
+    def abandon_backward(self):
+        """Forget a backward that raised: wait for the reductions already
+        issued (a collective cannot be taken back) and drop the rest."""
+        self._retire(wait=True)
+        self.reset_buckets()
+
+    @property
+    def backward_started(self):
+        return self.next_bucket > 0 or any(self.fired)
+
+    # ---- after the step ------------------------------------------------------
+
+
+def _complete(works) -> bool:
+    return all(w is None or w.is_completed() for w in works)
