@@ -2,9 +2,11 @@
  * Python.h) share: the module state, the Buffer that holds a DLPack tensor,
  * and the argument checks that name the argument in their messages.
  *
- * module_buffer.c defines the Buffer and the common checks,
- * module_cuda_args.c the CUDA functions' tensor arguments; module.c binds
- * the CPU core, module_cuda.c the CUDA kernels. Functions that can fail
+ * module_buffer.c defines the Buffer and the common checks, module_args.c
+ * the table-driven keyword parsing every function uses, module_cuda_args.c
+ * the CUDA functions' tensor arguments; module.c binds the CPU core and
+ * holds the module, module_optim.c the CPU optimizers, module_cuda.c the
+ * CUDA kernels. Functions that can fail
  * return 0 / a new reference on success and -1 / NULL with a Python
  * exception set.
  */
@@ -14,8 +16,8 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 
-#include <float.h>
 #include <limits.h>
+#include <stddef.h>
 
 #include "dlpack_abi.h"
 #include "zero.h"
@@ -58,6 +60,7 @@ typedef struct {
     const char *name;
     Buffer *buf;
     int written;
+    int optional;          /* None (or not given) leaves buf NULL */
 } named_buffer;
 
 /* float32 unless allow_half (then any of float32, bfloat16, float16). */
@@ -65,20 +68,113 @@ int check_dtype(const named_buffer *b, int allow_half);
 /* Sizes equal, written buffers writable, and no two buffers overlapping. */
 int check_together(const named_buffer *bufs, int count);
 void release_buffers(named_buffer *bufs, int count);
-/* Convert the objects (NULL or None: absent) to CPU Buffers. */
+/* Convert the objects to CPU Buffers; NULL or None leaves an optional one
+ * absent. */
 int collect_buffers(PyObject *module, named_buffer *bufs, PyObject **objs,
                     int count);
 
-int check_finite(const char *name, double value);
-int check_nonnegative(const char *name, double value);
-int check_beta(const char *name, double value);
+/* ---- keyword arguments from a table (module_args.c) ------------------
+ *
+ * A binding function describes its arguments once, as a table of arg_spec
+ * rows in the order of its Python signature; parse_args() then does for
+ * every function what each used to spell out: the PyArg format and keyword
+ * list, the defaults, "missing required keyword argument", and the range
+ * checks of numbers, with the same messages everywhere. Values land in the
+ * function's own call struct at each row's offset; a row's name is its
+ * keyword. */
 
-/* Keyword-only arguments without a default start as MISSING: the
- * PyArg_Parse format has no "required keyword-only" mark. */
-#define MISSING (-DBL_MAX)
-#define MISSING_INT LLONG_MIN
+typedef enum {
+    ARG_OBJECT,            /* PyObject *, borrowed; NULL when not given */
+    ARG_TENSOR,            /* the same, a tensor the function takes */
+    ARG_TENSORS,           /* the same, a list or tuple of tensors */
+    ARG_DOUBLE,            /* double ("d") */
+    ARG_BOOL,              /* int ("p") */
+    ARG_INT64              /* int64_t ("L") */
+} arg_kind;
 
-int require(const char *function, const char *name, int missing);
+typedef enum {
+    CHECK_NONE,
+    CHECK_FINITE,          /* "must be finite" */
+    CHECK_NONNEGATIVE,     /* finite and >= 0 */
+    CHECK_BETA,            /* in [0, 1) */
+    CHECK_COUNT,           /* an integer >= 1 (a step count) */
+    CHECK_STREAM           /* an integer >= 0 (a CUstream handle) */
+} arg_check;
+
+/* Flags of a row. The tensor flags are read by the functions that take
+ * the tensors (module_optim.c, module_cuda.c), not by parse_args. */
+enum {
+    ARG_REQUIRED = 1,      /* keyword-only without a default */
+    ARG_WRITTEN = 2,       /* a tensor the call writes */
+    ARG_HALF = 4,          /* a tensor that may be bfloat16 or float16 too */
+    ARG_OPTIONAL = 8,      /* a tensor that may be None: left out */
+    ARG_SCALAR = 16,       /* a tensor of 1 float32 element */
+    ARG_FLOAT32 = 32       /* a tensor of float32 elements */
+};
+
+typedef struct {
+    const char *name;      /* the keyword */
+    arg_kind kind;
+    arg_check check;
+    int flags;
+    double initial;        /* the default, unless ARG_REQUIRED */
+    size_t offset;         /* of the value in the call struct */
+} arg_spec;
+
+/* A row whose value is the member `member` of call struct T. */
+#define ARG(T, member, name, kind, check, flags, initial)                    \
+    {name, kind, check, flags, initial, offsetof(T, member)}
+
+/* The most rows a table may have (adam_step has 17). */
+#define MAX_ROWS 20
+
+typedef struct {
+    const char *function;  /* the Python name, in messages */
+    const arg_spec *args;
+    int count;             /* rows of args */
+    int required;          /* leading rows that are positional, no default */
+    int positional;        /* leading rows that may be given by position */
+    size_t size;           /* of the call struct */
+} signature;
+
+#define ARRAY_SIZE(a) ((int)(sizeof(a) / sizeof((a)[0])))
+
+/* The signature of `function`: the rows `args`, the first `required` of
+ * them positional without a default, the first `positional` positional;
+ * values go into a T. */
+#define SIGNATURE(function, args, required, positional, T)                   \
+    {function, args, ARRAY_SIZE(args), required, positional, sizeof(T)}
+
+/* Zero *call, fill in the defaults, parse args and kwargs into it, then
+ * check the required keywords and the rows' checks (all the float checks in
+ * table order, then the integer ones). */
+int parse_args(const signature *sig, PyObject *args, PyObject *kwargs,
+               void *call);
+
+/* Adam's hyperparameters whose rows adam_step and cuda_adam_step share:
+ * the members of a zero_adam_hparams `hp` in call struct T. */
+#define ADAM_RATES(T, hp)                                                    \
+    ARG(T, hp.lr, "lr", ARG_DOUBLE, CHECK_NONNEGATIVE, ARG_REQUIRED, 0),     \
+    ARG(T, hp.beta1, "beta1", ARG_DOUBLE, CHECK_BETA, ARG_REQUIRED, 0),      \
+    ARG(T, hp.beta2, "beta2", ARG_DOUBLE, CHECK_BETA, ARG_REQUIRED, 0),      \
+    ARG(T, hp.eps, "eps", ARG_DOUBLE, CHECK_NONNEGATIVE, ARG_REQUIRED, 0),   \
+    ARG(T, hp.weight_decay, "weight_decay", ARG_DOUBLE, CHECK_NONNEGATIVE,   \
+        ARG_REQUIRED, 0)
+
+/* zero_C_<name>, a keyword function served by a shared path:
+ * run(module, args, kwargs, &spec). */
+#define KEYWORD_FUNCTION(name, run, spec)                                    \
+    static PyObject *zero_C_##name(PyObject *module, PyObject *args,         \
+                                   PyObject *kwargs)                         \
+    {                                                                        \
+        return run(module, args, kwargs, &spec);                             \
+    }
+
+/* A PyMethodDef of a keyword function zero_C_<name> documented by
+ * <name>_doc. */
+#define KEYWORD_METHOD(name)                                                 \
+    {#name, (PyCFunction)(void (*)(void))zero_C_##name,                      \
+     METH_VARARGS | METH_KEYWORDS, name##_doc}
 
 /* Raise the exception that matches a core status; returns NULL. */
 PyObject *raise_status(zero_status status, const char *what);
@@ -116,9 +212,21 @@ int list_items(PyObject *obj, const char *name, PyObject ***items,
 int take_list(PyObject *module, cuda_arg *args, const char *name,
               PyObject *const *items, Py_ssize_t count, int written,
               int optional, int indexed);
-/* A list argument into set->args[0..count), with `extra` entries after. */
-int take_tensor_list(PyObject *module, arg_set *set, PyObject *list,
-                     const char *name, int written, Py_ssize_t extra);
+/* A cuda_* call's arguments: parse_args() into *call, then the tensors of
+ * its ARG_TENSORS and ARG_TENSOR rows into *t (their flags: ARG_WRITTEN,
+ * ARG_OPTIONAL, and for a single tensor ARG_SCALAR or ARG_FLOAT32, checked
+ * here). The lists' items come first in t->set, list after list in table
+ * order, then the single tensors in table order. */
+typedef struct {
+    arg_set set;
+    Py_ssize_t count;          /* items of each list (1 without lists) */
+    cuda_arg *row[MAX_ROWS];   /* a tensor row's entry, a list row's first;
+                                  NULL for the other rows */
+} cuda_tensors;
+
+/* On failure too, args_free(&t->set) releases what was taken. */
+int parse_cuda_args(PyObject *module, const signature *sig, PyObject *args,
+                    PyObject *kwargs, void *call, cuda_tensors *t);
 
 /* Absent arguments pass these checks. */
 int check_float32(const cuda_arg *a);
@@ -145,7 +253,9 @@ Py_ssize_t extents_of_args(const arg_set *set, const cuda_arg *skip,
                            extent *extents);
 int check_args_no_overlap(const arg_set *set);
 
-/* Register the cuda_* functions (module_cuda.c). */
+/* Register the CPU optimizers (module_optim.c) and the cuda_* functions
+ * (module_cuda.c). */
+int add_optim_functions(PyObject *module);
 int add_cuda_functions(PyObject *module);
 
 #endif /* ZERO_MODULE_H */

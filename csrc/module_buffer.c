@@ -9,7 +9,6 @@
  */
 #include "module.h"
 
-#include <math.h>
 #include <string.h>
 
 /* ---- Buffer ---------------------------------------------------------- */
@@ -425,70 +424,24 @@ void release_buffers(named_buffer *bufs, int count)
     }
 }
 
-/* Convert the objects (NULL or None: absent) to Buffers; -1 on error. */
-int collect_buffers(PyObject *module, named_buffer *bufs,
-                           PyObject **objs, int count)
+/* Convert the objects to Buffers (NULL or None: an optional one absent);
+ * -1 on error. */
+int collect_buffers(PyObject *module, named_buffer *bufs, PyObject **objs,
+                    int count)
 {
     for (int i = 0; i < count; i++) {
         bufs[i].buf = NULL;
     }
     for (int i = 0; i < count; i++) {
-        if (!objs[i] || objs[i] == Py_None) {
+        if (bufs[i].optional && (!objs[i] || objs[i] == Py_None)) {
             continue;
         }
-        bufs[i].buf = as_buffer(module, objs[i], bufs[i].name);
+        bufs[i].buf = as_buffer(module, objs[i] ? objs[i] : Py_None,
+                                bufs[i].name);
         if (!bufs[i].buf) {
             release_buffers(bufs, count);
             return -1;
         }
-    }
-    return 0;
-}
-
-int check_finite(const char *name, double value)
-{
-    if (!isfinite(value)) {
-        PyObject *shown = PyFloat_FromDouble(value);
-        PyErr_Format(PyExc_ValueError, "%s must be finite, got %R", name,
-                     shown);
-        Py_XDECREF(shown);
-        return -1;
-    }
-    return 0;
-}
-
-int check_nonnegative(const char *name, double value)
-{
-    if (!isfinite(value) || value < 0.0) {
-        PyObject *shown = PyFloat_FromDouble(value);
-        PyErr_Format(PyExc_ValueError, "%s must be a finite number >= 0, got %R",
-                     name, shown);
-        Py_XDECREF(shown);
-        return -1;
-    }
-    return 0;
-}
-
-int check_beta(const char *name, double value)
-{
-    if (!(value >= 0.0 && value < 1.0)) {
-        PyObject *shown = PyFloat_FromDouble(value);
-        PyErr_Format(PyExc_ValueError, "%s must be in [0, 1), got %R", name,
-                     shown);
-        Py_XDECREF(shown);
-        return -1;
-    }
-    return 0;
-}
-
-
-int require(const char *function, const char *name, int missing)
-{
-    if (missing) {
-        PyErr_Format(PyExc_TypeError,
-                     "%s() missing required keyword argument '%s'", function,
-                     name);
-        return -1;
     }
     return 0;
 }

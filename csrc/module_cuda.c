@@ -31,22 +31,12 @@ extern const size_t zero_fatbin_size;
 extern const char zero_fatbin_archs[];
 extern const char zero_fatbin_note[];
 
-/* ---- scalars and errors ---------------------------------------------- */
+/* ---- errors ---------------------------------------------------------- */
 
-static int check_stream(long long stream)
-{
-    if (stream < 0) {
-        PyErr_Format(PyExc_ValueError,
-                     "stream must be a CUstream handle, an int >= 0 "
-                     "(torch.cuda.current_stream(device).cuda_stream), "
-                     "got %lld",
-                     stream);
-        return -1;
-    }
-    return 0;
-}
+/* The stream row of every cuda_* table. */
+#define STREAM(T) ARG(T, stream, "stream", ARG_INT64, CHECK_STREAM, 0, 0)
 
-static zero_cuda_where where_of(const cuda_arg *ref, long long stream)
+static zero_cuda_where where_of(const cuda_arg *ref, int64_t stream)
 {
     zero_cuda_where where = {ref->buf->device_id, (uintptr_t)stream};
     return where;
@@ -119,158 +109,120 @@ static PyObject *zero_C_cuda_info(PyObject *module, PyObject *unused)
 
 /* ---- Adam ------------------------------------------------------------ */
 
-/* The lists of an Adam call: params, grads, exp_avgs, exp_avg_sqs,
- * copy_outs. For cuda_adam_step each is a 1-tuple, named without index. */
+/* The tensor lists of an Adam call, in table order; for cuda_adam_step each
+ * row is a single tensor, the same layout with one tensor per list. */
 enum { A_PARAM, A_GRAD, A_EXP_AVG, A_EXP_AVG_SQ, A_COPY_OUT, A_LISTS };
 
 typedef struct {
-    PyObject *lists[A_LISTS];     /* copy_outs may be NULL */
-    const char *names[A_LISTS];
-    int single;
+    PyObject *tensors[A_LISTS];
     PyObject *step, *found_inf;
     zero_adam_hparams hp;
-    long long stream;
-} adam_request;
+    int64_t stream;
+} adam_call;
 
-static int check_adam_hparams(const zero_adam_hparams *hp)
-{
-    return check_nonnegative("lr", hp->lr) || check_beta("beta1", hp->beta1) ||
-                   check_beta("beta2", hp->beta2) ||
-                   check_nonnegative("eps", hp->eps) ||
-                   check_nonnegative("weight_decay", hp->weight_decay) ||
-                   check_finite("grad_scale", hp->grad_scale)
-               ? -1
-               : 0;
-}
+/* A tensor row of an Adam call. */
+#define ADAM_TENSOR(member, name, kind, flags)                               \
+    ARG(adam_call, member, name, kind, CHECK_NONE, flags, 0)
 
-/* args: [count tensors of each list, in list order] + step + found_inf. */
-static int check_adam_args(const arg_set *set, Py_ssize_t count)
+/* The rows of both Adam functions, with their tensors' names. */
+#define ADAM_ARGS(kind, param, grad, exp_avg, exp_avg_sq, copy_out)          \
+    ADAM_TENSOR(tensors[A_PARAM], param, kind, ARG_WRITTEN),                 \
+    ADAM_TENSOR(tensors[A_GRAD], grad, kind, ARG_HALF),                      \
+    ADAM_TENSOR(tensors[A_EXP_AVG], exp_avg, kind, ARG_WRITTEN),             \
+    ADAM_TENSOR(tensors[A_EXP_AVG_SQ], exp_avg_sq, kind, ARG_WRITTEN),       \
+    ADAM_TENSOR(tensors[A_COPY_OUT], copy_out, kind,                         \
+                ARG_WRITTEN | ARG_HALF | ARG_OPTIONAL),                      \
+    ADAM_TENSOR(step, "step", ARG_TENSOR,                                    \
+                ARG_REQUIRED | ARG_WRITTEN | ARG_SCALAR),                    \
+    ADAM_TENSOR(found_inf, "found_inf", ARG_TENSOR,                          \
+                ARG_OPTIONAL | ARG_SCALAR),                                  \
+    ADAM_RATES(adam_call, hp),                                               \
+    ARG(adam_call, hp.decoupled, "decoupled", ARG_BOOL, CHECK_NONE, 0, 1),   \
+    ARG(adam_call, hp.grad_scale, "grad_scale", ARG_DOUBLE, CHECK_FINITE, 0, \
+        1.0),                                                                \
+    STREAM(adam_call)
+
+static const arg_spec adam_step_args[] = {ADAM_ARGS(
+    ARG_TENSOR, "param", "grad", "exp_avg", "exp_avg_sq", "copy_out")};
+static const arg_spec multi_adam_args[] = {ADAM_ARGS(
+    ARG_TENSORS, "params", "grads", "exp_avgs", "exp_avg_sqs", "copy_outs")};
+static const signature adam_step_sig =
+    SIGNATURE("cuda_adam_step", adam_step_args, 4, 5, adam_call);
+static const signature multi_adam_sig =
+    SIGNATURE("cuda_multi_tensor_adam", multi_adam_args, 4, 5, adam_call);
+
+/* Tensor i of each list: float32 unless the row allows half, and the size
+ * of params[i]. */
+static int check_adam_lists(const signature *sig, const cuda_tensors *t)
 {
-    const cuda_arg *step = &set->args[A_LISTS * count];
-    if (check_scalar_tensor(step) || check_scalar_tensor(step + 1)) {
-        return -1;
-    }
-    for (Py_ssize_t i = 0; i < count; i++) {
-        const cuda_arg *param = &set->args[A_PARAM * count + i];
+    for (Py_ssize_t i = 0; i < t->count; i++) {
+        const cuda_arg *param = &t->row[A_PARAM][i];
         for (int list = 0; list < A_LISTS; list++) {
-            const cuda_arg *a = &set->args[list * count + i];
-            int any_float = list == A_GRAD || list == A_COPY_OUT;
-            if ((!any_float && check_float32(a)) ||
+            const cuda_arg *a = &t->row[list][i];
+            int half_ok = (sig->args[list].flags & ARG_HALF) != 0;
+            if ((!half_ok && check_float32(a)) ||
                 check_numel_like(a, param)) {
                 return -1;
             }
         }
     }
-    return check_device_and_access(set, step) ||
-                   check_args_no_overlap(set)
+    const cuda_arg *step = t->row[A_LISTS];
+    return check_device_and_access(&t->set, step) ||
+                   check_args_no_overlap(&t->set)
                ? -1
                : 0;
 }
 
-static PyObject *adam_run(PyObject *module, adam_request *r,
-                          const char *what)
+static zero_cuda_adam_tensor *adam_tensors(const cuda_tensors *t)
 {
-    if (check_adam_hparams(&r->hp) || check_stream(r->stream)) {
-        return NULL;
-    }
-    PyObject **items[A_LISTS] = {NULL};
-    Py_ssize_t counts[A_LISTS] = {0};
-    for (int list = 0; list < A_LISTS; list++) {
-        if (r->lists[list] && r->lists[list] != Py_None &&
-            list_items(r->lists[list], r->names[list], &items[list],
-                       &counts[list])) {
-            return NULL;
-        }
-    }
-    Py_ssize_t count = counts[A_PARAM];
-    for (int list = 1; list < A_LISTS; list++) {
-        int absent_copies = list == A_COPY_OUT && !items[list];
-        if (!absent_copies && check_lengths(r->names[list], counts[list],
-                                            r->names[A_PARAM], count)) {
-            return NULL;
-        }
-    }
-    arg_set set;
-    if (args_alloc(&set, A_LISTS * count + 2) != 0) {
-        return NULL;
-    }
-    PyObject *result = NULL;
-    zero_cuda_adam_tensor *tensors = NULL;
-    for (int list = 0; list < A_LISTS; list++) {
-        cuda_arg *first = &set.args[list * count];
-        int written = list != A_GRAD;
-        int optional = list == A_COPY_OUT;
-        if (!items[list]) {
-            for (Py_ssize_t i = 0; i < count; i++) {
-                first[i].name = r->names[list];
-                first[i].index = r->single ? -1 : i;
-            }
-        } else if (take_list(module, first, r->names[list], items[list],
-                             count, written, optional, !r->single)) {
-            goto done;
-        }
-    }
-    cuda_arg *step = &set.args[A_LISTS * count];
-    if (take_arg(module, step, "step", -1, r->step, 1, 0) ||
-        take_arg(module, step + 1, "found_inf", -1, r->found_inf, 0, 1) ||
-        check_adam_args(&set, count)) {
-        goto done;
-    }
-    tensors = PyMem_Calloc((size_t)count + 1, sizeof *tensors);
+    zero_cuda_adam_tensor *tensors =
+        PyMem_Calloc((size_t)t->count + 1, sizeof *tensors);
     if (!tensors) {
         PyErr_NoMemory();
+        return NULL;
+    }
+    for (Py_ssize_t i = 0; i < t->count; i++) {
+        Buffer *copy = t->row[A_COPY_OUT][i].buf;
+        Buffer *grad = t->row[A_GRAD][i].buf;
+        zero_cuda_adam_tensor *a = &tensors[i];
+        a->param = t->row[A_PARAM][i].buf->data;
+        a->grad = grad->data;
+        a->grad_dtype = grad->dtype;
+        a->exp_avg = t->row[A_EXP_AVG][i].buf->data;
+        a->exp_avg_sq = t->row[A_EXP_AVG_SQ][i].buf->data;
+        a->copy_out = copy ? copy->data : NULL;
+        a->copy_dtype = copy ? copy->dtype : ZERO_F32;
+        a->n = grad->numel;
+    }
+    return tensors;
+}
+
+static PyObject *adam_run(PyObject *module, PyObject *args, PyObject *kwargs,
+                          const signature *sig)
+{
+    adam_call call;
+    cuda_tensors t;
+    PyObject *result = NULL;
+    zero_cuda_adam_tensor *tensors = NULL;
+    if (parse_cuda_args(module, sig, args, kwargs, &call, &t) ||
+        check_adam_lists(sig, &t) || !(tensors = adam_tensors(&t))) {
         goto done;
     }
-    for (Py_ssize_t i = 0; i < count; i++) {
-        Buffer *copy = set.args[A_COPY_OUT * count + i].buf;
-        Buffer *grad = set.args[A_GRAD * count + i].buf;
-        zero_cuda_adam_tensor *t = &tensors[i];
-        t->param = set.args[A_PARAM * count + i].buf->data;
-        t->grad = grad->data;
-        t->grad_dtype = grad->dtype;
-        t->exp_avg = set.args[A_EXP_AVG * count + i].buf->data;
-        t->exp_avg_sq = set.args[A_EXP_AVG_SQ * count + i].buf->data;
-        t->copy_out = copy ? copy->data : NULL;
-        t->copy_dtype = copy ? copy->dtype : ZERO_F32;
-        t->n = grad->numel;
-    }
-    zero_cuda_where where = where_of(step, r->stream);
+    call.hp.step = 1; /* not read: the step count is on the device */
+    const cuda_arg *step = t.row[A_LISTS], *found_inf = t.row[A_LISTS + 1];
+    zero_cuda_where where = where_of(step, call.stream);
     float *step_data = step->buf->data;
-    const float *found_inf = step[1].buf ? step[1].buf->data : NULL;
+    const float *skip = found_inf->buf ? found_inf->buf->data : NULL;
     zero_status status;
     Py_BEGIN_ALLOW_THREADS
-    status = zero_cuda_adam_step(&where, tensors, (int)count, &r->hp,
-                                 step_data, found_inf);
+    status = zero_cuda_adam_step(&where, tensors, (int)t.count, &call.hp,
+                                 step_data, skip);
     Py_END_ALLOW_THREADS
-    result = launched(status, what);
+    result = launched(status, sig->function);
 done:
     PyMem_Free(tensors);
-    args_free(&set);
+    args_free(&t.set);
     return result;
-}
-
-#define ADAM_KEYWORDS                                                        \
-    "step", "found_inf", "lr", "beta1", "beta2", "eps", "weight_decay",      \
-        "decoupled", "grad_scale", "stream", NULL
-#define ADAM_FORMAT "|O$OOdddddpdL"
-
-static int adam_require(const char *what, const adam_request *r)
-{
-    const zero_adam_hparams *hp = &r->hp;
-    return require(what, "step", r->step == NULL) ||
-           require(what, "lr", hp->lr == MISSING) ||
-           require(what, "beta1", hp->beta1 == MISSING) ||
-           require(what, "beta2", hp->beta2 == MISSING) ||
-           require(what, "eps", hp->eps == MISSING) ||
-           require(what, "weight_decay", hp->weight_decay == MISSING);
-}
-
-static void adam_request_init(adam_request *r)
-{
-    memset(r, 0, sizeof *r);
-    zero_adam_hparams hp = {MISSING, MISSING, MISSING, MISSING, MISSING,
-                            1, 0, 1, 1.0};
-    r->hp = hp;
 }
 
 PyDoc_STRVAR(cuda_adam_step_doc,
@@ -286,44 +238,7 @@ PyDoc_STRVAR(cuda_adam_step_doc,
 "found_inf (1-element float32) is nonzero, nothing is changed, step\n"
 "included. Launched on `stream` (a CUstream handle) without waiting.");
 
-static PyObject *zero_C_cuda_adam_step(PyObject *module, PyObject *args,
-                                       PyObject *kwargs)
-{
-    static char *keywords[] = {"param", "grad", "exp_avg", "exp_avg_sq",
-                               "copy_out", ADAM_KEYWORDS};
-    adam_request r;
-    adam_request_init(&r);
-    PyObject *tensors[A_LISTS] = {NULL};
-    zero_adam_hparams *hp = &r.hp;
-    if (!PyArg_ParseTupleAndKeywords(
-            args, kwargs, "OOOO" ADAM_FORMAT ":cuda_adam_step", keywords,
-            &tensors[0], &tensors[1], &tensors[2], &tensors[3], &tensors[4],
-            &r.step, &r.found_inf, &hp->lr, &hp->beta1, &hp->beta2, &hp->eps,
-            &hp->weight_decay, &hp->decoupled, &hp->grad_scale, &r.stream)) {
-        return NULL;
-    }
-    if (adam_require("cuda_adam_step", &r)) {
-        return NULL;
-    }
-    static const char *names[A_LISTS] = {"param", "grad", "exp_avg",
-                                         "exp_avg_sq", "copy_out"};
-    PyObject *result = NULL;
-    r.single = 1;
-    for (int list = 0; list < A_LISTS; list++) {
-        r.names[list] = names[list];
-        r.lists[list] = PyTuple_Pack(1, tensors[list] ? tensors[list]
-                                                      : Py_None);
-        if (!r.lists[list]) {
-            goto done;
-        }
-    }
-    result = adam_run(module, &r, "cuda_adam_step");
-done:
-    for (int list = 0; list < A_LISTS; list++) {
-        Py_XDECREF(r.lists[list]);
-    }
-    return result;
-}
+KEYWORD_FUNCTION(cuda_adam_step, adam_run, adam_step_sig)
 
 PyDoc_STRVAR(cuda_multi_tensor_adam_doc,
 "cuda_multi_tensor_adam(params, grads, exp_avgs, exp_avg_sqs,\n"
@@ -335,31 +250,7 @@ PyDoc_STRVAR(cuda_multi_tensor_adam_doc,
 "list the same size), up to 48 tensors per kernel launch; copy_outs may\n"
 "hold None for tensors without a copy-out. One step count for all.");
 
-static PyObject *zero_C_cuda_multi_tensor_adam(PyObject *module,
-                                               PyObject *args,
-                                               PyObject *kwargs)
-{
-    static char *keywords[] = {"params", "grads", "exp_avgs", "exp_avg_sqs",
-                               "copy_outs", ADAM_KEYWORDS};
-    adam_request r;
-    adam_request_init(&r);
-    zero_adam_hparams *hp = &r.hp;
-    if (!PyArg_ParseTupleAndKeywords(
-            args, kwargs, "OOOO" ADAM_FORMAT ":cuda_multi_tensor_adam",
-            keywords, &r.lists[0], &r.lists[1], &r.lists[2], &r.lists[3],
-            &r.lists[4], &r.step, &r.found_inf, &hp->lr, &hp->beta1,
-            &hp->beta2, &hp->eps, &hp->weight_decay, &hp->decoupled,
-            &hp->grad_scale, &r.stream)) {
-        return NULL;
-    }
-    if (adam_require("cuda_multi_tensor_adam", &r)) {
-        return NULL;
-    }
-    static const char *names[A_LISTS] = {"params", "grads", "exp_avgs",
-                                         "exp_avg_sqs", "copy_outs"};
-    memcpy(r.names, names, sizeof names);
-    return adam_run(module, &r, "cuda_multi_tensor_adam");
-}
+KEYWORD_FUNCTION(cuda_multi_tensor_adam, adam_run, multi_adam_sig)
 
 /* ---- norm, unscale ---------------------------------------------------- */
 
@@ -402,44 +293,46 @@ static PyObject *zero_C_cuda_norm_partials(PyObject *module, PyObject *arg)
     return PyLong_FromLongLong(total);
 }
 
-PyDoc_STRVAR(cuda_l2_norm_doc,
-"cuda_l2_norm(tensors, out, partials, *, squared=False, stream=0)\n--\n\n"
-"out[0] = the L2 norm of all elements of the CUDA tensors (float32,\n"
-"bfloat16, float16), or its square when squared. Deterministic: the same\n"
-"bits on every call. partials is a float32 scratch buffer of at least\n"
-"cuda_norm_partials([t.numel() for t in tensors]) elements.");
+/* cuda_l2_norm and cuda_unscale_check: a list of tensors of any float
+ * dtype, and a one-element float32 result (out, found_inf) whose device is
+ * the call's. */
+typedef struct {
+    PyObject *tensors, *result, *partials;
+    int squared;
+    double scale;
+    int64_t stream;
+} span_call;
 
-static PyObject *zero_C_cuda_l2_norm(PyObject *module, PyObject *args,
-                                     PyObject *kwargs)
+#define SPAN_TENSORS(flags)                                                  \
+    ARG(span_call, tensors, "tensors", ARG_TENSORS, CHECK_NONE, flags, 0)
+#define SPAN_RESULT(name)                                                    \
+    ARG(span_call, result, name, ARG_TENSOR, CHECK_NONE,                     \
+        ARG_WRITTEN | ARG_SCALAR, 0)
+
+static const arg_spec norm_args[] = {
+    SPAN_TENSORS(0),
+    SPAN_RESULT("out"),
+    ARG(span_call, partials, "partials", ARG_TENSOR, CHECK_NONE,
+        ARG_WRITTEN | ARG_FLOAT32, 0),
+    ARG(span_call, squared, "squared", ARG_BOOL, CHECK_NONE, 0, 0),
+    STREAM(span_call),
+};
+static const signature norm_sig =
+    SIGNATURE("cuda_l2_norm", norm_args, 3, 3, span_call);
+
+static const arg_spec unscale_args[] = {
+    SPAN_TENSORS(ARG_WRITTEN),
+    SPAN_RESULT("found_inf"),
+    ARG(span_call, scale, "scale", ARG_DOUBLE, CHECK_FINITE, ARG_REQUIRED, 0),
+    STREAM(span_call),
+};
+static const signature unscale_sig =
+    SIGNATURE("cuda_unscale_check", unscale_args, 2, 2, span_call);
+
+/* The norm's scratch buffer holds a partial sum per chunk of the tensors. */
+static int check_partials(const cuda_arg *partials,
+                          const zero_cuda_span *spans, Py_ssize_t count)
 {
-    static char *keywords[] = {"tensors", "out", "partials", "squared",
-                               "stream", NULL};
-    PyObject *list, *out_obj, *partials_obj;
-    int squared = 0;
-    long long stream = 0;
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OOO|$pL:cuda_l2_norm",
-                                     keywords, &list, &out_obj,
-                                     &partials_obj, &squared, &stream) ||
-        check_stream(stream)) {
-        return NULL;
-    }
-    arg_set set;
-    PyObject *result = NULL;
-    zero_cuda_span *spans = NULL;
-    if (take_tensor_list(module, &set, list, "tensors", 0, 2)) {
-        goto done;
-    }
-    Py_ssize_t count = set.count - 2;
-    cuda_arg *out = &set.args[count], *partials = out + 1;
-    if (take_arg(module, out, "out", -1, out_obj, 1, 0) ||
-        take_arg(module, partials, "partials", -1, partials_obj, 1, 0) ||
-        check_scalar_tensor(out) || check_float32(partials)) {
-        goto done;
-    }
-    spans = spans_of(&set, count);
-    if (!spans) {
-        goto done;
-    }
     int64_t needed = 0;
     for (Py_ssize_t i = 0; i < count; i++) {
         needed += zero_cuda_norm_partials(&spans[i].n, 1);
@@ -449,23 +342,52 @@ static PyObject *zero_C_cuda_l2_norm(PyObject *module, PyObject *args,
                      "partials has %lld elements; these tensors need %lld "
                      "(cuda_norm_partials)",
                      (long long)partials->buf->numel, (long long)needed);
+        return -1;
+    }
+    return 0;
+}
+
+static PyObject *span_run(PyObject *module, PyObject *args,
+                          PyObject *kwargs, const signature *sig)
+{
+    int norm = sig == &norm_sig;
+    span_call call;
+    cuda_tensors t;
+    PyObject *result = NULL;
+    zero_cuda_span *spans = NULL;
+    if (parse_cuda_args(module, sig, args, kwargs, &call, &t) ||
+        !(spans = spans_of(&t.set, t.count)) ||
+        (norm && check_partials(t.row[2], spans, t.count)) ||
+        check_device_and_access(&t.set, t.row[1]) ||
+        check_args_no_overlap(&t.set)) {
         goto done;
     }
-    if (check_device_and_access(&set, out) || check_args_no_overlap(&set)) {
-        goto done;
-    }
-    zero_cuda_where where = where_of(out, stream);
+    zero_cuda_where where = where_of(t.row[1], call.stream);
+    float *out = t.row[1]->buf->data;
+    float *partials = norm ? t.row[2]->buf->data : NULL;
+    int count = (int)t.count;
     zero_status status;
     Py_BEGIN_ALLOW_THREADS
-    status = zero_cuda_l2_norm(&where, spans, (int)count, partials->buf->data,
-                               out->buf->data, squared);
+    status = norm ? zero_cuda_l2_norm(&where, spans, count, partials, out,
+                                      call.squared)
+                  : zero_cuda_unscale_check(&where, spans, count,
+                                            (float)call.scale, out);
     Py_END_ALLOW_THREADS
-    result = launched(status, "cuda_l2_norm");
+    result = launched(status, sig->function);
 done:
     PyMem_Free(spans);
-    args_free(&set);
+    args_free(&t.set);
     return result;
 }
+
+PyDoc_STRVAR(cuda_l2_norm_doc,
+"cuda_l2_norm(tensors, out, partials, *, squared=False, stream=0)\n--\n\n"
+"out[0] = the L2 norm of all elements of the CUDA tensors (float32,\n"
+"bfloat16, float16), or its square when squared. Deterministic: the same\n"
+"bits on every call. partials is a float32 scratch buffer of at least\n"
+"cuda_norm_partials([t.numel() for t in tensors]) elements.");
+
+KEYWORD_FUNCTION(cuda_l2_norm, span_run, norm_sig)
 
 PyDoc_STRVAR(cuda_unscale_check_doc,
 "cuda_unscale_check(tensors, found_inf, *, scale, stream=0)\n--\n\n"
@@ -473,52 +395,42 @@ PyDoc_STRVAR(cuda_unscale_check_doc,
 "check only) and set found_inf[0] = 1.0 when a result is inf or nan.\n"
 "found_inf (1-element float32) is never cleared here: zero it first.");
 
-static PyObject *zero_C_cuda_unscale_check(PyObject *module, PyObject *args,
-                                           PyObject *kwargs)
-{
-    static char *keywords[] = {"tensors", "found_inf", "scale", "stream",
-                               NULL};
-    PyObject *list, *flag_obj;
-    double scale = MISSING;
-    long long stream = 0;
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs,
-                                     "OO|$dL:cuda_unscale_check", keywords,
-                                     &list, &flag_obj, &scale, &stream) ||
-        require("cuda_unscale_check", "scale", scale == MISSING) ||
-        check_finite("scale", scale) || check_stream(stream)) {
-        return NULL;
-    }
-    arg_set set;
-    PyObject *result = NULL;
-    zero_cuda_span *spans = NULL;
-    if (take_tensor_list(module, &set, list, "tensors", 1, 1)) {
-        goto done;
-    }
-    Py_ssize_t count = set.count - 1;
-    cuda_arg *flag = &set.args[count];
-    if (take_arg(module, flag, "found_inf", -1, flag_obj, 1, 0) ||
-        check_scalar_tensor(flag) || check_device_and_access(&set, flag) ||
-        check_args_no_overlap(&set)) {
-        goto done;
-    }
-    spans = spans_of(&set, count);
-    if (!spans) {
-        goto done;
-    }
-    zero_cuda_where where = where_of(flag, stream);
-    zero_status status;
-    Py_BEGIN_ALLOW_THREADS
-    status = zero_cuda_unscale_check(&where, spans, (int)count, (float)scale,
-                                     flag->buf->data);
-    Py_END_ALLOW_THREADS
-    result = launched(status, "cuda_unscale_check");
-done:
-    PyMem_Free(spans);
-    args_free(&set);
-    return result;
-}
+KEYWORD_FUNCTION(cuda_unscale_check, span_run, unscale_sig)
 
 /* ---- pack, unpack ---------------------------------------------------- */
+
+typedef struct {
+    PyObject *tensors, *bucket, *offsets;
+    double scale;
+    int64_t stream;
+} bucket_call;
+
+/* Rows of pack's and unpack's tables. */
+#define BUCKET_TENSORS(flags)                                                \
+    ARG(bucket_call, tensors, "tensors", ARG_TENSORS, CHECK_NONE, flags, 0)
+#define BUCKET(flags)                                                        \
+    ARG(bucket_call, bucket, "bucket", ARG_TENSOR, CHECK_NONE, flags, 0)
+#define OFFSETS                                                              \
+    ARG(bucket_call, offsets, "offsets", ARG_OBJECT, CHECK_NONE, 0, 0)
+
+static const arg_spec pack_args[] = {
+    BUCKET_TENSORS(0),
+    BUCKET(ARG_WRITTEN),
+    OFFSETS,
+    ARG(bucket_call, scale, "scale", ARG_DOUBLE, CHECK_FINITE, 0, 1.0),
+    STREAM(bucket_call),
+};
+static const signature pack_sig =
+    SIGNATURE("cuda_pack", pack_args, 2, 2, bucket_call);
+
+static const arg_spec unpack_args[] = {
+    BUCKET(0),
+    BUCKET_TENSORS(ARG_WRITTEN),
+    OFFSETS,
+    STREAM(bucket_call),
+};
+static const signature unpack_sig =
+    SIGNATURE("cuda_unpack", unpack_args, 2, 2, bucket_call);
 
 /* Where tensor i sits in the bucket: offsets[i], or back to back when
  * offsets is None. Checks that every slice lies inside the bucket. */
@@ -570,26 +482,27 @@ static int bucket_offsets(PyObject *offsets_obj, const arg_set *set,
 }
 
 /* Pack (tensors -> bucket slices) or unpack (bucket slices -> tensors). */
-static PyObject *bucket_copy(PyObject *module, PyObject *list,
-                             PyObject *bucket_obj, PyObject *offsets_obj,
-                             double scale, long long stream, int pack)
+static PyObject *bucket_copy(PyObject *module, PyObject *args,
+                             PyObject *kwargs, const signature *sig)
 {
-    const char *what = pack ? "cuda_pack" : "cuda_unpack";
-    if (check_finite("scale", scale) || check_stream(stream)) {
-        return NULL;
-    }
-    arg_set set;
+    int pack = sig == &pack_sig;
+    bucket_call call;
+    cuda_tensors t;
     PyObject *result = NULL;
     int64_t *offsets = NULL;
     extent *extents = NULL;
     zero_cuda_copy *copies = NULL;
-    if (take_tensor_list(module, &set, list, "tensors", !pack, 1)) {
+    Py_ssize_t count = 0;
+    cuda_arg *bucket = NULL;
+    if (parse_cuda_args(module, sig, args, kwargs, &call, &t)) {
         goto done;
     }
-    Py_ssize_t count = set.count - 1;
-    cuda_arg *bucket = &set.args[count];
-    if (take_arg(module, bucket, "bucket", -1, bucket_obj, pack, 0) ||
-        check_device_and_access(&set, bucket)) {
+    if (!pack) {
+        call.scale = 1.0; /* unpack has no scale */
+    }
+    count = t.count;
+    bucket = t.row[pack ? 1 : 0];
+    if (check_device_and_access(&t.set, bucket)) {
         goto done;
     }
     offsets = PyMem_Calloc((size_t)count + 1, sizeof *offsets);
@@ -599,37 +512,38 @@ static PyObject *bucket_copy(PyObject *module, PyObject *list,
         PyErr_NoMemory();
         goto done;
     }
-    if (bucket_offsets(offsets_obj, &set, count, bucket->buf, offsets)) {
+    if (bucket_offsets(call.offsets, &t.set, count, bucket->buf, offsets)) {
         goto done;
     }
-    Py_ssize_t n = extents_of_args(&set, bucket, extents);
+    Py_ssize_t n = extents_of_args(&t.set, bucket, extents);
     for (Py_ssize_t i = 0; i < count; i++) {
-        const Buffer *t = set.args[i].buf, *b = bucket->buf;
-        extent_of(&extents[n], b, offsets[i], t->numel, pack);
+        const Buffer *x = t.set.args[i].buf, *b = bucket->buf;
+        extent_of(&extents[n], b, offsets[i], x->numel, pack);
         snprintf(extents[n].name, sizeof extents[n].name,
                  "bucket[%lld:%lld] (tensors[%zd])", (long long)offsets[i],
-                 (long long)(offsets[i] + t->numel), i);
+                 (long long)(offsets[i] + x->numel), i);
         n++;
         void *slice = (char *)b->data + offsets[i] * zero_dtype_size(b->dtype);
-        copies[i] = pack ? (zero_cuda_copy){slice, t->data, b->dtype,
-                                            t->dtype, t->numel}
-                         : (zero_cuda_copy){t->data, slice, t->dtype,
-                                            b->dtype, t->numel};
+        copies[i] = pack ? (zero_cuda_copy){slice, x->data, b->dtype,
+                                            x->dtype, x->numel}
+                         : (zero_cuda_copy){x->data, slice, x->dtype,
+                                            b->dtype, x->numel};
     }
     if (check_no_overlap(extents, n)) {
         goto done;
     }
-    zero_cuda_where where = where_of(bucket, stream);
+    zero_cuda_where where = where_of(bucket, call.stream);
     zero_status status;
     Py_BEGIN_ALLOW_THREADS
-    status = zero_cuda_cast_copy(&where, copies, (int)count, (float)scale);
+    status = zero_cuda_cast_copy(&where, copies, (int)count,
+                                 (float)call.scale);
     Py_END_ALLOW_THREADS
-    result = launched(status, what);
+    result = launched(status, sig->function);
 done:
     PyMem_Free(offsets);
     PyMem_Free(extents);
     PyMem_Free(copies);
-    args_free(&set);
+    args_free(&t.set);
     return result;
 }
 
@@ -638,41 +552,14 @@ PyDoc_STRVAR(cuda_pack_doc,
 "Copy each CUDA tensor, times scale and cast to the bucket's dtype, into\n"
 "bucket[offsets[i]:offsets[i] + numel] (offsets None: back to back).");
 
-static PyObject *zero_C_cuda_pack(PyObject *module, PyObject *args,
-                                  PyObject *kwargs)
-{
-    static char *keywords[] = {"tensors", "bucket", "offsets", "scale",
-                               "stream", NULL};
-    PyObject *list, *bucket, *offsets = NULL;
-    double scale = 1.0;
-    long long stream = 0;
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OO|$OdL:cuda_pack",
-                                     keywords, &list, &bucket, &offsets,
-                                     &scale, &stream)) {
-        return NULL;
-    }
-    return bucket_copy(module, list, bucket, offsets, scale, stream, 1);
-}
+KEYWORD_FUNCTION(cuda_pack, bucket_copy, pack_sig)
 
 PyDoc_STRVAR(cuda_unpack_doc,
 "cuda_unpack(bucket, tensors, *, offsets=None, stream=0)\n--\n\n"
 "Copy bucket[offsets[i]:offsets[i] + numel], cast to each tensor's dtype,\n"
 "into the CUDA tensors (offsets None: back to back).");
 
-static PyObject *zero_C_cuda_unpack(PyObject *module, PyObject *args,
-                                    PyObject *kwargs)
-{
-    static char *keywords[] = {"bucket", "tensors", "offsets", "stream",
-                               NULL};
-    PyObject *list, *bucket, *offsets = NULL;
-    long long stream = 0;
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OO|$OL:cuda_unpack",
-                                     keywords, &bucket, &list, &offsets,
-                                     &stream)) {
-        return NULL;
-    }
-    return bucket_copy(module, list, bucket, offsets, 1.0, stream, 0);
-}
+KEYWORD_FUNCTION(cuda_unpack, bucket_copy, unpack_sig)
 
 /* ---- registration ---------------------------------------------------- */
 
@@ -685,23 +572,15 @@ static PyMethodDef cuda_methods[] = {
      "cuda_info() -> dict\n--\n\navailable, reason (None when available), "
      "fatbin_bytes, archs, build (how the kernels were built) and "
      "driver_version (None until the driver is loaded)."},
-    {"cuda_adam_step", (PyCFunction)(void (*)(void))zero_C_cuda_adam_step,
-     METH_VARARGS | METH_KEYWORDS, cuda_adam_step_doc},
-    {"cuda_multi_tensor_adam",
-     (PyCFunction)(void (*)(void))zero_C_cuda_multi_tensor_adam,
-     METH_VARARGS | METH_KEYWORDS, cuda_multi_tensor_adam_doc},
+    KEYWORD_METHOD(cuda_adam_step),
+    KEYWORD_METHOD(cuda_multi_tensor_adam),
     {"cuda_norm_partials", zero_C_cuda_norm_partials, METH_O,
      "cuda_norm_partials(numels) -> int\n--\n\nElements of the partials "
      "buffer cuda_l2_norm needs for tensors of these sizes."},
-    {"cuda_l2_norm", (PyCFunction)(void (*)(void))zero_C_cuda_l2_norm,
-     METH_VARARGS | METH_KEYWORDS, cuda_l2_norm_doc},
-    {"cuda_unscale_check",
-     (PyCFunction)(void (*)(void))zero_C_cuda_unscale_check,
-     METH_VARARGS | METH_KEYWORDS, cuda_unscale_check_doc},
-    {"cuda_pack", (PyCFunction)(void (*)(void))zero_C_cuda_pack,
-     METH_VARARGS | METH_KEYWORDS, cuda_pack_doc},
-    {"cuda_unpack", (PyCFunction)(void (*)(void))zero_C_cuda_unpack,
-     METH_VARARGS | METH_KEYWORDS, cuda_unpack_doc},
+    KEYWORD_METHOD(cuda_l2_norm),
+    KEYWORD_METHOD(cuda_unscale_check),
+    KEYWORD_METHOD(cuda_pack),
+    KEYWORD_METHOD(cuda_unpack),
     {NULL, NULL, 0, NULL},
 };
 

@@ -7,6 +7,7 @@
 
 #include <stdio.h>
 #include <stdlib.h>
+#include <string.h>
 
 /* ---- tensor arguments ------------------------------------------------- */
 
@@ -261,18 +262,111 @@ int check_args_no_overlap(const arg_set *set)
     return result;
 }
 
-/* Borrowed items of a list argument, converted into set->args[0..count)
- * (written or not); the set has `extra` more entries after them. */
-int take_tensor_list(PyObject *module, arg_set *set, PyObject *list,
-                     const char *name, int written, Py_ssize_t extra)
+/* ---- a call's tensor rows ------------------------------------------- */
+
+static PyObject *row_object(const arg_spec *a, const void *call)
 {
-    PyObject **items;
-    Py_ssize_t count;
-    set->args = NULL;
-    set->count = 0;
-    if (list_items(list, name, &items, &count) ||
-        args_alloc(set, count + extra)) {
+    PyObject *obj = *(PyObject *const *)((const char *)call + a->offset);
+    return obj ? obj : Py_None;
+}
+
+static int is_absent(const arg_spec *a, PyObject *obj)
+{
+    return (a->flags & ARG_OPTIONAL) && obj == Py_None;
+}
+
+/* The list rows' items and their common length, checked as adam_step
+ * always did: every list's type first, then every length against the
+ * first list's. An optional list left out is not present. */
+static int list_rows(const signature *sig, const void *call,
+                     PyObject **items[], int present[], Py_ssize_t *count,
+                     Py_ssize_t *lists)
+{
+    Py_ssize_t counts[MAX_ROWS] = {0};
+    int first = -1;
+    *lists = 0;
+    for (int r = 0; r < sig->count; r++) {
+        const arg_spec *a = &sig->args[r];
+        PyObject *obj = row_object(a, call);
+        present[r] = a->kind == ARG_TENSORS && !is_absent(a, obj);
+        if (present[r] && list_items(obj, a->name, &items[r], &counts[r])) {
+            return -1;
+        }
+    }
+    for (int r = 0; r < sig->count; r++) {
+        const arg_spec *a = &sig->args[r];
+        if (a->kind != ARG_TENSORS) {
+            continue;
+        }
+        (*lists)++;
+        if (first < 0) {
+            first = r;
+            *count = counts[r];
+        } else if (present[r] && check_lengths(a->name, counts[r],
+                                               sig->args[first].name,
+                                               *count)) {
+            return -1;
+        }
+    }
+    return 0;
+}
+
+int parse_cuda_args(PyObject *module, const signature *sig, PyObject *args,
+                    PyObject *kwargs, void *call, cuda_tensors *t)
+{
+    PyObject **items[MAX_ROWS] = {NULL};
+    int present[MAX_ROWS] = {0};
+    Py_ssize_t lists, singles = 0;
+    memset(t, 0, sizeof *t);
+    t->count = 1;
+    if (parse_args(sig, args, kwargs, call) != 0 ||
+        list_rows(sig, call, items, present, &t->count, &lists)) {
         return -1;
     }
-    return take_list(module, set->args, name, items, count, written, 0, 1);
+    for (int r = 0; r < sig->count; r++) {
+        singles += sig->args[r].kind == ARG_TENSOR;
+    }
+    if (args_alloc(&t->set, lists * t->count + singles)) {
+        return -1;
+    }
+    cuda_arg *next = t->set.args;
+    for (int r = 0; r < sig->count; r++) {
+        const arg_spec *a = &sig->args[r];
+        int written = (a->flags & ARG_WRITTEN) != 0;
+        int optional = (a->flags & ARG_OPTIONAL) != 0;
+        if (a->kind != ARG_TENSORS) {
+            continue;
+        }
+        t->row[r] = next;
+        for (Py_ssize_t i = 0; i < t->count && !present[r]; i++) {
+            next[i].name = a->name;
+            next[i].index = i;
+        }
+        if (present[r] && take_list(module, next, a->name, items[r], t->count,
+                                  written, optional, 1)) {
+            return -1;
+        }
+        next += t->count;
+    }
+    for (int r = 0; r < sig->count; r++) {
+        const arg_spec *a = &sig->args[r];
+        if (a->kind != ARG_TENSOR) {
+            continue;
+        }
+        t->row[r] = next;
+        if (take_arg(module, next++, a->name, -1, row_object(a, call),
+                     (a->flags & ARG_WRITTEN) != 0,
+                     (a->flags & ARG_OPTIONAL) != 0)) {
+            return -1;
+        }
+    }
+    for (int r = 0; r < sig->count; r++) {
+        const arg_spec *a = &sig->args[r];
+        if (a->kind == ARG_TENSOR &&
+            (((a->flags & ARG_SCALAR) && check_scalar_tensor(t->row[r])) ||
+             ((a->flags & ARG_FLOAT32) && check_float32(t->row[r])))) {
+            return -1;
+        }
+    }
+    return 0;
 }

@@ -95,6 +95,26 @@ def test_not_a_tensor():
         _C.adam_step(p, [1.0] * 64, m, v, **KW)
 
 
+@pytest.mark.parametrize("position,name", [(0, "param"), (1, "grad"), (2, "exp_avg")])
+def test_none_for_a_buffer_that_has_no_default(position, name):
+    # param or grad None crashed the process; a required state gave only
+    # "adam_step failed: invalid argument"
+    args = bufs()
+    args[position] = None
+    with pytest.raises(TypeError, match=f"{name} must be a tensor .* not NoneType"):
+        _C.adam_step(*args, **KW)
+    a, b, _, _ = bufs()
+    with pytest.raises(TypeError, match=f"{name} must be a tensor .* not NoneType"):
+        _C.lion_step(*([a, b, torch.zeros(64)][:position] + [None]
+                       + [a, b, torch.zeros(64)][position + 1:]),
+                     lr=0.1, beta1=0.9, beta2=0.99)
+
+
+def test_convert_refuses_none():
+    with pytest.raises(TypeError, match="dst must be a tensor .* not NoneType"):
+        _C.convert(None, torch.zeros(4))
+
+
 def test_tensor_requiring_grad_is_explained():
     p = torch.nn.Parameter(torch.randn(64))
     _, g, m, v = bufs()

@@ -232,6 +232,8 @@ BAD_CALLS = [
      r"params must be a list or tuple of tensors, not PyCapsule"),
     ("lengths", lambda f: multi(f, grads=[f(3), f(8)]), ValueError,
      r"grads has 2 tensors, params has 3"),
+    ("None as list", lambda f: multi(f, grads=None), TypeError,
+     r"grads must be a list or tuple of tensors, not NoneType"),
     ("copy lengths", lambda f: multi(f, copy_outs=[None]), ValueError,
      r"copy_outs has 1 tensors, params has 3"),
     ("item size", lambda f: multi(f, exp_avgs=[f(3), f(7), f(5)]), ValueError,
