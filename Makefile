@@ -25,14 +25,14 @@ install: deps
 # code too (its loader's failure paths need no GPU).
 test-c: $(EMULATED_CUDA)
 	mkdir -p tests/c/build
-	$(CC) -std=c11 -O1 -g -Wall -Wextra -Werror $(SANITIZE) -o tests/c/build/test_core \
+	$(CC) -std=c11 -O1 -g -Wall -Wextra -Werror -Iinclude $(SANITIZE) -o tests/c/build/test_core \
 		tests/c/test_core.c $(CORE_SOURCES) -lm -lpthread -ldl
 	ASAN_OPTIONS=detect_leaks=1 UBSAN_OPTIONS=print_stacktrace=1 tests/c/build/test_core
-	$(CC) -std=c11 -O1 -g -Wall -Wextra -Werror $(SANITIZE) -o tests/c/build/test_cuda \
+	$(CC) -std=c11 -O1 -g -Wall -Wextra -Werror -Iinclude $(SANITIZE) -o tests/c/build/test_cuda \
 		tests/c/test_cuda.c $(CORE_SOURCES) -lm -lpthread -ldl
 	ASAN_OPTIONS=detect_leaks=1 UBSAN_OPTIONS=print_stacktrace=1 tests/c/build/test_cuda $(EMULATED_CUDA)
 	# the thread pool again, under ThreadSanitizer
-	$(CC) -std=c11 -O1 -g -Wall -Wextra -Werror -fsanitize=thread -o tests/c/build/test_core_tsan \
+	$(CC) -std=c11 -O1 -g -Wall -Wextra -Werror -Iinclude -fsanitize=thread -o tests/c/build/test_core_tsan \
 		tests/c/test_core.c $(CORE_SOURCES) -lm -lpthread -ldl
 	tests/c/build/test_core_tsan
 
@@ -48,11 +48,10 @@ train: install
 
 emulated-cuda: $(EMULATED_CUDA)
 
-$(EMULATED_CUDA): $(wildcard tests/emulated_cuda/*) $(wildcard kernels/*.cu*) kernels/kernels.h \
-		csrc/optim_math.h csrc/half.h csrc/zero.h
+$(EMULATED_CUDA): $(wildcard tests/emulated_cuda/*) $(wildcard kernels/*.cu*) $(wildcard include/zero/*.h)
 	mkdir -p tests/c/build
 	$(CXX) -std=c++17 -O2 -g -fPIC -shared -Wall -Wextra -Werror -Wno-unknown-pragmas \
-		-Itests/emulated_cuda -o $@ tests/emulated_cuda/fake_cuda.cpp
+		-Itests/emulated_cuda -Iinclude -o $@ tests/emulated_cuda/fake_cuda.cpp
 
 test-py:
 	$(PYTHON) -m pytest -q tests

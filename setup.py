@@ -29,9 +29,9 @@ def core_sources():
 extension = Extension(
     "zero._C",
     sources=core_sources(),
-    include_dirs=["csrc"],
+    include_dirs=["csrc", "include"],
     depends=[str(p.relative_to(ROOT)) for p in
-             sorted((ROOT / "csrc").rglob("*.h")) + [ROOT / "kernels" / "kernels.h"]],
+             sorted((ROOT / "csrc").rglob("*.h")) + sorted((ROOT / "include").rglob("*.h"))],
     extra_compile_args=["-std=c11", "-O3", "-fvisibility=hidden", "-Wall", "-Wextra",
                         "-Wno-missing-field-initializers", "-Wno-cast-function-type"],
     libraries=["m", "dl"],

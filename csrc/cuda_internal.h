@@ -7,7 +7,7 @@
 #ifndef ZERO_CUDA_INTERNAL_H
 #define ZERO_CUDA_INTERNAL_H
 
-#include "../kernels/kernels.h"
+#include "zero/kernels.h"
 #include "zero_cuda.h"
 
 /* The driver API's types, as opaque handles (their ABI: an enum is an int,
@@ -21,7 +21,7 @@ typedef struct CUstream_st *CUstream;
 
 #define CUDA_SUCCESS 0
 
-/* The kernels of kernels.h, as indices. */
+/* The kernels of zero/kernels.h, as indices. */
 enum {
 #define ZERO_K_ID(name, args) KERNEL_##name,
     ZERO_K_LIST(ZERO_K_ID)
@@ -58,7 +58,7 @@ zero_status cuda_fail(zero_status status, const char *format, ...)
 
 /* ---- cuda_launch.c: multi-tensor launches --------------------------- */
 
-/* An empty map (see [Note: multi-tensor map] in kernels.h). */
+/* An empty map (see [Note: multi-tensor map] in zero/kernels.h). */
 void cuda_map_reset(zero_k_map *map);
 
 /* Append a tensor of numel > 0 elements: its slot, or -1 when the launch is

@@ -1,5 +1,5 @@
 /* cuda_launch.c: the entry points of zero_cuda.h: check the arguments, pack
- * the kernels' argument blocks (kernels/kernels.h) and launch them on the
+ * the kernels' argument blocks (include/zero/kernels.h) and launch them on the
  * caller's stream, ZERO_K_TENSORS tensors per launch.
  *
  * [Note: stream order] Every launch of one call goes on the one stream the

@@ -10,8 +10,8 @@
 #ifndef ZERO_INTERNAL_H
 #define ZERO_INTERNAL_H
 
-#include "optim_math.h"
 #include "zero.h"
+#include "zero/optim_math.h"
 
 typedef struct {
     float *param;          /* [n] */

@@ -9,8 +9,8 @@
  */
 #include <math.h>
 
-#include "half.h"
 #include "internal.h"
+#include "zero/half.h"
 
 /* The updated parameter, and its copy-out cast when there is one. */
 static inline void store_param(const optim_args *a, int64_t i, float p)

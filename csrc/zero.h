@@ -12,6 +12,8 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "zero/dtype.h"
+
 #ifdef __cplusplus
 extern "C" {
 #endif
@@ -29,12 +31,9 @@ typedef enum {
 
 const char *zero_status_string(zero_status status);
 
-/* Element types of the buffers the core reads and writes. */
-typedef enum {
-    ZERO_F32 = 0,
-    ZERO_BF16 = 1,
-    ZERO_F16 = 2
-} zero_dtype;
+/* Element types of the buffers the core reads and writes: zero_dtype,
+ * ZERO_F32, ZERO_BF16, ZERO_F16 (include/zero/dtype.h, which the kernels
+ * share). */
 
 size_t zero_dtype_size(zero_dtype dtype);
 const char *zero_dtype_name(zero_dtype dtype);

@@ -5,7 +5,7 @@
  * Narrowing uses the hardware's round-to-nearest-even conversions, the ones
  * torch's CUDA casts use, so a bf16/fp16 copy-out is bit-identical to
  * casting the fp32 result with torch on the GPU. (NaN payloads may differ
- * from the CPU reference in half.h; finite values never do.)
+ * from the CPU reference in zero/half.h; finite values never do.)
  */
 #ifndef ZERO_DEVICE_CUH
 #define ZERO_DEVICE_CUH
@@ -13,7 +13,7 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
-#include "kernels.h"
+#include "zero/kernels.h"
 
 /* Elements in flight per thread in the element-wise loops: enough loads
  * outstanding to cover memory latency at the occupancy these kernels get. */
@@ -103,7 +103,7 @@ static __device__ __forceinline__ void store4(void *data, int dtype,
 }
 
 /* The tensor this block works on and its chunk [begin, end); see [Note:
- * multi-tensor map] in kernels.h. */
+ * multi-tensor map] in zero/kernels.h. */
 struct block_work {
     int tensor;
     int64_t begin, end;

@@ -19,8 +19,11 @@ KERNELS = Path(__file__).resolve().parent
 ROOT = KERNELS.parent
 SOURCE = KERNELS / "kernels.cu"
 # Everything the fatbin depends on: a change to any of them rebuilds it.
-INPUTS = sorted(KERNELS.glob("*.cu")) + sorted(KERNELS.glob("*.cuh")) + [
-    KERNELS / "kernels.h", ROOT / "csrc" / "optim_math.h", ROOT / "csrc" / "zero.h"]
+# The kernels include the headers they share with csrc/ from include/zero/
+# (and nothing of csrc/ itself).
+INCLUDE = ROOT / "include"
+INPUTS = (sorted(KERNELS.glob("*.cu")) + sorted(KERNELS.glob("*.cuh"))
+          + sorted((INCLUDE / "zero").glob("*.h")))
 
 ARCHS = ["sm_80", "sm_90", "compute_90"]
 GENCODE = ["-gencode", "arch=compute_80,code=sm_80",
@@ -29,7 +32,8 @@ GENCODE = ["-gencode", "arch=compute_80,code=sm_80",
 FLAGS = [
     "-std=c++17", "-O3",
     # The kernels compute what the scalar reference computes, operation by
-    # operation (csrc/optim_math.h); contracting a*b+c into an FMA would not.
+    # operation (include/zero/optim_math.h); contracting a*b+c into an FMA
+    # would not.
     "--fmad=false",
     # Every warning an error, ptxas's included; ask ptxas to warn about
     # register spills and local memory, which in these memory-bound kernels
@@ -65,7 +69,8 @@ def nvcc_version(nvcc):
 def compile_fatbin(nvcc, out_path):
     """Compile into out_path; raises RuntimeError with nvcc's output on an
     error or a warning."""
-    cmd = [nvcc, "-fatbin", *FLAGS, *GENCODE, "-o", str(out_path), str(SOURCE)]
+    cmd = [nvcc, "-fatbin", *FLAGS, *GENCODE, f"-I{INCLUDE}", "-o", str(out_path),
+           str(SOURCE)]
     result = subprocess.run(cmd, capture_output=True, text=True)
     if result.returncode != 0:
         raise RuntimeError(

@@ -12,8 +12,8 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "../../csrc/half.h"
 #include "../../csrc/zero.h"
+#include "zero/half.h"
 #include "check.h"
 
 /* xorshift64*: deterministic random data, no libc rand state. */

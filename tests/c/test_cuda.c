@@ -15,7 +15,7 @@
 #include <string.h>
 
 #include "../../csrc/cuda_internal.h"
-#include "../../csrc/half.h"
+#include "zero/half.h"
 #include "check.h"
 
 static int error_mentions(const char *text)

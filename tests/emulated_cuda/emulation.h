@@ -7,8 +7,8 @@
  * any goes on. Blocks run one after another, so __shared__ is static
  * storage. What this cannot show: data races between threads of a block
  * (they run one at a time), the GPU's memory model, and the hardware's
- * conversions (the reference ones of csrc/half.h stand in; they differ
- * only in NaN payloads).
+ * conversions (the reference ones of include/zero/half.h stand in; they
+ * differ only in NaN payloads).
  */
 #ifndef ZERO_EMULATION_H
 #define ZERO_EMULATION_H
@@ -17,7 +17,7 @@
 #include <stdint.h>
 #include <string.h>
 
-#include "../../csrc/half.h"
+#include "zero/half.h"
 
 #define __CUDACC__ 1
 #define __global__
@@ -59,7 +59,7 @@ static inline uint2 make_uint2(unsigned int x, unsigned int y)
 }
 
 /* cuda_bf16.h and cuda_fp16.h: a 16-bit float is its bits, converted by
- * the reference conversions of csrc/half.h. */
+ * the reference conversions of include/zero/half.h. */
 struct __nv_bfloat16 {
     unsigned short bits;
 };

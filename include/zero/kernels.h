@@ -1,7 +1,8 @@
 /* kernels.h: the CUDA kernels' extern "C" signatures and their argument
- * blocks, shared by the kernels (nvcc, kernels.cu) and the host launchers
- * (gcc, csrc/cuda_launch.c), which launch them by name through the driver
- * API. Plain C types only, so that gcc can include it.
+ * blocks, shared by the kernels (nvcc, kernels/kernels.cu) and the host
+ * launchers (gcc, csrc/cuda_launch.c), which launch them by name through
+ * the driver API. Plain C types only, so that gcc can include it; in
+ * include/zero/ with the other headers both sides compile (dtype.h).
  *
  * [Note: kernel arguments] Every kernel takes one struct by value: the
  * launcher passes its address as the only entry of cuLaunchKernel's
@@ -23,8 +24,8 @@
 
 #include <stdint.h>
 
-#include "../csrc/optim_math.h"
-#include "../csrc/zero.h"
+#include "dtype.h"
+#include "optim_math.h"
 
 #define ZERO_K_THREADS 256      /* threads per block, every kernel */
 #define ZERO_K_CHUNK 16384      /* elements per block; a multiple of 4 */

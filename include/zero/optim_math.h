@@ -1,6 +1,7 @@
 /* optim_math.h: the per-element Adam formula and its constants, shared by
- * the scalar reference (scalar.c, optim.c) and the CUDA kernels
- * (kernels/adam.cuh), which nvcc compiles from this same text.
+ * the scalar reference (csrc/scalar.c, csrc/optim.c) and the CUDA kernels
+ * (kernels/adam.cuh), which nvcc compiles from this same text; hence in
+ * include/zero/ (dtype.h).
  *
  * One definition keeps the GPU computing the reference's operations in the
  * reference's order (the kernels are built with --fmad=false, so nvcc does

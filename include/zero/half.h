@@ -1,4 +1,6 @@
-/* half.h: scalar conversions between fp32 and the 16-bit float formats.
+/* half.h: scalar conversions between fp32 and the 16-bit float formats,
+ * for the CPU core and for the emulated driver's stand-ins of nvcc's
+ * conversions (tests/emulated_cuda), hence in include/zero/ (dtype.h).
  *
  * These are the reference conversions: the SIMD paths must produce the same
  * bits. Narrowing rounds to nearest, ties to even, the rounding torch uses,
@@ -13,7 +15,7 @@
 #include <stdint.h>
 #include <string.h>
 
-#include "zero.h"
+#include "dtype.h"
 
 static inline uint32_t f32_bits(float f)
 {
