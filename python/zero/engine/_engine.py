@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-import types
 import weakref
 
 import torch
@@ -29,33 +28,32 @@ from torch import nn
 from zero.engine._agreement import check_ranks_agree
 from zero.comm._comm import Comm, leave_process_group
 from zero.engine._deepspeed_queries import DeepSpeedQueries
-from zero.engine._routes import (AttributeRemoval, EngineZeroGrad, call_alive,
-                                 model_zero_grad, refuse_states_call, submodule_zero_grad)
+from zero.engine._construction import (broadcast_buffer, cast_module, match_param_groups,
+                                       offload_files, owners_of, param_files, units_of)
+from zero.engine._reports import EngineReports
+from zero.engine._routes import call_alive, check_optimizer_unchanged, guard_optimizer
 from zero.sharding._copying import ModuleHook
 from zero.sharding._flat_group import FlatGroup
 from zero.engine._interrupts import interrupts_held
 from zero.step._loss_scaler import DynamicLossScaler
-from zero.engine._memory import MemorySummary, zero_formula
 from zero.step._registry import fresh_states, spec_for
-from zero.sharding._shared_memory import first_shared_pair, memory_span, shared_memory_error
 from zero.sharding._param_writes import (Place, bump_versions, check_parameters_in_place,
                                 record_parameters, take_in_parameter_writes)
-from zero.sharding._partitioned_init import sharded_record, take_values
 from zero.step._resumed_states import (describe_held, give_back_optimizer_states,
                                   held_optimizer_states, take_in_optimizer_states)
 from zero.sharding._backward import BackwardLifecycle
 from zero.sharding._policy import StagePolicy
 from zero.sharding._stage3 import Stage3Schedule
 from zero.sharding._step_agreement import describe_settings
-from zero.sharding._units import leaf_roots, parameter_names
 from zero.step import _step_path
+from zero.step._clipping import clip_coefficient
 from zero.step._step_path import step_path_for
 from zero.config._config import Config
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-class Engine(DeepSpeedQueries, nn.Module):
+class Engine(DeepSpeedQueries, EngineReports, nn.Module):
     """What zero.initialize returns: the model wrapped for ZeRO training.
     Call it as the model (inputs are cast to the compute dtype), then
     engine.backward(loss) and engine.step(). Its attributes: module,
@@ -96,8 +94,8 @@ class Engine(DeepSpeedQueries, nn.Module):
             if config.precision == "fp16" else None
 
         # what can be refused is refused before the model is changed
-        groups = self._match_param_groups(module, optimizer)
-        owners = self._owners(module, config.stage3_leaf_modules) \
+        groups = match_param_groups(module, optimizer)
+        owners = owners_of(module, config.stage3_leaf_modules) \
             if self.policy.partitions_params else None
         if not any(params for params, _names in groups):
             raise ValueError("the model has no trainable parameters (every parameter has "
@@ -139,18 +137,19 @@ class Engine(DeepSpeedQueries, nn.Module):
         for params, _names in groups:
             for p in params:
                 p.grad = None
-        self._cast(module)
+        cast_module(module, self.compute_dtype, self.device, self.policy)
         for name, buf in module.named_buffers():
-            _broadcast_buffer(comm, name, buf)
+            broadcast_buffer(comm, name, buf)
         # parameters outside the flat groups (which broadcast their own):
         # frozen ones at stages 0-2, integer ones at stage 3
         with torch.no_grad():
             for name, p in module.named_parameters():
-                if not p.requires_grad and (not self.policy.partitions_params or not p.is_floating_point()):
-                    _broadcast_buffer(comm, name, p.data, kind="parameter")
-        offload = self._offload_files(config.offload_optimizer, comm)
-        param_files = self._param_files(config.offload_param,
-                                        config.offload_optimizer.chunk_elements, comm)
+                if not p.requires_grad and \
+                        (not self.policy.partitions_params or not p.is_floating_point()):
+                    broadcast_buffer(comm, name, p.data, kind="parameter")
+        offload = offload_files(config.offload_optimizer, comm)
+        shard_files = param_files(config.offload_param,
+                                  config.offload_optimizer.chunk_elements, comm)
         self.groups: list[FlatGroup] = []
         for index, (params, names) in enumerate(groups):
             if not params:
@@ -160,12 +159,12 @@ class Engine(DeepSpeedQueries, nn.Module):
             reduce_comm = comm.channel(len(self.groups)) \
                 if self.policy.reduces_in_backward else None
             fg = FlatGroup(index, params, names, self.compute_dtype, comm, self.policy,
-                           config.reduce_bucket_size, units=self._units(params, owners),
+                           config.reduce_bucket_size, units=units_of(params, owners),
                            device=self.device,
                            grad_dtype=DTYPES[config.grad_accum_dtype or config.precision],
                            offload=offload(index),
                            staged=self._staged, reduce_comm=reduce_comm,
-                           param_files=param_files(index))
+                           param_files=shard_files(index))
             for name, fill in fresh_states(optimizer, self._spec,
                                            optimizer.param_groups[index]).items():
                 fg.add_state(name, fill)
@@ -183,8 +182,8 @@ class Engine(DeepSpeedQueries, nn.Module):
                 self.frozen_group = FlatGroup(
                     -1, [p for _, p in frozen], [n for n, _ in frozen], self.compute_dtype,
                     comm, self.policy, config.reduce_bucket_size,
-                    units=self._units([p for _, p in frozen], owners), trainable=False,
-                    device=self.device, param_files=param_files("frozen"))
+                    units=units_of([p for _, p in frozen], owners), trainable=False,
+                    device=self.device, param_files=shard_files("frozen"))
             self._schedule = Stage3Schedule(module, self.all_groups, comm, config,
                                             self._backward)
         self._param_groups_seen = len(optimizer.param_groups)
@@ -203,7 +202,7 @@ class Engine(DeepSpeedQueries, nn.Module):
             if self._schedule is None:
                 self._hook_root_for_backward()
         take_in_optimizer_states(optimizer, self.groups, resumed)
-        self._guard_optimizer()
+        guard_optimizer(self)
         record_parameters(self.all_groups)
 
     @property
@@ -212,103 +211,6 @@ class Engine(DeepSpeedQueries, nn.Module):
         return self.groups + ([self.frozen_group] if self.frozen_group else [])
 
     # ---- construction helpers ----------------------------------------------
-
-    def _cast(self, module):
-        """module.to(the engine's device, compute dtype), leaving
-        partitioned_init placeholders for the flat groups to gather one at
-        a time (casting one would allocate it in full). At stages 0-2 frozen
-        parameters are not in a flat group, so a frozen placeholder is
-        gathered here."""
-        dtype, device = self.compute_dtype, self.device
-
-        def cast(t):
-            if sharded_record(t) is not None:
-                if self.policy.partitions_params or t.requires_grad:
-                    return t
-                return take_values(t).to(device=device, dtype=dtype)
-            return t.to(device=device, dtype=dtype if t.is_floating_point() else None)
-        module._apply(cast)
-
-    def _offload_files(self, offload, comm):
-        """group index -> the NvmeFiles its states live in (None: in memory,
-        the host's for a staged GPU model)."""
-        if offload.device != "nvme":
-            return lambda index: None
-        from zero.offload._nvme import NvmeFiles
-        return lambda index: NvmeFiles(offload.nvme_path, f"r{comm.global_rank}-g{index}",
-                                       offload.chunk_elements, offload.write_through)
-
-    @staticmethod
-    def _param_files(offload, chunk_elements, comm):
-        """group index -> the NvmeFiles its stage-3 shard lives in (None: in
-        memory). offload_param "cpu" changes nothing for a CPU model, the
-        only kind it is accepted for (initialize). The step writes the
-        shard chunk by chunk, offload_optimizer's chunk_elements at a time."""
-        if offload.device != "nvme":
-            return lambda index: None
-        from zero.offload._nvme import NvmeFiles
-        return lambda index: NvmeFiles(offload.nvme_path, f"r{comm.global_rank}-g{index}-params",
-                                       chunk_elements, what="offload_param")
-
-    @staticmethod
-    def _owners(module, leaf_modules=()):
-        """Parameter id -> (index of the module whose unit holds it, the
-        index of the first module that registers it, its place there):
-        stage 3 makes one unit of each module's parameters, and one of all
-        the parameters below a leaf module (stage3_leaf_modules)."""
-        modules = list(module.modules())
-        position = {id(m): i for i, m in enumerate(modules)}
-        leaf_of = leaf_roots(module, leaf_modules)
-        owners = {}
-        for m_index, m in enumerate(modules):
-            unit_index = position[id(leaf_of[id(m)])] if id(m) in leaf_of else m_index
-            for p_index, p in enumerate(m._parameters.values()):
-                if p is not None and id(p) not in owners:
-                    owners[id(p)] = (unit_index, m_index, p_index)
-        return owners
-
-    @staticmethod
-    def _units(params, owners):
-        """Index lists of params, one per owning module, in module order."""
-        if owners is None:
-            return None
-        order = sorted(range(len(params)), key=lambda i: owners[id(params[i])])
-        units = []
-        for i in order:
-            if units and owners[id(params[units[-1][0]])][0] == owners[id(params[i])][0]:
-                units[-1].append(i)
-            else:
-                units.append([i])
-        return units
-
-    @staticmethod
-    def _match_param_groups(module, optimizer):
-        """The optimizer's groups as (params, names), trainable params only,
-        each once; every trainable parameter must be in a group."""
-        names = parameter_names(module)
-        seen = set()
-        groups = []
-        for gi, group in enumerate(optimizer.param_groups):
-            params, pnames = [], []
-            for p in group["params"]:
-                if id(p) not in names:
-                    raise ValueError(f"param group {gi} of the optimizer holds a parameter of "
-                                     f"shape {tuple(p.shape)} that is not in the model")
-                if id(p) in seen or not p.requires_grad:
-                    continue
-                seen.add(id(p))
-                params.append(p)
-                pnames.append(names[id(p)])
-            groups.append((params, pnames))
-        for name, p in module.named_parameters():
-            if p.requires_grad and id(p) not in seen:
-                raise ValueError(f"parameter '{name}' requires grad but is in none of the "
-                                 "optimizer's param groups; add it, or set requires_grad=False")
-        shared = first_shared_pair((f"parameter '{name}'", memory_span(p))
-                                   for name, p in module.named_parameters())
-        if shared is not None:
-            raise shared_memory_error(*shared, "Tie them as one Parameter (model.b = model.a)")
-        return groups
 
     def _hook_root_for_backward(self):
         """Stage 2: a backward begins at the root module's output (its
@@ -345,87 +247,7 @@ class Engine(DeepSpeedQueries, nn.Module):
                     call_alive(me, body, target, i)
             self._hooks.append(p.register_post_accumulate_grad_hook(hook))
 
-    def _guard_optimizer(self):
-        """optimizer.step() is refused; optimizer.zero_grad() is the
-        engine's, so it also drops gradients stages 2-3 reduced already (a
-        discarded backward would otherwise still be applied). torch has no
-        zero_grad hook: the optimizer object gets an attribute of its own,
-        removed by close()."""
-        me = weakref.ref(self)
-
-        def refuse(*_args, **_kwargs):
-            if me() is not None:  # a dropped engine leaves the optimizer to the user
-                raise RuntimeError("this optimizer is driven by a zero Engine: call "
-                                   "engine.step(), not optimizer.step()")
-        self._hooks.append(self.optimizer.register_step_pre_hook(refuse))
-        release = getattr(self.optimizer, "_release_buffers", None)
-        if release is not None:
-            release()
-        self.optimizer.zero_grad = EngineZeroGrad(self)
-        self._hooks.append(AttributeRemoval(self.optimizer, "zero_grad"))
-        # its states are the engine's now, partitioned: the optimizer's own
-        # state_dict() would hold none (or stale ones), and a load would
-        # change nothing the engine uses
-        for name in ("state_dict", "load_state_dict"):
-            setattr(self.optimizer, name, refuse_states_call(name))
-            self._hooks.append(AttributeRemoval(self.optimizer, name))
-        # model.zero_grad() too: at stages 2-3 the parameters' .grad are
-        # already None after a backward, so torch's alone would drop nothing
-        self.module.zero_grad = types.MethodType(model_zero_grad, self.module)
-        self._hooks.append(AttributeRemoval(self.module, "zero_grad"))
-        # and a submodule's, which drops its own parameters' gradients: at
-        # stages 2-3 they were reduced into the partitions already
-        for sub in self.module.modules():
-            if sub is not self.module and next(sub.parameters(), None) is not None:
-                sub.zero_grad = types.MethodType(submodule_zero_grad, sub)
-                self._hooks.append(AttributeRemoval(sub, "zero_grad"))
-
-    def _check_optimizer_unchanged(self):
-        """The engine laid out its partitions and states for the optimizer's
-        groups and the trainable parameters as they were at initialize: a
-        change since would be ignored silently, so it is refused."""
-        groups = self.optimizer.param_groups
-        if len(groups) != self._param_groups_seen:
-            raise RuntimeError(
-                f"the optimizer has {len(groups)} param groups, but had "
-                f"{self._param_groups_seen} at zero.initialize (add_param_group after "
-                "initialize): the engine partitions only the groups it was given. Call "
-                "zero.initialize again with the optimizer as it is now")
-        for fg in self.groups:
-            missing = set(self._spec.states(groups[fg.index])) - set(fg.states)
-            if missing:
-                raise ValueError(
-                    f"param group {fg.index} now needs optimizer state {sorted(missing)} "
-                    "(amsgrad or momentum turned on after zero.initialize), which the engine "
-                    "did not allocate: set it before initialize, or call zero.initialize again")
-        for name, p in self.module.named_parameters():
-            place = getattr(p, "_zero_place", None)
-            trained = place is not None and place.engine() is self and place.fg.trainable
-            if p.requires_grad and not trained and p.is_floating_point():
-                raise RuntimeError(
-                    f"parameter '{name}' requires grad, but was frozen (or not in the model) at "
-                    "zero.initialize, so the engine does not train it. Call zero.initialize "
-                    "again after changing which parameters train")
-            if trained and not p.requires_grad:
-                raise RuntimeError(
-                    f"parameter '{name}' was set to requires_grad=False after zero.initialize; "
-                    "the engine would still update it. Call zero.initialize again after "
-                    "changing which parameters train")
-
     # ---- training API ---------------------------------------------------------
-
-    def _check_update_arguments(self):
-        """Every group's settings as the update will take them, checked
-        before the first group is updated: a later group's refusal would
-        otherwise leave the step half applied."""
-        for fg in self.groups:
-            try:
-                _step_path.check_update_arguments(
-                    self._spec, self.optimizer, self.optimizer.param_groups[fg.index],
-                    fg.step_count + 1)
-            except (ValueError, TypeError) as error:
-                raise type(error)(f"optimizer param group {fg.index}: {error}; nothing was "
-                                  "updated") from None
 
     def _check_open(self):
         if self._closed:
@@ -565,8 +387,8 @@ class Engine(DeepSpeedQueries, nn.Module):
             refusal, settings = unscaled, ""
             try:
                 if refusal is None:
-                    self._check_optimizer_unchanged()
-                    self._check_update_arguments()
+                    check_optimizer_unchanged(self)
+                    _step_path.check_every_group(self._spec, self.optimizer, self.groups)
                 if self._comm.dp_world > 1:  # compared over every data-parallel rank
                     settings = describe_settings(self.optimizer.param_groups,
                                                  [fg.index for fg in self.groups])
@@ -673,86 +495,6 @@ class Engine(DeepSpeedQueries, nn.Module):
         if self._schedule is not None:
             self._schedule.add_external(module, param)
 
-    # ---- reporting --------------------------------------------------------------
-
-    def memory_summary(self) -> MemorySummary:
-        """This rank's model-state bytes. At stage 3, `params` is the shard
-        plus the persistent units, and `gathered_peak` the most bytes of
-        released units gathered at once (current module plus prefetch).
-        A closed engine holds nothing: its figures would be stale."""
-        self._check_open()
-        totals = {"params": 0, "grads": 0, "optimizer_states": 0, "offloaded": 0, "host": 0,
-                  "buckets": 0, "persistent": 0, "params_offloaded": 0}
-        for fg in self.groups:
-            for k, v in fg.nbytes().items():
-                totals[k] += v
-        item = self.compute_dtype.itemsize
-        totals["gathered_peak"] = self._schedule.peak_live * item if self._schedule else 0
-        grouped = {id(p) for fg in self.all_groups for p in fg.params}
-        frozen = 0
-        if self.frozen_group is not None:
-            frozen_bytes = self.frozen_group.nbytes()
-            frozen = frozen_bytes["params"]
-            totals["params_offloaded"] += frozen_bytes["params_offloaded"]
-        frozen += sum(p.nbytes for p in self.module.parameters() if id(p) not in grouped)
-        totals["model_states"] = totals["params"] + totals["grads"] + \
-            totals["optimizer_states"] + totals["gathered_peak"]
-        totals["frozen_params"] = frozen
-        formula, expected = self._formula(totals)
-        return MemorySummary(totals, formula=formula, formula_bytes=expected,
-                             world_size=self._comm.world, stage=self.stage,
-                             trainable_params=sum(fg.numel for fg in self.groups))
-
-    def _formula(self, totals):
-        return zero_formula(
-            self.stage, self._comm.world, self.compute_dtype.itemsize,
-            self.groups[0].grad_part.element_size(),  # grad_accum_dtype's
-            self.compute_dtype != torch.float32 or self._staged,  # a master of its own
-            [(fg.numel, len(fg.states)) for fg in self.groups], totals)
-
-    def comm_summary(self) -> dict:
-        """Elements and bytes per collective in the last optimizer step; at
-        stage 3 also how many unit gathers were prefetched and how many
-        waited on demand ("stage3_gathers"). With hybrid sharding the
-        top-level figures are the partitions' group's (dp_shard) and
-        "dp_replicate" holds what was summed across the replicas."""
-        return self._last_comm
-
-    def module_state_entries(self) -> dict:
-        """The model's state_dict(keep_vars=True), for its names and
-        buffers: at stage 3 the released parameters in it are placeholders
-        (which a user's state_dict() call warns about)."""
-        if self._schedule is None:
-            return self.module.state_dict(keep_vars=True)
-        self._schedule.reading_state = True
-        try:
-            return self.module.state_dict(keep_vars=True)
-        finally:
-            self._schedule.reading_state = False
-
-    def full_state_dict(self) -> dict:
-        """The whole model's state dict, trainable parameters in fp32 from
-        the master copies (gathered from every rank), on every rank, in host
-        memory whatever the model's device. A collective: every rank must
-        call it."""
-        self._check_open()
-        take_in_parameter_writes(self.all_groups, self.call_text("full_state_dict()"))
-        full = {}
-        by_id = {}
-        for fg in self.all_groups:
-            master = fg.gather_master()
-            fg.release_offloaded()
-            for i, p in enumerate(fg.params):
-                by_id[id(p)] = fg.view(master, i).clone()
-        for name, t in self.module_state_entries().items():
-            if id(t) in by_id:
-                full[name] = by_id[id(t)]
-            else:
-                t = t.detach()
-                full[name] = t.to(device="cpu", copy=True,
-                                  dtype=torch.float32 if t.is_floating_point() else None)
-        return full
-
     def save_checkpoint(self, save_dir, tag=None, client_state=None,
                         save_latest: bool = True) -> str:
         """Write this engine's training state to <save_dir>/<tag>/ (tag
@@ -836,20 +578,6 @@ class Engine(DeepSpeedQueries, nn.Module):
         self._closed = True
 
 
-def clip_coefficient(max_norm, norm) -> float:
-    """What the gradients are multiplied by: torch's clip_grad_norm_
-    coefficient min(1, max_norm / (norm + 1e-6)), 0 for an inf norm. For
-    a NaN norm torch's is NaN, which turns every parameter NaN; the C core
-    refuses a NaN scale, so it is 0 as for inf: the NaN elements' own
-    parameters become NaN, the other gradients count for nothing that
-    step (min() in Python would have given 1.0). docs/engine.md."""
-    if not max_norm:
-        return 1.0
-    if math.isnan(norm):
-        return 0.0
-    return min(1.0, max_norm / (norm + 1e-6))
-
-
 def _accumulate_grad(_engine, fg, i):
     fg.accumulate_grad(i)
 
@@ -857,24 +585,3 @@ def _accumulate_grad(_engine, fg, i):
 def _grad_ready(engine, fg, i):
     engine._backward.begin()  # a backward that reached no module output
     fg.reducer.on_grad_ready(i)
-
-
-def _broadcast_buffer(comm, name, buf, kind="buffer"):
-    """Rank 0's value of a buffer on every rank. The collective writes
-    numel x itemsize bytes from the data pointer, so a buffer that is not
-    contiguous goes through a contiguous copy; one whose elements share
-    memory (an expanded tensor) cannot take a value per element at all."""
-    comm = comm.everyone  # the replicas take rank 0's value too
-    if comm.world == 1:
-        return
-    if torch._debug_has_internal_overlap(buf) == 1:
-        raise ValueError(f"{kind} '{name}' has elements that share memory (an expanded "
-                         f"tensor, strides {tuple(buf.stride())}), so rank 0's value cannot "
-                         "be written into it; register buf.contiguous() (or clone()) instead")
-    if buf.is_contiguous():
-        comm.broadcast(buf, src=0)
-        return
-    staged = buf.contiguous()
-    comm.broadcast(staged, src=0)
-    buf.copy_(staged)
-

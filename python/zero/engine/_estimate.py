@@ -22,7 +22,8 @@ from zero.offload._nvme import PAGE_ELEMENTS, SLOTS
 from zero.step._registry import spec_for
 from zero.step._step_path import states_off_device
 from zero.sharding._units import lay_out
-from zero.engine._engine import DTYPES, Engine
+from zero.engine._construction import match_param_groups, owners_of, units_of
+from zero.engine._engine import DTYPES
 
 
 def _partitions_of_mesh(mesh, world_size) -> int:
@@ -75,10 +76,10 @@ def estimate_memory(model: nn.Module, world_size: int = 1, *, optimizer=None, st
     if optimizer is None:
         optimizer = default_optimizer(cfg, model)
     spec = spec_for(optimizer)
-    groups = Engine._match_param_groups(model, optimizer)
+    groups = match_param_groups(model, optimizer)
     if not any(params for params, _ in groups):
         raise ValueError("the model has no trainable parameters; nothing to train")
-    owners = Engine._owners(model, cfg.stage3_leaf_modules) if cfg.stage == 3 else None
+    owners = owners_of(model, cfg.stage3_leaf_modules) if cfg.stage == 3 else None
     pb = DTYPES[cfg.precision].itemsize
     gb = DTYPES[cfg.grad_accum_dtype or cfg.precision].itemsize
     fp32 = cfg.precision == "fp32"
@@ -88,7 +89,7 @@ def estimate_memory(model: nn.Module, world_size: int = 1, *, optimizer=None, st
     for index, (params, _names) in enumerate(groups):
         if not params:
             continue
-        units = _layout(params, Engine._units(params, owners), cfg, world_size)
+        units = _layout(params, units_of(params, owners), cfg, world_size)
         part = sum(u.part for u in units)
         states = len(spec.states(optimizer.param_groups[index]))
         params_bytes, persistent, params_offloaded = _param_bytes(units, part, pb, cfg)
@@ -196,7 +197,7 @@ def _frozen_bytes(frozen, owners, cfg, world_size, pb):
     total = sum(p.numel() * (pb if p.is_floating_point() else p.element_size()) for p in whole)
     offloaded = 0
     if partitioned:
-        units = _layout(partitioned, Engine._units(partitioned, owners), cfg, world_size)
+        units = _layout(partitioned, units_of(partitioned, owners), cfg, world_size)
         held, _persistent, offloaded = _param_bytes(units, sum(u.part for u in units), pb, cfg)
         total += held
     return total, offloaded

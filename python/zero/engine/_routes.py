@@ -5,6 +5,7 @@ state_dict refused, and the handles that take these attributes away again at
 close(). Every route holds its engine weakly."""
 from __future__ import annotations
 
+import types
 import weakref
 
 
@@ -88,3 +89,71 @@ class AttributeRemoval:
         obj = self._obj()
         if obj is not None:
             obj.__dict__.pop(self._name, None)
+
+
+def guard_optimizer(engine):
+    """optimizer.step() is refused; optimizer.zero_grad() is the
+    engine's, so it also drops gradients stages 2-3 reduced already (a
+    discarded backward would otherwise still be applied). torch has no
+    zero_grad hook: the optimizer object gets an attribute of its own,
+    removed by close()."""
+    me = weakref.ref(engine)
+
+    def refuse(*_args, **_kwargs):
+        if me() is not None:  # a dropped engine leaves the optimizer to the user
+            raise RuntimeError("this optimizer is driven by a zero Engine: call "
+                               "engine.step(), not optimizer.step()")
+    engine._hooks.append(engine.optimizer.register_step_pre_hook(refuse))
+    release = getattr(engine.optimizer, "_release_buffers", None)
+    if release is not None:
+        release()
+    engine.optimizer.zero_grad = EngineZeroGrad(engine)
+    engine._hooks.append(AttributeRemoval(engine.optimizer, "zero_grad"))
+    # its states are the engine's now, partitioned: the optimizer's own
+    # state_dict() would hold none (or stale ones), and a load would
+    # change nothing the engine uses
+    for name in ("state_dict", "load_state_dict"):
+        setattr(engine.optimizer, name, refuse_states_call(name))
+        engine._hooks.append(AttributeRemoval(engine.optimizer, name))
+    # model.zero_grad() too: at stages 2-3 the parameters' .grad are
+    # already None after a backward, so torch's alone would drop nothing
+    engine.module.zero_grad = types.MethodType(model_zero_grad, engine.module)
+    engine._hooks.append(AttributeRemoval(engine.module, "zero_grad"))
+    # and a submodule's, which drops its own parameters' gradients: at
+    # stages 2-3 they were reduced into the partitions already
+    for sub in engine.module.modules():
+        if sub is not engine.module and next(sub.parameters(), None) is not None:
+            sub.zero_grad = types.MethodType(submodule_zero_grad, sub)
+            engine._hooks.append(AttributeRemoval(sub, "zero_grad"))
+
+def check_optimizer_unchanged(engine):
+    """The engine laid out its partitions and states for the optimizer's
+    groups and the trainable parameters as they were at initialize: a
+    change since would be ignored silently, so it is refused."""
+    groups = engine.optimizer.param_groups
+    if len(groups) != engine._param_groups_seen:
+        raise RuntimeError(
+            f"the optimizer has {len(groups)} param groups, but had "
+            f"{engine._param_groups_seen} at zero.initialize (add_param_group after "
+            "initialize): the engine partitions only the groups it was given. Call "
+            "zero.initialize again with the optimizer as it is now")
+    for fg in engine.groups:
+        missing = set(engine._spec.states(groups[fg.index])) - set(fg.states)
+        if missing:
+            raise ValueError(
+                f"param group {fg.index} now needs optimizer state {sorted(missing)} "
+                "(amsgrad or momentum turned on after zero.initialize), which the engine "
+                "did not allocate: set it before initialize, or call zero.initialize again")
+    for name, p in engine.module.named_parameters():
+        place = getattr(p, "_zero_place", None)
+        trained = place is not None and place.engine() is engine and place.fg.trainable
+        if p.requires_grad and not trained and p.is_floating_point():
+            raise RuntimeError(
+                f"parameter '{name}' requires grad, but was frozen (or not in the model) at "
+                "zero.initialize, so the engine does not train it. Call zero.initialize "
+                "again after changing which parameters train")
+        if trained and not p.requires_grad:
+            raise RuntimeError(
+                f"parameter '{name}' was set to requires_grad=False after zero.initialize; "
+                "the engine would still update it. Call zero.initialize again after "
+                "changing which parameters train")

@@ -38,73 +38,17 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
-from dataclasses import dataclass, field
 
 import torch
 from torch.autograd.graph import increment_version
 
-import zero._C as _C
+from zero.optim._segments import Segment, where
 from zero.sharding._param_writes import record_parameters, take_changed_elements
 from zero.sharding._shared_memory import first_shared_pair, memory_span, shared_memory_error
 from zero.step._hyperparameters import check_group_settings
 from zero.step._registry import OptimizerSpec, decoupled
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-
-
-@dataclass
-class _Segment:
-    """The parameters of one group that share a dtype, laid out flat."""
-
-    params: list
-    indices: list               # each parameter's index in its group
-    offsets: list               # element offset of each parameter
-    shapes: list                # each parameter's shape when laid out
-    param_flat: torch.Tensor    # [numel] the parameters' own storage
-    master: torch.Tensor        # [numel] fp32; param_flat itself for fp32
-    grad_flat: torch.Tensor     # [numel] param dtype
-    steps: torch.Tensor         # [len(params)] float32 per-parameter counts
-    group_index: int = 0
-    states: dict = field(default_factory=dict)   # name -> [numel] fp32
-    buffers: dict = field(default_factory=dict)  # name -> _C.Buffer
-    pointers: dict = field(default_factory=dict)  # name -> data_ptr its Buffer holds
-    started: list = field(default_factory=list)  # per param: lazy states exist
-    published: list = field(default_factory=list)  # per param: (entry, its items)
-    seen_versions: list = field(default_factory=list)  # see _param_writes
-
-    @property
-    def numel(self) -> int:
-        return self.param_flat.numel()
-
-    def view(self, flat: torch.Tensor, index: int) -> torch.Tensor:
-        start = self.offsets[index]
-        shape = self.shapes[index]
-        return flat[start:start + shape.numel()].view(shape)
-
-    def tensor_of(self, name: str) -> torch.Tensor:
-        if name == "master":
-            return self.master
-        if name == "grad":
-            return self.grad_flat
-        if name == "copy_out":
-            return self.param_flat
-        return self.states[name]
-
-    def make_buffer(self, name: str):
-        tensor = self.tensor_of(name)
-        self.buffers[name] = _C.Buffer(tensor.detach())
-        self.pointers[name] = tensor.data_ptr()
-
-    def is_slot(self, flat: torch.Tensor, tensor: torch.Tensor, index: int) -> bool:
-        """Whether tensor is exactly the view of flat at index: the same
-        address alone also matches a transposed view of it."""
-        slot = self.view(flat, index)
-        return (tensor.data_ptr() == slot.data_ptr() and tensor.dtype == slot.dtype
-                and tensor.shape == slot.shape and tensor.stride() == slot.stride())
-
-
-def _where(seg: _Segment, i: int) -> str:
-    return f"parameter {seg.indices[i]} of param group {seg.group_index}"
 
 
 class FlatOptimizer(torch.optim.Optimizer):
@@ -129,7 +73,7 @@ class FlatOptimizer(torch.optim.Optimizer):
         super().__init__(params, defaults)
 
     def _init_layout(self):
-        self._segments: list[list[_Segment]] = []
+        self._segments: list[list[Segment]] = []
         self._laid_out: list | None = []  # each group's params as laid out
         self._off_host = None  # why the parameters cannot be flattened here
 
@@ -218,7 +162,7 @@ class FlatOptimizer(torch.optim.Optimizer):
         self._off_host = off_host
         return by_dtype
 
-    def _flatten(self, params, group, group_index: int) -> _Segment:
+    def _flatten(self, params, group, group_index: int) -> Segment:
         dtype = params[0].dtype
         offsets, total = [], 0
         for p in params:
@@ -229,7 +173,7 @@ class FlatOptimizer(torch.optim.Optimizer):
             param_flat[start:start + p.numel()].copy_(p.detach().reshape(-1))
         master = param_flat if dtype == torch.float32 else param_flat.float()
         index_in_group = {id(p): i for i, p in enumerate(group["params"])}
-        seg = _Segment(params=list(params), indices=[index_in_group[id(p)] for p in params],
+        seg = Segment(params=list(params), indices=[index_in_group[id(p)] for p in params],
                        offsets=offsets, shapes=[p.shape for p in params],
                        param_flat=param_flat, master=master,
                        grad_flat=torch.zeros(total, dtype=dtype),
@@ -249,7 +193,7 @@ class FlatOptimizer(torch.optim.Optimizer):
         record_parameters([seg])
         return seg
 
-    def _ensure_states(self, seg: _Segment, group):
+    def _ensure_states(self, seg: Segment, group):
         """Allocate the states this group's settings use (amsgrad or
         momentum may be switched on after construction)."""
         missing = [n for n in self._states_in_use(group) if n not in seg.states]
@@ -262,7 +206,7 @@ class FlatOptimizer(torch.optim.Optimizer):
         if missing:
             self._publish_state(seg)
 
-    def _publish_state(self, seg: _Segment, which=None):
+    def _publish_state(self, seg: Segment, which=None):
         """self.state[p] as views into the flat buffers, remembered so that
         an entry replaced by the user is noticed (_take_in_state)."""
         if len(seg.published) != len(seg.params):
@@ -292,7 +236,7 @@ class FlatOptimizer(torch.optim.Optimizer):
     def _initial_state_value(self, name: str, group) -> float:
         return self.spec.states(group).get(name, 0.0)
 
-    def _update(self, seg: _Segment, group, start: int, stop: int, step: int,
+    def _update(self, seg: Segment, group, start: int, stop: int, step: int,
                 grad_scale: float, fresh: bool):
         """One run [start, stop) of a segment through the C core. fresh: the
         run's lazy states do not exist yet (step() has applied maximize)."""
@@ -330,14 +274,14 @@ class FlatOptimizer(torch.optim.Optimizer):
                     "parameters it laid out in flat buffers. Use add_param_group for new "
                     "parameters, or build a new optimizer (del this one first)")
 
-    def _refresh_buffers(self, seg: _Segment):
+    def _refresh_buffers(self, seg: Segment):
         """A Buffer holds the address its tensor had when it was made;
         share_memory_() moves the storage and frees that block."""
         for name, buffer in seg.buffers.items():
             if buffer is not None and seg.tensor_of(name).data_ptr() != seg.pointers[name]:
                 seg.make_buffer(name)
 
-    def _take_back_params(self, seg: _Segment):
+    def _take_back_params(self, seg: Segment):
         """Re-point a parameter whose .data was replaced by an equal kind of
         tensor (p.data = ...); refuse one cast, moved or resized."""
         for i, p in enumerate(seg.params):
@@ -347,7 +291,7 @@ class FlatOptimizer(torch.optim.Optimizer):
             if p.dtype != dtype or p.device.type != "cpu" or p.shape != shape or \
                     p.layout != torch.strided:
                 raise RuntimeError(
-                    f"{_where(seg, i)} is now {p.dtype} {tuple(p.shape)} on {p.device}, but "
+                    f"{where(seg, i)} is now {p.dtype} {tuple(p.shape)} on {p.device}, but "
                     f"this optimizer was built for {dtype} {tuple(shape)} on cpu: it was cast, "
                     "moved or resized (p.data = ..., model.to(...), model.float()) after the "
                     "optimizer was built. Cast it back, or build a new optimizer over the "
@@ -357,7 +301,7 @@ class FlatOptimizer(torch.optim.Optimizer):
             p.data = slot
             seg.seen_versions[i] = -1  # its new values go into the master below
 
-    def _take_in_writes(self, seg: _Segment):
+    def _take_in_writes(self, seg: Segment):
         """Values written into a 16-bit parameter since the last step go into
         the master; elements the write left as they were keep their fp32
         bits (see _param_writes' [Note: parameter writes])."""
@@ -369,7 +313,7 @@ class FlatOptimizer(torch.optim.Optimizer):
             take_changed_elements(seg.view(seg.master, i), seg.view(seg.param_flat, i))
             seg.seen_versions[i] = p._version
 
-    def _take_in_state(self, seg: _Segment, group):
+    def _take_in_state(self, seg: Segment, group):
         changed = []
         for i, p in enumerate(seg.params):
             entry = self.state.get(p)
@@ -384,17 +328,17 @@ class FlatOptimizer(torch.optim.Optimizer):
         if changed:
             self._publish_state(seg, changed)
 
-    def _check_entry(self, seg: _Segment, i: int, entry: dict, source: str):
+    def _check_entry(self, seg: Segment, i: int, entry: dict, source: str):
         for name, value in entry.items():
             if name == "step" or value is None or not isinstance(value, torch.Tensor):
                 continue
             if value.shape != seg.shapes[i]:
                 raise ValueError(
-                    f"{source}['{name}'] of {_where(seg, i)} has shape {tuple(value.shape)}, "
+                    f"{source}['{name}'] of {where(seg, i)} has shape {tuple(value.shape)}, "
                     f"the parameter {tuple(seg.shapes[i])}: it belongs to another parameter "
                     "or model. Load a state of this model's parameters, in the same order")
 
-    def _adopt_entry(self, seg: _Segment, i: int, entry: dict, group, *,
+    def _adopt_entry(self, seg: Segment, i: int, entry: dict, group, *,
                      master_from_param: bool):
         """Copy one parameter's state from entry (torch's layout or ours);
         what it lacks starts afresh, as torch.optim does for a parameter
@@ -425,7 +369,7 @@ class FlatOptimizer(torch.optim.Optimizer):
 
     # ---- step -------------------------------------------------------------
 
-    def _gather_grads(self, seg: _Segment) -> list:
+    def _gather_grads(self, seg: Segment) -> list:
         """Bring every gradient into the flat buffer; which params have one."""
         present = []
         for i, p in enumerate(seg.params):
@@ -435,7 +379,7 @@ class FlatOptimizer(torch.optim.Optimizer):
                 continue
             if g.layout != torch.strided:
                 # before data_ptr(), which a sparse tensor does not have
-                raise TypeError(f"{_where(seg, i)} has a {g.layout} gradient; zero.optim "
+                raise TypeError(f"{where(seg, i)} has a {g.layout} gradient; zero.optim "
                                 "needs dense gradients (use torch.optim's SparseAdam, or "
                                 "sparse=False in the embedding)")
             if not seg.is_slot(seg.grad_flat, g, i):
@@ -489,7 +433,7 @@ class FlatOptimizer(torch.optim.Optimizer):
                     raise type(error)(f"param group {index}: {error}; nothing was "
                                       "updated") from None
 
-    def _step_segment(self, seg: _Segment, group, scale: float, lazy: list):
+    def _step_segment(self, seg: Segment, group, scale: float, lazy: list):
         present = self._gather_grads(seg)
         steps = seg.steps.tolist()
         keys = list(zip(steps, seg.started))

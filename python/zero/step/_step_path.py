@@ -42,6 +42,19 @@ def check_update_arguments(spec, optimizer, group, step):
     run_update(spec, optimizer, group, buffers, step, 1.0, spec.host)
 
 
+def check_every_group(spec, optimizer, groups):
+    """Every flat group's settings as the update will take them, checked
+    before the first group is updated: a later group's refusal would
+    otherwise leave the step half applied."""
+    for fg in groups:
+        try:
+            check_update_arguments(spec, optimizer, optimizer.param_groups[fg.index],
+                                   fg.step_count + 1)
+        except (ValueError, TypeError) as error:
+            raise type(error)(f"optimizer param group {fg.index}: {error}; nothing was "
+                              "updated") from None
+
+
 class HostStep:
     def __init__(self):
         self.name = f"cpu: zero C core ({cpu_info()['simd']})"

@@ -1,0 +1,123 @@
+"""What zero.initialize and estimate_memory work out about a model before
+any buffer exists: which parameters train in which optimizer group, the
+units stage 3 makes of them, the files offload puts them in, and rank 0's
+values of what is not partitioned."""
+from __future__ import annotations
+
+import torch
+
+from zero.sharding._partitioned_init import sharded_record, take_values
+from zero.sharding._shared_memory import first_shared_pair, memory_span, shared_memory_error
+from zero.sharding._units import leaf_roots, parameter_names
+
+
+def offload_files(offload, comm):
+    """group index -> the NvmeFiles its states live in (None: in memory,
+    the host's for a staged GPU model)."""
+    if offload.device != "nvme":
+        return lambda index: None
+    from zero.offload._nvme import NvmeFiles
+    return lambda index: NvmeFiles(offload.nvme_path, f"r{comm.global_rank}-g{index}",
+                                   offload.chunk_elements, offload.write_through)
+
+def param_files(offload, chunk_elements, comm):
+    """group index -> the NvmeFiles its stage-3 shard lives in (None: in
+    memory). offload_param "cpu" changes nothing for a CPU model, the
+    only kind it is accepted for (initialize). The step writes the
+    shard chunk by chunk, offload_optimizer's chunk_elements at a time."""
+    if offload.device != "nvme":
+        return lambda index: None
+    from zero.offload._nvme import NvmeFiles
+    return lambda index: NvmeFiles(offload.nvme_path, f"r{comm.global_rank}-g{index}-params",
+                                   chunk_elements, what="offload_param")
+
+def owners_of(module, leaf_modules=()):
+    """Parameter id -> (index of the module whose unit holds it, the
+    index of the first module that registers it, its place there):
+    stage 3 makes one unit of each module's parameters, and one of all
+    the parameters below a leaf module (stage3_leaf_modules)."""
+    modules = list(module.modules())
+    position = {id(m): i for i, m in enumerate(modules)}
+    leaf_of = leaf_roots(module, leaf_modules)
+    owners = {}
+    for m_index, m in enumerate(modules):
+        unit_index = position[id(leaf_of[id(m)])] if id(m) in leaf_of else m_index
+        for p_index, p in enumerate(m._parameters.values()):
+            if p is not None and id(p) not in owners:
+                owners[id(p)] = (unit_index, m_index, p_index)
+    return owners
+
+def units_of(params, owners):
+    """Index lists of params, one per owning module, in module order."""
+    if owners is None:
+        return None
+    order = sorted(range(len(params)), key=lambda i: owners[id(params[i])])
+    units = []
+    for i in order:
+        if units and owners[id(params[units[-1][0]])][0] == owners[id(params[i])][0]:
+            units[-1].append(i)
+        else:
+            units.append([i])
+    return units
+
+def match_param_groups(module, optimizer):
+    """The optimizer's groups as (params, names), trainable params only,
+    each once; every trainable parameter must be in a group."""
+    names = parameter_names(module)
+    seen = set()
+    groups = []
+    for gi, group in enumerate(optimizer.param_groups):
+        params, pnames = [], []
+        for p in group["params"]:
+            if id(p) not in names:
+                raise ValueError(f"param group {gi} of the optimizer holds a parameter of "
+                                 f"shape {tuple(p.shape)} that is not in the model")
+            if id(p) in seen or not p.requires_grad:
+                continue
+            seen.add(id(p))
+            params.append(p)
+            pnames.append(names[id(p)])
+        groups.append((params, pnames))
+    for name, p in module.named_parameters():
+        if p.requires_grad and id(p) not in seen:
+            raise ValueError(f"parameter '{name}' requires grad but is in none of the "
+                             "optimizer's param groups; add it, or set requires_grad=False")
+    shared = first_shared_pair((f"parameter '{name}'", memory_span(p))
+                               for name, p in module.named_parameters())
+    if shared is not None:
+        raise shared_memory_error(*shared, "Tie them as one Parameter (model.b = model.a)")
+    return groups
+
+
+def broadcast_buffer(comm, name, buf, kind="buffer"):
+    """Rank 0's value of a buffer on every rank. The collective writes
+    numel x itemsize bytes from the data pointer, so a buffer that is not
+    contiguous goes through a contiguous copy; one whose elements share
+    memory (an expanded tensor) cannot take a value per element at all."""
+    comm = comm.everyone  # the replicas take rank 0's value too
+    if comm.world == 1:
+        return
+    if torch._debug_has_internal_overlap(buf) == 1:
+        raise ValueError(f"{kind} '{name}' has elements that share memory (an expanded "
+                         f"tensor, strides {tuple(buf.stride())}), so rank 0's value cannot "
+                         "be written into it; register buf.contiguous() (or clone()) instead")
+    if buf.is_contiguous():
+        comm.broadcast(buf, src=0)
+        return
+    staged = buf.contiguous()
+    comm.broadcast(staged, src=0)
+    buf.copy_(staged)
+
+
+def cast_module(module, dtype, device, policy):
+    """module.to(device, dtype), leaving partitioned_init placeholders for
+    the flat groups to gather one at a time (casting one would allocate it
+    in full). Where frozen parameters are not in a flat group (stages 0-2),
+    a frozen placeholder is gathered here."""
+    def cast(t):
+        if sharded_record(t) is not None:
+            if policy.partitions_params or t.requires_grad:
+                return t
+            return take_values(t).to(device=device, dtype=dtype)
+        return t.to(device=device, dtype=dtype if t.is_floating_point() else None)
+    module._apply(cast)

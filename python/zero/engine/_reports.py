@@ -1,0 +1,91 @@
+"""The engine's reports: the model-state memory beside the ZeRO formula,
+the last step's collectives, and the whole model's state dict (a
+collective every rank calls)."""
+from __future__ import annotations
+
+import torch
+
+from zero.engine._memory import MemorySummary, zero_formula
+from zero.sharding._param_writes import take_in_parameter_writes
+
+
+class EngineReports:
+    """Mixed into Engine."""
+
+    def memory_summary(self) -> MemorySummary:
+        """This rank's model-state bytes. At stage 3, `params` is the shard
+        plus the persistent units, and `gathered_peak` the most bytes of
+        released units gathered at once (current module plus prefetch).
+        A closed engine holds nothing: its figures would be stale."""
+        self._check_open()
+        totals = {"params": 0, "grads": 0, "optimizer_states": 0, "offloaded": 0, "host": 0,
+                  "buckets": 0, "persistent": 0, "params_offloaded": 0}
+        for fg in self.groups:
+            for k, v in fg.nbytes().items():
+                totals[k] += v
+        item = self.compute_dtype.itemsize
+        totals["gathered_peak"] = self._schedule.peak_live * item if self._schedule else 0
+        grouped = {id(p) for fg in self.all_groups for p in fg.params}
+        frozen = 0
+        if self.frozen_group is not None:
+            frozen_bytes = self.frozen_group.nbytes()
+            frozen = frozen_bytes["params"]
+            totals["params_offloaded"] += frozen_bytes["params_offloaded"]
+        frozen += sum(p.nbytes for p in self.module.parameters() if id(p) not in grouped)
+        totals["model_states"] = totals["params"] + totals["grads"] + \
+            totals["optimizer_states"] + totals["gathered_peak"]
+        totals["frozen_params"] = frozen
+        formula, expected = self._formula(totals)
+        return MemorySummary(totals, formula=formula, formula_bytes=expected,
+                             world_size=self._comm.world, stage=self.stage,
+                             trainable_params=sum(fg.numel for fg in self.groups))
+
+    def _formula(self, totals):
+        return zero_formula(
+            self.stage, self._comm.world, self.compute_dtype.itemsize,
+            self.groups[0].grad_part.element_size(),  # grad_accum_dtype's
+            self.compute_dtype != torch.float32 or self._staged,  # a master of its own
+            [(fg.numel, len(fg.states)) for fg in self.groups], totals)
+
+    def comm_summary(self) -> dict:
+        """Elements and bytes per collective in the last optimizer step; at
+        stage 3 also how many unit gathers were prefetched and how many
+        waited on demand ("stage3_gathers"). With hybrid sharding the
+        top-level figures are the partitions' group's (dp_shard) and
+        "dp_replicate" holds what was summed across the replicas."""
+        return self._last_comm
+
+    def module_state_entries(self) -> dict:
+        """The model's state_dict(keep_vars=True), for its names and
+        buffers: at stage 3 the released parameters in it are placeholders
+        (which a user's state_dict() call warns about)."""
+        if self._schedule is None:
+            return self.module.state_dict(keep_vars=True)
+        self._schedule.reading_state = True
+        try:
+            return self.module.state_dict(keep_vars=True)
+        finally:
+            self._schedule.reading_state = False
+
+    def full_state_dict(self) -> dict:
+        """The whole model's state dict, trainable parameters in fp32 from
+        the master copies (gathered from every rank), on every rank, in host
+        memory whatever the model's device. A collective: every rank must
+        call it."""
+        self._check_open()
+        take_in_parameter_writes(self.all_groups, self.call_text("full_state_dict()"))
+        full = {}
+        by_id = {}
+        for fg in self.all_groups:
+            master = fg.gather_master()
+            fg.release_offloaded()
+            for i, p in enumerate(fg.params):
+                by_id[id(p)] = fg.view(master, i).clone()
+        for name, t in self.module_state_entries().items():
+            if id(t) in by_id:
+                full[name] = by_id[id(t)]
+            else:
+                t = t.detach()
+                full[name] = t.to(device="cpu", copy=True,
+                                  dtype=torch.float32 if t.is_floating_point() else None)
+        return full

@@ -1,0 +1,107 @@
+"""Stage 3's saved-tensor hooks ([Note: saved parameters] in _stage3.py):
+a tensor autograd saves that lies in a unit's storage is kept as where it
+lies, and gathered again when backward unpacks it, whether or not its
+unit is still gathered then."""
+from __future__ import annotations
+
+import bisect
+
+import torch
+from torch.autograd.graph import saved_tensors_hooks
+
+from zero.sharding._units import storage_key
+
+
+class SavedParameters:
+    """Mixed into Stage3Schedule: its pack and unpack hooks."""
+
+    def _pack(self, tensor):
+        return self._pack_with(tensor, self._outer)
+
+    def saving_outside_forward(self):
+        """The saved-tensor hooks for a block that computes with gathered
+        parameters outside forward (zero.GatheredParameters): a loss term
+        like w.pow(2) taken there saves w itself, released at the block's
+        end, so its backward must gather it again ([Note: saved
+        parameters]). The hooks in force at entry get every other tensor."""
+        outer = outer_saved_tensors_hooks()
+        return saved_tensors_hooks(lambda tensor: self._pack_with(tensor, outer), self._unpack)
+
+    def _pack_with(self, tensor, outer):
+        """[Note: saved parameters]: a saved tensor in a unit's storage is
+        kept as where it lies in its unit, to be gathered again if released
+        by then (not as a view: see [Note: released parameters])."""
+        entry = self.unit_by_storage.get(storage_key(tensor))  # None: no storage
+        if entry is not None and self.removed:
+            entry = None  # hooks left on under someone else's (see remove): as they are
+        if entry is not None:
+            fg, unit = entry
+            if tensor.dtype == unit.full.dtype:
+                return _SavedInUnit(fg, unit, tensor)
+            return _SavedView(fg, unit, tensor)  # reinterpreted bytes: kept as it is
+        if outer is None:
+            return tensor
+        pack, unpack = outer
+        return _SavedByOuter(unpack, pack(tensor))
+
+    def _unpack(self, packed):
+        if isinstance(packed, _SavedByOuter):
+            return packed.unpack(packed.packed)
+        if isinstance(packed, (_SavedInUnit, _SavedView)):
+            self._refuse_if_removed()
+            self.begin_backward()
+        if isinstance(packed, _SavedView):
+            self.ensure(packed.fg, packed.unit)
+            return packed.tensor
+        if not isinstance(packed, _SavedInUnit):
+            return packed
+        self.ensure(packed.fg, packed.unit)
+        param = packed.param
+        if param is not None and param._version != packed.version:
+            raise RuntimeError(
+                "one of the variables needed for gradient computation has been modified by "
+                f"an inplace operation: a parameter of shape {tuple(param.shape)} is at "
+                f"version {param._version}; expected version {packed.version}")
+        return packed.unit.full.as_strided(packed.size, packed.stride, packed.offset)
+
+
+class _SavedInUnit:
+    """A saved tensor that lies in a stage-3 unit's storage: where (its
+    size, strides and offset in the unit's buffer), and the parameter it
+    lies in with that parameter's version (torch checks versions of what it
+    saves itself; with a hook the hook must; the step bumps them)."""
+    __slots__ = ("fg", "unit", "size", "stride", "offset", "param", "version")
+
+    def __init__(self, fg, unit, tensor):
+        self.fg, self.unit = fg, unit
+        self.size, self.stride = tensor.shape, tensor.stride()
+        self.offset = tensor.storage_offset()
+        j = bisect.bisect_right(unit.offsets, self.offset) - 1
+        self.param = unit.params[j] if j >= 0 else None
+        self.version = self.param._version if self.param is not None else 0
+
+
+class _SavedView:
+    """A saved tensor of a unit's storage under another dtype, kept as it
+    is (the unit is gathered again into its storage before it is read)."""
+    __slots__ = ("fg", "unit", "tensor")
+
+    def __init__(self, fg, unit, tensor):
+        self.fg, self.unit, self.tensor = fg, unit, tensor
+
+
+class _SavedByOuter:
+    """A saved tensor handed to the hooks that were in force when the
+    root's forward began, with their unpack."""
+    __slots__ = ("unpack", "packed")
+
+    def __init__(self, unpack, packed):
+        self.unpack, self.packed = unpack, packed
+
+
+def outer_saved_tensors_hooks():
+    """The saved-tensor hooks in force (pack, unpack), or None. torch has
+    no public call for this; without the private one, other tensors are
+    saved as they are (as before any outer hooks)."""
+    top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+    return top(False) if top is not None else None
