@@ -122,3 +122,17 @@ def test_check_sees_a_wrong_import(tmp_path):
     module.write_text("from zero import _C\nfrom zero.engine._engine import Engine\n")
     found = imported(module, "zero.sharding._bad")
     assert "zero" in found and "zero.engine._engine" in found
+
+
+def test_only_comm_and_the_mesh_import_torch_distributed():
+    """Every collective goes through comm/_comm.py with the group it is
+    given; parallel/ builds the groups from the user's mesh."""
+    found = []
+    for path, name in modules():
+        tree = ast.parse(path.read_text())
+        for node in ast.walk(tree):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                [node.module or ""] if isinstance(node, ast.ImportFrom) else []
+            if any(n == "torch.distributed" or n.startswith("torch.distributed.") for n in names):
+                found.append(name)
+    assert sorted(set(found)) == ["zero.comm._comm", "zero.parallel._mesh"], found

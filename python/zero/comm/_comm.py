@@ -111,6 +111,15 @@ _timeout = {"value": None, "source": None}
 _exit_hook = {"registered": False}
 
 
+def nccl_available() -> bool:
+    return dist.is_nccl_available()
+
+
+def world_size() -> int:
+    """The default group's size; 1 where no group was made."""
+    return dist.get_world_size() if dist.is_initialized() else 1
+
+
 def backend_for(device: torch.device, world: int) -> str:
     """The process-group backend for a model on `device`: gloo on the CPU;
     NCCL for CUDA tensors, with gloo beside it for the few CPU tensors

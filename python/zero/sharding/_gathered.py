@@ -16,8 +16,8 @@ it was keeps its fp32 value rather than its rounded compute-dtype copy.
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
+from zero.comm._comm import world_size
 from zero.sharding._param_writes import (check_parameters_in_place, take_in_parameter_writes,
                                 write_into_partition)
 from zero.sharding._step_agreement import agree_on_call
@@ -61,7 +61,7 @@ class GatheredParameters:
             self._listed.append((place.fg, place.unit, j))
         # the engine's ranks: those of the group it partitions over (mesh=)
         world = self._units[0].fg.comm.dp_world if self._units else \
-            dist.get_world_size() if dist.is_initialized() else 1
+            world_size()
         if self.modifier_rank is not None and not 0 <= self.modifier_rank < world:
             raise ValueError(f"modifier_rank {self.modifier_rank} is not a rank of this "
                              f"world of {world}")

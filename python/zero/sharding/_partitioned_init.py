@@ -34,13 +34,13 @@ import hashlib
 import os
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 from torch.utils.weak import WeakIdKeyDictionary
 
-from zero.comm._comm import backend_for, gather_by_broadcasts, issue, join_for_the_process
+from zero.comm._comm import (Comm, backend_for, gather_by_broadcasts, issue,
+                             join_for_the_process, nccl_available)
 from zero.sharding._units import storage_key
 
 _CHUNK_ALIGN = 16
@@ -132,11 +132,12 @@ class partitioned_init(TorchDispatchMode):
         # however often a notebook cell runs this); where CUDA is
         # present it gets NCCL too (connected only when first used), for
         # an engine that trains the model on a GPU (initialize(device=)).
-        gpu = torch.cuda.is_available() and dist.is_nccl_available()
+        gpu = torch.cuda.is_available() and nccl_available()
         world = int(os.environ.get("WORLD_SIZE", 1))
         join_for_the_process(torch.device("cpu"),
                              backend_for(torch.device("cuda" if gpu else "cpu"), world))
-        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        self._comm = Comm(torch.device("cpu"))  # the process's group
+        self.rank, self.world = self._comm.rank, self._comm.world
         self._check_same_seed()
         self._hook = nn.modules.module.register_module_parameter_registration_hook(
             self._on_register)
@@ -167,11 +168,8 @@ class partitioned_init(TorchDispatchMode):
         if self.world == 1:
             return
         digest = hashlib.sha256(torch.random.get_rng_state().numpy().tobytes()).digest()[:8]
-        mine = torch.tensor([int.from_bytes(digest, "little") & (2**62 - 1)],
-                            dtype=torch.int64)
-        every = [torch.zeros_like(mine) for _ in range(self.world)]
-        issue("all_gather", None, dist.all_gather, every, mine)
-        if any(int(t) != int(mine) for t in every):
+        mine = int.from_bytes(digest, "little") & (2**62 - 1)
+        if any(value != mine for value in self._comm.gather_scalars(mine)):
             raise RuntimeError(
                 "zero.partitioned_init() needs the same random state on every rank (the "
                 "ranks build the parameters together): call torch.manual_seed(seed) with "
