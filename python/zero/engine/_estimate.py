@@ -21,6 +21,7 @@ from zero.engine._memory import MemorySummary, zero_formula
 from zero.offload._nvme import PAGE_ELEMENTS, SLOTS
 from zero.step._registry import spec_for
 from zero.step._step_path import states_off_device
+from zero.sharding._policy import StagePolicy
 from zero.sharding._units import lay_out
 from zero.engine._construction import match_param_groups, owners_of, units_of
 from zero.engine._engine import DTYPES
@@ -79,7 +80,8 @@ def estimate_memory(model: nn.Module, world_size: int = 1, *, optimizer=None, st
     groups = match_param_groups(model, optimizer)
     if not any(params for params, _ in groups):
         raise ValueError("the model has no trainable parameters; nothing to train")
-    owners = owners_of(model, cfg.stage3_leaf_modules) if cfg.stage == 3 else None
+    policy = StagePolicy.of(cfg.stage)
+    owners = owners_of(model, cfg.stage3_leaf_modules) if policy.partitions_params else None
     pb = DTYPES[cfg.precision].itemsize
     gb = DTYPES[cfg.grad_accum_dtype or cfg.precision].itemsize
     fp32 = cfg.precision == "fp32"
@@ -89,14 +91,14 @@ def estimate_memory(model: nn.Module, world_size: int = 1, *, optimizer=None, st
     for index, (params, _names) in enumerate(groups):
         if not params:
             continue
-        units = _layout(params, units_of(params, owners), cfg, world_size)
+        units = _layout(params, units_of(params, owners), policy, world_size)
         part = sum(u.part for u in units)
         states = len(spec.states(optimizer.param_groups[index]))
-        params_bytes, persistent, params_offloaded = _param_bytes(units, part, pb, cfg)
+        params_bytes, persistent, params_offloaded = _param_bytes(units, part, pb, cfg, policy)
         totals["params"] += params_bytes
         totals["persistent"] += persistent
         totals["params_offloaded"] += params_offloaded
-        totals["grads"] += (units[0].total if cfg.stage <= 1 else part) * gb
+        totals["grads"] += (part if policy.partitions_grads else units[0].total) * gb
         # the master is the parameters only in fp32 on one device
         own_master = not fp32 or staged
         kept, offloaded = _optimizer_bytes(part, states + own_master, cfg)
@@ -109,11 +111,11 @@ def estimate_memory(model: nn.Module, world_size: int = 1, *, optimizer=None, st
         shapes.append((sum(u.numel for u in units), states))
     trainable = {id(p) for params, _ in groups for p in params}
     frozen = [p for p in model.parameters() if id(p) not in trainable]
-    totals["frozen_params"], frozen_offloaded = _frozen_bytes(frozen, owners, cfg, world_size,
-                                                             pb)
+    totals["frozen_params"], frozen_offloaded = _frozen_bytes(frozen, owners, cfg, policy,
+                                                             world_size, pb)
     totals["params_offloaded"] += frozen_offloaded
-    totals["gathered_peak"] = None if cfg.stage == 3 else 0
-    totals["buckets"] = None if cfg.stage >= 2 else 0
+    totals["gathered_peak"] = None if policy.releases_params else 0
+    totals["buckets"] = None if policy.reduces_in_backward else 0
     totals["model_states"] = totals["params"] + totals["grads"] + totals["optimizer_states"]
     formula, expected = zero_formula(cfg.stage, world_size, pb, gb, not fp32 or staged, shapes,
                                      totals)
@@ -137,20 +139,20 @@ def _training_device(model, device):
     return where.device
 
 
-def _layout(params, unit_lists, cfg, world_size):
+def _layout(params, unit_lists, policy, world_size):
     """The group's units, as FlatGroup lays them out (no storage)."""
     if unit_lists is None:
         unit_lists = [list(range(len(params)))]
     ordered = [params[i] for members in unit_lists for i in members]
-    return lay_out(ordered, [len(m) for m in unit_lists], 1 if cfg.stage == 0 else world_size)
+    return lay_out(ordered, [len(m) for m in unit_lists], world_size if policy.partitions else 1)
 
 
-def _param_bytes(units, part, pb, cfg):
+def _param_bytes(units, part, pb, cfg, policy):
     """(parameter bytes in memory, of which persistent at stage 3, bytes
     in offload_param files): stages 0-2 hold the whole group; stage 3 its
     shard (in a file with offload_param "nvme") plus the units at or under
     the persistence threshold, gathered for good."""
-    if cfg.stage != 3:
+    if not policy.partitions_params:
         return sum(u.total for u in units) * pb, 0, 0
     persistent = sum(u.total for u in units
                      if u.numel <= cfg.stage3_param_persistence_threshold) * pb
@@ -184,12 +186,12 @@ def _file_chunk(offload):
     return max(PAGE_ELEMENTS, offload.chunk_elements // PAGE_ELEMENTS * PAGE_ELEMENTS)
 
 
-def _frozen_bytes(frozen, owners, cfg, world_size, pb):
+def _frozen_bytes(frozen, owners, cfg, policy, world_size, pb):
     """(bytes in memory, bytes in offload_param files) of the frozen
     parameters: at stage 3 the floating ones a group of their own (shard
     plus persistent units), the rest (and all at stages 0-2) whole,
     floating ones cast to the compute dtype."""
-    if cfg.stage == 3:
+    if policy.partitions_params:
         whole = [p for p in frozen if not p.is_floating_point()]
         partitioned = [p for p in frozen if p.is_floating_point()]
     else:
@@ -197,7 +199,8 @@ def _frozen_bytes(frozen, owners, cfg, world_size, pb):
     total = sum(p.numel() * (pb if p.is_floating_point() else p.element_size()) for p in whole)
     offloaded = 0
     if partitioned:
-        units = _layout(partitioned, units_of(partitioned, owners), cfg, world_size)
-        held, _persistent, offloaded = _param_bytes(units, sum(u.part for u in units), pb, cfg)
+        units = _layout(partitioned, units_of(partitioned, owners), policy, world_size)
+        held, _persistent, offloaded = _param_bytes(units, sum(u.part for u in units), pb, cfg,
+                                                   policy)
         total += held
     return total, offloaded

@@ -4,7 +4,7 @@ step uses them where its CUDA kernels do not reach: SGD, Adagrad, Lion and
 Adam with amsgrad, and every optimizer when the kernels are unavailable.
 
 Each function takes the C function's arguments and follows the scalar
-reference (csrc/scalar.c, csrc/optim_math.h) operation by operation: the
+reference (csrc/scalar.c, include/zero/optim_math.h) operation by operation: the
 constants computed in double and rounded to float, then one torch op per
 float operation. A fused op (lerp, addcmul, add with alpha) would be fewer
 passes, but torch runs those as fused multiply-adds on the CPU and the GPU,
