@@ -293,3 +293,32 @@ def test_an_offloaded_shard_is_not_held_in_ram(tmp_path):
     offloaded_peak, shard = peak(True)
     assert shard >= 2 * 8 * 1024 * 1025
     assert in_memory - offloaded_peak >= shard - 4 * 2**20, (in_memory, offloaded_peak, shard)
+
+
+def test_close_gives_back_file_backed_parameters_and_states(tmp_path):
+    """close() of an engine whose parameters and states lived in files: the
+    model's parameters and the optimizer's states come back as views of
+    mapped files, equal to what an in-memory engine gives back, and none
+    of their pages is resident after close (a model larger than memory can
+    be closed)."""
+    expected = run("bf16", "adamw", steps=2)
+    expected.close()
+    engine = run("bf16", "adamw", param_path=tmp_path, states_path=tmp_path, steps=2)
+    engine.close()
+    model_ref, model = expected.module, engine.module
+    opt_ref, opt = expected.optimizer, engine.optimizer
+    given = list(model.parameters()) + [t for p in model.parameters()
+                                        for t in opt.state[p].values() if t.numel() > 1]
+    assert len(given) == 3 * len(list(model.parameters()))  # params, exp_avg, exp_avg_sq
+    # nothing resident before anything reads them; each lies in a mapping
+    # (smaps lists it), which reading then brings in
+    assert [mapped_rss(t) for t in given] == [0] * len(given)
+    for (name, ref), (_, got) in zip(model_ref.named_parameters(), model.named_parameters()):
+        assert torch.equal(got, ref), name
+        assert mapped_rss(got) > 0, name
+    for p_ref, p in zip(model_ref.parameters(), model.parameters()):
+        for key, value in opt_ref.state[p_ref].items():
+            assert torch.equal(opt.state[p][key], value), key
+    assert os.listdir(tmp_path) == []
+    # the optimizer steps on the file-backed views as torch would on its own
+    torch.optim.AdamW.step(opt)

@@ -33,10 +33,10 @@ class Odd(nn.Module):
         return self.head(h[..., :7] * self.raw[:1])
 
 
-def build(partitioned):
+def build(partitioned, nvme_path=None):
     torch.manual_seed(5)
     if partitioned:
-        with zero.partitioned_init():
+        with zero.partitioned_init(nvme_path=nvme_path):
             model = Odd()
     else:
         model = Odd()
@@ -59,6 +59,27 @@ def test_values_and_random_stream_match_plain_construction():
     assert torch.equal(after, after_ref)
     assert model.head.weight is model.emb.weight
     assert_engine_holds(model, ref)
+
+
+def test_chunks_in_files_give_the_same_model(tmp_path):
+    """nvme_path: every chunk lives in a mapped file there (unlinked: the
+    directory stays empty), not resident once built, and the values, the
+    random stream and the engine's partitions are the same."""
+    from zero.sharding._partitioned_init import sharded_record
+    ref, after_ref = build(False)
+    model, after = build(True, nvme_path=tmp_path)
+    assert torch.equal(after, after_ref)
+    records = [sharded_record(p) for p in model.parameters()]
+    assert all(r is not None and r._file is not None for r in records)
+    assert all(r.chunk.data_ptr() == r._file.tensor.data_ptr() for r in records)
+    assert list(tmp_path.iterdir()) == []
+    assert_engine_holds(model, ref)
+
+
+@pytest.mark.parametrize("path, error", [("/nonexistent-zero-dir", ValueError), (3, TypeError)])
+def test_a_bad_nvme_path_is_refused_by_name(path, error):
+    with pytest.raises(error, match="partitioned_init nvme_path"):
+        zero.partitioned_init(nvme_path=path)
 
 
 def test_trains_like_the_plain_model():

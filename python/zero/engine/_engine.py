@@ -41,6 +41,7 @@ from zero.sharding._param_writes import (Place, bump_versions, check_parameters_
                                 record_parameters, take_in_parameter_writes)
 from zero.step._resumed_states import (describe_held, give_back_optimizer_states,
                                   held_optimizer_states, take_in_optimizer_states)
+from zero.offload._mapped import MappedFile
 from zero.sharding._backward import BackwardLifecycle
 from zero.sharding._policy import StagePolicy
 from zero.sharding._stage3 import Stage3Schedule
@@ -536,13 +537,26 @@ class Engine(DeepSpeedQueries, EngineReports, nn.Module):
     def _restore_params(self):
         """Stage 3: give every parameter its full values again, in plain
         tensors of its own, so the model works without the engine (a
-        collective)."""
+        collective). Parameters that lived in files (offload_param "nvme")
+        come back file-backed, in a mapped file of their own beside the
+        shards: the model may be larger than this machine's memory."""
         for fg in self.all_groups:
+            home = None
+            if fg.param_files is not None:
+                home = MappedFile(fg.param_files.directory, fg.layout_size,
+                                  self.compute_dtype, "offload_param.nvme_path")
             for unit in fg.units:
                 self._schedule.ensure(fg, unit)
                 for p, off, n, shape in zip(unit.params, unit.offsets, unit.numels,
                                             unit.shapes):
-                    p.data = unit.full[off:off + n].view(shape).clone()
+                    values = unit.full[off:off + n]
+                    if home is None:
+                        p.data = values.view(shape).clone()
+                    else:
+                        start = unit.layout_offset + off
+                        home.tensor[start:start + n].copy_(values)
+                        p.data = home.tensor[start:start + n].view(shape)
+                        home.drop(start, start + n)
                 unit.gathered = False
                 unit.full = None
 

@@ -41,6 +41,8 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from zero.comm._comm import (Comm, backend_for, gather_by_broadcasts, issue,
                              join_for_the_process, nccl_available)
+from zero.config._config import check_nvme_path
+from zero.offload._mapped import MappedFile
 from zero.sharding._units import storage_key
 
 _CHUNK_ALIGN = 16
@@ -71,17 +73,26 @@ _registry = WeakIdKeyDictionary()
 class _Sharded:
     """One parameter's chunk on this rank, and the cached full values."""
 
-    def __init__(self, full: torch.Tensor, rank: int, world: int):
+    def __init__(self, full: torch.Tensor, rank: int, world: int, directory=None):
+        """directory: keep the chunk in a file there (partitioned_init's
+        nvme_path), resident only while it is read or written."""
         self.shape, self.dtype = full.shape, full.dtype
         self.numel = full.numel()
         per = -(-self.numel // world)
         self.part = -(-per // _CHUNK_ALIGN) * _CHUNK_ALIGN
         self.rank, self.world = rank, world
-        self.chunk = torch.zeros(self.part, dtype=self.dtype)
-        flat = full.detach().reshape(-1)
-        lo = min(rank * self.part, self.numel)
-        hi = min(lo + self.part, self.numel)
-        self.chunk[:hi - lo].copy_(flat[lo:hi])
+        self._file = None
+        if directory is None:
+            self.chunk = torch.zeros(self.part, dtype=self.dtype)
+        else:
+            self._file = MappedFile(directory, self.part, self.dtype,
+                                    "partitioned_init nvme_path")
+            self.chunk = self._file.tensor
+        self.store(full.detach())
+
+    def _done_with_chunk(self):
+        if self._file is not None:
+            self._file.drop()
 
     def gather(self) -> torch.Tensor:
         """The full values (a collective)."""
@@ -91,6 +102,7 @@ class _Sharded:
         else:
             issue("all_gather", None, gather_by_broadcasts, out, self.chunk, self.rank,
                   self.world)
+        self._done_with_chunk()
         return out[:self.numel].view(self.shape)
 
     def store(self, full: torch.Tensor):
@@ -98,6 +110,7 @@ class _Sharded:
         lo = min(self.rank * self.part, self.numel)
         hi = min(lo + self.part, self.numel)
         self.chunk[:hi - lo].copy_(flat[lo:hi])
+        self._done_with_chunk()
 
 
 def _placeholder(shape, dtype, requires_grad=None):
@@ -114,8 +127,17 @@ class _LazyView:
 class partitioned_init(TorchDispatchMode):
     """Context manager: parameters created inside live as 1/N chunks."""
 
-    def __init__(self):
+    def __init__(self, nvme_path=None):
+        """nvme_path: an existing directory (a fast disk) for the chunks,
+        so that building takes one parameter's full values of memory and
+        no more, whatever the model's size (a model larger than RAM, to be
+        trained with offload_param and offload_optimizer "nvme"). Without
+        it the chunks are in memory: 1/N of the model per rank."""
         super().__init__()
+        if nvme_path is not None:
+            check_nvme_path(nvme_path, "partitioned_init nvme_path")
+            nvme_path = os.fspath(nvme_path)
+        self._directory = nvme_path
         # storage of a placeholder (or of its .data alias) -> (its owner, _LazyView);
         # the owner is held so the storage key stays unique while open
         self._by_storage = {}
@@ -183,7 +205,7 @@ class partitioned_init(TorchDispatchMode):
         if param in self._replaced:
             return self._replaced[param]  # the same parameter given to a second module
         with torch.no_grad():
-            record = _Sharded(param.detach(), self.rank, self.world)
+            record = _Sharded(param.detach(), self.rank, self.world, self._directory)
         ph = _placeholder(param.shape, param.dtype, param.requires_grad)
         # The record holds the placeholder's storage, so its key cannot be
         # reused by another tensor while the record lives, even if the

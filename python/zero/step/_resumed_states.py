@@ -123,7 +123,14 @@ def give_back_optimizer_states(optimizer, groups, world) -> None:
     from them. At one rank a partition is the whole group; at several,
     each rank holds a slice, and gathering the whole states on every rank
     could need more memory than the run had: they are not given back, and
-    what would start them afresh is refused (_StatesLeftBehind)."""
+    what would start them afresh is refused (_StatesLeftBehind).
+
+    [Note: states given back] States in memory are given as tensors of their
+    own. States in offload files come back as views of the files' mappings,
+    so close() needs no memory for them whatever their size: a page is read
+    in when the optimizer (or anything else) reads it, and the files' space
+    returns when the last view is freed. Writing into them (torch's step)
+    dirties pages of the mapping, which the kernel writes back to the file."""
     stepped = [fg for fg in groups if fg.step_count > 0]
     if not stepped:
         return
@@ -132,8 +139,13 @@ def give_back_optimizer_states(optimizer, groups, world) -> None:
         return
     counts_steps = not isinstance(optimizer, torch.optim.SGD)  # torch's SGD keeps none
     for fg in stepped:
+        # states in files (offload_optimizer "nvme") are given as views of
+        # the mapped files: they may not fit in memory, and a view is
+        # resident only where it is read ([Note: states given back])
+        in_files = fg.offload is not None
         for i, p in enumerate(fg.params):
-            entry = {name: fg.view(t, i).clone() for name, t in fg.states.items()}
+            entry = {name: fg.view(t, i) if in_files else fg.view(t, i).clone()
+                     for name, t in fg.states.items()}
             if counts_steps:
                 entry["step"] = torch.tensor(float(fg.step_count))
             optimizer.state[p] = entry
