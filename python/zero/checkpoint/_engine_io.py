@@ -1,6 +1,6 @@
 """engine.save_checkpoint and engine.load_checkpoint: each rank writes its
 own partitions; any world size and any stage reads them back. The layout
-is in _checkpoint_format.py ([Note: checkpoint layout]).
+is in checkpoint/_format.py ([Note: checkpoint layout]).
 
 Both are collectives: every rank calls them with the same arguments, and
 every rank must be able to read every file (a shared filesystem across
@@ -222,7 +222,7 @@ def _save_agreed(engine, save_dir, tag, save_id, client_state, save_latest, erro
     0's from preparing the staging directory."""
     comm = engine._comm
     meta = None
-    # [Note: a save replaces a tag whole] in _checkpoint_writes.py
+    # [Note: a save replaces a tag whole] in checkpoint/_writes.py
     staging = staging_directory(save_dir, tag)
     try:  # this rank's checks and shard; a failure is raised on every rank by _all_ok
         if error is not None:

@@ -106,7 +106,7 @@ def check_tag(tag) -> str:
 
 def staging_directory(save_dir, tag) -> str:
     """Where a save into `tag` writes its files before they replace the
-    tag's ([Note: a save replaces a tag whole] in _checkpoint_writes.py)."""
+    tag's ([Note: a save replaces a tag whole] in checkpoint/_writes.py)."""
     return os.path.join(save_dir, f".{tag}{STAGING_SUFFIX}")
 
 
