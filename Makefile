@@ -35,6 +35,13 @@ test-c: $(EMULATED_CUDA)
 	$(CC) -std=c11 -O1 -g -Wall -Wextra -Werror -Iinclude -fsanitize=thread -o tests/c/build/test_core_tsan \
 		tests/c/test_core.c $(CORE_SOURCES) -lm -lpthread -ldl
 	tests/c/build/test_core_tsan
+	# the disk I/O engine, its fault hook compiled in, under both
+	$(CC) -std=c11 -O1 -g -Wall -Wextra -Werror -Iinclude -DZERO_AIO_FAULTS $(SANITIZE) -o tests/c/build/test_aio \
+		tests/c/test_aio.c $(CORE_SOURCES) -lm -lpthread -ldl
+	ASAN_OPTIONS=detect_leaks=1 UBSAN_OPTIONS=print_stacktrace=1 tests/c/build/test_aio
+	$(CC) -std=c11 -O1 -g -Wall -Wextra -Werror -Iinclude -DZERO_AIO_FAULTS -fsanitize=thread -o tests/c/build/test_aio_tsan \
+		tests/c/test_aio.c $(CORE_SOURCES) -lm -lpthread -ldl
+	tests/c/build/test_aio_tsan
 
 # The CUDA kernels through nvcc with every warning an error (no GPU needed);
 # `make test` runs it wherever nvcc is found.

@@ -1,7 +1,8 @@
 /* module.c: the CPython binding of the CPU core's reductions, conversions,
  * SIMD and thread settings, and the module zero._C itself. With
  * module_buffer.c (Buffer, argument checks), module_args.c (keyword
- * arguments from a table), module_optim.c (the CPU optimizers) and
+ * arguments from a table), module_optim.c (the CPU optimizers),
+ * module_aio.c (the disk I/O engine) and
  * module_cuda*.c (the CUDA kernels) it is one of the binding files, the only
  * files that include Python.h.
  *
@@ -243,7 +244,7 @@ static PyMethodDef zero_C_methods[] = {
 static int zero_C_exec(PyObject *module)
 {
     if (add_buffer_type(module) != 0 || add_optim_functions(module) != 0 ||
-        add_cuda_functions(module) != 0) {
+        add_aio(module) != 0 || add_cuda_functions(module) != 0) {
         return -1;
     }
     const char *bad_env = zero_isa_env_error();

@@ -98,7 +98,8 @@ typedef enum {
     CHECK_NONNEGATIVE,     /* finite and >= 0 */
     CHECK_BETA,            /* in [0, 1) */
     CHECK_COUNT,           /* an integer >= 1 (a step count) */
-    CHECK_STREAM           /* an integer >= 0 (a CUstream handle) */
+    CHECK_STREAM,          /* an integer >= 0 (a CUstream handle) */
+    CHECK_INDEX            /* an integer >= 0 (a descriptor, an offset) */
 } arg_check;
 
 /* Flags of a row. The tensor flags are read by the functions that take
@@ -253,9 +254,11 @@ Py_ssize_t extents_of_args(const arg_set *set, const cuda_arg *skip,
                            extent *extents);
 int check_args_no_overlap(const arg_set *set);
 
-/* Register the CPU optimizers (module_optim.c) and the cuda_* functions
+/* Register the CPU optimizers (module_optim.c), the disk I/O engine's
+ * type and aio_info (module_aio.c) and the cuda_* functions
  * (module_cuda.c). */
 int add_optim_functions(PyObject *module);
+int add_aio(PyObject *module);
 int add_cuda_functions(PyObject *module);
 
 #endif /* ZERO_MODULE_H */

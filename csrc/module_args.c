@@ -133,6 +133,11 @@ static int check_int64(const arg_spec *a, int64_t value)
                      (long long)value);
         return -1;
     }
+    if (a->check == CHECK_INDEX && value < 0) {
+        PyErr_Format(PyExc_ValueError, "%s must be an int >= 0, got %lld",
+                     a->name, (long long)value);
+        return -1;
+    }
     if (a->check == CHECK_STREAM && value < 0) {
         PyErr_Format(PyExc_ValueError,
                      "%s must be a CUstream handle, an int >= 0 "

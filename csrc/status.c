@@ -20,6 +20,12 @@ const char *zero_status_string(zero_status status)
         return "the CUDA path is not available";
     case ZERO_ERR_CUDA:
         return "a CUDA call failed";
+    case ZERO_ERR_IO:
+        return "a read or write failed";
+    case ZERO_ERR_TIMEOUT:
+        return "timed out with the request in flight";
+    case ZERO_ERR_UNAVAILABLE:
+        return "that I/O backend is not available here";
     }
     return "unknown status";
 }

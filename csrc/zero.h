@@ -26,7 +26,10 @@ typedef enum {
     ZERO_ERR_OUT_OF_MEMORY = 4,
     ZERO_ERR_THREADS = 5,          /* pthread_create failed */
     ZERO_ERR_CUDA_UNAVAILABLE = 6, /* no kernels, driver or device here */
-    ZERO_ERR_CUDA = 7              /* a CUDA driver call failed */
+    ZERO_ERR_CUDA = 7,             /* a CUDA driver call failed */
+    ZERO_ERR_IO = 8,               /* a read or write failed: see its result */
+    ZERO_ERR_TIMEOUT = 9,          /* a wait ended with the request in flight */
+    ZERO_ERR_UNAVAILABLE = 10      /* the asked-for I/O backend is not here */
 } zero_status;
 
 const char *zero_status_string(zero_status status);
@@ -69,6 +72,73 @@ const char *zero_cpu_features(void);
  * CPUs this process may run on (sched_getaffinity). */
 int zero_threads_get(void);
 zero_status zero_threads_set(int nthreads);
+
+/* ---- async disk I/O (aio.c, aio_uring.c) ----------------------------- */
+
+/* Reads and writes of (fd, buffer, length, offset) that run while the
+ * caller computes. A request is cut into blocks of block_size bytes; at
+ * most queue_depth blocks are in flight at once. Short transfers are
+ * resumed; a failure is kept per request (the lowest failing offset).
+ * The engine takes descriptors as they are: one opened with O_DIRECT needs
+ * buffers, offsets and lengths aligned to ZERO_AIO_ALIGN, which the
+ * caller checks (docs/offload.md, "Disk I/O"). */
+
+typedef enum {
+    ZERO_AIO_AUTO = 0,    /* io_uring where the kernel allows it, else threads */
+    ZERO_AIO_THREADS = 1, /* queue_depth threads doing pread/pwrite */
+    ZERO_AIO_URING = 2    /* io_uring, through raw system calls */
+} zero_aio_backend;
+
+/* Read by ZERO_AIO_AUTO: "threads" or "io_uring" forces a backend (io_uring
+ * still falls back to threads where the kernel refuses it). */
+#define ZERO_AIO_ENV "ZERO_AIO"
+#define ZERO_AIO_ALIGN 4096          /* O_DIRECT's alignment, bytes */
+#define ZERO_AIO_MAX_QUEUE_DEPTH 1024
+#define ZERO_AIO_MAX_BLOCK ((int64_t)1 << 30)
+/* zero_aio_result.error of a read that met the end of the file (or a write
+ * that moved nothing): not an errno. */
+#define ZERO_AIO_END_OF_FILE (-1)
+
+typedef struct zero_aio zero_aio;
+
+typedef struct {
+    int fd;
+    void *buf;             /* [length] bytes */
+    int64_t length;        /* bytes */
+    int64_t offset;        /* bytes into the file */
+    int write;             /* 1: buf to the file, 0: the file to buf */
+} zero_aio_request;
+
+typedef struct {
+    int error;             /* 0, an errno, or ZERO_AIO_END_OF_FILE */
+    int64_t error_offset;  /* the file offset where the failure happened */
+    int64_t moved;         /* bytes transferred, all blocks together */
+} zero_aio_result;
+
+/* queue_depth in [1, ZERO_AIO_MAX_QUEUE_DEPTH]; block_size a multiple of
+ * ZERO_AIO_ALIGN up to ZERO_AIO_MAX_BLOCK. ZERO_AIO_URING where io_uring
+ * cannot start: ZERO_ERR_UNAVAILABLE; ZERO_AIO_AUTO falls back silently
+ * (zero_aio_backend_of says which runs). */
+zero_status zero_aio_create(zero_aio **out, zero_aio_backend backend,
+                            int queue_depth, int64_t block_size);
+/* Waits for every request still in flight, then frees the engine. */
+void zero_aio_destroy(zero_aio *aio);
+zero_aio_backend zero_aio_backend_of(const zero_aio *aio);
+const char *zero_aio_backend_name(zero_aio_backend backend);
+/* 0 when io_uring can run here, else the errno that stopped it (ENOSYS
+ * where it was not built in). */
+int zero_aio_uring_probe(void);
+
+/* Queue a request; *id names it for zero_aio_wait. The buffer must stay
+ * valid until the request has been waited for (or the engine destroyed). */
+zero_status zero_aio_submit(zero_aio *aio, const zero_aio_request *request,
+                            int64_t *id);
+/* Wait up to timeout_ms (< 0: no limit) for request id. ZERO_ERR_TIMEOUT
+ * leaves it in flight; otherwise the id is forgotten, *result filled and
+ * the request's status returned: ZERO_OK, or ZERO_ERR_IO with the failure
+ * in *result. An unknown id is ZERO_ERR_INVALID_ARGUMENT. */
+zero_status zero_aio_wait(zero_aio *aio, int64_t id, int timeout_ms,
+                          zero_aio_result *result);
 
 /* ---- optimizers over flat fp32 buffers (optim.c) -------------------- */
 
