@@ -189,33 +189,49 @@ def test_refusals(tmp_path, monkeypatch):
         run(2, "bf16", "adamw", nvme_path=tmp_path, steps=0)
 
 
-@pytest.mark.parametrize("call, what", [("preadv", "reading"), ("pwritev", "writing")])
-def test_an_io_error_in_the_step_is_reported(tmp_path, monkeypatch, call, what):
-    engine = run(2, "bf16", "adamw", nvme_path=tmp_path, steps=1)
-    real = getattr(os, call)
+def _swap_descriptors(monkeypatch, choose):
+    """Send the step's transfers to choose(writing, offset, fd)'s
+    descriptor instead: a way to make the C engine's reads and writes
+    fail for real (csrc/aio.c; tests/c/test_aio.c injects faults)."""
+    from zero.offload._aio import Transfers
+    real = Transfers.submit
 
-    def failing(fd, buffers, offset):
-        if offset > 0:  # the second chunk
-            raise OSError(errno.EIO, os.strerror(errno.EIO))
-        return real(fd, buffers, offset)
-    monkeypatch.setattr(os, call, failing)
+    def submit(self, writing, name, fd, tensor, offset):
+        return real(self, writing, name, choose(writing, offset, fd), tensor, offset)
+    monkeypatch.setattr(Transfers, "submit", submit)
+
+
+@pytest.mark.parametrize("what", ["reading", "writing"])
+def test_an_io_error_in_the_step_is_reported(tmp_path, monkeypatch, what):
+    engine = run(2, "bf16", "adamw", nvme_path=tmp_path, steps=1)
+    # pread of a directory fails with EISDIR, pwrite to /dev/full with ENOSPC
+    bad = os.open(tmp_path, os.O_RDONLY) if what == "reading" else \
+        os.open("/dev/full", os.O_WRONLY)
+    writing = what == "writing"
+    _swap_descriptors(monkeypatch, lambda w, offset, fd: bad if w == writing and offset > 0
+                      else fd)
     tokens, targets = next(iter(batches("cpu", 1)))
     engine.backward(loss_of(engine(tokens), targets))
+    reason = os.strerror(errno.EISDIR if what == "reading" else errno.ENOSPC)
     with pytest.raises(OSError, match=rf"offload_optimizer: {what} '\w+' at byte 4,096 in "
-                                      rf"'{tmp_path}' failed \(Input/output error\); this "
-                                      "step is partly applied, load a checkpoint"):
+                                      rf"'{tmp_path}' failed \({reason}\); this "
+                                      "step is partly applied, load a checkpoint") as info:
         engine.step()
+    assert info.value.errno == (errno.EISDIR if what == "reading" else errno.ENOSPC)
     engine.close()
+    os.close(bad)
 
 
 def test_a_short_file_is_reported(tmp_path, monkeypatch):
     engine = run(2, "bf16", "adamw", nvme_path=tmp_path, steps=1)
-    monkeypatch.setattr(os, "preadv", lambda fd, buffers, offset: 0)
+    empty = os.open(tmp_path / "empty", os.O_RDWR | os.O_CREAT)
+    _swap_descriptors(monkeypatch, lambda writing, offset, fd: fd if writing else empty)
     tokens, targets = next(iter(batches("cpu", 1)))
     engine.backward(loss_of(engine(tokens), targets))
     with pytest.raises(OSError, match="reading '.*' at byte 0 .* moved no bytes"):
         engine.step()
     engine.close()
+    os.close(empty)
 
 
 def test_nothing_to_offload_steps_in_memory(tmp_path):
@@ -259,39 +275,37 @@ def test_an_exception_in_the_update_waits_for_the_io(tmp_path, monkeypatch):
     """The update fails at the second chunk while the third chunk's read is
     still on its way: the step raises only once no transfer is running, and
     the next step gets fresh windows."""
-    import threading
-    import time
     import zero.step._step_path as step_path
+    from zero.offload import _aio
     engine = run(0, "bf16", "adamw", nvme_path=tmp_path, steps=1, chunk=1024)
     files = engine.groups[0].offload
     assert len(files.chunks(engine.groups[0].part_size)) >= 2
-    running, lock = [0], threading.Lock()
-    real_read, real_update = os.preadv, step_path.run_update
+    submitted, real_submit = [], _aio.Transfers.submit
+    real_update = step_path.run_update
 
-    def slow_read(fd, buffers, offset):
-        with lock:
-            running[0] += 1
-        time.sleep(0.2)
-        try:
-            return real_read(fd, buffers, offset)
-        finally:
-            with lock:
-                running[0] -= 1
+    def submit(self, *args):
+        submitted.append(real_submit(self, *args))
+        return submitted[-1]
     calls = [0]
 
     def failing_update(*args):
         calls[0] += 1
         if calls[0] == 2:
+            # the next chunk's read is in flight now
+            assert any(not writing for fg in engine.groups
+                       for _name, writing in fg.offload._io.pending.values())
             raise RuntimeError("update failed")
         return real_update(*args)
-    monkeypatch.setattr(os, "preadv", slow_read)
+    monkeypatch.setattr(_aio.Transfers, "submit", submit)
     monkeypatch.setattr(step_path, "run_update", failing_update)
     windows = files._windows
     tokens, targets = next(iter(batches("cpu", 1)))
     engine.backward(loss_of(engine(tokens), targets))
     with pytest.raises(RuntimeError, match="update failed"):
         engine.step()
-    assert running[0] == 0
+    # every request was waited for: the engine holds none of the windows
+    assert submitted and files._io.aio.in_flight == 0
+    assert not any(fg.offload._io.pending for fg in engine.groups)
     assert files._windows is None and windows is not None
     engine.close()
 

@@ -7,16 +7,32 @@ uses drop the mapped pages again when done (FlatGroup.release_offloaded).
 
 [Note: offloaded step] The step never touches the mapping. It walks the
 partition in chunks through a few RAM windows (SLOTS per file): while the
-C core updates chunk i in one window, I/O threads read chunk i+1 into the
-next window (pread) and write chunk i-1 back from the previous one
-(pwrite). Reads, writes and the update overlap; a window is reused only
-after its write has finished. The windows are the only offloaded bytes
-the process holds: SLOTS x chunk x 4 bytes per file (fewer windows when
-the partition has fewer chunks). Explicit reads and
+C core updates chunk i in one window, the C core's I/O engine reads chunk
+i+1 into the next window and writes chunk i-1 back from the previous one
+([Note: disk I/O] in _aio.py). Reads, writes and the update overlap; a
+window is reused only after its write has finished. The windows are the
+only offloaded bytes the process holds: SLOTS x chunk x 4 bytes per file
+(fewer windows when the partition has fewer chunks). Explicit reads and
 writes beat faulting the mapping chunk by chunk (one fault a page, about
 1.7x slower in bench/offload.py's measurements) and keep the process's
-memory at the windows whatever the kernel does. pread, pwrite and the
-mapping share the page cache, so they always agree.
+memory at the windows whatever the kernel does.
+
+[Note: direct I/O] With write_through the step reads and writes the
+files with O_DIRECT where the filesystem allows it (a second descriptor
+of each file; tmpfs before Linux 6.6 and some FUSE filesystems refuse it,
+and there the buffered descriptor serves). The disk then moves the
+windows' pages itself: no copy through the page cache, nothing left in
+it to evict. O_DIRECT wants page-aligned memory, offsets and lengths, so
+the windows are anonymous mappings (page-aligned) rounded up to whole
+pages, chunks start on page boundaries, and every file is reserved to a
+whole number of pages, so a partition's last, partial page moves whole
+(the bytes past its end are never read as values). Direct transfers and
+the mapping stay coherent because they never overlap in time: the kernel
+writes a range's dirty pages before a direct read of it and drops its
+cached pages after a direct write, and nothing writes through the mapping
+while a step runs. Without write_through the step reads and writes
+through the page cache (the point of that mode), with pread/pwrite
+semantics, which agree with the mapping at all times.
 
 [Note: write-through] By default what the step writes stays in the page
 cache (memory the kernel may reclaim, which the process does not hold),
@@ -40,35 +56,19 @@ from __future__ import annotations
 import errno
 import mmap
 import os
-import threading
-from concurrent.futures import ThreadPoolExecutor, wait
 
 import torch
 
+from zero.offload._aio import Transfers
+
 PAGE_ELEMENTS = mmap.PAGESIZE // 4  # fp32 elements per page
 SLOTS = 3  # windows per file: being read, being updated, being written
-
-_pool = None
-_pool_lock = threading.Lock()
-
-
-def _forget_pool_in_child():
-    # a forked child has none of the parent's threads: a fresh pool
-    global _pool, _pool_lock
-    _pool, _pool_lock = None, threading.Lock()
+# O_DIRECT (0 where the platform has none: the buffered descriptor serves)
+_O_DIRECT = getattr(os, "O_DIRECT", 0)
 
 
-os.register_at_fork(after_in_child=_forget_pool_in_child)
-
-
-def _io_pool() -> ThreadPoolExecutor:
-    """The threads every engine's offload I/O runs on (the GIL is released
-    during pread and pwrite, so they overlap the C core's update)."""
-    global _pool
-    with _pool_lock:
-        if _pool is None:
-            _pool = ThreadPoolExecutor(max_workers=8, thread_name_prefix="zero-nvme")
-        return _pool
+def _whole_pages(nbytes: int) -> int:
+    return -(-nbytes // mmap.PAGESIZE) * mmap.PAGESIZE
 
 
 class NvmeFiles:
@@ -85,9 +85,13 @@ class NvmeFiles:
         self.maps: dict[str, mmap.mmap] = {}
         self.itemsize: dict[str, int] = {}  # fp32 but for offload_param's shard
         self.fds: dict[str, int] | None = {}  # None once closed
+        # the step's descriptors: O_DIRECT ones with write_through where the
+        # filesystem allows it, else fds' ([Note: direct I/O])
+        self.io_fds: dict[str, int] = {}
         self.pid = os.getpid()
         self.nbytes = 0
         self._windows = None  # SLOTS dicts name -> fp32 tensor, made at the first step
+        self._io = Transfers(what, directory)
 
     def __del__(self):
         if getattr(self, "fds", None):
@@ -106,10 +110,17 @@ class NvmeFiles:
         except OSError as e:
             raise OSError(e.errno, f"{self.what}.nvme_path {self.directory!r}: cannot "
                                    f"create a file for '{name}': {e.strerror}") from None
+        io_fd = fd
         try:
+            if self.write_through and _O_DIRECT:
+                try:
+                    io_fd = os.open(path, os.O_RDWR | _O_DIRECT)
+                except OSError:  # this filesystem has no O_DIRECT: buffered
+                    pass
             os.unlink(path)
             try:  # the blocks now, so a full disk fails here and not mid-step
-                os.posix_fallocate(fd, 0, nbytes)
+                # (whole pages: the last one moves whole, [Note: direct I/O])
+                os.posix_fallocate(fd, 0, _whole_pages(nbytes))
             except OSError as e:
                 problem = "has no room for" if e.errno == errno.ENOSPC else "cannot reserve"
                 raise OSError(e.errno, f"{self.what}.nvme_path {self.directory!r} "
@@ -125,10 +136,13 @@ class NvmeFiles:
             tensor = torch.frombuffer(mapped, dtype=dtype, count=numel)
         except BaseException:
             os.close(fd)
+            if io_fd != fd:
+                os.close(io_fd)
             raise
         self.maps[name] = mapped
         self.itemsize[name] = dtype.itemsize
         self.fds[name] = fd
+        self.io_fds[name] = io_fd
         self.nbytes += nbytes
         if fill != 0.0:  # fallocate gave zeros
             for lo, hi in self.chunks(numel):
@@ -168,36 +182,37 @@ class NvmeFiles:
             # the files are shared with the parent, not copied as memory is
             raise RuntimeError("offload_optimizer: a forked child cannot step the parent's "
                                "offloaded states; build an engine in the child")
+        self._io.begin()
         ranges = self.chunks(numel)
         if not ranges:
             return
         slots = self._slots(numel)
         windows = self._allocate_windows(slots, min(self.chunk, numel))
-        reads = {}   # chunk index -> futures
-        writes = {}  # window slot -> (chunk, futures)
+        reads = {}   # chunk index -> request ids
+        writes = {}  # window slot -> (chunk, request ids)
         try:
-            reads[0] = self._io(False, windows[0], ranges[0])
+            reads[0] = self._submit(False, windows[0], ranges[0])
             for i, (lo, hi) in enumerate(ranges):
                 slot = i % slots
                 if i + 1 < len(ranges):
                     following = (i + 1) % slots
                     if following in writes:  # its window is free once written
-                        written, futures = writes.pop(following)
-                        _finish(futures)
+                        written, requests = writes.pop(following)
+                        self._io.finish(requests)
                         if self.write_through:  # most of its writeback is done by now
                             self._uncache_all(*written)
-                    reads[i + 1] = self._io(False, windows[following], ranges[i + 1])
-                _finish(reads.pop(i))
+                    reads[i + 1] = self._submit(False, windows[following], ranges[i + 1])
+                self._io.finish(reads.pop(i))
                 update(lo, hi, {name: t[:hi - lo] for name, t in windows[slot].items()})
-                writes[slot] = ((lo, hi), self._io(True, windows[slot], (lo, hi)))
-            for _chunk, futures in writes.values():
-                _finish(futures)
+                writes[slot] = ((lo, hi), self._submit(True, windows[slot], (lo, hi)))
+            for _chunk, requests in writes.values():
+                self._io.finish(requests)
         except BaseException:
-            # a second interrupt may cut the wait short: fresh windows for
-            # the next step, so a late transfer cannot touch its data
+            # the windows stay held by the engine until their transfers end;
+            # a second interrupt may cut this wait short, so the next step
+            # gets fresh windows (and waits for what is left first)
             self._windows = None
-            wait([f for fs in (*reads.values(), *(w[1] for w in writes.values()))
-                  for f in fs])
+            self._io.drain()
             raise
         if self.write_through:
             # the step ends with every state on the disk and out of the
@@ -207,49 +222,39 @@ class NvmeFiles:
             self._uncache_all(0, numel)
 
     def _allocate_windows(self, slots, elements):
+        """SLOTS dicts name -> fp32 window of `elements` (rounded up to whole
+        pages), each in an anonymous mapping: page-aligned, as O_DIRECT
+        needs ([Note: direct I/O])."""
         name = next(iter(self.maps))
+        pages = -(-elements // PAGE_ELEMENTS) * PAGE_ELEMENTS
         if self._windows is None or len(self._windows) != slots or \
-                self._windows[0][name].numel() != elements:
-            self._windows = [{name: torch.empty(elements, dtype=torch.float32)
+                self._windows[0][name].numel() != pages:
+            self._windows = [{name: torch.frombuffer(mmap.mmap(-1, pages * 4),
+                                                     dtype=torch.float32, count=pages)
                               for name in self.maps} for _ in range(slots)]
         return self._windows
 
     def close(self):
-        """Free the windows and the descriptors (Engine.close). The files'
-        space returns when the mapped tensors are freed with the engine."""
+        """Free the windows and the descriptors (Engine.close), once the
+        transfers in flight are over. The files' space returns when the
+        mapped tensors are freed with the engine."""
+        self._io.drain()
         self._windows = None
-        for fd in (self.fds or {}).values():
+        for name, fd in (self.fds or {}).items():
             os.close(fd)
+            if self.io_fds.get(name, fd) != fd:
+                os.close(self.io_fds[name])
         self.fds = None
+        self.io_fds = {}
 
-    def _io(self, writing, window, chunk):
+    def _submit(self, writing, window, chunk):
         """Start reading (or writing) elements chunk=(lo, hi) of every file
-        into (or from) its window; returns the futures."""
+        into (or from) its window, rounded up to whole pages; returns the
+        request ids."""
         lo, hi = chunk
-        pool = _io_pool()
-        return [pool.submit(self._transfer, writing, name, window[name][:hi - lo], lo)
+        n = -(-(hi - lo) // PAGE_ELEMENTS) * PAGE_ELEMENTS
+        return [self._io.submit(writing, name, self.io_fds[name], window[name][:n], lo * 4)
                 for name in self.maps]
-
-    def _transfer(self, writing, name, tensor, lo):
-        view = memoryview(tensor.numpy()).cast("B")
-        offset, done = lo * 4, 0
-        what = "writing" if writing else "reading"
-        while done < len(view):
-            try:
-                call = os.pwritev if writing else os.preadv
-                moved = call(self.fds[name], [view[done:]], offset + done)
-            except OSError as e:
-                raise OSError(e.errno, f"offload_optimizer: {what} '{name}' at byte "
-                                       f"{offset + done:,} in {self.directory!r} failed "
-                                       f"({e.strerror}); this step is partly applied, load a "
-                                       "checkpoint to go on") from None
-            if moved <= 0:
-                raise OSError(f"offload_optimizer: {what} '{name}' at byte "
-                              f"{offset + done:,} in {self.directory!r} moved no bytes "
-                              "(the file is shorter than the partition)")
-            done += moved
-        if writing and self.write_through:
-            os.posix_fadvise(self.fds[name], offset, len(view), os.POSIX_FADV_DONTNEED)
 
     # ---- residency of the mapping and the page cache -----------------------
 
@@ -286,9 +291,3 @@ class NvmeFiles:
         for name in self.maps:
             self._uncache(name, lo, hi)
 
-
-def _finish(futures):
-    """Wait for every future, then raise the first failure."""
-    wait(futures)
-    for f in futures:
-        f.result()
