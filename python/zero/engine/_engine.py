@@ -41,7 +41,7 @@ from zero.sharding._param_writes import (Place, bump_versions, check_parameters_
                                 record_parameters, take_in_parameter_writes)
 from zero.step._resumed_states import (describe_held, give_back_optimizer_states,
                                   held_optimizer_states, take_in_optimizer_states)
-from zero.offload._mapped import MappedFile
+from zero.offload._mapped import MappedFile, release_freed_memory
 from zero.sharding._backward import BackwardLifecycle
 from zero.sharding._policy import StagePolicy
 from zero.sharding._stage3 import Stage3Schedule
@@ -559,6 +559,8 @@ class Engine(DeepSpeedQueries, EngineReports, nn.Module):
                         home.drop(start, start + n)
                 unit.gathered = False
                 unit.full = None
+                if home is not None:
+                    release_freed_memory()
 
     def close(self):
         """Hand the model and optimizer back to plain torch: remove the

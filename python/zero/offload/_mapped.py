@@ -58,3 +58,28 @@ class MappedFile:
         if length > 0:
             self.map.madvise(mmap.MADV_DONTNEED, start, length)
 
+
+
+def _malloc_trim():
+    try:
+        import ctypes
+        return ctypes.CDLL("libc.so.6").malloc_trim
+    except (OSError, AttributeError):  # not glibc: nothing to trim
+        return None
+
+
+_trim = _malloc_trim()
+
+
+def release_freed_memory():
+    """Return the C heap's freed blocks to the system (glibc's malloc_trim).
+
+    Why: glibc serves a block below its mmap threshold from the heap, and
+    the threshold rises to 32 MiB after the first large block is freed. So
+    building or laying out a model one parameter at a time (allocate its
+    full values, cut them to a file, free them) kept every freed block
+    resident: a 0.3B fp32 model built under partitioned_init(nvme_path=)
+    held 0.9 GiB of freed heap, the whole model, until a trim. Called where
+    a model on a disk frees one full tensor after another."""
+    if _trim is not None:
+        _trim(0)

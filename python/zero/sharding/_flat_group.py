@@ -30,6 +30,7 @@ import torch
 
 import zero._C as _C
 from zero.sharding._partitioned_init import take_values
+from zero.offload._mapped import release_freed_memory
 from zero.sharding._buckets import BucketReducer
 from zero.sharding._units import Unit, lay_out
 
@@ -182,6 +183,8 @@ class FlatGroup:
                 unit.gathered = unit.persistent = True
                 unit.point_params()
             del full32, mine
+            if releasing and (self.param_files is not None or master_file is not None):
+                release_freed_memory()  # a model on a disk: one unit's values at a time
         # the update's operands as tensors (the GPU step), and on the CPU
         # also registered with the C core once, so a step passes no DLPack
         self.buffers, self.tensors, self._registered_at = {}, {}, {}

@@ -42,7 +42,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 from zero.comm._comm import (Comm, backend_for, gather_by_broadcasts, issue,
                              join_for_the_process, nccl_available)
 from zero.config._config import check_nvme_path
-from zero.offload._mapped import MappedFile
+from zero.offload._mapped import MappedFile, release_freed_memory
 from zero.sharding._units import storage_key
 
 _CHUNK_ALIGN = 16
@@ -202,6 +202,8 @@ class partitioned_init(TorchDispatchMode):
     def _on_register(self, module, name, param):
         if param is None or param in _registry:
             return None  # tied or re-registered: already a placeholder
+        if self._directory is not None:  # the last registered parameter's full values
+            release_freed_memory()
         if param in self._replaced:
             return self._replaced[param]  # the same parameter given to a second module
         with torch.no_grad():
@@ -248,6 +250,9 @@ class partitioned_init(TorchDispatchMode):
             param, full = self._cached
             _registry[param].store(full)
             self._cached = None
+            del full
+            if self._directory is not None:  # one parameter's values at a time, really
+                release_freed_memory()
 
     def _tracked(self, t):
         """(owner, _LazyView) when t is a placeholder, a view made from one,
