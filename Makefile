@@ -12,7 +12,7 @@ CXX ?= g++
 # tests on machines without a GPU (tests/emulated_cuda, docs/cuda.md).
 EMULATED_CUDA = tests/c/build/libzero_fake_cuda.so
 
-.PHONY: deps install train test test-c test-cuda-build emulated-cuda test-py test-hf5 bench bench-train bench-checkpoint bench-offload clean
+.PHONY: deps install train test test-c test-cuda-build emulated-cuda test-py test-hf5 bench bench-train bench-checkpoint bench-offload bench-beyond-ram clean
 
 # The pinned CPU build of torch and the test tools.
 deps:
@@ -86,6 +86,12 @@ bench-checkpoint: install
 
 bench-offload: install
 	$(PYTHON) bench/offload.py
+
+# A GPT twice this machine's RAM (3.2B parameters, 47 GiB of model states)
+# trained at stage 3 with parameters and states in files; needs about 60 GB
+# of free disk under /tmp (--dir to choose another; --size 1b for a quick run).
+bench-beyond-ram: install
+	$(PYTHON) bench/beyond_ram.py --size 3b
 
 clean:
 	rm -rf build tests/c/build python/zero/*.so *.egg-info python/*.egg-info
