@@ -8,6 +8,7 @@ machines).
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import warnings
 
@@ -22,6 +23,7 @@ from zero.checkpoint._writes import (discard_replaced, discard_staging, prepare_
                                      write_file, write_latest)
 from zero.sharding._units import parameter_names
 from zero.step._registry import fresh_states
+from zero.offload._mapped import PagesDroppedMeanwhile
 from zero.sharding._param_writes import bump_versions, take_in_parameter_writes
 from zero.checkpoint._restored_settings import check_restored_settings
 from zero.sharding._step_agreement import agree_on_call
@@ -235,9 +237,10 @@ def _save_agreed(engine, save_dir, tag, save_id, client_state, save_latest, erro
         try:
             groups = _shard_groups(engine)
             if groups:
-                write_file({"format": FORMAT, "version": VERSION, "rank": comm.rank,
-                            "save_id": save_id, "groups": groups},
-                           os.path.join(staging, shard_file(comm.rank)))
+                with _dropping_offloaded(engine):
+                    write_file({"format": FORMAT, "version": VERSION, "rank": comm.rank,
+                                "save_id": save_id, "groups": groups},
+                               os.path.join(staging, shard_file(comm.rank)))
         finally:  # offloaded states were read through their mapping
             _release_offloaded(engine)
         if comm.everyone.rank == 0:
@@ -399,6 +402,24 @@ def _release_offloaded(engine):
         fg.release_offloaded()
 
 
+_COPY_CHUNK = 1 << 22  # elements a load copies between two drops of a file's pages
+
+
+def _in_files(engine) -> bool:
+    return any(fg.offload is not None or fg.param_files is not None
+               for fg in engine.all_groups)
+
+
+def _dropping_offloaded(engine):
+    """For an engine whose partitions live in files: their mappings' pages
+    dropped while torch.save reads them, so a model larger than memory is
+    saved in what the save touches between two drops
+    (offload/_mapped.py's PagesDroppedMeanwhile)."""
+    if not _in_files(engine):
+        return contextlib.nullcontext()
+    return PagesDroppedMeanwhile(lambda: _release_offloaded(engine))
+
+
 def _load_partitions(engine, reader, with_optimizer):
     try:
         _read_partitions(engine, reader, with_optimizer)
@@ -409,14 +430,26 @@ def _load_partitions(engine, reader, with_optimizer):
 def _read_partitions(engine, reader, with_optimizer):
     for fg in engine.all_groups:
         fg.check_shard_writable()
+    # a model on a disk: each copy's pages (the checkpoint's and the
+    # files') are dropped once it is done, so loading holds one piece
+    in_files = _in_files(engine)
+    mappings = reader.file_mappings() if in_files else None
     for fg, name, lo, hi, offset, keys in _targets(engine, with_optimizer):
         for key in keys:
             target = fg.states[key] if key != "value" else \
                 fg.master if fg.trainable else fg.shard
             reader.read_into(name, key, lo, target[offset:offset + hi - lo])
+            if in_files:
+                fg.release_offloaded()
+                reader.drop_pages(mappings)
     for fg in engine.all_groups:
         if fg.trainable and fg.master is not fg.shard:
-            fg.shard.copy_(fg.master)  # the parameters: the master rounded
+            # the parameters: the master rounded, a chunk at a time
+            for lo in range(0, fg.part_size, _COPY_CHUNK):
+                hi = min(lo + _COPY_CHUNK, fg.part_size)
+                fg.shard[lo:hi].copy_(fg.master[lo:hi])
+                if in_files:
+                    fg.release_offloaded()
         fg.all_gather_params()
     with torch.no_grad():
         for name, p in _replicated_frozen(engine):

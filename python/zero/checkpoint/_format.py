@@ -33,6 +33,7 @@ import torch
 
 from zero.checkpoint._storage_sizes import storage_size_mismatch
 from zero.checkpoint._zip_checksums import damaged_record
+from zero.offload._mapped import drop_file_mapped_pages, file_mappings
 from zero.step._registry import SPECS
 
 FORMAT = "zeroshard.checkpoint"
@@ -541,6 +542,23 @@ class CheckpointReader:
     def check(self, name: str, key: str, lo: int, n: int):
         """Raise unless elements [lo, lo + n) of `name`'s `key` are stored."""
         self._stretches(name, key, lo, lo + n)
+
+    def file_mappings(self) -> list:
+        """Where this process maps the shard files (for drop_pages)."""
+        return file_mappings({piece[4] for pieces in self.index.values() for piece in pieces})
+
+    def drop_pages(self, mappings):
+        """Unmap the pages of the shard files read so far (loaded with
+        mmap=True: they read back from the files if needed again), so that
+        loading a checkpoint larger than memory holds no more than what is
+        being copied. mappings: file_mappings()."""
+        seen = set()
+        for pieces in self.index.values():
+            for _lo, _hi, tensors, _offset, _file in pieces:
+                for t in tensors.values():
+                    if id(t) not in seen:
+                        seen.add(id(t))
+                        drop_file_mapped_pages(t, mappings)
 
     def read_into(self, name: str, key: str, lo: int, out: torch.Tensor):
         """out (1-D, any dtype and device) = elements [lo, lo + out.numel())

@@ -19,13 +19,20 @@ from concurrent.futures import ThreadPoolExecutor
 
 _LOCAL_HEADER = b"PK\x03\x04"
 LOCAL_HEADER_SIZE = 30
-_SLICE = 1 << 26  # bytes per zlib.crc32 call: bounded, so a huge record is fine too
+_SLICE = 1 << 23  # bytes per zlib.crc32 call: bounded, so a huge record is fine too
 
 
-def _crc32(view) -> int:
+def _crc32(view, mapped=None, base=0) -> int:
+    """CRC-32 of view; with `mapped` (the file's mapping, view starting at
+    byte `base` of it), each slice's pages are unmapped once summed, so
+    checking a file larger than memory holds one slice of it."""
     crc = 0
     for lo in range(0, len(view), _SLICE):
         crc = zlib.crc32(view[lo:lo + _SLICE], crc)
+        if mapped is not None:
+            start = (base + lo) // mmap.PAGESIZE * mmap.PAGESIZE
+            end = min(base + lo + _SLICE, len(mapped))
+            mapped.madvise(mmap.MADV_DONTNEED, start, end - start)
     return crc
 
 
@@ -45,7 +52,7 @@ def damaged_record(path: str):
                     # zlib.crc32 runs without the GIL
                     workers = min(len(records), len(os.sched_getaffinity(0)))
                     with ThreadPoolExecutor(workers) as pool:
-                        ok = list(pool.map(lambda info: _record_ok(archive, view, info),
+                        ok = list(pool.map(lambda info: _record_ok(archive, view, info, mapped),
                                            records))
                 finally:
                     view.release()  # before the mapping closes
@@ -57,7 +64,7 @@ def damaged_record(path: str):
     return None
 
 
-def _record_ok(archive, view, info) -> bool:
+def _record_ok(archive, view, info, mapped=None) -> bool:
     if info.compress_type != zipfile.ZIP_STORED:
         # not what torch writes; zipfile checks the CRC as it inflates
         try:
@@ -71,7 +78,7 @@ def _record_ok(archive, view, info) -> bool:
                        info)
     if start is None or start + info.file_size > len(view):
         return False
-    return _crc32(view[start:start + info.file_size]) == info.CRC
+    return _crc32(view[start:start + info.file_size], mapped, start) == info.CRC
 
 
 def data_start(header: bytes, info):
