@@ -87,7 +87,7 @@ def main(argv=None):
     ap.add_argument("--size", default="3b", choices=list(SIZES))
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--batch", type=int, default=1)
-    ap.add_argument("--lr", type=float, default=1e-4)
+    ap.add_argument("--lr", type=float, default=1e-5)
     ap.add_argument("--dir", default=None, help="an existing directory on the disk to use "
                                                 "(default: a new one under /tmp)")
     ap.add_argument("--checkpoint", action="store_true",
