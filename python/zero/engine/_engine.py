@@ -30,6 +30,7 @@ from zero.comm._comm import Comm, leave_process_group
 from zero.engine._deepspeed_queries import DeepSpeedQueries
 from zero.engine._construction import (broadcast_buffer, cast_module, match_param_groups,
                                        offload_files, owners_of, param_files, units_of)
+from zero.engine._handback import restore_params
 from zero.engine._reports import EngineReports
 from zero.engine._routes import call_alive, check_optimizer_unchanged, guard_optimizer
 from zero.sharding._copying import ModuleHook
@@ -41,7 +42,6 @@ from zero.sharding._param_writes import (Place, bump_versions, check_parameters_
                                 record_parameters, take_in_parameter_writes)
 from zero.step._resumed_states import (describe_held, give_back_optimizer_states,
                                   held_optimizer_states, take_in_optimizer_states)
-from zero.offload._mapped import MappedFile, release_freed_memory
 from zero.sharding._backward import BackwardLifecycle
 from zero.sharding._policy import StagePolicy
 from zero.sharding._stage3 import Stage3Schedule
@@ -534,34 +534,6 @@ class Engine(DeepSpeedQueries, EngineReports, nn.Module):
         return _checkpoint.load(self, load_dir, tag, load_optimizer_states,
                                 load_lr_scheduler_states, load_module_only)
 
-    def _restore_params(self):
-        """Stage 3: give every parameter its full values again, in plain
-        tensors of its own, so the model works without the engine (a
-        collective). Parameters that lived in files (offload_param "nvme")
-        come back file-backed, in a mapped file of their own beside the
-        shards: the model may be larger than this machine's memory."""
-        for fg in self.all_groups:
-            home = None
-            if fg.param_files is not None:
-                home = MappedFile(fg.param_files.directory, fg.layout_size,
-                                  self.compute_dtype, "offload_param.nvme_path")
-            for unit in fg.units:
-                self._schedule.ensure(fg, unit)
-                for p, off, n, shape in zip(unit.params, unit.offsets, unit.numels,
-                                            unit.shapes):
-                    values = unit.full[off:off + n]
-                    if home is None:
-                        p.data = values.view(shape).clone()
-                    else:
-                        start = unit.layout_offset + off
-                        home.tensor[start:start + n].copy_(values)
-                        p.data = home.tensor[start:start + n].view(shape)
-                        home.drop(start, start + n)
-                unit.gathered = False
-                unit.full = None
-                if home is not None:
-                    release_freed_memory()
-
     def close(self):
         """Hand the model and optimizer back to plain torch: remove the
         engine's hooks; at stage 3 gather every parameter whole again (a
@@ -578,7 +550,7 @@ class Engine(DeepSpeedQueries, EngineReports, nn.Module):
         self._hooks = []
         if self._schedule is not None:
             self._schedule.remove()
-            self._restore_params()
+            restore_params(self)
         give_back_optimizer_states(self.optimizer, self.groups, self._comm.world)
         resume = getattr(self.optimizer, "_resume_after_engine", None)  # zero.optim's
         if resume is not None:
