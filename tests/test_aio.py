@@ -194,15 +194,17 @@ def _step_files(directory, write_through):
     return values
 
 
-@pytest.mark.parametrize("write_through", [False, True])
-def test_the_backend_switch(tmp_path, write_through):
-    """The offload files step through either backend with the same
-    result, against values worked out by hand."""
+@pytest.mark.parametrize("write_through, direct", [(False, False), (True, False),
+                                                   (True, True)])
+def test_the_backend_switch(tmp_path, write_through, direct):
+    """The offload files step through either backend, buffered or with
+    O_DIRECT, with the same result, against values worked out by hand."""
     expected = 0.5 + 3 * (torch.arange(5000) // 1024 + 1).float()
-    previous = _aio.set_io(backend="threads", queue_depth=2, block_size=4096)
+    previous = _aio.set_io(backend="threads", queue_depth=2, block_size=4096, direct=direct)
     try:
         assert _aio.io_info()["active"] == "threads"
         assert _aio.engine().backend == "threads"
+        assert _aio.direct() is direct
         for backend in BACKENDS:
             _aio.set_io(backend=backend)
             assert _aio.engine().backend == backend
@@ -212,6 +214,8 @@ def test_the_backend_switch(tmp_path, write_through):
         _aio.set_io(**previous)
     with pytest.raises(ValueError, match="queue_depth must be >= 1"):
         _aio.set_io(queue_depth=0)
+    with pytest.raises(ValueError, match="direct must be True or False, got 1"):
+        _aio.set_io(direct=1)
     assert _aio.io_info()["queue_depth"] == previous["queue_depth"]
 
 
@@ -226,16 +230,33 @@ def test_the_environment_forces_the_thread_backend():
     assert info["io_uring"] == (info["io_uring_error"] is None)
 
 
-def test_write_through_uses_o_direct_where_the_filesystem_allows_it(tmp_path):
-    files = NvmeFiles(str(tmp_path), "direct", 1024, write_through=True)
-    files.create("a", 3000)
-    direct = os.O_DIRECT & __import__("fcntl").fcntl(files.io_fds["a"],
-                                                     __import__("fcntl").F_GETFL)
+def test_write_through_files_have_an_o_direct_descriptor(tmp_path, monkeypatch):
+    """...where the filesystem allows it; set_io(direct=True) makes the
+    step use it, and only for write_through files."""
+    import fcntl
     probe = _direct(tmp_path / "probe")  # skips where O_DIRECT is refused
     os.close(probe)
-    assert direct and files.io_fds["a"] != files.fds["a"]
+    files = NvmeFiles(str(tmp_path), "direct", 1024, write_through=True)
+    files.create("a", 3000)
+    assert fcntl.fcntl(files.io_fds["a"], fcntl.F_GETFL) & os.O_DIRECT
+    assert not fcntl.fcntl(files.fds["a"], fcntl.F_GETFL) & os.O_DIRECT
     # the file is reserved to whole pages: the last, partial page moves whole
     assert os.fstat(files.fds["a"]).st_size == 3 * 4096
+    used = []
+    real = _aio.Transfers.submit
+    monkeypatch.setattr(_aio.Transfers, "submit",
+                        lambda self, w, name, fd, *rest: used.append(fd) or
+                        real(self, w, name, fd, *rest))
+    previous = _aio.set_io(direct=True)
+    try:
+        files.paged_update(3000, lambda lo, hi, w: None)
+        assert set(used) == {files.io_fds["a"]}
+        _aio.set_io(direct=False)
+        used.clear()
+        files.paged_update(3000, lambda lo, hi, w: None)
+        assert set(used) == {files.fds["a"]}
+    finally:
+        _aio.set_io(**previous)
     files.close()
     cached = NvmeFiles(str(tmp_path), "cached", 1024)
     cached.create("a", 3000)

@@ -24,7 +24,10 @@ from zero._C import Aio, aio_info
 QUEUE_DEPTH = 32        # blocks in flight
 BLOCK_SIZE = 1 << 20    # bytes a block
 
+# the engine's settings, and whether write_through files are read and
+# written with O_DIRECT ([Note: direct I/O] in _nvme.py)
 _settings = dict(backend="auto", queue_depth=QUEUE_DEPTH, block_size=BLOCK_SIZE)
+_direct = False
 _engine = None
 _lock = threading.Lock()
 
@@ -47,12 +50,15 @@ def engine() -> Aio:
 
 
 def set_io(backend: str | None = None, queue_depth: int | None = None,
-           block_size: int | None = None) -> dict:
+           block_size: int | None = None, direct: bool | None = None) -> dict:
     """Change the engine's settings (None keeps one); returns the previous
     ones. The next step makes a new engine with them; requests already in
     flight finish on the old one, which their files hold until waited.
-    backend: "auto", "io_uring" or "threads"."""
-    global _engine
+    backend: "auto", "io_uring" or "threads"; direct: O_DIRECT for
+    write_through files where their filesystem allows it."""
+    global _engine, _direct
+    if direct is not None and not isinstance(direct, bool):
+        raise ValueError(f"direct must be True or False, got {direct!r}")
     new = dict(_settings)
     for key, value in (("backend", backend), ("queue_depth", queue_depth),
                        ("block_size", block_size)):
@@ -60,10 +66,16 @@ def set_io(backend: str | None = None, queue_depth: int | None = None,
             new[key] = value
     made = Aio(**new)  # refuses bad settings by name before anything changes
     with _lock:
-        previous = dict(_settings)
+        previous = dict(_settings, direct=_direct)
         _settings.update(new)
         _engine = made
+        _direct = _direct if direct is None else direct
     return previous
+
+
+def direct() -> bool:
+    """Whether write_through files move with O_DIRECT (set_io)."""
+    return _direct
 
 
 def io_info() -> dict:
@@ -71,7 +83,7 @@ def io_info() -> dict:
     io_uring does not, where it does not."""
     info = aio_info()
     current = _engine.backend if _engine is not None else None
-    return dict(_settings, active=current or (info["default"] if _settings["backend"] == "auto"
+    return dict(_settings, direct=_direct, active=current or (info["default"] if _settings["backend"] == "auto"
                                               else _settings["backend"]),
                 io_uring=info["io_uring"], io_uring_error=info["io_uring_error"])
 

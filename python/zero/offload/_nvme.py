@@ -17,22 +17,23 @@ writes beat faulting the mapping chunk by chunk (one fault a page, about
 1.7x slower in bench/offload.py's measurements) and keep the process's
 memory at the windows whatever the kernel does.
 
-[Note: direct I/O] With write_through the step reads and writes the
-files with O_DIRECT where the filesystem allows it (a second descriptor
-of each file; tmpfs before Linux 6.6 and some FUSE filesystems refuse it,
-and there the buffered descriptor serves). The disk then moves the
-windows' pages itself: no copy through the page cache, nothing left in
-it to evict. O_DIRECT wants page-aligned memory, offsets and lengths, so
-the windows are anonymous mappings (page-aligned) rounded up to whole
-pages, chunks start on page boundaries, and every file is reserved to a
-whole number of pages, so a partition's last, partial page moves whole
-(the bytes past its end are never read as values). Direct transfers and
-the mapping stay coherent because they never overlap in time: the kernel
-writes a range's dirty pages before a direct read of it and drops its
-cached pages after a direct write, and nothing writes through the mapping
-while a step runs. Without write_through the step reads and writes
-through the page cache (the point of that mode), with pread/pwrite
-semantics, which agree with the mapping at all times.
+[Note: direct I/O] write_through files can also be read and written with
+O_DIRECT (_aio.set_io(direct=True)): each such file has a second, O_DIRECT
+descriptor where its filesystem allows it (tmpfs before Linux 6.6 and some
+FUSE filesystems refuse it, and there the buffered one serves). The disk
+then moves the windows' pages itself, with no copy through the page cache
+and nothing left in it to evict. It is off by default because on the
+machine this was measured on (a virtual disk) buffered transfers were
+faster: the page cache's readahead reads in larger requests
+(docs/offload.md, "Disk I/O"). O_DIRECT wants page-aligned memory,
+offsets and lengths, so the windows are anonymous mappings (page-aligned)
+rounded up to whole pages, chunks start on page boundaries, and every
+file is reserved to a whole number of pages, so a partition's last,
+partial page moves whole (the bytes past its end are never read as
+values). Direct transfers and the mapping stay coherent because they
+never overlap in time: the kernel writes a range's dirty pages before a
+direct read of it and drops its cached pages after a direct write, and
+nothing writes through the mapping while a step runs.
 
 [Note: write-through] By default what the step writes stays in the page
 cache (memory the kernel may reclaim, which the process does not hold),
@@ -59,6 +60,7 @@ import os
 
 import torch
 
+from zero.offload import _aio
 from zero.offload._aio import Transfers
 
 PAGE_ELEMENTS = mmap.PAGESIZE // 4  # fp32 elements per page
@@ -85,8 +87,8 @@ class NvmeFiles:
         self.maps: dict[str, mmap.mmap] = {}
         self.itemsize: dict[str, int] = {}  # fp32 but for offload_param's shard
         self.fds: dict[str, int] | None = {}  # None once closed
-        # the step's descriptors: O_DIRECT ones with write_through where the
-        # filesystem allows it, else fds' ([Note: direct I/O])
+        # O_DIRECT descriptors of write_through files where the filesystem
+        # allows it, else the same as fds' ([Note: direct I/O])
         self.io_fds: dict[str, int] = {}
         self.pid = os.getpid()
         self.nbytes = 0
@@ -183,6 +185,7 @@ class NvmeFiles:
             raise RuntimeError("offload_optimizer: a forked child cannot step the parent's "
                                "offloaded states; build an engine in the child")
         self._io.begin()
+        self._step_fds = self.io_fds if _aio.direct() else self.fds
         ranges = self.chunks(numel)
         if not ranges:
             return
@@ -253,7 +256,7 @@ class NvmeFiles:
         request ids."""
         lo, hi = chunk
         n = -(-(hi - lo) // PAGE_ELEMENTS) * PAGE_ELEMENTS
-        return [self._io.submit(writing, name, self.io_fds[name], window[name][:n], lo * 4)
+        return [self._io.submit(writing, name, self._step_fds[name], window[name][:n], lo * 4)
                 for name in self.maps]
 
     # ---- residency of the mapping and the page cache -----------------------
@@ -261,10 +264,12 @@ class NvmeFiles:
     def _pages(self, name, lo, hi):
         """(byte offset, length) of the whole pages that hold elements
         [lo, hi) of file `name`. Widening to whole pages is harmless: a
-        dropped page of a shared file mapping keeps its data in the file."""
+        dropped page of a shared file mapping keeps its data in the file.
+        The end too: the file has whole pages, and fadvise keeps a partial
+        last page that is not the file's end."""
         size = self.itemsize[name]
         start = lo * size // mmap.PAGESIZE * mmap.PAGESIZE
-        return start, min(hi * size, len(self.maps[name])) - start
+        return start, _whole_pages(min(hi * size, len(self.maps[name]))) - start
 
     def _advise(self, name, advice, lo, hi):
         start, length = self._pages(name, lo, hi)
