@@ -9,10 +9,11 @@ NVMe at stage 3 only) in one process: the files hold the fp32 master and
 two moments, 12 bytes a parameter, and a step reads and writes them all.
 The disk limit of a disk-bound step is the time to read those bytes cold
 plus the time to write and fsync them, with plain file calls on a file of
-that size in the same directory (the fastest of 3 rounds before the
-runners and 3 after); "of disk limit" divides it by the median
-iteration (forward, backward and step: a step's writes may still be
-finishing during the next forward and backward).
+that size in the same directory: through the page cache (read with it
+emptied first) and with O_DIRECT in 16 MiB calls, each direction taken
+from the faster of the two (the fastest of 3 rounds before the runners
+and 3 after). "of disk limit" divides it by the median iteration
+(forward, backward and step); "step of limit" by the median step alone.
 
 Each runner is a fresh process (its resident-memory peak is its own):
 it trains two warm-up steps, then --steps more, and reports the median
@@ -22,13 +23,18 @@ which it compiles at first use (about 5 minutes here) and which needs
 libaio-dev (`apt-get install libaio-dev`); the table says why it cannot
 run where it cannot.
 
+The write_through_threads runner is write_through with the C core's
+thread backend for the disk I/O (ZERO_AIO=threads) instead of io_uring.
+
 Usage: python bench/offload.py [--params 64M] [--steps 8] [--dir /tmp/zero-offload-bench]
-       [--runners ram,nvme,write_through,ds_nvme] [--json out.json]
+       [--runners ram,nvme,write_through,write_through_threads,ds_nvme] [--io 32:1[:direct]]
+       [--json out.json]
 """
 from __future__ import annotations
 
 import argparse
 import json
+import mmap
 import os
 import statistics
 import subprocess
@@ -45,6 +51,7 @@ RUNNERS = {
     "ram": "zero, states in RAM",
     "nvme": "zero nvme, page cache",
     "write_through": "zero nvme, write_through",
+    "write_through_threads": "zero write_through, threads",
     "ds_nvme": "DeepSpeed nvme offload",
 }
 
@@ -70,10 +77,15 @@ def _model(params):
                                  for _ in range(layers)])
 
 
-def worker(key, params, steps, directory):
+def worker(key, params, steps, directory, io=None):
     """One runner in this process; prints its result as JSON."""
     import torch
     torch.set_num_threads(os.cpu_count() or 1)
+    if io:  # the C core's disk I/O engine: queue depth, block size (MiB), direct
+        from zero.offload._aio import set_io
+        depth, block, *direct = io.split(":")
+        set_io(queue_depth=int(depth), block_size=int(float(block) * 2**20),
+               direct=direct == ["direct"])
     base = _status("VmRSS")
     model = _model(params)
     x = torch.randn(BATCH, HIDDEN)
@@ -102,7 +114,7 @@ def _zero(key, model, directory):
     options = {}
     if key != "ram":
         options["offload_optimizer"] = {"device": "nvme", "nvme_path": directory,
-                                        "write_through": key == "write_through",
+                                        "write_through": key.startswith("write_through"),
                                         "chunk_elements": CHUNK}
     engine = zero.initialize(model, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-4),
                              stage=3, precision="bf16", **options)
@@ -139,33 +151,51 @@ def _deepspeed(model, directory):
 
 
 def disk_limit(directory, nbytes, repeat=3):
-    """The fastest of `repeat` rounds of _disk_round."""
-    rounds = [_disk_round(directory, nbytes) for _ in range(repeat)]
+    """The fastest of `repeat` rounds of _disk_round, for each direction
+    the faster of buffered and O_DIRECT calls."""
+    rounds = [_disk_round(directory, nbytes, direct) for _ in range(repeat)
+              for direct in (False, True)]
+    rounds = [r for r in rounds if r is not None]
     return dict(write_s=min(r["write_s"] for r in rounds),
-                read_s=min(r["read_s"] for r in rounds), bytes=rounds[0]["bytes"])
+                read_s=min(r["read_s"] for r in rounds), bytes=rounds[0]["bytes"],
+                **{f"{way}_{what}_s": min(r[f"{what}_s"] for r in rounds if r["way"] == way)
+                   for way in {r["way"] for r in rounds} for what in ("write", "read")})
 
 
-def _disk_round(directory, nbytes):
+def _disk_round(directory, nbytes, direct=False):
     """Seconds to write+fsync nbytes to a new file in `directory`, and to
-    read them back with the page cache emptied of it first."""
-    payload = os.urandom(1 << 20)
+    read them back with the page cache emptied of it first; with direct,
+    through an O_DIRECT descriptor in 16 MiB calls (None where the
+    filesystem refuses O_DIRECT)."""
+    piece = 16 << 20 if direct else 1 << 20
+    payload = mmap.mmap(-1, piece)  # page-aligned, as O_DIRECT needs
+    payload.write(os.urandom(1 << 20) * (piece >> 20))
+    count = max(1, nbytes // piece)
     fd, path = tempfile.mkstemp(dir=directory, suffix=".bin")
     try:
+        if direct:
+            try:
+                direct_fd = os.open(path, os.O_RDWR | os.O_DIRECT)
+            except OSError:
+                return None
+            os.close(fd)
+            fd = direct_fd
         start = time.perf_counter()
-        for _ in range(max(1, nbytes >> 20)):
-            os.write(fd, payload)
+        for i in range(count):
+            os.pwritev(fd, [payload], i * piece)
         os.fsync(fd)
         write_s = time.perf_counter() - start
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        os.lseek(fd, 0, os.SEEK_SET)
         start = time.perf_counter()
-        while os.read(fd, 1 << 24):
-            pass
+        for i in range(count):
+            if os.preadv(fd, [payload], i * piece) <= 0:
+                break
         read_s = time.perf_counter() - start
     finally:
         os.close(fd)
         os.remove(path)
-    return dict(write_s=write_s, read_s=read_s, bytes=max(1, nbytes >> 20) << 20)
+    return dict(write_s=write_s, read_s=read_s, bytes=count * piece,
+                way="direct" if direct else "buffered")
 
 
 def main(argv=None):
@@ -174,13 +204,15 @@ def main(argv=None):
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--dir", default="/tmp/zero-offload-bench")
     ap.add_argument("--runners", default=",".join(RUNNERS))
+    ap.add_argument("--io", help="queue_depth:block_MiB[:direct] of zero's disk I/O "
+                                 "engine (default 32:1, buffered)")
     ap.add_argument("--json")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     os.makedirs(args.dir, exist_ok=True)
     params = parse_size(args.params)
     if args.worker:
-        return worker(args.worker, params, args.steps, args.dir)
+        return worker(args.worker, params, args.steps, args.dir, args.io)
     real = _model_params(params)
     # the disk before and after the runners, the fastest rounds of both:
     # its bandwidth here varies by up to 2x between minutes
@@ -189,7 +221,8 @@ def main(argv=None):
     for key in args.runners.split(","):
         done = subprocess.run([sys.executable, os.path.abspath(__file__), "--worker", key,
                                "--params", args.params, "--steps", str(args.steps),
-                               "--dir", args.dir], capture_output=True, text=True)
+                               "--dir", args.dir, *(["--io", args.io] if args.io else [])],
+                              capture_output=True, text=True)
         lines = done.stdout.strip().splitlines()
         if done.returncode == 0 and lines:
             rows[key] = dict(json.loads(lines[-1]), ok=True)
@@ -199,8 +232,8 @@ def main(argv=None):
         print(f"  ran {RUNNERS[key]}: " + ("ok" if rows[key]["ok"] else rows[key]["reason"]),
               flush=True)
     disk.append(disk_limit(args.dir, 12 * real))
-    disk = dict(write_s=min(d["write_s"] for d in disk), read_s=min(d["read_s"] for d in disk),
-                bytes=disk[0]["bytes"])
+    disk = {key: min(d[key] for d in disk if key in d)
+            for key in disk[0] if key.endswith("_s")} | dict(bytes=disk[0]["bytes"])
     print_table(rows, disk, real, args)
     if args.json:
         write_json(args.json, dict(rows=rows, disk=disk, params=real))
@@ -220,19 +253,24 @@ def print_table(rows, disk, params, args):
           f"{state_bytes / mib:,.0f} MiB; median of {args.steps} steps; files in {args.dir}")
     print(f"disk: write+fsync {write_bw / mib:,.0f} MiB/s, cold read {read_bw / mib:,.0f} "
           f"MiB/s -> reading and writing the states takes {limit_s:.3f} s")
+    for way in ("buffered", "direct"):
+        if f"{way}_write_s" in disk:
+            print(f"  {way}: write+fsync {disk['bytes'] / disk[way + '_write_s'] / mib:,.0f} "
+                  f"MiB/s, cold read {disk['bytes'] / disk[way + '_read_s'] / mib:,.0f} MiB/s")
     print(f"{'':<28}{'step s':>9}{'iteration s':>13}{'peak RSS MiB':>14}"
-          f"{'of disk limit':>15}")
+          f"{'of disk limit':>15}{'step of limit':>15}")
     for key, row in rows.items():
         if not row["ok"]:
             print(f"{RUNNERS[key]:<28}  could not run: {row['reason']}")
             continue
         # the disk-bound runners: the states' bytes through the disk over
-        # the whole iteration (forward and backward included: writes may
-        # finish while they run)
-        of_limit = f"{limit_s / row['iteration_s']:>14.0%}" \
-            if key in ("write_through", "ds_nvme") else f"{'-':>14}"
+        # the whole iteration (forward and backward included), and over
+        # the step alone
+        bound = key.startswith("write_through") or key == "ds_nvme"
+        of_limit = f"{limit_s / row['iteration_s']:>14.0%}" if bound else f"{'-':>14}"
+        step_of = f"{limit_s / row['step_s']:>14.0%}" if bound else f"{'-':>14}"
         print(f"{RUNNERS[key]:<28}{row['step_s']:>9.3f}{row['iteration_s']:>13.3f}"
-              f"{row['peak_rss'] / mib:>14,.0f} {of_limit}")
+              f"{row['peak_rss'] / mib:>14,.0f} {of_limit} {step_of}")
 
 
 if __name__ == "__main__":
