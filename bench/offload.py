@@ -24,10 +24,12 @@ libaio-dev (`apt-get install libaio-dev`); the table says why it cannot
 run where it cannot.
 
 The write_through_threads runner is write_through with the C core's
-thread backend for the disk I/O (ZERO_AIO=threads) instead of io_uring.
+thread backend for the disk I/O instead of io_uring; write_through_direct
+reads and writes the files with O_DIRECT instead of through the page
+cache.
 
 Usage: python bench/offload.py [--params 64M] [--steps 8] [--dir /tmp/zero-offload-bench]
-       [--runners ram,nvme,write_through,write_through_threads,ds_nvme] [--io 32:1[:direct]]
+       [--runners ram,nvme,write_through,write_through_threads,write_through_direct,ds_nvme] [--io 32:1[:direct]]
        [--json out.json]
 """
 from __future__ import annotations
@@ -52,6 +54,7 @@ RUNNERS = {
     "nvme": "zero nvme, page cache",
     "write_through": "zero nvme, write_through",
     "write_through_threads": "zero write_through, threads",
+    "write_through_direct": "zero write_through, O_DIRECT",
     "ds_nvme": "DeepSpeed nvme offload",
 }
 
@@ -81,11 +84,13 @@ def worker(key, params, steps, directory, io=None):
     """One runner in this process; prints its result as JSON."""
     import torch
     torch.set_num_threads(os.cpu_count() or 1)
-    if io:  # the C core's disk I/O engine: queue depth, block size (MiB), direct
+    if io or key in ("write_through_threads", "write_through_direct"):
+        # the C core's disk I/O engine: queue depth, block size (MiB), direct
         from zero.offload._aio import set_io
-        depth, block, *direct = io.split(":")
+        depth, block, *direct = (io or "32:1").split(":")
         set_io(queue_depth=int(depth), block_size=int(float(block) * 2**20),
-               direct=direct == ["direct"])
+               direct=direct == ["direct"] or key == "write_through_direct",
+               backend="threads" if key == "write_through_threads" else None)
     base = _status("VmRSS")
     model = _model(params)
     x = torch.randn(BATCH, HIDDEN)
@@ -102,7 +107,13 @@ def worker(key, params, steps, directory, io=None):
         start = time.perf_counter()
         steps_s.append(step(x))
         iterations_s.append(time.perf_counter() - start)
-    print(json.dumps(dict(step_s=statistics.median(steps_s),
+    io = None
+    try:  # (zero before its C disk I/O engine has none to report)
+        from zero.offload._aio import io_info
+        io = io_info() if key != "ds_nvme" else None
+    except ImportError:
+        pass
+    print(json.dumps(dict(io=io, step_s=statistics.median(steps_s),
                           iteration_s=statistics.median(iterations_s),
                           peak_rss=_status("VmHWM") - base,
                           file_bytes=sum(f.nbytes for f in files))))
@@ -257,6 +268,11 @@ def print_table(rows, disk, params, args):
         if f"{way}_write_s" in disk:
             print(f"  {way}: write+fsync {disk['bytes'] / disk[way + '_write_s'] / mib:,.0f} "
                   f"MiB/s, cold read {disk['bytes'] / disk[way + '_read_s'] / mib:,.0f} MiB/s")
+    ios = {f"{r['io']['active']} qd {r['io']['queue_depth']} block "
+           f"{r['io']['block_size'] >> 10} KiB{' O_DIRECT' if r['io']['direct'] else ''}"
+           for key, r in rows.items() if r["ok"] and r.get("io") and key != "ram"}
+    if ios:
+        print("zero's disk I/O: " + "; ".join(sorted(ios)))
     print(f"{'':<28}{'step s':>9}{'iteration s':>13}{'peak RSS MiB':>14}"
           f"{'of disk limit':>15}{'step of limit':>15}")
     for key, row in rows.items():
