@@ -262,3 +262,32 @@ def test_write_through_files_have_an_o_direct_descriptor(tmp_path, monkeypatch):
     cached.create("a", 3000)
     assert cached.io_fds["a"] == cached.fds["a"]
     cached.close()
+
+
+def test_an_interrupt_cuts_the_wait_short_not_the_transfer():
+    """Ctrl-C during a wait raises at once; the request stays in flight,
+    its tensor held, until a later wait. (/dev/urandom is a slow source.)"""
+    import signal
+    import time
+    aio = C.Aio(backend="threads", queue_depth=1)
+    random = os.open("/dev/urandom", os.O_RDONLY)
+    out = torch.zeros(32 << 20)  # 128 MiB: about a second from urandom
+
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt
+    previous = signal.signal(signal.SIGALRM, interrupt)
+    try:
+        request = aio.submit_read(random, out)
+        signal.setitimer(signal.ITIMER_REAL, 0.05)
+        start = time.perf_counter()
+        with pytest.raises(KeyboardInterrupt):
+            aio.wait(request)
+        waited = time.perf_counter() - start
+        assert aio.in_flight == 1
+        aio.wait(request)
+        assert aio.in_flight == 0 and (out[-1024:].view(torch.int32) != 0).any()
+        assert waited < 0.5, waited
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+        os.close(random)
