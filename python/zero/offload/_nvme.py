@@ -60,7 +60,7 @@ import os
 
 import torch
 
-from zero.offload import _aio
+import zero.offload._aio as _aio
 from zero.offload._aio import Transfers
 
 PAGE_ELEMENTS = mmap.PAGESIZE // 4  # fp32 elements per page
