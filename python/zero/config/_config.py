@@ -386,7 +386,8 @@ _IGNORED = {
     "steps_per_print", "wall_clock_breakdown", "dump_state", "prescale_gradients",
     "gradient_predivide_factor", "zero_allow_untested_optimizer",
     "zero_force_ds_cpu_optimizer",
-    # libaio's tuning for DeepSpeed's NVMe offload; ours uses pread/pwrite
+    # libaio's tuning for DeepSpeed's NVMe offload; ours has its own engine (offload/_aio.py)
+    # whose settings are not read from this block yet
     "aio",
 }
 _ZERO_IGNORED = {
