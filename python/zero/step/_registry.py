@@ -48,11 +48,6 @@ class OptimizerSpec:
     deepspeed_types: tuple = ()     # a DeepSpeed config's optimizer.type names for it
     trainer_optims: tuple = ()      # prefixes of the HF TrainingArguments.optim that build it
 
-    @property
-    def state_names(self) -> tuple:
-        """Every state the optimizer may keep, with all its options on."""
-        return tuple(self.states({"amsgrad": True, "momentum": 1.0}))
-
 
 def _adam_states(group):
     names = {"exp_avg": 0.0, "exp_avg_sq": 0.0}
