@@ -240,12 +240,6 @@ def test_refusals(tmp_path, monkeypatch):
     with pytest.raises(ValueError, match="zero_optimization.offload_param.nvme_dir"):
         zero.Config.from_deepspeed({"zero_optimization": {
             "stage": 3, "offload_param": {"device": "nvme", "nvme_dir": "/x"}}})
-    # a GPU model: not built yet, said before anything is touched
-    import zero.engine._initialize as initialize_module
-    monkeypatch.setattr(initialize_module, "_engine_device",
-                        lambda _model, _device: torch.device("cuda", 0))
-    with pytest.raises(NotImplementedError, match="offload_param .* not on cuda"):
-        zero.initialize(model, stage=3, offload_param={"device": "cpu"})
     assert all(p.numel() > 0 for p in model.parameters())
 
 

@@ -146,12 +146,13 @@ class OffloadOptimizer:
 @dataclass(frozen=True)
 class OffloadParam:
     """Where stage 3 keeps this rank's shard of the parameters between
-    gathers. "none" and "cpu": in memory (a CPU model's shard is in host
-    memory already; a GPU model's is refused for now). "nvme": in a file
+    gathers. "none": on the model's device. "cpu": in host memory (a CPU
+    model's is there already; a GPU model's is page-locked, and each
+    unit's chunk is copied to the GPU before its gather). "nvme": in a file
     per group under nvme_path, mapped into memory; a gather reads its unit's
     slice, and the pages are dropped again once the unit is gathered and
     after each step, so RAM holds only what is being read or written
-    (docs/offload.md, "Parameters on a disk")."""
+    (docs/offload.md, "Parameters on a disk" and "Parameters off the GPU")."""
 
     device: str = "none"
     nvme_path: Optional[str] = None

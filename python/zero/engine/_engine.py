@@ -35,6 +35,7 @@ from zero.engine._reports import EngineReports
 from zero.engine._routes import call_alive, check_optimizer_unchanged, guard_optimizer
 from zero.sharding._copying import ModuleHook
 from zero.sharding._flat_group import FlatGroup
+from zero.offload import _param_staging
 from zero.engine._interrupts import interrupts_held
 from zero.step._loss_scaler import DynamicLossScaler
 from zero.step._registry import fresh_states, spec_for
@@ -76,6 +77,9 @@ class Engine(DeepSpeedQueries, EngineReports, nn.Module):
         self._staged = _step_path.states_off_device(self.device, config.offload_optimizer)
         self.step_path = _step_path.StagedHostStep(self.device) if self._staged \
             else step_path_for(self.device)
+        # [Note: parameters off the device] in _param_staging.py
+        self._copier = _param_staging.ShardCopier(self.device) \
+            if _param_staging.params_off_device(self.device, config.offload_param) else None
         self.stage = config.stage
         self.policy = StagePolicy.of(config.stage)
         self.micro_steps = 0
@@ -165,7 +169,7 @@ class Engine(DeepSpeedQueries, EngineReports, nn.Module):
                            grad_dtype=DTYPES[config.grad_accum_dtype or config.precision],
                            offload=offload(index),
                            staged=self._staged, reduce_comm=reduce_comm,
-                           param_files=shard_files(index))
+                           param_files=shard_files(index), copier=self._copier)
             for name, fill in fresh_states(optimizer, self._spec,
                                            optimizer.param_groups[index]).items():
                 fg.add_state(name, fill)
@@ -184,7 +188,8 @@ class Engine(DeepSpeedQueries, EngineReports, nn.Module):
                     -1, [p for _, p in frozen], [n for n, _ in frozen], self.compute_dtype,
                     comm, self.policy, config.reduce_bucket_size,
                     units=units_of([p for _, p in frozen], owners), trainable=False,
-                    device=self.device, param_files=shard_files("frozen"))
+                    device=self.device, param_files=shard_files("frozen"),
+                    copier=self._copier)
             self._schedule = Stage3Schedule(module, self.all_groups, comm, config,
                                             self._backward)
         self._param_groups_seen = len(optimizer.param_groups)
@@ -438,6 +443,7 @@ class Engine(DeepSpeedQueries, EngineReports, nn.Module):
                     # leaves it partly applied (docs/offload.md)
                     fg.step_count -= counted
                     raise
+                fg.write_back_shard()
                 fg.all_gather_params()
                 # autograd then refuses a backward through a graph that
                 # saved the old values, as after torch.optim's step

@@ -18,6 +18,7 @@ from torch import nn
 from zero.sharding import _flat_group
 from zero.engine._initialize import default_optimizer, resolve_config
 from zero.engine._memory import MemorySummary, zero_formula
+from zero.offload import _param_staging
 from zero.offload._nvme import PAGE_ELEMENTS, SLOTS
 from zero.step._registry import spec_for
 from zero.step._step_path import states_off_device
@@ -73,7 +74,11 @@ def estimate_memory(model: nn.Module, world_size: int = 1, *, optimizer=None, st
     if mesh is not None:
         world_size = _partitions_of_mesh(mesh, world_size)
     cfg = resolve_config(config, stage, precision, options)
-    staged = states_off_device(_training_device(model, device), cfg.offload_optimizer)
+    where = _training_device(model, device)
+    staged = states_off_device(where, cfg.offload_optimizer)
+    # [Note: parameters off the device] in _param_staging.py
+    shard_on_host = _param_staging.params_off_device(where, cfg.offload_param)
+    grads_on_host = shard_on_host and staged
     if optimizer is None:
         optimizer = default_optimizer(cfg, model)
     spec = spec_for(optimizer)
@@ -95,30 +100,39 @@ def estimate_memory(model: nn.Module, world_size: int = 1, *, optimizer=None, st
         part = sum(u.part for u in units)
         states = len(spec.states(optimizer.param_groups[index]))
         params_bytes, persistent, params_offloaded = _param_bytes(units, part, pb, cfg, policy)
+        if shard_on_host and not params_offloaded:  # the shard in host memory
+            totals["host"] += params_bytes - persistent
+            params_bytes = persistent
         totals["params"] += params_bytes
         totals["persistent"] += persistent
         totals["params_offloaded"] += params_offloaded
-        totals["grads"] += (part if policy.partitions_grads else units[0].total) * gb
+        grads = (part if policy.partitions_grads else units[0].total) * gb
+        totals["host" if grads_on_host else "grads"] += grads
         # the master is the parameters only in fp32 on one device
-        own_master = not fp32 or staged
+        own_master = not fp32 or staged or shard_on_host
         kept, offloaded = _optimizer_bytes(part, states + own_master, cfg)
         totals["offloaded"] += offloaded
         if staged:  # with the staged step's gradient and parameter windows
             window = max(1, min(_staging_chunk(cfg), part))
-            totals["host"] += kept + window * (gb + pb)
+            # none for what is on the host already
+            totals["host"] += kept + window * ((0 if grads_on_host else gb) +
+                                               (0 if shard_on_host else pb))
         else:
             totals["optimizer_states"] += kept
         shapes.append((sum(u.numel for u in units), states))
     trainable = {id(p) for params, _ in groups for p in params}
     frozen = [p for p in model.parameters() if id(p) not in trainable]
-    totals["frozen_params"], frozen_offloaded = _frozen_bytes(frozen, owners, cfg, policy,
-                                                             world_size, pb)
+    totals["frozen_params"], frozen_offloaded, frozen_host = _frozen_bytes(
+        frozen, owners, cfg, policy, world_size, pb, shard_on_host)
     totals["params_offloaded"] += frozen_offloaded
+    totals["host"] += frozen_host
     totals["gathered_peak"] = None if policy.releases_params else 0
     totals["buckets"] = None if policy.reduces_in_backward else 0
     totals["model_states"] = totals["params"] + totals["grads"] + totals["optimizer_states"]
-    formula, expected = zero_formula(cfg.stage, world_size, pb, gb, not fp32 or staged, shapes,
-                                     totals)
+    formula, expected = zero_formula(cfg.stage, world_size, pb, gb,
+                                     not fp32 or staged or shard_on_host, shapes, totals,
+                                     staged=staged, shard_on_host=shard_on_host,
+                                     grads_on_host=grads_on_host)
     return MemorySummary(totals, formula=formula, formula_bytes=expected,
                          world_size=world_size, stage=cfg.stage,
                          trainable_params=sum(numel for numel, _ in shapes), estimate=True)
@@ -186,21 +200,24 @@ def _file_chunk(offload):
     return max(PAGE_ELEMENTS, offload.chunk_elements // PAGE_ELEMENTS * PAGE_ELEMENTS)
 
 
-def _frozen_bytes(frozen, owners, cfg, policy, world_size, pb):
-    """(bytes in memory, bytes in offload_param files) of the frozen
-    parameters: at stage 3 the floating ones a group of their own (shard
-    plus persistent units), the rest (and all at stages 0-2) whole,
-    floating ones cast to the compute dtype."""
+def _frozen_bytes(frozen, owners, cfg, policy, world_size, pb, shard_on_host):
+    """(bytes on the model's device, bytes in offload_param files, bytes
+    in host memory apart from it) of the frozen parameters: at stage 3 the
+    floating ones a group of their own (shard plus persistent units), the
+    rest (and all at stages 0-2) whole, floating ones cast to the compute
+    dtype."""
     if policy.partitions_params:
         whole = [p for p in frozen if not p.is_floating_point()]
         partitioned = [p for p in frozen if p.is_floating_point()]
     else:
         whole, partitioned = frozen, []
     total = sum(p.numel() * (pb if p.is_floating_point() else p.element_size()) for p in whole)
-    offloaded = 0
+    offloaded = host = 0
     if partitioned:
         units = _layout(partitioned, units_of(partitioned, owners), policy, world_size)
-        held, _persistent, offloaded = _param_bytes(units, sum(u.part for u in units), pb, cfg,
-                                                   policy)
+        held, persistent, offloaded = _param_bytes(units, sum(u.part for u in units), pb, cfg,
+                                                  policy)
+        if shard_on_host and not offloaded:
+            host, held = held - persistent, persistent
         total += held
-    return total, offloaded
+    return total, offloaded, host

@@ -10,7 +10,9 @@ def restore_params(engine):
     tensors of its own, so the model works without the engine (a
     collective). Parameters that lived in files (offload_param "nvme")
     come back file-backed, in a mapped file of their own beside the
-    shards: the model may be larger than this machine's memory."""
+    shards: the model may be larger than this machine's memory. Those
+    kept in host memory apart from a GPU model (offload_param "cpu")
+    come back in host memory: the device may not hold the whole model."""
     for fg in engine.all_groups:
         home = None
         if fg.param_files is not None:
@@ -22,7 +24,8 @@ def restore_params(engine):
                                         unit.shapes):
                 values = unit.full[off:off + n]
                 if home is None:
-                    p.data = values.view(shape).clone()
+                    p.data = values.view(shape).to(
+                        "cpu" if fg.shard_on_host else values.device, copy=True)
                 else:
                     start = unit.layout_offset + off
                     home.tensor[start:start + n].copy_(values)

@@ -92,13 +92,6 @@ def initialize(model: nn.Module, *, optimizer=None, stage=None, precision=None,
     _check_dense_gradients(model)
     _check_real_parameters(model)
     device = _engine_device(model, device)
-    if cfg.offload_param.device != "none" and device.type != "cpu":
-        raise NotImplementedError(
-            f"offload_param (device {cfg.offload_param.device!r}) is implemented for a model "
-            f"trained on the CPU only, not on {device.type}: a GPU model's shard would have to "
-            "be copied to the GPU before each gather, which has not been built yet. Leave "
-            "offload_param out (offload_optimizer moves the larger part, 12 of 16 bytes per "
-            "parameter)")
     if optimizer is None:
         optimizer = default_optimizer(cfg, model)
     share_cores_among_local_ranks()

@@ -29,11 +29,16 @@ class MemorySummary(dict):
         return "\n".join(rows)
 
 
-def zero_formula(stage, n, pb, gb, has_master, groups, totals):
+def zero_formula(stage, n, pb, gb, has_master, groups, totals, staged=False,
+                 shard_on_host=False, grads_on_host=False):
     """(text, bytes) of the ZeRO paper's formula for this rank: pb and gb
     the parameter and gradient bytes per element; groups a list of (Ψ of
     the group, number of fp32 states); totals the summary's figures (for
-    stage 3's gathered bytes and the offload window)."""
+    stage 3's gathered bytes and the offload window). staged: the master
+    and states in host memory apart from a GPU model. shard_on_host and
+    grads_on_host: stage 3's parameter shard and gradient partition kept
+    in host memory apart from a GPU model ([Note: parameters off the
+    device] in _param_staging.py)."""
     psi = sum(numel for numel, _ in groups)
     if psi == 0:  # only empty parameters to train
         return f"stage {stage}: no trainable elements, N={n}", 0
@@ -43,7 +48,6 @@ def zero_formula(stage, n, pb, gb, has_master, groups, totals):
     k = master + sum(4 * states * numel for numel, states in groups) / psi
     k = int(k) if k == int(k) else round(k, 2)
     offloaded = totals["offloaded"] > 0
-    staged = totals.get("host", 0) > 0
     if offloaded or staged:  # off the model's memory: in files, or in host memory
         moved, k = k, 0
     if stage == 0:
@@ -55,15 +59,24 @@ def zero_formula(stage, n, pb, gb, has_master, groups, totals):
     else:
         live = totals["persistent"] + (totals["gathered_peak"] or 0)
         # offload_param "nvme": the shard is in a file, not in memory
-        held = 0 if totals.get("params_offloaded") else pb
-        text = f"({held}+{gb}+{k})Ψ/N + gathered {live:,} B"
-        value = (held + gb + k) * psi / n + live
-        if not held:
+        on_disk = bool(totals.get("params_offloaded"))
+        held = 0 if on_disk or shard_on_host else pb
+        g = 0 if grads_on_host else gb
+        text = f"({held}+{g}+{k})Ψ/N + gathered {live:,} B"
+        value = (held + g + k) * psi / n + live
+        if on_disk:
             text += f"; parameter shard {pb}Ψ/N on nvme"
     per_rank = f"{moved}Ψ{'/N' if stage else ''}" if offloaded or staged else ""
-    if staged:  # the figures are the device's; the host's are apart
+    on_host = []  # the figures are the device's; the host's are apart
+    if shard_on_host and not totals.get("params_offloaded"):
+        on_host.append(f"parameter shard {pb}Ψ/N")
+    if grads_on_host:
+        on_host.append(f"gradient partition {gb}Ψ/N")
+    if staged:
         where = "on nvme; " if offloaded else ""
-        text += f"; host memory {totals['host']:,} B ({per_rank} {where}states and staging)"
+        on_host.append(f"{per_rank} {where}states and staging")
+    if on_host:
+        text += f"; host memory {totals['host']:,} B ({', '.join(on_host)})"
     elif offloaded:
         window = totals["optimizer_states"]
         text += f" + step window {window:,} B ({per_rank} on nvme)"

@@ -31,6 +31,7 @@ class EngineReports:
             frozen_bytes = self.frozen_group.nbytes()
             frozen = frozen_bytes["params"]
             totals["params_offloaded"] += frozen_bytes["params_offloaded"]
+            totals["host"] += frozen_bytes["host"]
         frozen += sum(p.nbytes for p in self.module.parameters() if id(p) not in grouped)
         totals["model_states"] = totals["params"] + totals["grads"] + \
             totals["optimizer_states"] + totals["gathered_peak"]
@@ -44,8 +45,11 @@ class EngineReports:
         return zero_formula(
             self.stage, self._comm.world, self.compute_dtype.itemsize,
             self.groups[0].grad_part.element_size(),  # grad_accum_dtype's
-            self.compute_dtype != torch.float32 or self._staged,  # a master of its own
-            [(fg.numel, len(fg.states)) for fg in self.groups], totals)
+            # a master of its own
+            self.compute_dtype != torch.float32 or self._staged or self._copier is not None,
+            [(fg.numel, len(fg.states)) for fg in self.groups], totals, staged=self._staged,
+            shard_on_host=self.groups[0].shard_on_host,
+            grads_on_host=self.groups[0].grads_on_host)
 
     def comm_summary(self) -> dict:
         """Elements and bytes per collective in the last optimizer step; at

@@ -194,7 +194,10 @@ class BucketReducer:
                     w.wait()
             if mine is not None:
                 portion, off = mine
-                self.fg.grad_part[off:off + portion.numel()].add_(portion)
+                part = self.fg.grad_part
+                # a partition on the host ([Note: parameters off the
+                # device] in _param_staging.py): the portion goes there first
+                part[off:off + portion.numel()].add_(portion.to(part.device))
 
     def _wait_a_while(self, works) -> bool:
         """True once `works` are complete; False after STALL_SECONDS, and

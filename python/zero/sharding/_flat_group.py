@@ -46,7 +46,8 @@ STAGING_CHUNK = 1 << 22  # elements a staged step moves between device and host 
 class FlatGroup:
     def __init__(self, index, params, names, compute_dtype, comm, policy, bucket_elements,
                  units=None, trainable=True, device=torch.device("cpu"), grad_dtype=None,
-                 offload=None, staged=False, reduce_comm=None, param_files=None):
+                 offload=None, staged=False, reduce_comm=None, param_files=None,
+                 copier=None):
         """policy: the stage's StagePolicy (_policy.py).
         units: lists of indices into params, one list per unit (stage 3);
         None makes the whole group one unit. The params are reordered unit
@@ -63,7 +64,11 @@ class FlatGroup:
         reduce_comm: the channel the gradient buckets are reduced on
         (stages 2-3; [Note: reduction channels] in _comm.py); default comm.
         param_files: a _nvme.NvmeFiles that holds stage 3's shard of the
-        parameters (offload_param "nvme"): see [Note: shard on a disk]."""
+        parameters (offload_param "nvme"): see [Note: shard on a disk].
+        copier: a _param_staging.ShardCopier when stage 3's shard lives
+        in host memory or files apart from the model's device (a GPU
+        model under offload_param): see [Note: parameters off the device]
+        in _param_staging.py."""
         if units is None:
             units = [list(range(len(params)))]
         order = [i for members in units for i in members]
@@ -80,6 +85,11 @@ class FlatGroup:
         self.state_device = torch.device("cpu") if staged else device
         self.offload = offload if trainable else None
         self.param_files = param_files
+        self.copier = copier
+        self.shard_on_host = copier is not None
+        # with the staged step, the gradient partition joins the shard and
+        # the states on the host
+        self.grads_on_host = self.shard_on_host and staged and trainable
         self.num_partitions = comm.world if policy.partitions else 1
         self.numel = sum(p.numel() for p in self.params)  # Ψ of this group
         self.owner = comm.rank if policy.partitions else 0
@@ -114,8 +124,11 @@ class FlatGroup:
             self.point_grads_at_flat()
         else:
             self.grad_flat = None
-            self.grad_part = torch.zeros(self.part_size, dtype=grad_dtype or compute_dtype,
-                                         device=device)
+            grad_dtype = grad_dtype or compute_dtype
+            if self.grads_on_host:
+                self.grad_part = copier.host_tensor(self.part_size, grad_dtype).zero_()
+            else:
+                self.grad_part = torch.zeros(self.part_size, dtype=grad_dtype, device=device)
             self.reducer = BucketReducer(self, bucket_elements)
         self.tensors["grad"] = self.grad_part
         self._register("grad", self.grad_part)
@@ -126,8 +139,13 @@ class FlatGroup:
             # block up to a power of two)
             chunk = offload.chunk if self.offload is not None else STAGING_CHUNK
             self.staging_chunk = max(1, min(chunk, self.part_size))
-            self.host_windows = {"grad": self._host_buffer(self.grad_part.dtype),
-                                 "copy_out": self._host_buffer(compute_dtype)}
+            # what is on the host already needs none: the step reads the
+            # gradients and writes the parameters in place
+            self.host_windows = {}
+            if not self.grads_on_host:
+                self.host_windows["grad"] = self._host_buffer(self.grad_part.dtype)
+            if not self.shard_on_host:
+                self.host_windows["copy_out"] = self._host_buffer(compute_dtype)
 
     def _build_buffers(self, compute_dtype):
         """Seed the shard (and fp32 master) from the parameters' values on
@@ -138,14 +156,17 @@ class FlatGroup:
         # the master is the parameters themselves only in fp32 with both on
         # one device; an offloaded master is written straight into its
         # file, so RAM never holds a second copy of this rank's partition
-        own_master = not fp32 or self.staged
+        own_master = not fp32 or self.staged or self.shard_on_host
         master_file = None
         if self.offload is not None and own_master:
             master_file = self.offload.create("master", self.part_size)
         if releasing:
-            self.shard = self.param_files.create("shard", self.part_size, dtype=compute_dtype) \
-                if self.param_files is not None else \
-                torch.empty(self.part_size, dtype=compute_dtype, device=self.device)
+            if self.param_files is not None:
+                self.shard = self.param_files.create("shard", self.part_size, dtype=compute_dtype)
+            elif self.shard_on_host:
+                self.shard = self.copier.host_tensor(self.part_size, compute_dtype)
+            else:
+                self.shard = torch.empty(self.part_size, dtype=compute_dtype, device=self.device)
             self.master = None
             if self.trainable:
                 self.master = self.shard if not own_master else master_file \
@@ -190,7 +211,11 @@ class FlatGroup:
         self.buffers, self.tensors, self._registered_at = {}, {}, {}
         if self.trainable:
             self.tensors["master"] = self.master
-            self.tensors["copy_out"] = None if self.master is self.shard else self.shard
+            # a device step cannot write a host shard: write_back_shard()
+            # copies the new parameters over after the update
+            apart = self.shard_on_host and not self.staged
+            self.tensors["copy_out"] = None if self.master is self.shard or apart \
+                else self.shard
             for k, t in self.tensors.items():
                 self._register(k, t)
 
@@ -221,6 +246,24 @@ class FlatGroup:
         if self.offload is not None:
             self.offload.drop()
         self.drop_param_pages()
+
+    def gather_source(self, span: slice) -> torch.Tensor:
+        """This rank's chunk of the shard (elements `span`) where the
+        all-gather can read it: on the model's device ([Note: parameters
+        off the device] in _param_staging.py)."""
+        mine = self.shard[span]
+        return mine if self.copier is None else self.copier.to_device(mine)
+
+    def write_back_shard(self):
+        """After a device step over a host shard: the new parameters, the
+        master rounded, copied into the shard a chunk at a time (a staged
+        or host step writes them there itself)."""
+        if not self.shard_on_host or self.staged or not self.trainable:
+            return
+        for lo in range(0, self.part_size, STAGING_CHUNK):
+            hi = min(lo + STAGING_CHUNK, self.part_size)
+            self.shard[lo:hi].copy_(self.master[lo:hi])
+            self.drop_param_pages(slice(lo, hi))
 
     def check_shard_writable(self):
         """A forked child shares an offloaded shard's file with its parent
@@ -333,7 +376,7 @@ class FlatGroup:
             return
         for unit in self.units:
             if unit.gathered:
-                mine = self.shard[unit.shard_slice]
+                mine = self.gather_source(unit.shard_slice)
                 if not self.policy.partitions_params and mine.device.type != "cpu":
                     # it aliases unit.full, which NCCL's all-gather may not
                     # read from; gloo's broadcasts leave it in place
@@ -393,37 +436,47 @@ class FlatGroup:
         return full
 
     def nbytes(self) -> dict:
+        """This rank's bytes by kind. The first kinds are on the model's
+        device; `host` is host memory apart from it (the staged step's
+        states and windows, a host shard and gradient partition: [Note:
+        parameters off the device]), `offloaded` and `params_offloaded`
+        bytes in files."""
         item = self.shard.element_size()
         gathered = sum(u.total for u in self.units if u.gathered and u.persistent) * item
         # an offloaded shard ([Note: shard on a disk]) is counted apart
         params_offloaded = self.shard.nbytes if self.param_files is not None else 0
+        host_shard = self.shard.nbytes if self.shard_on_host and not params_offloaded else 0
         if not self.policy.partitions_params:
             params = gathered
         else:
-            params = self.shard.nbytes - params_offloaded + gathered
+            params = self.shard.nbytes - params_offloaded - host_shard + gathered
+        persistent = gathered if self.policy.partitions_params else 0
         if not self.trainable:
             return {"params": params, "grads": 0, "optimizer_states": 0, "offloaded": 0,
-                    "host": 0, "buckets": 0, "persistent": gathered if self.policy.partitions_params else 0,
+                    "host": host_shard, "buckets": 0, "persistent": persistent,
                     "params_offloaded": params_offloaded}
         master = 0 if self.master is self.shard else self.master.nbytes
         states = master + sum(t.nbytes for t in self.states.values())
+        grads = (self.grad_flat if self.grad_flat is not None else self.grad_part).nbytes
         offloaded = 0
         if self.offload is not None:
             # in RAM: the step's windows ([Note: offloaded step] in _nvme.py)
             offloaded = self.offload.nbytes
             states = self.offload.window_bytes(self.part_size)
-        host = 0
+        host = host_shard
+        if self.grads_on_host:
+            host, grads = host + grads, 0
         if self.staged:  # none on the model's device; in host memory with the staging windows
-            host = states + sum(t.nbytes for t in self.host_windows.values())
+            host += states + sum(t.nbytes for t in self.host_windows.values())
             states = 0
         return {
             "params": params,
-            "grads": (self.grad_flat if self.grad_flat is not None else self.grad_part).nbytes,
+            "grads": grads,
             "optimizer_states": states,
             "offloaded": offloaded,
             "host": host,
             "buckets": self.reducer.peak_bucket_bytes if self.reducer is not None else 0,
-            "persistent": gathered if self.policy.partitions_params else 0,
+            "persistent": persistent,
             "params_offloaded": params_offloaded,
         }
 

@@ -194,7 +194,7 @@ class Stage3Schedule(SavedParameters):
             % _HASH_MOD
         check_released_untouched(fg, unit)
         unit.reserve()
-        work = self.comm.all_gather_into(unit.full, fg.shard[unit.shard_slice],
+        work = self.comm.all_gather_into(unit.full, fg.gather_source(unit.shard_slice),
                                          async_op=async_op)
         if not unit.persistent:
             self.live += unit.total

@@ -121,17 +121,31 @@ class StagedHostStep:
                     f"({cpu_info()['simd']})"
 
     def squared_norm(self, groups, comm, across_ranks: bool) -> float:
+        if groups and groups[0].grads_on_host:  # every group's, or none's
+            return HostStep.squared_norm(self, groups, comm, across_ranks)
         return self._norm.squared_norm(groups, comm, across_ranks)
 
     def update(self, spec, optimizer, group, fg, grad_scale):
         def update_chunk(lo, hi, windows):
             n = hi - lo
-            grad, out = fg.host_windows["grad"][:n], fg.host_windows["copy_out"][:n]
-            grad.copy_(fg.grad_part[lo:hi])
-            buffers = chunk_buffers(fg, lo, hi, {**windows, "grad": grad, "copy_out": out})
+            staged = dict(windows)
+            # a gradient partition and a shard on the host already ([Note:
+            # parameters off the device] in _param_staging.py) are read
+            # and written in place: no window
+            grad = fg.host_windows.get("grad")
+            if grad is not None:
+                staged["grad"] = grad[:n]
+                staged["grad"].copy_(fg.grad_part[lo:hi])
+            out = fg.host_windows.get("copy_out")
+            if out is not None:
+                staged["copy_out"] = out[:n]
+            buffers = chunk_buffers(fg, lo, hi, staged)
             run_update(spec, optimizer, group, buffers, fg.step_count, grad_scale,
                        spec.host)
-            fg.shard[lo:hi].copy_(out)
+            if out is not None:
+                fg.shard[lo:hi].copy_(staged["copy_out"])
+            else:
+                fg.drop_param_pages(slice(lo, hi))
         if fg.offload is not None and fg.offload.maps:
             fg.offload.paged_update(fg.part_size, update_chunk)
             return
