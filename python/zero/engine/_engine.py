@@ -142,7 +142,8 @@ class Engine(DeepSpeedQueries, EngineReports, nn.Module):
         for params, _names in groups:
             for p in params:
                 p.grad = None
-        cast_module(module, self.compute_dtype, self.device, self.policy)
+        cast_module(module, self.compute_dtype, self.device, self.policy,
+                    params_off_device=self._copier is not None)
         for name, buf in module.named_buffers():
             broadcast_buffer(comm, name, buf)
         # parameters outside the flat groups (which broadcast their own):
