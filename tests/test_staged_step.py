@@ -19,6 +19,7 @@ from engine_cases import (Net, assert_checkpoint_chain_exact, assert_same_finish
 
 
 STAGING_CHUNK = 512  # several chunks a partition, so the windows are reused
+STAGING_SLOTS = zero.sharding._flat_group.STAGING_SLOTS
 
 
 @pytest.fixture(autouse=True)
@@ -52,7 +53,9 @@ def test_staged_run_equals_the_plain_run(stage, precision, optimizer):
     assert isinstance(engine.step_path, step_path.StagedHostStep)
     for fg in engine.groups:
         assert fg.staged and fg.master is not fg.shard
-        assert fg.host_windows["grad"].numel() == min(STAGING_CHUNK, fg.part_size)
+        # STAGING_SLOTS windows end to end: one copied while the other is updated
+        assert fg.host_windows["grad"].numel() == \
+            STAGING_SLOTS * min(STAGING_CHUNK, fg.part_size)
     assert max(fg.part_size for fg in engine.groups) > 2 * STAGING_CHUNK
     assert_same_finish(finish(engine), expected)
 
@@ -75,9 +78,10 @@ def test_memory_summary_puts_the_states_on_the_host(tmp_path, offload):
     summary = engine.memory_summary()
     part = sum(fg.part_size for fg in engine.groups)
     assert summary["optimizer_states"] == 0  # none on the model's device
-    # bf16 gradients in, bf16 parameters out: two windows of a chunk each
-    staging = sum(min(STAGING_CHUNK if offload == "cpu" else 1024, fg.part_size) * (2 + 2)
-                  for fg in engine.groups)
+    # bf16 gradients in, bf16 parameters out: STAGING_SLOTS windows a side,
+    # of a chunk each
+    staging = sum(STAGING_SLOTS * min(STAGING_CHUNK if offload == "cpu" else 1024,
+                                      fg.part_size) * (2 + 2) for fg in engine.groups)
     if offload == "cpu":
         assert summary["host"] == 12 * part + staging
         assert summary["offloaded"] == 0

@@ -527,6 +527,8 @@ def load(engine, load_dir, tag=None, load_optimizer_states=True,
         error = e
     _all_ok(engine, error, "loading")
     engine.zero_grad()
+    if engine._delayed is not None:  # its states and parameters are replaced now
+        engine._delayed.drop()
     _load_partitions(engine, reader, with_optimizer)
     for fg in engine.all_groups:
         # the loaded values replace any write since the last step, and a

@@ -122,12 +122,16 @@ class OffloadOptimizer:
     model's states already are. "nvme": in files under nvme_path, mapped
     into memory and paged through in chunks of chunk_elements during the
     step; write_through also keeps them out of the page cache, so every
-    step reads and writes them on the disk (docs/offload.md)."""
+    step reads and writes them on the disk. delayed_update: for a model on
+    a GPU, the host update of step k runs while the GPU computes step k+1,
+    whose gradients are then taken one update late (ZeRO-Offload's delayed
+    parameter update; docs/offload.md)."""
 
     device: str = "none"
     nvme_path: Optional[str] = None
     chunk_elements: int = 1 << 22  # 16 MiB of each fp32 state in RAM at a time
     write_through: bool = False
+    delayed_update: bool = False
 
     def __post_init__(self):
         object.__setattr__(self, "nvme_path",
@@ -138,9 +142,14 @@ class OffloadOptimizer:
             raise ValueError("offload_optimizer.chunk_elements must be a positive integer, got "
                              f"{self.chunk_elements!r}")
         object.__setattr__(self, "chunk_elements", int(self.chunk_elements))
-        if not isinstance(self.write_through, bool):
-            raise ValueError("offload_optimizer.write_through must be True or False, got "
-                             f"{self.write_through!r}")
+        for name in ("write_through", "delayed_update"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"offload_optimizer.{name} must be True or False, got "
+                                 f"{getattr(self, name)!r}")
+        if self.delayed_update and self.device == "none":
+            raise ValueError("offload_optimizer.delayed_update needs the states offloaded "
+                             "(device 'cpu' or 'nvme'): it overlaps their host update with "
+                             "the GPU's next forward and backward")
 
 
 @dataclass(frozen=True)

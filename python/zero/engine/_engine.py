@@ -49,6 +49,7 @@ from zero.sharding._stage3 import Stage3Schedule
 from zero.sharding._step_agreement import describe_settings
 from zero.step import _step_path
 from zero.step._clipping import clip_coefficient
+from zero.step._delayed import delayed_update_for
 from zero.step._step_path import step_path_for
 from zero.config._config import Config
 
@@ -80,6 +81,9 @@ class Engine(DeepSpeedQueries, EngineReports, nn.Module):
         # [Note: parameters off the device] in _param_staging.py
         self._copier = _param_staging.ShardCopier(self.device) \
             if _param_staging.params_off_device(self.device, config.offload_param) else None
+        # [Note: delayed update] in step/_delayed.py
+        self._delayed = delayed_update_for(config.offload_optimizer, self._staged,
+                                           self.step_path, self.device)
         self.stage = config.stage
         self.policy = StagePolicy.of(config.stage)
         self.micro_steps = 0
@@ -170,7 +174,8 @@ class Engine(DeepSpeedQueries, EngineReports, nn.Module):
                            grad_dtype=DTYPES[config.grad_accum_dtype or config.precision],
                            offload=offload(index),
                            staged=self._staged, reduce_comm=reduce_comm,
-                           param_files=shard_files(index), copier=self._copier)
+                           param_files=shard_files(index), copier=self._copier,
+                           delayed=self._delayed)
             for name, fill in fresh_states(optimizer, self._spec,
                                            optimizer.param_groups[index]).items():
                 fg.add_state(name, fill)
@@ -432,7 +437,9 @@ class Engine(DeepSpeedQueries, EngineReports, nn.Module):
             if self.loss_scaler:
                 self.loss_scaler.update(False)
             coef = clip_coefficient(max_norm, norm)
-            for fg in self.groups:
+            if self._delayed is not None:  # lands at the next boundary
+                self._delayed.launch(self._spec, self.optimizer, self.groups, base * coef)
+            for fg in self.groups if self._delayed is None else ():
                 counted = self._spec.counts_as_step(self.optimizer.param_groups[fg.index])
                 fg.step_count += counted
                 try:
@@ -552,6 +559,8 @@ class Engine(DeepSpeedQueries, EngineReports, nn.Module):
         process; see _comm.join_process_group). A second call does nothing."""
         if self._closed:
             return
+        if self._delayed is not None:
+            self._delayed.finish()  # the model handed back has the last update
         for h in self._hooks:
             h.remove()
         self._hooks = []

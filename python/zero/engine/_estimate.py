@@ -112,11 +112,14 @@ def estimate_memory(model: nn.Module, world_size: int = 1, *, optimizer=None, st
         own_master = not fp32 or staged or shard_on_host
         kept, offloaded = _optimizer_bytes(part, states + own_master, cfg)
         totals["offloaded"] += offloaded
-        if staged:  # with the staged step's gradient and parameter windows
+        if staged and cfg.offload_optimizer.delayed_update:
+            # whole partitions of gradients and parameters instead of windows
+            totals["host"] += kept + part * (gb + pb)
+        elif staged:  # with the staged step's gradient and parameter windows
             window = max(1, min(_staging_chunk(cfg), part))
             # none for what is on the host already
-            totals["host"] += kept + window * ((0 if grads_on_host else gb) +
-                                               (0 if shard_on_host else pb))
+            totals["host"] += kept + _flat_group.STAGING_SLOTS * window * (
+                (0 if grads_on_host else gb) + (0 if shard_on_host else pb))
         else:
             totals["optimizer_states"] += kept
         shapes.append((sum(u.numel for u in units), states))

@@ -41,13 +41,16 @@ FAULT_AROUND_BYTES = 64 << 10
 # gather_master's slice per rank on a GPU (16M fp32 elements: 64 MiB a rank)
 GATHER_SLICE = 1 << 24
 STAGING_CHUNK = 1 << 22  # elements a staged step moves between device and host at a time
+# windows per side of a staged step: one being copied while the other is
+# updated ([Note: pipelined staged step] in step/_staged_copies.py)
+STAGING_SLOTS = 2
 
 
 class FlatGroup:
     def __init__(self, index, params, names, compute_dtype, comm, policy, bucket_elements,
                  units=None, trainable=True, device=torch.device("cpu"), grad_dtype=None,
                  offload=None, staged=False, reduce_comm=None, param_files=None,
-                 copier=None):
+                 copier=None, delayed=None):
         """policy: the stage's StagePolicy (_policy.py).
         units: lists of indices into params, one list per unit (stage 3);
         None makes the whole group one unit. The params are reordered unit
@@ -68,7 +71,9 @@ class FlatGroup:
         copier: a _param_staging.ShardCopier when stage 3's shard lives
         in host memory or files apart from the model's device (a GPU
         model under offload_param): see [Note: parameters off the device]
-        in _param_staging.py."""
+        in _param_staging.py.
+        delayed: the engine's step/_delayed.DelayedUpdate when the staged
+        step's update runs a step late ([Note: delayed update] there)."""
         if units is None:
             units = [list(range(len(params)))]
         order = [i for members in units for i in members]
@@ -111,6 +116,7 @@ class FlatGroup:
         self.reduced_since_step = False
         self.accumulate_by_hook = False
         self.reducer = None  # stages 2-3: the buckets reduced from hooks
+        self.delayed = delayed if trainable else None
         if not trainable:
             return
         if not policy.partitions_grads:
@@ -142,9 +148,16 @@ class FlatGroup:
             # what is on the host already needs none: the step reads the
             # gradients and writes the parameters in place
             self.host_windows = {}
-            if not self.grads_on_host:
+            if self.delayed is not None:
+                # whole partitions instead of windows: the update of one
+                # step runs while the next backward refills the gradients
+                self.delayed_grad = copier_or_pinned(copier, device, self.part_size,
+                                                     self.grad_part.dtype)
+                self.delayed_params = copier_or_pinned(copier, device, self.part_size,
+                                                       compute_dtype)
+            elif not self.grads_on_host:
                 self.host_windows["grad"] = self._host_buffer(self.grad_part.dtype)
-            if not self.shard_on_host:
+            if not self.shard_on_host and self.delayed is None:
                 self.host_windows["copy_out"] = self._host_buffer(compute_dtype)
 
     def _build_buffers(self, compute_dtype):
@@ -265,6 +278,14 @@ class FlatGroup:
             self.shard[lo:hi].copy_(self.master[lo:hi])
             self.drop_param_pages(slice(lo, hi))
 
+    def take_delayed_params(self):
+        """The parameters a delayed update wrote ([Note: delayed update] in
+        step/_delayed.py) into the shard, a chunk at a time."""
+        for lo in range(0, self.part_size, STAGING_CHUNK):
+            hi = min(lo + STAGING_CHUNK, self.part_size)
+            self.shard[lo:hi].copy_(self.delayed_params[lo:hi])
+            self.drop_param_pages(slice(lo, hi))
+
     def check_shard_writable(self):
         """A forked child shares an offloaded shard's file with its parent
         (memory would be copied on write): its writes would change the
@@ -296,8 +317,9 @@ class FlatGroup:
             self.param_files.drop("shard", max(0, span.start - margin), span.stop + margin)
 
     def _host_buffer(self, dtype):
-        """A staging window, page-locked for a GPU (copies at bus speed)."""
-        return torch.empty(self.staging_chunk, dtype=dtype,
+        """STAGING_SLOTS staging windows end to end, page-locked for a GPU
+        (copies at bus speed, and off the host's critical path)."""
+        return torch.empty(STAGING_SLOTS * self.staging_chunk, dtype=dtype,
                            pin_memory=self.device.type == "cuda")
 
     def _register(self, name, tensor):
@@ -468,6 +490,8 @@ class FlatGroup:
             host, grads = host + grads, 0
         if self.staged:  # none on the model's device; in host memory with the staging windows
             host += states + sum(t.nbytes for t in self.host_windows.values())
+            if self.delayed is not None:
+                host += self.delayed_grad.nbytes + self.delayed_params.nbytes
             states = 0
         return {
             "params": params,
@@ -480,6 +504,13 @@ class FlatGroup:
             "params_offloaded": params_offloaded,
         }
 
+
+
+def copier_or_pinned(copier, device, numel, dtype):
+    """A host buffer, page-locked for a GPU model."""
+    if copier is not None:
+        return copier.host_tensor(numel, dtype)
+    return torch.empty(numel, dtype=dtype, pin_memory=device.type == "cuda")
 
 
 def gather_in_slices(comm, out, mine, n, slice_elements):

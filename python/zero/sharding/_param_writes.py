@@ -102,12 +102,21 @@ def take_in_parameter_writes(groups, call: str, refusal: Exception | None = None
     in _step_agreement.py). `refusal` is the caller's own check's error on
     this rank, raised once the ranks have compared notes."""
     problem, written = refusal, []
+    # an update computed on another thread ([Note: delayed update] in
+    # step/_delayed.py) lands here, once every rank is here
+    delayed = [d for d in {id(fg.delayed): fg.delayed for fg in groups
+                           if getattr(fg, "delayed", None) is not None}.values() if d.pending]
+    for d in delayed:
+        failure = d.wait()
+        problem = problem or failure
     if problem is None:
         try:
             check_parameters_in_place(groups)
             written = _writes(groups)
         except RuntimeError as error:  # raised once the ranks have compared notes
             problem = error
+    if problem is None and written and any(d.pending for d in delayed):
+        problem = delayed[0].refuse_writes(written)
     if groups and groups[0].comm.dp_world > 1:
         verdict = agree(groups[0].comm, call, hash_writes(written), hash_settings(settings),
                         refused=problem is not None)
@@ -121,6 +130,8 @@ def take_in_parameter_writes(groups, call: str, refusal: Exception | None = None
             raise _settings_differ(settings)
     if problem is not None:
         raise problem
+    for d in delayed:
+        d.land()
     for fg, unit, j in written:
         write_into_partition(fg, unit, j, None)
         fg.seen_versions[unit.members.start + j] = unit.params[j]._version

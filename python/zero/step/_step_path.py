@@ -26,6 +26,7 @@ from zero._C import Buffer, cpu_info, sum_squares
 from zero.step._torch_update import adam as torch_adam
 from zero.step._hyperparameters import check_group_settings
 from zero.step._registry import run_update
+from zero.step._staged_copies import StagedCopies
 
 
 def check_update_arguments(spec, optimizer, group, step):
@@ -108,11 +109,11 @@ class StagedHostStep:
     host window, the C core updates that chunk of the host master and
     states (for "nvme", the chunk the files' windows hold: _nvme.py), and
     writes the rounded parameters into a second window, which is copied
-    over the device's partition before the all-gather. The copies are
-    synchronous (torch's copy_ waits for the stream), so the C core never
-    reads a window still being filled nor refills one still being sent.
-    The device holds only parameters and gradients; the host, the states
-    and two chunk-sized windows."""
+    over the device's partition before the all-gather. The copies of
+    other chunks run on streams of their own meanwhile, ordered by events
+    ([Note: pipelined staged step] in _staged_copies.py). The device holds
+    only parameters and gradients; the host, the states and two windows a
+    side of a chunk each."""
 
     def __init__(self, device):
         self.device = device
@@ -126,32 +127,48 @@ class StagedHostStep:
         return self._norm.squared_norm(groups, comm, across_ranks)
 
     def update(self, spec, optimizer, group, fg, grad_scale):
+        if fg.offload is not None and fg.offload.maps:
+            ranges = fg.offload.chunks(fg.part_size)
+        else:
+            step = fg.staging_chunk
+            ranges = [(lo, min(lo + step, fg.part_size)) for lo in range(0, fg.part_size, step)]
+        # [Note: pipelined staged step] in _staged_copies.py
+        copies = StagedCopies(fg, ranges)
+        index = {lo: i for i, (lo, _hi) in enumerate(ranges)}
+
         def update_chunk(lo, hi, windows):
-            n = hi - lo
+            i = index[lo]
             staged = dict(windows)
-            # a gradient partition and a shard on the host already ([Note:
-            # parameters off the device] in _param_staging.py) are read
-            # and written in place: no window
-            grad = fg.host_windows.get("grad")
+            grad, out = copies.grad(i), copies.out(i)
             if grad is not None:
-                staged["grad"] = grad[:n]
-                staged["grad"].copy_(fg.grad_part[lo:hi])
-            out = fg.host_windows.get("copy_out")
+                staged["grad"] = grad
             if out is not None:
-                staged["copy_out"] = out[:n]
-            buffers = chunk_buffers(fg, lo, hi, staged)
-            run_update(spec, optimizer, group, buffers, fg.step_count, grad_scale,
-                       spec.host)
-            if out is not None:
-                fg.shard[lo:hi].copy_(staged["copy_out"])
+                staged["copy_out"] = out
+            run_update(spec, optimizer, group, chunk_buffers(fg, lo, hi, staged),
+                       fg.step_count, grad_scale, spec.host)
+            copies.send(i, out)
+        try:
+            if fg.offload is not None and fg.offload.maps:
+                fg.offload.paged_update(fg.part_size, update_chunk)
             else:
-                fg.drop_param_pages(slice(lo, hi))
+                for lo, hi in ranges:
+                    update_chunk(lo, hi, {})
+        finally:
+            copies.finish()
+
+    def update_delayed(self, spec, optimizer, group, fg, grad_scale, step_count):
+        """The update of a delayed step ([Note: delayed update] in
+        _delayed.py), on its thread: host memory only, from the gradient
+        copy into the new-parameter buffer (the states' files' windows
+        for "nvme")."""
+        def update_chunk(lo, hi, windows):
+            buffers = chunk_buffers(fg, lo, hi, {**windows, "grad": fg.delayed_grad[lo:hi],
+                                                 "copy_out": fg.delayed_params[lo:hi]})
+            run_update(spec, optimizer, group, buffers, step_count, grad_scale, spec.host)
         if fg.offload is not None and fg.offload.maps:
             fg.offload.paged_update(fg.part_size, update_chunk)
-            return
-        step = fg.staging_chunk
-        for lo in range(0, fg.part_size, step):
-            update_chunk(lo, min(lo + step, fg.part_size), {})
+        else:
+            update_chunk(0, fg.part_size, {})
 
 
 class TorchStep:
