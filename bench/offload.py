@@ -26,10 +26,14 @@ run where it cannot.
 The write_through_threads runner is write_through with the C core's
 thread backend for the disk I/O instead of io_uring; write_through_direct
 reads and writes the files with O_DIRECT instead of through the page
-cache.
+cache; write_through_delayed is write_through with
+offload_optimizer.delayed_update, whose step's disk reads and writes run
+during the next forward and backward (its "step" is what step() waits
+for: the rest of the previous update, and starting the next).
 
 Usage: python bench/offload.py [--params 64M] [--steps 8] [--dir /tmp/zero-offload-bench]
-       [--runners ram,nvme,write_through,write_through_threads,write_through_direct,ds_nvme] [--io 32:1[:direct]]
+       [--runners ram,nvme,write_through,write_through_threads,write_through_direct,
+                  write_through_delayed,ds_nvme] [--io 32:1[:direct]]
        [--json out.json]
 """
 from __future__ import annotations
@@ -55,6 +59,7 @@ RUNNERS = {
     "write_through": "zero nvme, write_through",
     "write_through_threads": "zero write_through, threads",
     "write_through_direct": "zero write_through, O_DIRECT",
+    "write_through_delayed": "zero write_through, delayed update",
     "ds_nvme": "DeepSpeed nvme offload",
 }
 
@@ -126,7 +131,8 @@ def _zero(key, model, directory):
     if key != "ram":
         options["offload_optimizer"] = {"device": "nvme", "nvme_path": directory,
                                         "write_through": key.startswith("write_through"),
-                                        "chunk_elements": CHUNK}
+                                        "chunk_elements": CHUNK,
+                                        "delayed_update": key.endswith("_delayed")}
     engine = zero.initialize(model, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-4),
                              stage=3, precision="bf16", **options)
     files = [fg.offload for fg in engine.groups if fg.offload is not None]
@@ -273,11 +279,11 @@ def print_table(rows, disk, params, args):
            for key, r in rows.items() if r["ok"] and r.get("io") and key != "ram"}
     if ios:
         print("zero's disk I/O: " + "; ".join(sorted(ios)))
-    print(f"{'':<28}{'step s':>9}{'iteration s':>13}{'peak RSS MiB':>14}"
+    print(f"{'':<36}{'step s':>9}{'iteration s':>13}{'peak RSS MiB':>14}"
           f"{'of disk limit':>15}{'step of limit':>15}")
     for key, row in rows.items():
         if not row["ok"]:
-            print(f"{RUNNERS[key]:<28}  could not run: {row['reason']}")
+            print(f"{RUNNERS[key]:<36}  could not run: {row['reason']}")
             continue
         # the disk-bound runners: the states' bytes through the disk over
         # the whole iteration (forward and backward included), and over
@@ -285,7 +291,7 @@ def print_table(rows, disk, params, args):
         bound = key.startswith("write_through") or key == "ds_nvme"
         of_limit = f"{limit_s / row['iteration_s']:>14.0%}" if bound else f"{'-':>14}"
         step_of = f"{limit_s / row['step_s']:>14.0%}" if bound else f"{'-':>14}"
-        print(f"{RUNNERS[key]:<28}{row['step_s']:>9.3f}{row['iteration_s']:>13.3f}"
+        print(f"{RUNNERS[key]:<36}{row['step_s']:>9.3f}{row['iteration_s']:>13.3f}"
               f"{row['peak_rss'] / mib:>14,.0f} {of_limit} {step_of}")
 
 

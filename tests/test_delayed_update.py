@@ -24,6 +24,7 @@ from engine_cases import (ACCUMULATION, Net, batches, engine_run, loss_of, make_
 
 STEPS = 5
 CLIP = 0.5
+REAL_STATES_OFF_DEVICE = step_path.states_off_device
 
 
 @pytest.fixture(autouse=True)
@@ -239,3 +240,60 @@ def test_a_cpu_model_is_refused(monkeypatch):
         zero.initialize(model, stage=2,
                         offload_optimizer={"device": "cpu", "delayed_update": True})
     assert all(p.numel() > 0 for p in model.parameters())
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_a_cpu_model_with_states_in_files(tmp_path, monkeypatch, stage):
+    """A model on the CPU (not staged): the thread's disk reads and writes
+    overlap the next forward and backward; the parameters are then not the
+    fp32 master, which the thread writes."""
+    monkeypatch.setattr(step_path, "states_off_device", REAL_STATES_OFF_DEVICE)
+    data = batches("cpu", STEPS * ACCUMULATION)
+    w, v = one_step_late_reference("adamw", data)
+    engine = delayed_engine(stage, offload="nvme", tmp_path=tmp_path)
+    assert isinstance(engine.step_path, step_path.HostStep)
+    for fg in engine.groups:
+        assert fg.master is not fg.shard and fg.offload.maps
+    engine_run(engine, data)
+    if stage < 3:
+        assert_close({n: p.detach() for n, p in engine.module.named_parameters()}, v,
+                     f"stage {stage} visible")
+    summary = engine.memory_summary()
+    assert_close(engine.full_state_dict(), w, f"stage {stage} master")
+    engine.close()
+    estimate = zero.estimate_memory(Net(), stage=stage, gradient_accumulation_steps=2,
+                                    stage3_param_persistence_threshold=0,
+                                    offload_optimizer={"device": "nvme", "chunk_elements": 1024,
+                                                       "nvme_path": str(tmp_path),
+                                                       "delayed_update": True})
+    for key in ("params", "grads", "optimizer_states", "offloaded", "host"):
+        assert estimate[key] == summary[key], key
+
+
+def test_a_process_that_ends_with_an_update_in_flight_exits_cleanly(tmp_path):
+    """The thread is not a daemon: the interpreter waits for it at exit
+    (a daemon thread inside the C core or torch then aborted the process:
+    "terminate called without an active exception")."""
+    import subprocess
+    import sys
+    import textwrap
+    script = textwrap.dedent(f"""
+        import torch, zero
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(*[torch.nn.Linear(512, 512) for _ in range(8)])
+        engine = zero.initialize(model, optimizer=torch.optim.AdamW(model.parameters()),
+                                 stage=3, precision="bf16", offload_optimizer={{
+                                     "device": "nvme", "nvme_path": {str(tmp_path)!r},
+                                     "write_through": True, "delayed_update": True}})
+        for _ in range(3):
+            engine.backward(engine(torch.randn(4, 512)).float().square().mean())
+            engine.step()
+        assert engine._delayed.pending
+        print("left with an update in flight", flush=True)
+    """)
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=120, env={k: v for k, v in __import__("os").environ.items()
+                                            if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR",
+                                                         "MASTER_PORT", "LOCAL_RANK")})
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "left with an update in flight" in done.stdout

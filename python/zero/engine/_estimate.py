@@ -79,6 +79,8 @@ def estimate_memory(model: nn.Module, world_size: int = 1, *, optimizer=None, st
     # [Note: parameters off the device] in _param_staging.py
     shard_on_host = _param_staging.params_off_device(where, cfg.offload_param)
     grads_on_host = shard_on_host and staged
+    # [Note: delayed update] in step/_delayed.py
+    delayed = cfg.offload_optimizer.delayed_update
     if optimizer is None:
         optimizer = default_optimizer(cfg, model)
     spec = spec_for(optimizer)
@@ -109,12 +111,13 @@ def estimate_memory(model: nn.Module, world_size: int = 1, *, optimizer=None, st
         grads = (part if policy.partitions_grads else units[0].total) * gb
         totals["host" if grads_on_host else "grads"] += grads
         # the master is the parameters only in fp32 on one device
-        own_master = not fp32 or staged or shard_on_host
+        own_master = not fp32 or staged or shard_on_host or delayed
         kept, offloaded = _optimizer_bytes(part, states + own_master, cfg)
         totals["offloaded"] += offloaded
-        if staged and cfg.offload_optimizer.delayed_update:
-            # whole partitions of gradients and parameters instead of windows
-            totals["host"] += kept + part * (gb + pb)
+        if delayed:  # the update's copies of the gradients and parameters
+            kept += part * (gb + pb)
+        if staged and delayed:  # no windows then
+            totals["host"] += kept
         elif staged:  # with the staged step's gradient and parameter windows
             window = max(1, min(_staging_chunk(cfg), part))
             # none for what is on the host already
@@ -133,7 +136,8 @@ def estimate_memory(model: nn.Module, world_size: int = 1, *, optimizer=None, st
     totals["buckets"] = None if policy.reduces_in_backward else 0
     totals["model_states"] = totals["params"] + totals["grads"] + totals["optimizer_states"]
     formula, expected = zero_formula(cfg.stage, world_size, pb, gb,
-                                     not fp32 or staged or shard_on_host, shapes, totals,
+                                     not fp32 or staged or shard_on_host or delayed, shapes,
+                                     totals,
                                      staged=staged, shard_on_host=shard_on_host,
                                      grads_on_host=grads_on_host)
     return MemorySummary(totals, formula=formula, formula_bytes=expected,

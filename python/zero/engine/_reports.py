@@ -46,7 +46,8 @@ class EngineReports:
             self.stage, self._comm.world, self.compute_dtype.itemsize,
             self.groups[0].grad_part.element_size(),  # grad_accum_dtype's
             # a master of its own
-            self.compute_dtype != torch.float32 or self._staged or self._copier is not None,
+            self.compute_dtype != torch.float32 or self._staged or self._copier is not None or
+            self._delayed is not None,
             [(fg.numel, len(fg.states)) for fg in self.groups], totals, staged=self._staged,
             shard_on_host=self.groups[0].shard_on_host,
             grads_on_host=self.groups[0].grads_on_host)

@@ -95,6 +95,7 @@ class FlatGroup:
         # with the staged step, the gradient partition joins the shard and
         # the states on the host
         self.grads_on_host = self.shard_on_host and staged and trainable
+        self.delayed = delayed if trainable else None
         self.num_partitions = comm.world if policy.partitions else 1
         self.numel = sum(p.numel() for p in self.params)  # Ψ of this group
         self.owner = comm.rank if policy.partitions else 0
@@ -116,7 +117,6 @@ class FlatGroup:
         self.reduced_since_step = False
         self.accumulate_by_hook = False
         self.reducer = None  # stages 2-3: the buckets reduced from hooks
-        self.delayed = delayed if trainable else None
         if not trainable:
             return
         if not policy.partitions_grads:
@@ -138,6 +138,14 @@ class FlatGroup:
             self.reducer = BucketReducer(self, bucket_elements)
         self.tensors["grad"] = self.grad_part
         self._register("grad", self.grad_part)
+        if self.delayed is not None:
+            # whole partitions instead of a staged step's windows: the
+            # update of one step runs while the next backward refills the
+            # gradients and the model computes with the parameters
+            self.delayed_grad = copier_or_pinned(copier, device, self.part_size,
+                                                 self.grad_part.dtype)
+            self.delayed_params = copier_or_pinned(copier, device, self.part_size,
+                                                   compute_dtype)
         if self.staged:
             # page-locked windows the step stages a chunk of the gradients
             # in and of the rounded parameters out through; chunk-sized, so
@@ -148,14 +156,7 @@ class FlatGroup:
             # what is on the host already needs none: the step reads the
             # gradients and writes the parameters in place
             self.host_windows = {}
-            if self.delayed is not None:
-                # whole partitions instead of windows: the update of one
-                # step runs while the next backward refills the gradients
-                self.delayed_grad = copier_or_pinned(copier, device, self.part_size,
-                                                     self.grad_part.dtype)
-                self.delayed_params = copier_or_pinned(copier, device, self.part_size,
-                                                       compute_dtype)
-            elif not self.grads_on_host:
+            if not self.grads_on_host and self.delayed is None:
                 self.host_windows["grad"] = self._host_buffer(self.grad_part.dtype)
             if not self.shard_on_host and self.delayed is None:
                 self.host_windows["copy_out"] = self._host_buffer(compute_dtype)
@@ -169,7 +170,8 @@ class FlatGroup:
         # the master is the parameters themselves only in fp32 with both on
         # one device; an offloaded master is written straight into its
         # file, so RAM never holds a second copy of this rank's partition
-        own_master = not fp32 or self.staged or self.shard_on_host
+        # (a delayed update writes the master while the model computes)
+        own_master = not fp32 or self.staged or self.shard_on_host or self.delayed is not None
         master_file = None
         if self.offload is not None and own_master:
             master_file = self.offload.create("master", self.part_size)
@@ -278,9 +280,29 @@ class FlatGroup:
             self.shard[lo:hi].copy_(self.master[lo:hi])
             self.drop_param_pages(slice(lo, hi))
 
+    def hand_grads_to_delayed(self):
+        """A delayed update's gradients ([Note: delayed update] in
+        step/_delayed.py): the partition itself where it is a buffer of its
+        own beside the update's (swapped, and the next backward fills the
+        other), else a copy."""
+        if self.grad_flat is None and _same_kind(self.grad_part, self.delayed_grad):
+            self.grad_part, self.delayed_grad = self.delayed_grad, self.grad_part
+            self.tensors["grad"] = self.grad_part
+            self._register("grad", self.grad_part)
+        else:
+            self.delayed_grad.copy_(self.grad_part)
+
     def take_delayed_params(self):
-        """The parameters a delayed update wrote ([Note: delayed update] in
-        step/_delayed.py) into the shard, a chunk at a time."""
+        """The parameters a delayed update wrote into the shard: at stage 3
+        the two buffers swap where they can (the gathers read self.shard),
+        else a copy a chunk at a time."""
+        if self.policy.partitions_params and self.param_files is None and \
+                _same_kind(self.shard, self.delayed_params):
+            self.shard, self.delayed_params = self.delayed_params, self.shard
+            if self.tensors.get("copy_out") is not None:
+                self.tensors["copy_out"] = self.shard
+                self._register("copy_out", self.shard)
+            return
         for lo in range(0, self.part_size, STAGING_CHUNK):
             hi = min(lo + STAGING_CHUNK, self.part_size)
             self.shard[lo:hi].copy_(self.delayed_params[lo:hi])
@@ -485,13 +507,13 @@ class FlatGroup:
             # in RAM: the step's windows ([Note: offloaded step] in _nvme.py)
             offloaded = self.offload.nbytes
             states = self.offload.window_bytes(self.part_size)
+        if self.delayed is not None:  # the update's own copies, counted as its windows are
+            states += self.delayed_grad.nbytes + self.delayed_params.nbytes
         host = host_shard
         if self.grads_on_host:
             host, grads = host + grads, 0
         if self.staged:  # none on the model's device; in host memory with the staging windows
             host += states + sum(t.nbytes for t in self.host_windows.values())
-            if self.delayed is not None:
-                host += self.delayed_grad.nbytes + self.delayed_params.nbytes
             states = 0
         return {
             "params": params,
@@ -504,6 +526,11 @@ class FlatGroup:
             "params_offloaded": params_offloaded,
         }
 
+
+
+def _same_kind(a, b) -> bool:
+    """Whether two buffers can trade places: same device, dtype and size."""
+    return a.device == b.device and a.dtype == b.dtype and a.shape == b.shape
 
 
 def copier_or_pinned(copier, device, numel, dtype):

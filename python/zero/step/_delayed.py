@@ -2,10 +2,13 @@
 (offload_optimizer.delayed_update, off by default).
 
 [Note: delayed update]
-- With the master and states on the host (the staged step), the host
-  update of step k runs on a thread of its own while the GPU runs the
-  forward and backward of step k+1, whose gradients are therefore taken at
-  the parameters from before update k. Written as a loop, with w the
+- With the master and states on the host apart from a GPU model (the
+  staged step), the host update of step k runs on a thread of its own
+  while the GPU runs the forward and backward of step k+1, whose gradients
+  are therefore taken at the parameters from before update k. For a model
+  on the CPU with its states in files, the thread's disk reads and writes
+  overlap the CPU's forward and backward the same way (the update's
+  arithmetic shares the cores). Written as a loop, with w the
   master and v the parameters the model computes with:
       g = grad(v); v = w; w = update(w, g)
   so w_{k+1} = update(w_k, grad(w_{k-1})): every update lands one step
@@ -29,8 +32,10 @@
 - A failure inside the thread (an I/O error of the states' files) is
   raised at the point the update would have landed; the step is then
   partly applied, as a failed offloaded step always is.
-- Host memory: the two buffers, one partition of gradients and one of
-  parameters, in place of the staged step's chunk windows.
+- Memory: the two buffers, one partition of gradients and one of
+  parameters, in place of the staged step's chunk windows; and a master
+  of its own in fp32 (in the states' files with "nvme"), since the
+  parameters cannot be the master the thread writes.
 """
 from __future__ import annotations
 
@@ -44,11 +49,12 @@ def delayed_update_for(offload, staged, step_path, device):
     off; refused where the states are not apart from the model."""
     if not offload.delayed_update:
         return None
-    if not staged:
+    if not staged and offload.device != "nvme":
         raise ValueError(
-            "offload_optimizer.delayed_update overlaps the host update with the GPU's next "
-            f"forward and backward; the model is on {device.type}, whose states are in host "
-            "memory already: leave delayed_update out")
+            "offload_optimizer.delayed_update overlaps the update with the next forward and "
+            f"backward: the host's with a GPU's, or the disk's reads and writes with the "
+            f"CPU's; the model is on {device.type} and its states in host memory, so there is "
+            "nothing to overlap: leave delayed_update out")
     return DelayedUpdate(step_path)
 
 
@@ -71,7 +77,7 @@ class DelayedUpdate:
         for fg in groups:
             group = optimizer.param_groups[fg.index]
             fg.step_count += spec.counts_as_step(group)
-            fg.delayed_grad.copy_(fg.grad_part)
+            fg.hand_grads_to_delayed()
             # a copy: the caller's scheduler steps the live group next
             work.append((fg, dict(group), fg.step_count))
 
@@ -82,7 +88,10 @@ class DelayedUpdate:
             except BaseException as error:  # raised where the update would land
                 self._error = error
         self._groups = list(groups)
-        self._thread = threading.Thread(target=run, name="zero-delayed-update", daemon=True)
+        # not a daemon: a process that ends with an update in flight
+        # waits for it (a daemon thread inside the C core or torch at
+        # interpreter exit aborts the process)
+        self._thread = threading.Thread(target=run, name="zero-delayed-update", daemon=False)
         self._thread.start()
 
     def wait(self):

@@ -56,9 +56,40 @@ def check_every_group(spec, optimizer, groups):
                               "updated") from None
 
 
+def chunk_buffers(fg, lo, hi, windows):
+    """C Buffers over elements [lo, hi) of a group's update operands: the
+    RAM window where `windows` has one (offload files, staging), else the
+    slice of the group's own tensor (None stays None: no copy-out)."""
+    buffers = {}
+    for name in ("master", "grad", "copy_out", *fg.states):
+        t = windows.get(name)
+        if t is None:
+            t = fg.tensors[name]
+            t = None if t is None else t[lo:hi]
+        buffers[name] = None if t is None else Buffer(t)
+    return buffers
+
+
+def update_delayed(spec, optimizer, group, fg, grad_scale, step_count):
+    """The update of a delayed step ([Note: delayed update] in
+    _delayed.py), on its thread: host memory only, from the gradient copy
+    into the new-parameter buffer (the states' files' windows for
+    "nvme"). HostStep's and StagedHostStep's alike."""
+    def update_chunk(lo, hi, windows):
+        buffers = chunk_buffers(fg, lo, hi, {**windows, "grad": fg.delayed_grad[lo:hi],
+                                             "copy_out": fg.delayed_params[lo:hi]})
+        run_update(spec, optimizer, group, buffers, step_count, grad_scale, spec.host)
+    if fg.offload is not None and fg.offload.maps:
+        fg.offload.paged_update(fg.part_size, update_chunk)
+    else:
+        update_chunk(0, fg.part_size, {})
+
+
 class HostStep:
     def __init__(self):
         self.name = f"cpu: zero C core ({cpu_info()['simd']})"
+
+    update_delayed = staticmethod(update_delayed)
 
     def squared_norm(self, groups, comm, across_ranks: bool) -> float:
         local = sum(sum_squares(fg.grad_part) for fg in groups)
@@ -84,20 +115,6 @@ class HostStep:
         else:  # all in memory: one call over the registered buffers
             run_update(spec, optimizer, group, fg.current_buffers(), fg.step_count,
                        grad_scale, spec.host)
-
-
-def chunk_buffers(fg, lo, hi, windows):
-    """C Buffers over elements [lo, hi) of a group's update operands: the
-    RAM window where `windows` has one (offload files, staging), else the
-    slice of the group's own tensor (None stays None: no copy-out)."""
-    buffers = {}
-    for name in ("master", "grad", "copy_out", *fg.states):
-        t = windows.get(name)
-        if t is None:
-            t = fg.tensors[name]
-            t = None if t is None else t[lo:hi]
-        buffers[name] = None if t is None else Buffer(t)
-    return buffers
 
 
 class StagedHostStep:
@@ -156,19 +173,7 @@ class StagedHostStep:
         finally:
             copies.finish()
 
-    def update_delayed(self, spec, optimizer, group, fg, grad_scale, step_count):
-        """The update of a delayed step ([Note: delayed update] in
-        _delayed.py), on its thread: host memory only, from the gradient
-        copy into the new-parameter buffer (the states' files' windows
-        for "nvme")."""
-        def update_chunk(lo, hi, windows):
-            buffers = chunk_buffers(fg, lo, hi, {**windows, "grad": fg.delayed_grad[lo:hi],
-                                                 "copy_out": fg.delayed_params[lo:hi]})
-            run_update(spec, optimizer, group, buffers, step_count, grad_scale, spec.host)
-        if fg.offload is not None and fg.offload.maps:
-            fg.offload.paged_update(fg.part_size, update_chunk)
-        else:
-            update_chunk(0, fg.part_size, {})
+    update_delayed = staticmethod(update_delayed)
 
 
 class TorchStep:
