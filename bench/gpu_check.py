@@ -5,9 +5,12 @@ place first (a C compiler and, for the kernels, nvcc), runs tests/gpu (the kerne
 times the flat Adam kernel against torch's fused AdamW and against the
 device's copy bandwidth measured in the same run, then a short training
 loop of examples/gpt.py's GPT at 30M (launch-bound) and 235M parameters
-under the engine (stages 0-3, bf16, and stage 2 with the states offloaded
-to host memory) beside plain torch (autocast bf16, fused AdamW) and FSDP2
-on one GPU (bf16 compute, fp32 master, fused AdamW); prints the
+under the engine (stages 0-3, bf16; stage 2 with the states offloaded to
+host memory, with and without delayed_update; stage 3 with the parameters
+offloaded too) beside plain torch (autocast bf16, fused AdamW) and FSDP2
+on one GPU (bf16 compute, fp32 master, fused AdamW), and the offloaded
+runners against their bounds (forward+backward alone, the host's memory
+bandwidth by the C core's stream triad, the PCIe copy bandwidth); prints the
 tables and writes JSON (and, with --profile, torch.profiler tables of the
 30M steps) under $OUT when it is set.
 
@@ -177,7 +180,14 @@ def train_loop(runner, steps, model_name="30M", profile=None):
     model = GPT(cfg).cuda()
     torch.cuda.reset_peak_memory_stats()
     engine = None
-    if runner in ("torch", "fsdp2"):
+    if runner == "fwd+bwd":  # the bound the offloaded runners are held to
+        def step(ids, labels):
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                loss = model(ids, labels)
+            loss.backward()
+            model.zero_grad(set_to_none=True)
+            return loss
+    elif runner in ("torch", "fsdp2"):
         if runner == "fsdp2":
             # torch's FSDP2 on one GPU: bf16 parameters in compute, fp32
             # master and fp32 gradient reduction, each block a unit
@@ -202,10 +212,8 @@ def train_loop(runner, steps, model_name="30M", profile=None):
             return loss
     else:
         opt = torch.optim.AdamW(model.parameters(), lr=3e-4, weight_decay=0.01)
-        # "zero2 offload": the states in host memory, the C core steps them
-        offload = {"device": "cpu"} if runner.endswith("offload") else {}
         engine = zero.initialize(model, optimizer=opt, stage=int(runner[4]), precision="bf16",
-                                 gradient_clipping=1.0, offload_optimizer=offload)
+                                 gradient_clipping=1.0, **offload_options(runner))
 
         def step(ids, labels):
             loss = engine(ids, labels)
@@ -234,10 +242,82 @@ def train_loop(runner, steps, model_name="30M", profile=None):
                   loss=loss.item(),
                   peak_mib=(torch.cuda.max_memory_allocated() - baseline) / 2**20,
                   before_mib=baseline / 2**20,  # grows if an earlier runner leaked
+                  params=sum(p.numel() for p in model.parameters()) if engine is None
+                  else sum(fg.numel for fg in engine.groups),
                   path=engine.step_path.name if engine else f"{runner}, fused AdamW")
     if engine is not None:
         engine.close()
     return result  # the model and its states go with this frame
+
+
+# the offloaded runners: "zero2 offload" (states on the host), "... delayed"
+# (offload_optimizer.delayed_update), "zero3 offload params" (parameters
+# and states on the host)
+OFFLOAD_RUNNERS = ("zero2 offload", "zero2 offload delayed", "zero3 offload params",
+                   "zero3 offload params delayed")
+
+
+def offload_options(runner):
+    options = {}
+    if "offload" in runner:
+        options["offload_optimizer"] = {"device": "cpu", "delayed_update": "delayed" in runner}
+    if "params" in runner:
+        options["offload_param"] = {"device": "cpu"}
+    return options
+
+
+def host_bandwidth():
+    """Bytes a second of the host's memory: the C core's stream triad over
+    256 MiB buffers (3 buffers moved), the best of 5."""
+    n = 64 << 20
+    a, b, c = (torch.ones(n) for _ in range(3))
+    best = float("inf")
+    for _ in range(5):
+        start = time.perf_counter()
+        _C.stream_triad(a, b, c, 0.5)
+        best = min(best, time.perf_counter() - start)
+    return 3 * 4 * n / best
+
+
+def pcie_bandwidth():
+    """(host to device, device to host) bytes a second: a 1 GiB copy
+    between page-locked host memory and the GPU, the best of 5."""
+    n = (1 << 30) // 4
+    host = torch.empty(n, pin_memory=True)
+    device = torch.empty(n, device="cuda")
+    speeds = []
+    for dst, src in ((device, host), (host, device)):
+        best = float("inf")
+        for _ in range(5):
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            dst.copy_(src, non_blocking=True)
+            torch.cuda.synchronize()
+            best = min(best, time.perf_counter() - start)
+        speeds.append(4 * n / best)
+    return tuple(speeds)
+
+
+def offload_bounds(training, model_name, host_bw, pcie):
+    """Issue 21's targets for the offloaded runners: the optimizer-offload
+    iteration against max(forward+backward, the host update at the host's
+    memory bandwidth: 28 bytes a parameter, bf16 gradients in and
+    parameters out); parameter offload's against max(forward+backward,
+    the parameters' bus traffic: 2 bytes a parameter up for the forward,
+    up again for the backward, and the gradients' 2 down, at one rank)."""
+    rows = {r["runner"]: r for r in training if r["model"] == model_name}
+    fwdbwd = rows.get("fwd+bwd", {}).get("ms", float("nan"))
+    params = rows.get("fwd+bwd", {}).get("params", 0)
+    update_ms = 28 * params / host_bw * 1e3
+    bus_ms = (4 * params / pcie[0] + 2 * params / pcie[1]) * 1e3
+    lines = []
+    for runner in OFFLOAD_RUNNERS:
+        if runner not in rows:
+            continue
+        bound = max(fwdbwd, update_ms, bus_ms if "params" in runner else 0.0)
+        lines.append(f"{runner:<30} {rows[runner]['ms']:>9.2f} {bound:>9.2f} "
+                     f"{rows[runner]['ms'] / bound:>7.2f}x")
+    return fwdbwd, update_ms, bus_ms, lines
 
 
 def print_table(header: str, lines: list):
@@ -297,10 +377,12 @@ def main():
                  f"{r['speedup']:>10.2f} {r['ours_gbs']:>10.0f} {r['of_copy']:>8.0%}"
                  for r in rows])
 
+    host_bw, pcie = host_bandwidth(), pcie_bandwidth()
     training, profiles = [], []
     for model_name in args.train_models.split(","):
         rows_before = len(training)
-        for runner in ("torch", "fsdp2", "zero0", "zero1", "zero2", "zero3", "zero2 offload"):
+        for runner in ("torch", "fwd+bwd", "fsdp2", "zero0", "zero1", "zero2", "zero3",
+                       *OFFLOAD_RUNNERS):
             if runner == "zero0" and torch.distributed.is_initialized():
                 torch.distributed.destroy_process_group()  # fsdp2's: the engine makes its own
             wanted = args.profile and model_name == "30M" and runner in ("torch", "fsdp2",
@@ -324,6 +406,12 @@ def main():
                     [f"{r['runner']:<13} {r['ms']:>9.2f} {base / r['ms']:>10.2f} "
                      f"{r['loss']:>8.4f} {r['peak_mib']:>9.0f} {r['before_mib']:>7.0f}  "
                      f"{r['path']}" for r in training[rows_before:]])
+        fwdbwd, update_ms, bus_ms, lines = offload_bounds(training, model_name, host_bw, pcie)
+        print(f"\noffload bounds, {model_name}: forward+backward {fwdbwd:.2f} ms; host update "
+              f"at {host_bw / 1e9:.0f} GB/s {update_ms:.2f} ms; parameter bus traffic at "
+              f"{pcie[0] / 1e9:.0f}/{pcie[1] / 1e9:.0f} GB/s up/down {bus_ms:.2f} ms "
+              "(targets: 1.15x for the states, 1.3x for the parameters)\n")
+        print_table(f"{'runner':<30} {'ms/step':>9} {'bound ms':>9} {'ratio':>8}", lines)
 
     out_dir = os.environ.get("OUT")
     if out_dir:
@@ -331,7 +419,8 @@ def main():
         path.write_text(json.dumps(dict(
             device=device, torch=torch.__version__, zero_cuda=info, tests=tests,
             copy_gbs=bandwidth / 1e9, bytes_per_param=BYTES_PER_PARAM, rows=rows,
-            training=training,
+            training=training, host_gbs=host_bw / 1e9,
+            pcie_gbs=[x / 1e9 for x in pcie],
             command=" ".join([Path(sys.executable).name, *sys.argv])), indent=2))
         print(f"\nwrote {path}")
         if profiles:
