@@ -430,6 +430,7 @@ def _load_partitions(engine, reader, with_optimizer):
 def _read_partitions(engine, reader, with_optimizer):
     for fg in engine.all_groups:
         fg.check_shard_writable()
+        fg.settle_copies()
     # a model on a disk: each copy's pages (the checkpoint's and the
     # files') are dropped once it is done, so loading holds one piece
     in_files = _in_files(engine)

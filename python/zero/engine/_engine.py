@@ -437,6 +437,8 @@ class Engine(DeepSpeedQueries, EngineReports, nn.Module):
             if self.loss_scaler:
                 self.loss_scaler.update(False)
             coef = clip_coefficient(max_norm, norm)
+            for fg in self.all_groups:
+                fg.settle_copies()  # the update writes what gathers read
             if self._delayed is not None:  # lands at the next boundary
                 self._delayed.launch(self._spec, self.optimizer, self.groups, base * coef)
             for fg in self.groups if self._delayed is None else ():

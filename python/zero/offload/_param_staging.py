@@ -14,11 +14,12 @@
   prefetched unit runs while the device computes. The gather is issued
   on the current stream after it has been told to wait for the copy
   (an event between streams: the host does not wait).
-- The host shard is written only by the step, after a backward whose end
-  synchronises with the device (the gradient norm, or the gradients'
-  copies to the host), so no copy from it is still in flight then; the
-  copy's device buffer is marked as used by the current stream, so
-  torch's allocator does not hand it out again before the gather read it.
+- Whatever writes the host shard (the step, a GatheredParameters
+  write-back, a checkpoint load) first waits for the copy stream
+  (FlatGroup.settle_copies), so no copy still reading a chunk sees it
+  change; the copy's device buffer is marked as used by the current
+  stream, so torch's allocator does not hand it out again before the
+  gather read it.
 - With offload_optimizer as well (the staged step), the gradient
   partition lives in host memory too: each bucket's reduced portion is
   copied there as it comes back, and the host step writes the new
@@ -72,6 +73,13 @@ class ShardCopier:
         # collective, which torch orders after the current stream)
         copy.record_stream(current)
         return copy
+
+    def synchronize(self):
+        """Until every copy issued so far has read its host chunk: called
+        before the host shard is written (the step, a GatheredParameters
+        write-back, a checkpoint load)."""
+        if self.stream is not None:
+            self.stream.synchronize()
 
     def take_bytes(self) -> int:
         copied, self.bytes_copied = self.bytes_copied, 0

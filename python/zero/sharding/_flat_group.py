@@ -269,6 +269,12 @@ class FlatGroup:
         mine = self.shard[span]
         return mine if self.copier is None else self.copier.to_device(mine)
 
+    def settle_copies(self):
+        """Before the host shard is written: the copies to the device that
+        may still read it are done ([Note: parameters off the device])."""
+        if self.copier is not None:
+            self.copier.synchronize()
+
     def write_back_shard(self):
         """After a device step over a host shard: the new parameters, the
         master rounded, copied into the shard a chunk at a time (a staged

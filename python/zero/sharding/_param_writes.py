@@ -237,6 +237,7 @@ def write_into_partition(fg, unit, j, before):
     if lo >= hi:
         return
     fg.check_shard_writable()
+    fg.settle_copies()
     new = unit.full[lo:hi]
     shard = fg.shard[span]
     if shard.data_ptr() != new.data_ptr():
