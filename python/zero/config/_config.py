@@ -225,6 +225,11 @@ class Config:
     # of all the parameters below each, no hooks inside (a mixture-of-
     # experts block, whose experts run or not depending on each rank's data)
     stage3_leaf_modules: tuple = ()
+    # what stage 3 gathers as one unit: "block" (the model's repeated blocks,
+    # each one unit), "module" (each module's own parameters), classes or
+    # class names, or a callable(module) -> bool naming the unit roots
+    # ([Note: units by block] in sharding/_unit_roots.py)
+    units: object = "block"
     train_micro_batch_size_per_gpu: Optional[int] = None
     train_batch_size: Optional[int] = None  # checked against micro * accumulation * world
     loss_scaling: LossScaling = field(default_factory=LossScaling)
@@ -256,6 +261,19 @@ class Config:
             raise ValueError("stage3_leaf_modules must be a list of module classes or class "
                              f"names, got {self.stage3_leaf_modules!r}")
         object.__setattr__(self, "stage3_leaf_modules", tuple(leaves))
+        units = self.units
+        if isinstance(units, list):
+            units = tuple(units)
+        if isinstance(units, type):
+            units = (units,)
+        valid = units in ("block", "module") or \
+            (isinstance(units, tuple) and units and
+             all(isinstance(x, (str, type)) for x in units)) or \
+            (callable(units) and not isinstance(units, (str, tuple)))
+        if not valid:
+            raise ValueError("units must be 'block', 'module', a list of module classes or "
+                             f"class names, or a callable(module) -> bool; got {self.units!r}")
+        object.__setattr__(self, "units", units)
         if isinstance(self.stage, bool) or self.stage not in (0, 1, 2, 3):
             raise ValueError(f"stage must be 0, 1, 2 or 3, got {self.stage!r}")
         object.__setattr__(self, "stage", int(self.stage))  # 3.0 from a JSON writer

@@ -44,6 +44,8 @@ def aspects(module, optimizer, config) -> dict:
               f"group {group_of.get(id(p))}" for name, p in module.named_parameters()]
     buffers = [f"{name} {_describe(b)}" for name, b in module.named_buffers()]
     settings = [f"{k}={getattr(config, k)!r}" for k in _SETTINGS]
+    units = config.units  # a callable by name: its repr holds an address
+    settings.append(f"units={getattr(units, '__qualname__', None) or units!r}")
     settings.append(f"offload_optimizer.device={config.offload_optimizer.device!r}")
     scaling = config.loss_scaling
     if config.precision == "fp16" and dataclasses.is_dataclass(scaling):

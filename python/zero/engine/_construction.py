@@ -8,7 +8,7 @@ import torch
 
 from zero.sharding._partitioned_init import sharded_record, take_values
 from zero.sharding._shared_memory import first_shared_pair, memory_span, shared_memory_error
-from zero.sharding._units import leaf_roots, parameter_names
+from zero.sharding._units import parameter_names
 
 
 def offload_files(offload, comm):
@@ -31,17 +31,17 @@ def param_files(offload, chunk_elements, comm):
     return lambda index: NvmeFiles(offload.nvme_path, f"r{comm.global_rank}-g{index}-params",
                                    chunk_elements, what="offload_param")
 
-def owners_of(module, leaf_modules=()):
+def owners_of(module, roots):
     """Parameter id -> (index of the module whose unit holds it, the
     index of the first module that registers it, its place there):
-    stage 3 makes one unit of each module's parameters, and one of all
-    the parameters below a leaf module (stage3_leaf_modules)."""
+    stage 3 makes one unit of all the parameters below each unit root
+    (roots: a _unit_roots.UnitRoots), and one of each other module's own."""
     modules = list(module.modules())
     position = {id(m): i for i, m in enumerate(modules)}
-    leaf_of = leaf_roots(module, leaf_modules)
     owners = {}
     for m_index, m in enumerate(modules):
-        unit_index = position[id(leaf_of[id(m)])] if id(m) in leaf_of else m_index
+        root = roots.root(m)
+        unit_index = position[id(root)] if root is not None else m_index
         for p_index, p in enumerate(m._parameters.values()):
             if p is not None and id(p) not in owners:
                 owners[id(p)] = (unit_index, m_index, p_index)

@@ -46,6 +46,7 @@ from zero.step._resumed_states import (describe_held, give_back_optimizer_states
 from zero.sharding._backward import BackwardLifecycle
 from zero.sharding._policy import StagePolicy
 from zero.sharding._stage3 import Stage3Schedule
+from zero.sharding._unit_roots import unit_roots
 from zero.sharding._step_agreement import describe_settings
 from zero.step import _step_path
 from zero.step._clipping import clip_coefficient
@@ -104,8 +105,10 @@ class Engine(DeepSpeedQueries, EngineReports, nn.Module):
 
         # what can be refused is refused before the model is changed
         groups = match_param_groups(module, optimizer)
-        owners = owners_of(module, config.stage3_leaf_modules) \
+        # [Note: units by block] in sharding/_unit_roots.py
+        self._unit_roots = unit_roots(module, config.units, config.stage3_leaf_modules) \
             if self.policy.partitions_params else None
+        owners = owners_of(module, self._unit_roots) if self._unit_roots else None
         if not any(params for params, _names in groups):
             raise ValueError("the model has no trainable parameters (every parameter has "
                              "requires_grad=False); nothing to train")
@@ -197,7 +200,7 @@ class Engine(DeepSpeedQueries, EngineReports, nn.Module):
                     device=self.device, param_files=shard_files("frozen"),
                     copier=self._copier)
             self._schedule = Stage3Schedule(module, self.all_groups, comm, config,
-                                            self._backward)
+                                            self._backward, self._unit_roots)
         self._param_groups_seen = len(optimizer.param_groups)
         me = weakref.ref(self)
         for fg in self.all_groups:

@@ -24,6 +24,7 @@ from zero.step._registry import spec_for
 from zero.step._step_path import states_off_device
 from zero.sharding._policy import StagePolicy
 from zero.sharding._units import lay_out
+from zero.sharding._unit_roots import unit_roots
 from zero.engine._construction import match_param_groups, owners_of, units_of
 from zero.engine._engine import DTYPES
 
@@ -88,7 +89,8 @@ def estimate_memory(model: nn.Module, world_size: int = 1, *, optimizer=None, st
     if not any(params for params, _ in groups):
         raise ValueError("the model has no trainable parameters; nothing to train")
     policy = StagePolicy.of(cfg.stage)
-    owners = owners_of(model, cfg.stage3_leaf_modules) if policy.partitions_params else None
+    owners = owners_of(model, unit_roots(model, cfg.units, cfg.stage3_leaf_modules)) \
+        if policy.partitions_params else None
     pb = DTYPES[cfg.precision].itemsize
     gb = DTYPES[cfg.grad_accum_dtype or cfg.precision].itemsize
     fp32 = cfg.precision == "fp32"

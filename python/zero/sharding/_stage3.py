@@ -48,14 +48,15 @@ from zero.sharding._outputs import map_tensors, tensors_in
 from zero.sharding._param_writes import check_released_untouched
 from zero.sharding._saved_parameters import SavedParameters, outer_saved_tensors_hooks
 from zero.sharding._step_agreement import agree_on_call
-from zero.sharding._units import leaf_roots, storage_key
+from zero.sharding._units import storage_key
 
 
 _HASH_MOD = (1 << 61) - 1
 
 
 class Stage3Schedule(SavedParameters):
-    def __init__(self, root, groups, comm, config, backward):
+    def __init__(self, root, groups, comm, config, backward, roots):
+        """roots: the _unit_roots.UnitRoots the units were made from."""
         self.comm = comm
         # [Note: backward lifecycle] in _backward.py: the engine's, with
         # this schedule's own start, end and reset added
@@ -75,6 +76,9 @@ class Stage3Schedule(SavedParameters):
         self.pass_hash = 0
         self.hooks = []
         self.removed = False  # see remove()
+        # (grad_fn, output_nr) of a module's single input -> the frozen units
+        # to release when its gradient comes (_release_frozen_after_backward)
+        self.release_with = {}
 
         place = {}
         for fg in groups:
@@ -99,18 +103,18 @@ class Stage3Schedule(SavedParameters):
         self.root = root
         self.modules = []
         self.units_of = {}
-        leaf_of = leaf_roots(root, config.stage3_leaf_modules)
         for module in root.modules():
-            leaf = leaf_of.get(id(module))
-            if leaf is not None and leaf is not module:
-                continue  # inside a leaf: gathered with it, no hooks of its own
-            params = module.parameters() if leaf is module else module._parameters.values()
+            unit_root = roots.root(module)
+            if unit_root is not None and unit_root is not module:
+                continue  # inside a unit root: gathered with it, no hooks of its own
+            params = module.parameters() if unit_root is module else \
+                module._parameters.values()
             needed, seen = [], set()
             for p in params:
                 if p is not None and id(p) in place and id(place[id(p)][1]) not in seen:
                     seen.add(id(place[id(p)][1]))
                     needed.append(place[id(p)])
-            if leaf is module:
+            if unit_root is module and roots.is_leaf(module):
                 self._mark_leaf_units(needed)
             if needed or module is root:
                 self._hook_module(module, needed)
@@ -126,13 +130,13 @@ class Stage3Schedule(SavedParameters):
                 self.hooks.append(module.register_state_dict_post_hook(
                     ModuleHook(self._hook_state_dict(units))))
         for module in root.modules():
-            if isinstance(module, nn.MultiheadAttention) and id(module) not in leaf_of:
+            if isinstance(module, nn.MultiheadAttention) and roots.root(module) is None:
                 # its forward reads out_proj's weights without calling out_proj
                 for p in module.out_proj.parameters():
                     self.add_external(module, p)
             for child in module.children():
                 if isinstance(child, (nn.ParameterList, nn.ParameterDict)) and \
-                        id(child) not in leaf_of:
+                        roots.root(child) is None:
                     # a container has no forward that runs: its owner reads
                     # the parameters (Reformer's axial position embeddings)
                     for p in child.parameters():
@@ -161,9 +165,11 @@ class Stage3Schedule(SavedParameters):
         whole = self._whole_check(module)
         self.hooks.append(module.register_forward_pre_hook(
             ModuleHook(self._hook_pre_forward(index), whole)))
+        # with the keyword arguments: a block called as block(hidden_states=x)
+        # has its inputs there (the frozen-unit release waits for them)
         self.hooks.append(module.register_forward_hook(
             ModuleHook(self._hook_post_forward(index, module is self.root), whole),
-            always_call=True))
+            always_call=True, with_kwargs=True))
 
     def _whole_check(self, module):
         units = self.units_of[module]  # the list itself: add_external extends it
@@ -246,6 +252,8 @@ class Stage3Schedule(SavedParameters):
     # ---- order recording and prefetch ------------------------------------------
 
     def _start_pass(self, phase):
+        if phase == "forward":
+            self.release_with = {}  # a forward without a backward leaves entries
         self.pass_hash = 0
         self.phase = phase
         self.current = []
@@ -345,7 +353,7 @@ class Stage3Schedule(SavedParameters):
         return pre_forward
 
     def _hook_post_forward(self, index, is_root):
-        def post_forward(module, args, output):
+        def post_forward(module, args, kwargs, output):
             if self.entered[index] == 0:
                 return output  # an earlier pre-hook raised: ours never ran for this call
             # torch runs always_call hooks on the way out of a forward that
@@ -378,12 +386,13 @@ class Stage3Schedule(SavedParameters):
                     # once per module and forward. With the frozen-unit
                     # shortcut below: a fifth off stage 3's overhead
                     # (bench/stage3_overhead.py)
-                    tensors[0].register_hook(self._hook_pre_backward(index, is_root))
+                    tensors[0].register_hook(self._hook_pre_backward(
+                        index, is_root, _node_key(tensors[0])))
                 elif tensors:
                     register_multi_grad_hook(tensors, self._hook_pre_backward(index, is_root),
                                              mode="any")
                 if not self.in_backward and not is_root:
-                    self._release_frozen_after_backward(module, args)
+                    self._release_frozen_after_backward(module, (args, kwargs))
             if outermost and not self.in_backward:
                 if not failed:
                     self._check_same_gathers()
@@ -413,6 +422,12 @@ class Stage3Schedule(SavedParameters):
             for unit in frozen:
                 self.release(unit)
         register_multi_grad_hook(inputs, release_frozen, mode="all")
+        if len(inputs) == 1:
+            # the module before (whose output this input is) gathers for its
+            # backward from a hook on the same tensor that was set first, so
+            # it would run before this release: it runs the release itself
+            # (_hook_pre_backward), and the two units are never held at once
+            self.release_with.setdefault(_node_key(inputs[0]), []).extend(frozen)
 
     @staticmethod
     def _detach_from(units, output):
@@ -459,7 +474,7 @@ class Stage3Schedule(SavedParameters):
                 self.ensure(fg, unit)
         return before_accumulate
 
-    def _hook_pre_backward(self, index, is_root):
+    def _hook_pre_backward(self, index, is_root, key=None):
         def pre_backward(_grad):
             self._refuse_if_removed()
             if torch.is_grad_enabled():
@@ -469,6 +484,8 @@ class Stage3Schedule(SavedParameters):
                     "parameters that stage 3 releases. Use stage 2, or compute the penalty "
                     "without differentiating the gradients.")
             self.begin_backward()
+            for unit in self.release_with.pop(key, ()) if key is not None else ():
+                self.release(unit)  # the next module's frozen units: its backward is over
             self._advance(index)
             module = self.modules[index]
             for fg, unit in self.units_of[module]:
@@ -489,6 +506,7 @@ class Stage3Schedule(SavedParameters):
 
     def _after_backward(self):
         """The end of a backward, once the buckets are reduced."""
+        self.release_with = {}
         self.release_all()
         try:
             self._check_same_gathers()
@@ -526,6 +544,7 @@ class Stage3Schedule(SavedParameters):
         torch backward leaves partial .grad: call engine.zero_grad()),
         release its gathered units, so the next pass starts clean."""
         self.phase = None
+        self.release_with = {}
         for fg in self.groups:
             for unit in fg.units:
                 unit.active = 0
@@ -555,6 +574,12 @@ class Stage3Schedule(SavedParameters):
                 "this autograd graph was built by a zero stage-3 engine that has been closed "
                 "(its parameters were released while it was built): run the forward again "
                 "on the model as it is now")
+
+
+def _node_key(tensor):
+    """A non-leaf tensor's place in the autograd graph: its node and which
+    of the node's outputs it is (the node lives as long as the graph)."""
+    return tensor.grad_fn, tensor.output_nr
 
 
 def _inside_forward_of(module) -> bool:

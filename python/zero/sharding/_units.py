@@ -116,27 +116,6 @@ def lay_out(params, unit_sizes, num_partitions) -> list:
     return units
 
 
-def leaf_roots(module, leaf_modules) -> dict:
-    """id(m) -> the outermost leaf module m is or lies in, for every module
-    of `module` that matches stage3_leaf_modules (a class or class name)
-    and everything below one."""
-    if not leaf_modules:
-        return {}
-    names = {x for x in leaf_modules if isinstance(x, str)}
-    types = tuple(x for x in leaf_modules if isinstance(x, type))
-    matched = {type(m) for m in module.modules()}
-    for spec in leaf_modules:
-        if not any(t.__name__ == spec if isinstance(spec, str) else issubclass(t, spec)
-                   for t in matched):
-            raise ValueError(f"stage3_leaf_modules: no module of the model is a {spec!r}")
-    roots = {}
-    for m in module.modules():  # parents before children: the outermost wins
-        if id(m) not in roots and (type(m).__name__ in names or isinstance(m, types)):
-            for inner in m.modules():
-                roots.setdefault(id(inner), m)
-    return roots
-
-
 def storage_key(t):
     """The identity of a tensor's storage, the same after the storage is
     resized (a unit released and gathered again), or None for a tensor

@@ -1,0 +1,99 @@
+"""Which modules stage 3 gathers as one unit: the roots of the units.
+
+[Note: units by block]
+- A unit root's parameters, and those of every module below it, are one
+  unit: gathered before the root's forward (and its backward), released
+  after, with hooks on the root alone. Fewer, larger units mean fewer
+  hooks and collectives a step, for the memory of one block gathered.
+- `units="block"` (the default): the repeated blocks of the model. A
+  HuggingFace model names them (`_no_split_modules`, the classes it never
+  splits across devices: its decoder layers); otherwise a block is a
+  module class of which some module has two or more children that hold
+  parameters (a transformer's layers in a ModuleList, a ResNet stage's
+  blocks). The outermost match wins, so the layers inside a block are
+  part of it. Modules in no block (embeddings, a final norm, a head) are
+  units of their own parameters, as with "module".
+- `units="module"`: each module's own parameters a unit (every module
+  that holds parameters is hooked).
+- `units=(classes or class names)` or `units=callable(module) -> bool`:
+  those modules are the roots.
+- stage3_leaf_modules are roots too, with the leaf rules (no bucket waits
+  for their parameters: the experts a rank's tokens skip), and a root
+  that holds a leaf module takes those rules for its whole unit.
+"""
+from __future__ import annotations
+
+from torch import nn
+
+
+class UnitRoots:
+    def __init__(self, root_of: dict, leaves: set):
+        self.root_of = root_of  # id(module) -> the unit root it is or lies in
+        self.leaves = leaves    # ids of the roots with the leaf rules
+
+    def root(self, module):
+        return self.root_of.get(id(module))
+
+    def is_leaf(self, module) -> bool:
+        return id(module) in self.leaves
+
+
+def unit_roots(model: nn.Module, units="block", leaf_modules=()) -> UnitRoots:
+    leaf = _matcher(leaf_modules, model, "stage3_leaf_modules")
+    if units == "module":
+        chosen = lambda _m: False  # noqa: E731
+    elif units == "block":
+        chosen = _matcher(block_classes(model), model, None)
+    elif callable(units) and not isinstance(units, type):
+        chosen = units
+    else:
+        chosen = _matcher(tuple(units) if isinstance(units, (list, tuple)) else (units,),
+                          model, "units")
+    root_of, leaves = {}, set()
+    for m in model.modules():  # parents before children: the outermost wins
+        if id(m) in root_of:
+            continue
+        is_leaf = leaf(m)
+        if not is_leaf and not chosen(m):
+            continue
+        for inner in m.modules():
+            root_of.setdefault(id(inner), m)
+            is_leaf = is_leaf or leaf(inner)
+        if is_leaf:
+            leaves.add(id(m))
+    return UnitRoots(root_of, leaves)
+
+
+def block_classes(model: nn.Module) -> tuple:
+    """The model's block classes, by name: a HuggingFace model's
+    `_no_split_modules` that it holds, else every class of which some
+    module has two or more children holding parameters."""
+    present = {type(m).__name__ for m in model.modules()}
+    named = getattr(model, "_no_split_modules", None) or ()
+    named = tuple(n for n in named if isinstance(n, str) and n in present)
+    if named:
+        return named
+    repeated = set()
+    for m in model.modules():
+        counts = {}
+        for child in m.children():
+            if any(True for _ in child.parameters()):
+                counts[type(child)] = counts.get(type(child), 0) + 1
+        repeated.update(t.__name__ for t, n in counts.items() if n >= 2)
+    return tuple(sorted(repeated))
+
+
+def _matcher(specs, model, setting):
+    """module -> whether it matches one of specs (classes or class names).
+    setting: the option's name, to refuse a spec no module matches."""
+    if not specs:
+        return lambda _m: False
+    names = {x for x in specs if isinstance(x, str)}
+    types = tuple(x for x in specs if isinstance(x, type))
+    if setting is not None:
+        present = {type(m) for m in model.modules()}
+        for spec in specs:
+            if not any(t.__name__ == spec if isinstance(spec, str) else issubclass(t, spec)
+                       for t in present):
+                raise ValueError(f"{setting}: no module of the model is a {spec!r}")
+    return lambda m: type(m).__name__ in names or isinstance(m, types)
