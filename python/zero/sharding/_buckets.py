@@ -101,6 +101,8 @@ class BucketReducer:
         self.unit_pending = [len(u.members) if all(self.expected[i] for i in u.members)
                              else None for u in self.fg.units]
         self.staging = [None] * len(self.buckets)
+        # what is still in flight (none but after an abandoned backward)
+        self.live_elements = sum(f[1].numel() for f in getattr(self, "in_flight", ()))
         self.next_bucket = 0
         self.fired = bytearray(len(self.fg.params))  # got a gradient this backward
         self.late = {}  # bucket -> gradients that came after it was launched
@@ -110,10 +112,11 @@ class BucketReducer:
         if self.staging[b] is None:
             _unit, bs, be = self.buckets[b]
             self.staging[b] = self._bucket_buffer(be - bs)
-            live = sum(s.numel() for s in self.staging if s is not None) + \
-                sum(f[1].numel() for f in self.in_flight)
+            # the buckets filling and in flight (a running count: summing
+            # them at each new bucket cost a walk of all of them)
+            self.live_elements += be - bs
             self.peak_bucket_bytes = max(self.peak_bucket_bytes,
-                                         live * self.fg.compute_dtype.itemsize)
+                                         self.live_elements * self.fg.compute_dtype.itemsize)
         return self.staging[b]
 
     def _bucket_buffer(self, n):
@@ -122,32 +125,43 @@ class BucketReducer:
         return torch.zeros(n, dtype=self.fg.compute_dtype, device=self.fg.device)
 
     def on_grad_ready(self, i):
-        """Post-accumulate-grad hook body for parameter i (stages 2-3)."""
-        p = self.fg.params[i]
+        """Post-accumulate-grad hook body for parameter i (stages 2-3): run
+        once per parameter and backward, so kept to few lookups."""
+        fg = self.fg
+        p = fg.params[i]
         g = p.grad.reshape(-1)
-        unit = self.fg.unit_of[i]
+        end = g.numel()
+        unit = fg.unit_of[i]
         lo = unit.offsets[i - unit.members.start]
+        end += lo
         # A parameter's gradient can be accumulated more than once in one
         # backward (reentrant activation checkpointing runs a nested backward
         # per checkpointed call): later parts add into the bucket, or, once
         # the bucket has left, into a late bucket reduced at the end.
         first = not self.fired[i]
         self.fired[i] = 1
+        counted = first and self.expected[i]
+        pending = self.pending
         for b in self.param_buckets[i]:
             _unit, bs, be = self.buckets[b]
-            s, e = max(lo, bs), min(lo + g.numel(), be)
+            s = lo if lo > bs else bs
+            e = end if end < be else be
             if b < self.next_bucket:
                 target = self.late.get(b)
                 if target is None:
                     target = self.late[b] = self._bucket_buffer(be - bs)
             else:
-                target = self._staging(b)
+                target = self.staging[b]
+                if target is None:
+                    target = self._staging(b)
             target[s - bs:e - bs].add_(g[s - lo:e - lo])
-            if first and self.expected[i]:
-                self.pending[b] -= 1
+            if counted:
+                pending[b] -= 1
                 # launch as soon as a bucket fills, so a parameter spanning
-                # many buckets never holds them all at once
-                self._launch_ready(force=False)
+                # many buckets never holds them all at once (only the next
+                # bucket in order can leave)
+                if pending[b] == 0 and b == self.next_bucket:
+                    self._launch_ready(force=False)
         p.grad = None
         if first and self.unit_pending[unit.index] is not None:
             self.unit_pending[unit.index] -= 1
@@ -174,6 +188,8 @@ class BucketReducer:
             r += 1
         if late is None:
             self.staging[b] = None
+        else:
+            self.live_elements += late.numel()
         self.in_flight.append((works, staging, mine))
         self._retire(wait=False)
 
@@ -189,6 +205,7 @@ class BucketReducer:
                     (len(self.in_flight) <= MAX_IN_FLIGHT or not self._wait_a_while(works)):
                 return
             self.in_flight.pop(0)
+            self.live_elements -= _staging.numel()
             for w in works:
                 if w is not None:
                     w.wait()

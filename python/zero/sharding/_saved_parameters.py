@@ -45,17 +45,16 @@ class SavedParameters:
         return _SavedByOuter(unpack, pack(tensor))
 
     def _unpack(self, packed):
-        if isinstance(packed, _SavedByOuter):
+        kind = type(packed)  # the common case first: a tensor saved as it is
+        if kind is _SavedByOuter:
             return packed.unpack(packed.packed)
-        if isinstance(packed, (_SavedInUnit, _SavedView)):
-            self._refuse_if_removed()
-            self.begin_backward()
-        if isinstance(packed, _SavedView):
-            self.ensure(packed.fg, packed.unit)
-            return packed.tensor
-        if not isinstance(packed, _SavedInUnit):
+        if kind is not _SavedInUnit and kind is not _SavedView:
             return packed
+        self._refuse_if_removed()
+        self.begin_backward()
         self.ensure(packed.fg, packed.unit)
+        if kind is _SavedView:
+            return packed.tensor
         param = packed.param
         if param is not None and param._version != packed.version:
             raise RuntimeError(
