@@ -15,7 +15,7 @@ MAX_LINES = 600
 # (and from itself), never from one after it. The top-level modules _C and
 # _version sit below them all; zero/__init__.py above them all.
 LAYERS = ["config", "comm", "parallel", "offload", "sharding", "step", "optim", "checkpoint",
-          "engine", "integrations"]
+          "engine", "integrations", "deepspeed"]
 LEAVES = {"_C", "_version"}
 
 
@@ -126,7 +126,9 @@ def test_check_sees_a_wrong_import(tmp_path):
 
 def test_only_comm_and_the_mesh_import_torch_distributed():
     """Every collective goes through comm/_comm.py with the group it is
-    given; parallel/ builds the groups from the user's mesh."""
+    given; comm/_world.py makes a default group on a script's request
+    (zero.deepspeed.init_distributed); parallel/ builds the groups from
+    the user's mesh."""
     found = []
     for path, name in modules():
         tree = ast.parse(path.read_text())
@@ -135,4 +137,5 @@ def test_only_comm_and_the_mesh_import_torch_distributed():
                 [node.module or ""] if isinstance(node, ast.ImportFrom) else []
             if any(n == "torch.distributed" or n.startswith("torch.distributed.") for n in names):
                 found.append(name)
-    assert sorted(set(found)) == ["zero.comm._comm", "zero.parallel._mesh"], found
+    assert sorted(set(found)) == ["zero.comm._comm", "zero.comm._world",
+                                  "zero.parallel._mesh"], found

@@ -71,6 +71,41 @@ class DeepSpeedQueries:
     def global_rank(self) -> int:
         return self._comm.everyone.rank
 
+    @property
+    def dp_world_size(self) -> int:
+        """The data-parallel ranks (DeepSpeed's attribute)."""
+        return self._comm.dp_world
+
+    def gradient_clipping(self) -> float:
+        """The clipping norm of the config (0: none), as DeepSpeed's method."""
+        return self.config.gradient_clipping
+
+    def empty_partition_cache(self):
+        """DeepSpeed's: release stage 3's gathered parameters (the
+        persistent ones stay, as DeepSpeed keeps them); nothing at stages
+        0-2, whose parameters are never released."""
+        if self._schedule is not None:
+            self._schedule.release_all()
+
+    def deepspeed_io(self, dataset, batch_size=None, route=None, pin_memory=True,
+                     data_sampler=None, collate_fn=None, num_local_io_workers=None):
+        """DeepSpeed's training DataLoader: batch_size (default the config's
+        train_micro_batch_size_per_gpu) samples per rank, drawn by a
+        DistributedSampler over the data-parallel ranks (shuffled, seed 0;
+        call loader.sampler.set_epoch(epoch) each epoch) unless
+        data_sampler is given. route is accepted and unused."""
+        from torch.utils.data import DataLoader, DistributedSampler
+        batch = batch_size or self.train_micro_batch_size_per_gpu()
+        if batch is None:
+            raise ValueError("deepspeed_io: no batch_size, and the config has no "
+                             "train_micro_batch_size_per_gpu (nor train_batch_size) to take "
+                             "it from")
+        sampler = data_sampler if data_sampler is not None else DistributedSampler(
+            dataset, num_replicas=self._comm.dp_world, rank=self._comm.everyone.rank)
+        return DataLoader(dataset, batch_size=batch, sampler=sampler, collate_fn=collate_fn,
+                          num_workers=num_local_io_workers or 0,
+                          pin_memory=pin_memory and self.device.type == "cuda")
+
     def save_16bit_model(self, save_dir, save_filename: str = "pytorch_model.bin") -> bool:
         """DeepSpeed's: the whole model's state dict, parameters in the
         compute dtype (bf16/fp16; fp32 under precision "fp32"), buffers in

@@ -1,0 +1,35 @@
+"""deepspeed.init_distributed on torch.distributed: the default process
+group from the launcher's environment (torchrun, deepspeed's launcher), or
+a one-process group when there is none (a plain `python train.py`)."""
+from __future__ import annotations
+
+import datetime
+import os
+
+import torch
+
+from zero.comm._world import init_world_group, world_group_exists
+
+
+def init_distributed(dist_backend=None, auto_mpi_discovery=True, distributed_port=29500,
+                     verbose=True, timeout=datetime.timedelta(minutes=30), init_method=None,
+                     dist_init_required=None, config=None, rank=-1, world_size=-1):
+    """Make torch.distributed's default group, as DeepSpeed's call does:
+    nothing when one exists (unless dist_init_required=True, which it
+    refuses then, as torch would); the backend NCCL where CUDA is
+    available, else gloo. Rank and world size come from rank=/world_size=
+    or the launcher's RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT. MPI
+    discovery (auto_mpi_discovery under mpirun) is not done: launch with
+    torchrun or deepspeed's launcher, which set those variables."""
+    if world_group_exists():
+        if dist_init_required:
+            raise RuntimeError("init_distributed(dist_init_required=True): torch.distributed "
+                               "is initialized already")
+        return
+    if dist_init_required is False:
+        return
+    backend = dist_backend or ("nccl" if torch.cuda.is_available() else "gloo")
+    if isinstance(timeout, (int, float)):
+        timeout = datetime.timedelta(seconds=timeout)
+    init_world_group(backend, rank=rank, world_size=world_size, init_method=init_method,
+                     port=distributed_port, timeout=timeout)

@@ -1,0 +1,89 @@
+"""deepspeed.initialize on zero's engine: DeepSpeed's arguments and its
+4-tuple (engine, optimizer, training dataloader, lr scheduler)."""
+from __future__ import annotations
+
+import json
+import os
+import warnings
+
+import torch
+
+from zero.config._config import Config
+from zero.deepspeed._distributed import init_distributed
+from zero.engine._initialize import initialize as zero_initialize
+from zero.optim._from_config import optimizer_from_config
+
+
+def initialize(args=None, model=None, optimizer=None, model_parameters=None,
+               training_data=None, lr_scheduler=None, distributed_port=29500, mpu=None,
+               dist_init_required=None, collate_fn=None, config=None, mesh_param=None,
+               config_params=None):
+    """(engine, optimizer, training_dataloader, lr_scheduler), as
+    deepspeed.initialize returns them.
+
+    The config comes from `config` (a dict or a JSON path), `config_params`
+    (the same), or args.deepspeed_config. `optimizer` may be a torch
+    optimizer, a callable taking the model's parameters (DeepSpeed's
+    optimizer factory), or None for the config's "optimizer" block over
+    `model_parameters` (default: all the model's parameters).
+    `training_data` (a torch Dataset) gives a DataLoader of the config's
+    micro-batch size, sampled over the data-parallel ranks with
+    DistributedSampler, as DeepSpeed builds it. `mpu` and `mesh_param`
+    (Megatron's model-parallel unit, DeepSpeed's mesh) are refused until
+    zero composes with tensor and pipeline parallelism."""
+    if model is None:
+        raise ValueError("deepspeed.initialize: model is None; pass model=your_module")
+    for name, value in (("mpu", mpu), ("mesh_param", mesh_param)):
+        if value is not None:
+            raise NotImplementedError(
+                f"deepspeed.initialize({name}=...): tensor and pipeline parallelism do not "
+                f"compose with zero's engine yet, so {name} is refused rather than ignored. "
+                "For data parallelism over a part of the world, use zero.initialize(mesh=)")
+    cfg = _config(args, config, config_params)
+    if dist_init_required is not False:
+        init_distributed(distributed_port=distributed_port,
+                         dist_init_required=dist_init_required)
+    params = list(model_parameters) if model_parameters is not None else None
+    if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer) and \
+            callable(optimizer):
+        # DeepSpeed's optimizer factory: called with the parameters
+        optimizer = optimizer(params if params is not None else model.parameters())
+    elif optimizer is None and cfg.optimizer is not None:
+        optimizer = optimizer_from_config(cfg.optimizer,
+                                          params if params is not None else model.parameters())
+    elif optimizer is None:
+        warnings.warn(
+            "deepspeed.initialize: no optimizer and no \"optimizer\" block in the config. "
+            "DeepSpeed builds an engine that cannot step; zero's needs an optimizer, so it "
+            "uses torch.optim.AdamW(lr=1e-3): engine.step() would train with it",
+            UserWarning, stacklevel=2)
+    engine = zero_initialize(model, optimizer=optimizer, config=cfg,
+                             lr_scheduler=lr_scheduler)
+    loader = None
+    if training_data is not None:
+        loader = engine.deepspeed_io(training_data, collate_fn=collate_fn)
+    return engine, engine.optimizer, loader, engine.lr_scheduler
+
+
+def _config(args, config, config_params) -> Config:
+    """The run's Config, from wherever DeepSpeed would read it."""
+    if config is not None and config_params is not None:
+        raise ValueError("deepspeed.initialize: give config or config_params, not both "
+                         "(DeepSpeed refuses both too)")
+    source = config if config is not None else config_params
+    from_args = None
+    if args is not None:
+        from_args = getattr(args, "deepspeed_config", None) or \
+            getattr(args, "deepscale_config", None)
+    if source is not None and from_args is not None:
+        raise ValueError("deepspeed.initialize: a config was passed and args.deepspeed_config "
+                         f"names {from_args!r} too; give one (DeepSpeed refuses both)")
+    source = source if source is not None else from_args
+    if source is None:
+        raise ValueError("deepspeed.initialize: no DeepSpeed config: pass config= (a dict or "
+                         "a JSON path), or args with --deepspeed_config "
+                         "(deepspeed.add_config_arguments adds it)")
+    if isinstance(source, (str, os.PathLike)):
+        with open(source) as f:
+            source = json.load(f)
+    return Config.from_deepspeed(source)
