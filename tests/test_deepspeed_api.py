@@ -14,6 +14,7 @@ a wrong clip or a wrong sampler is off by more than 1e-2)."""
 import json
 import os
 import pathlib
+import signal
 import subprocess
 import sys
 
@@ -50,10 +51,19 @@ def run_script(script, world, stage, directory):
     launch = [sys.executable] if world == 1 else \
         [sys.executable, "-m", "torch.distributed.run", "--standalone",
          f"--nproc_per_node={world}"]
-    done = subprocess.run([*launch, str(script), "--stage", str(stage), "--out", str(out),
-                           "--save", str(directory / "ckpt")], env=env, capture_output=True,
-                          text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
+    # a session of its own: a hang kills torchrun's workers too, not only
+    # torchrun (they would wait on in the background)
+    process = subprocess.Popen([*launch, str(script), "--stage", str(stage), "--out",
+                                str(out), "--save", str(directory / "ckpt")], env=env,
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                               start_new_session=True)
+    try:
+        _stdout, stderr = process.communicate(timeout=300)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        process.communicate()
+        raise
+    assert process.returncode == 0, stderr[-3000:]
     return json.loads(out.read_text())
 
 
@@ -221,3 +231,48 @@ def test_checkpointing_recomputes_the_same_gradients():
     assert deepspeed.checkpointing.is_configured()
     with pytest.raises(NotImplementedError, match="partition_activations"):
         deepspeed.checkpointing.configure(None, partition_activations=True)
+
+
+# ---- config keys --------------------------------------------------------------
+
+def test_a_disabled_block_is_accepted_whatever_it_holds():
+    cfg = zero.Config.from_deepspeed({
+        "tensorboard": {"enabled": False, "output_path": "runs/", "job_name": "x"},
+        "wandb": {"enabled": "false", "project": "p"},
+        "flops_profiler": {"enabled": False, "profile_step": 1, "anything": [1, 2]},
+        "zero_optimization": {"stage": 1}})
+    assert cfg.stage == 1
+
+
+@pytest.mark.parametrize("config,match", [
+    ({"tensorboard": {"enabled": True}},
+     r"tensorboard: a DeepSpeed key zero does not support \(DeepSpeed's monitors"),
+    ({"amp": {"enabled": True}}, r"amp: a DeepSpeed key zero does not support \(NVIDIA apex"),
+    ({"sparse_gradients": True}, "sparse_gradients: a DeepSpeed key zero does not support"),
+    ({"trian_batch_size": 8}, r"trian_batch_size: not a DeepSpeed key \(a typo of "
+                              r"'train_batch_size'\?\)"),
+    ({"zero_optimization": {"stage": 2, "overlap_comms": True}},
+     r"zero_optimization.overlap_comms: not a DeepSpeed key \(a typo of "
+     r"'zero_optimization.overlap_comm'\?\)"),
+    ({"zero_optimisation": {"stage": 2}}, r"a typo of 'zero_optimization'"),
+    ({"zero_optimization": {"stage": 3, "zero_quantized_weights": True}},
+     "ZeRO\\+\\+'s quantized weights are not supported"),
+])
+def test_a_refused_key_says_whether_it_is_deepspeeds(config, match):
+    with pytest.raises(ValueError, match=match):
+        zero.Config.from_deepspeed(config)
+
+
+def test_cpu_offload_is_read_as_deepspeed_reads_it():
+    with pytest.warns(DeprecationWarning, match="cpu_offload is deprecated"):
+        cfg = zero.Config.from_deepspeed({"zero_optimization": {"stage": 2,
+                                                                "cpu_offload": True}})
+    assert cfg.offload_optimizer.device == "cpu"
+    with pytest.warns(DeprecationWarning):
+        cfg = zero.Config.from_deepspeed({"zero_optimization": {"stage": 2,
+                                                                "cpu_offload": False}})
+    assert cfg.offload_optimizer.device == "none"
+    cfg = zero.Config.from_deepspeed({"zero_optimization": {
+        "stage": 3, "stage3_gather_fp16_weights_on_model_save": True,
+        "ignore_unused_parameters": True}})
+    assert cfg.stage == 3

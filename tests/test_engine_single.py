@@ -153,7 +153,8 @@ def untouched(m, before):
 def test_unknown_config_key_is_named():
     with pytest.raises(ValueError, match="zero_optimization.stagee"):
         zero.Config.from_deepspeed({"zero_optimization": {"stagee": 2}})
-    with pytest.raises(ValueError, match="unknown DeepSpeed config key.*: trian_batch_size"):
+    with pytest.raises(ValueError, match="zero does not take: trian_batch_size: not a "
+                                         "DeepSpeed key \\(a typo of 'train_batch_size'\\?\\)"):
         zero.Config.from_deepspeed({"trian_batch_size": 8})
     m = model()
     before = [p.data_ptr() for p in m.parameters()]

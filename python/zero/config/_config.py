@@ -12,6 +12,8 @@ import os
 from dataclasses import dataclass, field, fields
 from typing import Any, Optional
 
+from zero.config._deepspeed_keys import drop_disabled, refusal, take_cpu_offload
+
 PRECISIONS = ("fp32", "bf16", "fp16")
 
 # 500M elements is DeepSpeed's default bucket; on the CPU/gloo path a bucket
@@ -425,6 +427,10 @@ _ZERO_IGNORED = {
     # window to tune; ZeroTrainer.save_model always writes the whole model
     # (from the fp32 masters), and engine checkpoints are sharded
     "stage3_max_reuse_distance", "stage3_gather_16bit_weights_on_model_save",
+    "stage3_gather_fp16_weights_on_model_save",  # its deprecated name
+    # stages 1-2 let unused parameters be; zero finds them by itself
+    # ([Note: expected gradients] in sharding/_buckets.py)
+    "ignore_unused_parameters",
 }
 
 
@@ -439,7 +445,7 @@ def _take(block: dict, prefix: str, known: dict, ignored=frozenset()) -> dict:
         elif key not in ignored:
             unknown.append(f"{prefix}{key}")
     if unknown:
-        raise ValueError(f"unknown DeepSpeed config key(s): {', '.join(unknown)}")
+        raise refusal(unknown, [f"{prefix}{k}" for k in (*known, *ignored)])
     return out
 
 
@@ -482,6 +488,15 @@ def _enabled(block: dict, name: str) -> bool:
     raise ValueError(f"{name}.enabled must be true or false, got {value!r}")
 
 
+def _enabled_or_kept(block: dict, name: str) -> bool:
+    """A block's "enabled" where it reads as true or false; any other value
+    keeps the block, so its keys are read (and refused) as they are."""
+    try:
+        return _enabled(block, name)
+    except ValueError:
+        return True
+
+
 def _translate(ds: dict) -> dict:
     top = dict(ds)
     options: dict[str, Any] = {}
@@ -489,6 +504,9 @@ def _translate(ds: dict) -> dict:
     if not isinstance(zero_block, dict):
         raise ValueError(f"zero_optimization must be an object, got {zero_block!r}")
     fp16, bf16 = top.pop("fp16", None) or {}, top.pop("bf16", None) or {}
+    # a block whose "enabled" is false runs nothing: accepted whatever it holds
+    top = drop_disabled(top, _enabled_or_kept)
+    zero_block = take_cpu_offload(zero_block)
     top = _drop_auto(top, "")
     zero_block = _drop_auto(zero_block, "zero_optimization.")
     top["fp16"], top["bf16"] = fp16, bf16

@@ -1,0 +1,92 @@
+"""What a DeepSpeed config may hold that zero does not take, and how the
+refusal says so: a real DeepSpeed key zero does not support (with why and
+what to do instead), or no DeepSpeed key at all (a typo, with the nearest
+key). Disabled blocks are dropped before anything is read: a block whose
+"enabled" is false holds nothing that runs, whatever else it says."""
+from __future__ import annotations
+
+import difflib
+import warnings
+
+# DeepSpeed keys (dotted) zero refuses when enabled or set, with the reason
+UNSUPPORTED = {
+    "tensorboard": "DeepSpeed's monitors are not built yet; log engine.get_lr(), the loss "
+                   "and engine.memory_summary() yourself",
+    "wandb": "DeepSpeed's monitors are not built yet; call wandb.log yourself",
+    "csv_monitor": "DeepSpeed's monitors are not built yet",
+    "comet": "DeepSpeed's monitors are not built yet",
+    "flops_profiler": "not built yet; torch.utils.flop_counter.FlopCounterMode counts a "
+                      "step's FLOPs",
+    "comms_logger": "not built yet; engine.comm_summary() gives each step's collectives",
+    "memory_breakdown": "not built yet; engine.memory_summary() gives the model states",
+    "amp": "NVIDIA apex AMP is not supported; use bf16 or fp16",
+    "activation_checkpointing": "its partitioning and CPU checkpointing are not supported; "
+                                "use deepspeed.checkpointing.checkpoint (zero.deepspeed's) or "
+                                "torch.utils.checkpoint",
+    "checkpoint": "DeepSpeed's checkpoint options (tag validation, universal checkpoints) "
+                  "do not apply: zero's checkpoints load at any world size and stage",
+    "communication_data_type": "gradients are reduced in the compute dtype (or "
+                               "data_types.grad_accum_dtype's)",
+    "sparse_gradients": "sparse gradients are not supported: zero reduces dense ones",
+    "pipeline": "pipeline parallelism does not compose with the engine yet",
+    "tensor_parallel": "tensor parallelism does not compose with the engine yet",
+    "compression_training": "not supported",
+    "data_efficiency": "not supported",
+    "curriculum_learning": "not supported",
+    "autotuning": "not supported",
+    "elasticity": "not supported",
+    "nebula": "not supported",
+    "zero_optimization.zero_hpz_partition_size": "ZeRO++'s hierarchical partitioning: use "
+                                                 "initialize(mesh=) with a 2-D mesh",
+    "zero_optimization.zero_quantized_weights": "ZeRO++'s quantized weights are not supported",
+    "zero_optimization.zero_quantized_gradients": "ZeRO++'s quantized gradients are not "
+                                                  "supported",
+    "zero_optimization.mics_shard_size": "MiCS: use initialize(mesh=) with a 2-D mesh",
+}
+
+# the blocks the reader takes apart itself, for the typo hint
+BLOCKS = ("fp16", "bf16", "zero_optimization", "data_types", "optimizer", "scheduler")
+
+
+def drop_disabled(block: dict, enabled) -> dict:
+    """block without its sub-blocks whose "enabled" is false (enabled: a
+    function reading an "enabled" value as DeepSpeed does)."""
+    return {k: v for k, v in block.items()
+            if not (isinstance(v, dict) and "enabled" in v and not enabled(v, k))}
+
+
+def take_cpu_offload(zero_block: dict) -> dict:
+    """zero_optimization.cpu_offload, DeepSpeed's old switch for optimizer
+    offload, read as DeepSpeed 0.19.8 reads it (offload_optimizer
+    {"device": "cpu"} when true), with its deprecation warning; its
+    params/pin_memory companions likewise."""
+    block = dict(zero_block)
+    old = block.pop("cpu_offload", None)
+    params = block.pop("cpu_offload_params", None)
+    block.pop("cpu_offload_use_pin_memory", None)
+    if old is not None or params is not None:
+        warnings.warn("zero_optimization.cpu_offload is deprecated (in DeepSpeed too): write "
+                      '"offload_optimizer": {"device": "cpu"} (and "offload_param" for '
+                      "cpu_offload_params)", DeprecationWarning, stacklevel=5)
+    if old and "offload_optimizer" not in block:
+        block["offload_optimizer"] = {"device": "cpu"}
+    if params and "offload_param" not in block:
+        block["offload_param"] = {"device": "cpu"}
+    return block
+
+
+def refusal(keys: list, known: list) -> ValueError:
+    """The error for config keys zero does not take, each said to be a
+    DeepSpeed key zero does not support (why, what instead) or not a
+    DeepSpeed key at all (the nearest one it could be a typo of)."""
+    parts = []
+    for key in keys:
+        if key in UNSUPPORTED:
+            parts.append(f"{key}: a DeepSpeed key zero does not support ({UNSUPPORTED[key]})")
+            continue
+        candidates = [*known, *UNSUPPORTED, *BLOCKS]
+        close = difflib.get_close_matches(key, candidates, n=1, cutoff=0.75)
+        hint = f" of {close[0]!r}" if close else ""
+        parts.append(f"{key}: not a DeepSpeed key (a typo{hint}?)")
+    return ValueError("DeepSpeed config key(s) zero does not take: " + "; ".join(parts) +
+                      ". docs/deepspeed.md lists the keys zero reads, ignores and refuses")
