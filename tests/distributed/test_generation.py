@@ -6,7 +6,9 @@ early would leave the others waiting in a gather forever. generate(...,
 synced_gpus=True) keeps a finished rank running dummy forward passes until
 every rank is done: that is what the user (or an integration) must pass;
 transformers turns it on by itself only for DeepSpeed ZeRO-3 and FSDP
-(docs/engine.md). The tokens must equal a plain model's greedy output."""
+(docs/engine.md). engine.generate needs neither: it gathers the model once
+and runs no collective until it is done. The tokens must equal a plain
+model's greedy output both ways."""
 import pytest
 import torch
 
@@ -37,16 +39,20 @@ def generate(rank, world):
     with torch.no_grad():
         out = engine.module.generate(prompt(rank), max_new_tokens=NEW_TOKENS[rank],
                                      do_sample=False, synced_gpus=True)
+    # engine.generate gathers once and runs no collective until it ends:
+    # no synced_gpus, each rank stops at its own length
+    once = engine.generate(prompt(rank), max_new_tokens=NEW_TOKENS[rank], do_sample=False)
     engine.close()
-    return out
+    return out, once
 
 
 def test_generation_with_ranks_finishing_apart():
     results = harness.run(2, generate, timeout=180)
     model = tiny_gpt2()
-    for rank, out in enumerate(results):
+    for rank, (out, once) in enumerate(results):
         with torch.no_grad():
             expected = model.generate(prompt(rank), max_new_tokens=NEW_TOKENS[rank],
                                       do_sample=False)
         assert out.shape[1] == 5 + NEW_TOKENS[rank]
         assert torch.equal(out, expected), rank
+        assert torch.equal(once, expected), rank

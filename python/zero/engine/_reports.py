@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 
+from zero.engine._generation import generate
 from zero.engine._memory import MemorySummary, zero_formula
 from zero.sharding._param_writes import take_in_parameter_writes
 
@@ -51,6 +52,16 @@ class EngineReports:
             [(fg.numel, len(fg.states)) for fg in self.groups], totals, staged=self._staged,
             shard_on_host=self.groups[0].shard_on_host,
             grads_on_host=self.groups[0].grads_on_host)
+
+    def generate(self, *args, generate_fn=None, **kwargs):
+        """The model's generate (HuggingFace's), or generate_fn(model,
+        *args, **kwargs), with a stage-3 model's parameters gathered once
+        for the whole generation instead of per module and token, and no
+        gradients ([Note: generation] in _generation.py). A collective at
+        stage 3 (the gather and release); ranks may stop at different
+        lengths (no synced_gpus needed)."""
+        self._check_open()
+        return generate(self, args, kwargs, generate_fn)
 
     def comm_summary(self) -> dict:
         """Elements and bytes per collective in the last optimizer step; at

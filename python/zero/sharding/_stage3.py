@@ -76,6 +76,7 @@ class Stage3Schedule(SavedParameters):
         self.pass_hash = 0
         self.hooks = []
         self.removed = False  # see remove()
+        self.suspended = False  # every unit gathered for a generation: hooks stand aside
         # (grad_fn, output_nr) of a module's single input -> the frozen units
         # to release when its gradient comes (_release_frozen_after_backward)
         self.release_with = {}
@@ -329,6 +330,8 @@ class Stage3Schedule(SavedParameters):
 
     def _hook_pre_forward(self, index):
         def pre_forward(module, _args):
+            if self.suspended:
+                return  # [Note: generation] in engine/_generation.py
             if module is self.modules[0] and self.root_depth and \
                     not _inside_forward_of(module):
                 self._forget_interrupted_forward()
@@ -354,6 +357,8 @@ class Stage3Schedule(SavedParameters):
 
     def _hook_post_forward(self, index, is_root):
         def post_forward(module, args, kwargs, output):
+            if self.suspended:
+                return output
             if self.entered[index] == 0:
                 return output  # an earlier pre-hook raised: ours never ran for this call
             # torch runs always_call hooks on the way out of a forward that

@@ -1,0 +1,105 @@
+"""engine.generate ([Note: generation] in engine/_generation.py): a
+stage-3 model's parameters gathered once for a whole generation, the
+schedule's hooks set aside, no collective in between.
+
+Checked against a plain copy of the model: greedy tokens equal its
+generate's; no unit is gathered per token (the gather counts); training
+after a generation equals training without one, bit for bit (train,
+generate, train = train, train); the hooks are back afterwards. Two ranks
+stopping at different lengths: tests/distributed/test_generation.py."""
+import copy
+
+import pytest
+import torch
+
+import zero
+from engine_cases import Net, batches, engine_run, loss_of, no_launcher
+
+transformers = pytest.importorskip("transformers")
+
+
+@pytest.fixture(autouse=True)
+def _no_launcher(monkeypatch):
+    no_launcher(monkeypatch)
+
+
+def tiny_gpt2():
+    # no dropout: a generation in train mode would draw from the random
+    # state the training's dropout draws from next
+    cfg = transformers.GPT2Config(n_layer=3, n_embd=32, n_head=4, vocab_size=64,
+                                  n_positions=64, eos_token_id=None, bos_token_id=None,
+                                  pad_token_id=0, resid_pdrop=0.0, embd_pdrop=0.0,
+                                  attn_pdrop=0.0)
+    torch.manual_seed(0)
+    return transformers.GPT2LMHeadModel(cfg).eval()
+
+
+def train_steps(engine, seed, steps=2):
+    g = torch.Generator().manual_seed(seed)
+    for _ in range(steps):
+        ids = torch.randint(1, 64, (2, 12), generator=g)
+        engine.backward(engine(input_ids=ids, labels=ids).loss)
+        engine.step()
+
+
+@pytest.mark.parametrize("stage", [0, 2, 3])
+def test_greedy_tokens_equal_the_plain_models(stage):
+    model = tiny_gpt2()
+    plain = copy.deepcopy(model)
+    engine = zero.initialize(model, optimizer=torch.optim.AdamW(model.parameters()),
+                             stage=stage, stage3_param_persistence_threshold=0)
+    prompt = torch.randint(1, 64, (2, 5), generator=torch.Generator().manual_seed(1))
+    if engine._schedule is not None:
+        engine._schedule.take_counts()
+    out = engine.generate(prompt, max_new_tokens=12, do_sample=False)
+    with torch.no_grad():
+        expected = plain.generate(prompt, max_new_tokens=12, do_sample=False)
+    assert torch.equal(out, expected)
+    if engine._schedule is not None:
+        # each unit gathered once for the whole generation, never per token
+        units = sum(len(fg.units) for fg in engine.all_groups)
+        assert engine._schedule.take_counts() == {"prefetched": 0, "on_demand": units}
+        assert not engine._schedule.suspended
+        assert all(not u.gathered for fg in engine.all_groups for u in fg.units)
+    engine.close()
+
+
+def test_training_after_a_generation_is_unchanged():
+    results = []
+    for with_generation in (False, True):
+        model = tiny_gpt2().train()
+        engine = zero.initialize(model, optimizer=torch.optim.AdamW(model.parameters(),
+                                                                    lr=1e-2),
+                                 stage=3, stage3_param_persistence_threshold=0)
+        train_steps(engine, seed=3)
+        if with_generation:
+            engine.generate(torch.randint(1, 64, (1, 4)), max_new_tokens=6, do_sample=False)
+        train_steps(engine, seed=4)
+        results.append(engine.full_state_dict())
+        engine.close()
+    for name, value in results[0].items():
+        assert torch.equal(results[1][name], value), name
+
+
+def test_a_generate_function_for_other_models():
+    torch.manual_seed(0)
+    model = Net()
+    engine = zero.initialize(model, optimizer=torch.optim.AdamW(model.parameters()), stage=3,
+                             stage3_param_persistence_threshold=0)
+    engine_run(engine, batches("cpu", 1))
+
+    def greedy(m, tokens, steps):
+        for _ in range(steps):
+            tokens = torch.cat([tokens, m(tokens)[:, -1:].argmax(-1)], dim=1)
+        return tokens
+    out = engine.generate(torch.tensor([[1, 2]]), 5, generate_fn=greedy)
+    with zero.GatheredParameters(list(model.parameters())):
+        plain = copy.deepcopy(model)
+    expected = greedy(plain, torch.tensor([[1, 2]]), 5)
+    assert torch.equal(out, expected)
+    with pytest.raises(TypeError, match="Net has no generate method"):
+        engine.generate(torch.tensor([[1]]))
+    tokens, targets = batches("cpu", 1)[0]  # the hooks are back: training goes on
+    engine.backward(loss_of(engine(tokens), targets))
+    engine.step()
+    engine.close()
