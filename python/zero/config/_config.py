@@ -12,7 +12,8 @@ import os
 from dataclasses import dataclass, field, fields
 from typing import Any, Optional
 
-from zero.config._deepspeed_keys import drop_disabled, refusal, take_cpu_offload
+from zero.config._deepspeed_keys import (MONITORS, check_monitor, drop_disabled, refusal,
+                                         take_cpu_offload)
 
 PRECISIONS = ("fp32", "bf16", "fp16")
 
@@ -246,6 +247,9 @@ class Config:
     check_grad_overflow: bool = False
     optimizer: Optional[dict] = None  # {"type": "AdamW", "params": {...}}
     scheduler: Optional[dict] = None  # {"type": "WarmupLR", "params": {...}}
+    # DeepSpeed's monitor blocks: {"tensorboard"|"csv_monitor"|"wandb": {...}}
+    # (engine/_monitor.py); a DeepSpeed config's top-level blocks land here
+    monitor: Optional[dict] = None
     # seconds (or a datetime.timedelta) a collective on a process group zero
     # makes waits for the other ranks before it fails, naming this setting;
     # None: 10 minutes, or beside a default group the user made, that
@@ -255,6 +259,7 @@ class Config:
 
     def __post_init__(self):
         object.__setattr__(self, "timeout", _seconds(self.timeout, "timeout"))
+        object.__setattr__(self, "monitor", check_monitor(self.monitor) or None)
         leaves = self.stage3_leaf_modules
         if isinstance(leaves, (str, type)):
             leaves = (leaves,)
@@ -507,6 +512,7 @@ def _translate(ds: dict) -> dict:
     # a block whose "enabled" is false runs nothing: accepted whatever it holds
     top = drop_disabled(top, _enabled_or_kept)
     zero_block = take_cpu_offload(zero_block)
+    monitor = {kind: top.pop(kind) for kind in MONITORS if kind in top}  # enabled ones
     top = _drop_auto(top, "")
     zero_block = _drop_auto(zero_block, "zero_optimization.")
     top["fp16"], top["bf16"] = fp16, bf16
@@ -558,6 +564,8 @@ def _translate(ds: dict) -> dict:
                 raise ValueError(f"zero_optimization.{key} must be an integer, got {value!r}")
             zero_opts[key] = int(value)
     options.update(zero_opts)
+    if monitor:
+        options["monitor"] = monitor
     if "timeout" in options:  # named as the config names it
         options["timeout"] = _seconds(options["timeout"], "comms_timeout")
     options.update(_take(data_types, "data_types.", {"grad_accum_dtype": "grad_accum_dtype"}))

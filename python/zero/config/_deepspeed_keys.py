@@ -10,11 +10,7 @@ import warnings
 
 # DeepSpeed keys (dotted) zero refuses when enabled or set, with the reason
 UNSUPPORTED = {
-    "tensorboard": "DeepSpeed's monitors are not built yet; log engine.get_lr(), the loss "
-                   "and engine.memory_summary() yourself",
-    "wandb": "DeepSpeed's monitors are not built yet; call wandb.log yourself",
-    "csv_monitor": "DeepSpeed's monitors are not built yet",
-    "comet": "DeepSpeed's monitors are not built yet",
+    "comet": "zero writes the tensorboard, csv_monitor and wandb monitors only",
     "flops_profiler": "not built yet; torch.utils.flop_counter.FlopCounterMode counts a "
                       "step's FLOPs",
     "comms_logger": "not built yet; engine.comm_summary() gives each step's collectives",
@@ -90,3 +86,33 @@ def refusal(keys: list, known: list) -> ValueError:
         parts.append(f"{key}: not a DeepSpeed key (a typo{hint}?)")
     return ValueError("DeepSpeed config key(s) zero does not take: " + "; ".join(parts) +
                       ". docs/deepspeed.md lists the keys zero reads, ignores and refuses")
+
+
+MONITORS = ("tensorboard", "csv_monitor", "wandb")
+
+
+def check_monitor(monitor) -> dict:
+    """The monitor setting as a dict of enabled blocks, or a ValueError."""
+    if monitor is None:
+        return {}
+    if not isinstance(monitor, dict):
+        raise ValueError(f"monitor must be a dict of DeepSpeed monitor blocks ({', '.join(MONITORS)}),"
+                         f" got {monitor!r}")
+    out = {}
+    for kind, block in monitor.items():
+        if kind not in MONITORS:
+            raise ValueError(f"monitor: {kind!r} is not a monitor zero writes; it writes "
+                             f"{', '.join(MONITORS)}")
+        if not isinstance(block, dict):
+            raise ValueError(f"monitor.{kind} must be an object, got {block!r}")
+        known = {"enabled", "output_path", "job_name"} if kind != "wandb" else \
+            {"enabled", "group", "team", "project"}
+        unknown = set(block) - known
+        if unknown:
+            raise ValueError(f"{kind}: unknown key(s) {sorted(unknown)}; it takes "
+                             f"{sorted(known)}")
+        if block.get("enabled", False) is True:
+            out[kind] = dict(block)
+    return out
+
+

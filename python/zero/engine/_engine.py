@@ -32,11 +32,13 @@ from zero.engine._construction import (broadcast_buffer, cast_module, match_para
                                        offload_files, owners_of, param_files, units_of)
 from zero.engine._handback import restore_params
 from zero.engine._reports import EngineReports
-from zero.engine._routes import call_alive, check_optimizer_unchanged, guard_optimizer
+from zero.engine._routes import (call_alive, check_optimizer_unchanged, guard_optimizer,
+                                 on_each_grad)
 from zero.sharding._copying import ModuleHook
 from zero.sharding._flat_group import FlatGroup
 from zero.offload import _param_staging
 from zero.engine._interrupts import interrupts_held
+from zero.engine._monitor import Monitor
 from zero.step._loss_scaler import DynamicLossScaler
 from zero.step._registry import fresh_states, spec_for
 from zero.sharding._param_writes import (Place, bump_versions, check_parameters_in_place,
@@ -102,6 +104,9 @@ class Engine(DeepSpeedQueries, EngineReports, nn.Module):
         self._closed = False
         self.loss_scaler = DynamicLossScaler(config.loss_scaling) \
             if config.precision == "fp16" else None
+        # [Note: monitor events] in _monitor.py: written by global rank 0
+        self._monitor = Monitor(config.monitor) if config.monitor and comm.global_rank == 0 \
+            else None
 
         # what can be refused is refused before the model is changed
         groups = match_param_groups(module, optimizer)
@@ -210,10 +215,10 @@ class Engine(DeepSpeedQueries, EngineReports, nn.Module):
         if not self.policy.reduces_in_backward:
             for fg in self.groups:
                 if fg.accumulate_by_hook:
-                    self._on_each_grad(fg, _accumulate_grad)
+                    on_each_grad(self, fg, _accumulate_grad)
         else:
             for fg in self.groups:
-                self._on_each_grad(fg, _grad_ready)
+                on_each_grad(self, fg, _grad_ready)
             if self._schedule is None:
                 self._hook_root_for_backward()
         take_in_optimizer_states(optimizer, self.groups, resumed)
@@ -247,20 +252,6 @@ class Engine(DeepSpeedQueries, EngineReports, nn.Module):
         """A backward that raised never reached its end: drop what it left."""
         if self._backward is not None:
             self._backward.abandon_if_unfinished()
-
-    def _on_each_grad(self, fg, body):
-        """body(engine, fg, i) once parameter i of fg has its gradient
-        accumulated. The hook holds the engine and fg weakly: torch keeps a
-        parameter's hooks where Python's garbage collector does not look, so
-        a strong reference would keep a dropped engine, its buffers and its
-        offload files until exit."""
-        me, group = weakref.ref(self), weakref.ref(fg)
-        for i, p in enumerate(fg.params):
-            def hook(_p, i=i):
-                target = group()
-                if target is not None:
-                    call_alive(me, body, target, i)
-            self._hooks.append(p.register_post_accumulate_grad_hook(hook))
 
     # ---- training API ---------------------------------------------------------
 
@@ -302,6 +293,8 @@ class Engine(DeepSpeedQueries, EngineReports, nn.Module):
         if not scale_wrt_gas:
             factor *= self.config.gradient_accumulation_steps
         (loss * factor if factor != 1.0 else loss).backward(retain_graph=retain_graph)
+        if self._monitor is not None:
+            self._monitor.record_loss(loss)
         # only once it finished: a backward that raised leaves unscaled
         # partial gradients, which zero_grad() drops
         self._scaled_backward = True
@@ -479,6 +472,8 @@ class Engine(DeepSpeedQueries, EngineReports, nn.Module):
         if replicate is not None:  # hybrid sharding: what crossed the replicas
             self._last_comm["dp_replicate"] = replicate.log.summary()
             replicate.log.reset()
+        if self._monitor is not None:
+            self._monitor.after_step(self)
 
     def zero_grad(self, set_to_none: bool = True):
         """Zero the gradients (they stay views of the flat buffers). After a
@@ -583,6 +578,8 @@ class Engine(DeepSpeedQueries, EngineReports, nn.Module):
                 fg.offload.close()
             if fg.param_files is not None:
                 fg.param_files.close()
+        if self._monitor is not None:
+            self._monitor.close()
         self._leave_group()
         self._closed = True
 

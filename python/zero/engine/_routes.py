@@ -157,3 +157,18 @@ def check_optimizer_unchanged(engine):
                 f"parameter '{name}' was set to requires_grad=False after zero.initialize; "
                 "the engine would still update it. Call zero.initialize again after "
                 "changing which parameters train")
+
+
+def on_each_grad(engine, fg, body):
+    """body(engine, fg, i) once parameter i of fg has its gradient
+    accumulated. The hook holds the engine and fg weakly: torch keeps a
+    parameter's hooks where Python's garbage collector does not look, so a
+    strong reference would keep a dropped engine, its buffers and its
+    offload files until exit."""
+    me, group = weakref.ref(engine), weakref.ref(fg)
+    for i, p in enumerate(fg.params):
+        def hook(_p, i=i):
+            target = group()
+            if target is not None:
+                call_alive(me, body, target, i)
+        engine._hooks.append(p.register_post_accumulate_grad_hook(hook))

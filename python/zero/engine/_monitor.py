@@ -1,0 +1,122 @@
+"""DeepSpeed's monitors on zero's engine: the config's `tensorboard`,
+`csv_monitor` and `wandb` blocks (zero.initialize(monitor=...) takes the
+same blocks).
+
+[Note: monitor events] As DeepSpeed's engine writes them, on the global
+rank 0 only, at each accumulation boundary, with the global samples so far
+(global_steps x train_batch_size; the update count when the batch size is
+unknown) as the step:
+- Train/Samples/train_loss: the mean of the losses given to backward()
+  since the last boundary (as computed, before any fp16 scale);
+- Train/Samples/lr: the first param group's learning rate after the step;
+- Train/Samples/loss_scale: the fp16 loss scale, with fp16.
+The loss is read with .item() at the boundary only: one synchronisation a
+step on a GPU, as DeepSpeed's monitor costs.
+"""
+from __future__ import annotations
+
+import csv
+import os
+
+
+class Monitor:
+    def __init__(self, blocks: dict):
+        """blocks: check_monitor's dict; writers are opened on rank 0 only
+        (the caller's choice: it builds a Monitor there)."""
+        self.writers = []
+        for kind, block in blocks.items():
+            self.writers.append(_WRITERS[kind](block))
+        self.losses = []
+
+    def record_loss(self, loss):
+        self.losses.append(loss.detach().float().mean())
+
+    def after_step(self, engine):
+        step = engine.global_samples
+        step = engine.global_steps if step is None else step
+        events = []
+        if self.losses:
+            events.append(("Train/Samples/train_loss",
+                           float(sum(self.losses).item()) / len(self.losses), step))
+        self.losses = []
+        events.append(("Train/Samples/lr", float(engine.get_lr()[0]), step))
+        if engine.loss_scaler is not None:
+            events.append(("Train/Samples/loss_scale", float(engine.loss_scale), step))
+        for writer in self.writers:
+            writer.write(events)
+
+    def close(self):
+        for writer in self.writers:
+            writer.close()
+
+
+def _log_dir(block, kind):
+    path = block.get("output_path") or ""
+    return os.path.join(path or f"{kind}_logs", block.get("job_name") or "DeepSpeedJobName")
+
+
+class _Tensorboard:
+    def __init__(self, block):
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+        except ImportError as error:
+            raise ValueError("tensorboard is enabled in the config but the tensorboard "
+                             f"package is not installed ({error}): pip install tensorboard, "
+                             "or set tensorboard.enabled to false") from None
+        self.writer = SummaryWriter(log_dir=_log_dir(block, "tensorboard"))
+
+    def write(self, events):
+        for tag, value, step in events:
+            self.writer.add_scalar(tag, value, step)
+        self.writer.flush()
+
+    def close(self):
+        self.writer.close()
+
+
+class _Csv:
+    """One file per tag under output_path/job_name, named after the tag
+    ("Train/Samples/lr" -> Train_Samples_lr.csv), with a header row
+    (step, the tag's last part) and a row per event."""
+
+    def __init__(self, block):
+        self.directory = _log_dir(block, "csv_monitor")
+        os.makedirs(self.directory, exist_ok=True)
+        self.started = set()
+
+    def write(self, events):
+        for tag, value, step in events:
+            path = os.path.join(self.directory, tag.replace("/", "_") + ".csv")
+            with open(path, "a", newline="") as f:
+                rows = csv.writer(f)
+                if path not in self.started:
+                    self.started.add(path)
+                    if f.tell() == 0:
+                        rows.writerow(["step", tag.split("/")[-1]])
+                rows.writerow([step, value])
+
+    def close(self):
+        pass
+
+
+class _Wandb:
+    def __init__(self, block):
+        try:
+            import wandb
+        except ImportError:
+            raise ValueError("wandb is enabled in the config but the wandb package is not "
+                             "installed: pip install wandb, or set wandb.enabled to false"
+                             ) from None
+        self.wandb = wandb
+        self.run = wandb.init(project=block.get("project"), group=block.get("group"),
+                              entity=block.get("team"))
+
+    def write(self, events):
+        for tag, value, step in events:
+            self.wandb.log({tag: value}, step=step)
+
+    def close(self):
+        self.run.finish()
+
+
+_WRITERS = {"tensorboard": _Tensorboard, "csv_monitor": _Csv, "wandb": _Wandb}

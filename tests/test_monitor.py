@@ -1,0 +1,99 @@
+"""DeepSpeed's monitor blocks on zero's engine ([Note: monitor events] in
+engine/_monitor.py): what the csv and tensorboard monitors write is read
+back (csv, and tensorboard's own event reader) and compared with the
+losses, learning rates and loss scales of the run, at the global-sample
+steps DeepSpeed uses."""
+import csv
+
+import pytest
+import torch
+
+import zero
+from engine_cases import Net, batches, loss_of, no_launcher
+
+
+@pytest.fixture(autouse=True)
+def _no_launcher(monkeypatch):
+    no_launcher(monkeypatch)
+
+
+def train(config, steps=3):
+    """(the mean loss of each boundary's micro-batches, the learning rate
+    after each boundary's step)."""
+    torch.manual_seed(0)
+    model = Net()
+    engine = zero.initialize(model, config=config)
+    means, lrs, window = [], [], []
+    for tokens, targets in batches("cpu", 2 * steps):
+        loss = loss_of(engine(tokens), targets)
+        engine.backward(loss)
+        window.append(loss.item())
+        engine.step()
+        if len(window) == 2:
+            means.append(sum(window) / len(window))
+            lrs.append(engine.get_lr()[0])
+            window = []
+    engine.close()
+    return means, lrs
+
+
+def ds_config(tmp_path, **blocks):
+    return {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 2,
+            "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+            "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": 0.0,
+                                                         "warmup_max_lr": 1e-3,
+                                                         "warmup_num_steps": 4}},
+            "zero_optimization": {"stage": 2}, **blocks}
+
+
+def read_csv(path):
+    with open(path) as f:
+        rows = list(csv.reader(f))
+    return rows[0], [(int(step), float(value)) for step, value in rows[1:]]
+
+
+def test_csv_monitor_writes_loss_and_lr_at_the_samples_seen(tmp_path):
+    config = ds_config(tmp_path, csv_monitor={"enabled": True, "output_path": str(tmp_path),
+                                              "job_name": "run"})
+    means, lrs = train(config)
+    header, losses = read_csv(tmp_path / "run" / "Train_Samples_train_loss.csv")
+    assert header == ["step", "train_loss"]
+    assert [s for s, _ in losses] == [8, 16, 24]  # 4 samples x 2 micro-batches a step
+    assert [v for _, v in losses] == pytest.approx(means, rel=1e-6)
+    _, written = read_csv(tmp_path / "run" / "Train_Samples_lr.csv")
+    assert [v for _, v in written] == pytest.approx(lrs, rel=1e-6)
+    assert len(set(lrs)) == 3  # warming up: a different rate each step
+    assert not (tmp_path / "run" / "Train_Samples_loss_scale.csv").exists()  # fp32
+
+
+def test_fp16_writes_the_loss_scale(tmp_path):
+    config = ds_config(tmp_path, csv_monitor={"enabled": True, "output_path": str(tmp_path),
+                                              "job_name": "fp16"},
+                       fp16={"enabled": True, "initial_scale_power": 8})
+    train(config, steps=2)
+    _, scales = read_csv(tmp_path / "fp16" / "Train_Samples_loss_scale.csv")
+    assert [v for _, v in scales] == [256.0, 256.0]
+
+
+def test_tensorboard_events_read_back(tmp_path):
+    pytest.importorskip("tensorboard")  # installed by requirements-test.txt
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    config = ds_config(tmp_path, tensorboard={"enabled": True, "output_path": str(tmp_path),
+                                              "job_name": "tb"})
+    means, _ = train(config)
+    events = EventAccumulator(str(tmp_path / "tb"))
+    events.Reload()
+    assert {"Train/Samples/train_loss", "Train/Samples/lr"} <= set(events.Tags()["scalars"])
+    loss = events.Scalars("Train/Samples/train_loss")
+    assert [e.step for e in loss] == [8, 16, 24]
+    assert [e.value for e in loss] == pytest.approx(means, rel=1e-6)
+
+
+def test_a_disabled_monitor_writes_nothing_and_bad_blocks_are_named(tmp_path):
+    train(ds_config(tmp_path, csv_monitor={"enabled": False, "output_path": str(tmp_path)}),
+          steps=1)
+    assert not any(tmp_path.iterdir())
+    with pytest.raises(ValueError, match=r"csv_monitor: unknown key\(s\) \['outpt_path'\]"):
+        zero.Config(monitor={"csv_monitor": {"enabled": True, "outpt_path": "x"}})
+    with pytest.raises(ValueError, match="'comet' is not a monitor zero writes"):
+        zero.Config(monitor={"comet": {"enabled": True}})
