@@ -276,3 +276,31 @@ def test_cpu_offload_is_read_as_deepspeed_reads_it():
         "stage": 3, "stage3_gather_fp16_weights_on_model_save": True,
         "ignore_unused_parameters": True}})
     assert cfg.stage == 3
+
+
+def test_the_aio_block_sets_zeros_disk_engine(one_process, tmp_path):
+    from zero.offload._aio import io_info, set_io
+    cfg = zero.Config.from_deepspeed({
+        "aio": {"block_size": 262144, "queue_depth": 8, "thread_count": 1,
+                "single_submit": False, "overlap_events": True, "use_gds": False},
+        "zero_optimization": {"stage": 3, "offload_optimizer": {
+            "device": "nvme", "nvme_path": str(tmp_path)}}})
+    assert cfg.aio == {"block_size": 262144, "queue_depth": 8}
+    previous = io_info()
+    try:
+        torch.manual_seed(0)
+        model = Net()
+        engine = zero.initialize(model, optimizer=torch.optim.AdamW(model.parameters()),
+                                 config=cfg)
+        assert io_info()["block_size"] == 262144 and io_info()["queue_depth"] == 8
+        tokens, targets = batches("cpu", 1)[0]
+        engine.backward(loss_of(engine(tokens), targets))
+        engine.step()  # through the disk engine with those settings
+        engine.close()
+    finally:
+        set_io(queue_depth=previous["queue_depth"], block_size=previous["block_size"])
+    for bad, match in (({"block_size": 0}, "aio.block_size must be a positive integer"),
+                       ({"use_gds": True}, "GPUDirect Storage is not supported"),
+                       ({"queue_dept": 8}, "aio.queue_dept: not a DeepSpeed key")):
+        with pytest.raises(ValueError, match=match):
+            zero.Config.from_deepspeed({"aio": bad})

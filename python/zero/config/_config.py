@@ -12,8 +12,8 @@ import os
 from dataclasses import dataclass, field, fields
 from typing import Any, Optional
 
-from zero.config._deepspeed_keys import (MONITORS, check_monitor, drop_disabled, refusal,
-                                         take_cpu_offload)
+from zero.config._deepspeed_keys import (MONITORS, check_aio, check_monitor, drop_disabled,
+                                         refusal, take_cpu_offload)
 
 PRECISIONS = ("fp32", "bf16", "fp16")
 
@@ -250,6 +250,9 @@ class Config:
     # DeepSpeed's monitor blocks: {"tensorboard"|"csv_monitor"|"wandb": {...}}
     # (engine/_monitor.py); a DeepSpeed config's top-level blocks land here
     monitor: Optional[dict] = None
+    # the disk engine's block_size and queue_depth for offload "nvme" (a
+    # DeepSpeed config's "aio" block: offload/_aio.py); process-wide
+    aio: Optional[dict] = None
     # seconds (or a datetime.timedelta) a collective on a process group zero
     # makes waits for the other ranks before it fails, naming this setting;
     # None: 10 minutes, or beside a default group the user made, that
@@ -260,6 +263,7 @@ class Config:
     def __post_init__(self):
         object.__setattr__(self, "timeout", _seconds(self.timeout, "timeout"))
         object.__setattr__(self, "monitor", check_monitor(self.monitor) or None)
+        object.__setattr__(self, "aio", check_aio(self.aio))
         leaves = self.stage3_leaf_modules
         if isinstance(leaves, (str, type)):
             leaves = (leaves,)
@@ -421,9 +425,6 @@ _IGNORED = {
     "steps_per_print", "wall_clock_breakdown", "dump_state", "prescale_gradients",
     "gradient_predivide_factor", "zero_allow_untested_optimizer",
     "zero_force_ds_cpu_optimizer",
-    # libaio's tuning for DeepSpeed's NVMe offload; ours has its own engine (offload/_aio.py)
-    # whose settings are not read from this block yet
-    "aio",
 }
 _ZERO_IGNORED = {
     "allgather_partitions", "allgather_bucket_size", "reduce_scatter", "round_robin_gradients",
@@ -532,6 +533,7 @@ def _translate(ds: dict) -> dict:
         "optimizer": "optimizer",
         "scheduler": "scheduler",
         "comms_timeout": "timeout",  # ours: DeepSpeed reads DEEPSPEED_TIMEOUT (minutes) only
+        "aio": "aio",
     }, _IGNORED))
     zero_opts = _take(zero_block, "zero_optimization.", {
         "stage": "stage", "reduce_bucket_size": "reduce_bucket_size",

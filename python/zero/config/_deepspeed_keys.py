@@ -116,3 +116,33 @@ def check_monitor(monitor) -> dict:
     return out
 
 
+
+
+# DeepSpeed's aio block: what zero's disk engine takes, and what it accepts
+# without effect (its engine has one submission path and its own threads)
+AIO_TAKEN = ("block_size", "queue_depth")
+AIO_IGNORED = ("thread_count", "intra_op_parallelism", "single_submit", "overlap_events")
+
+
+def check_aio(aio) -> dict | None:
+    """The aio setting as {"block_size", "queue_depth"} (either may be
+    absent), or None; a ValueError naming the key for anything else."""
+    if aio is None:
+        return None
+    if not isinstance(aio, dict):
+        raise ValueError(f"aio must be an object, got {aio!r}")
+    out = {}
+    for key, value in aio.items():
+        if key in AIO_TAKEN:
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or \
+                    value != int(value) or value < 1:
+                raise ValueError(f"aio.{key} must be a positive integer, got {value!r}")
+            out[key] = int(value)
+        elif key == "use_gds":
+            if value:
+                raise ValueError("aio.use_gds: GPUDirect Storage is not supported; set it "
+                                 "to false (zero reads and writes through host memory)")
+        elif key not in AIO_IGNORED:
+            raise refusal([f"aio.{key}"], [f"aio.{k}" for k in (*AIO_TAKEN, *AIO_IGNORED,
+                                                                  "use_gds")])
+    return out or None

@@ -20,6 +20,14 @@ def offload_files(offload, comm):
     return lambda index: NvmeFiles(offload.nvme_path, f"r{comm.global_rank}-g{index}",
                                    offload.chunk_elements, offload.write_through)
 
+def apply_aio(aio, *offloads):
+    """The config's aio block (block_size, queue_depth) on the disk engine
+    (process-wide), when one of the offload blocks goes to a disk."""
+    if aio and any(o.device == "nvme" for o in offloads):
+        from zero.offload._aio import set_io
+        set_io(**aio)
+
+
 def param_files(offload, chunk_elements, comm):
     """group index -> the NvmeFiles its stage-3 shard lives in (None: in
     memory). offload_param "cpu" changes nothing for a CPU model, the

@@ -28,8 +28,9 @@ from torch import nn
 from zero.engine._agreement import check_ranks_agree
 from zero.comm._comm import Comm, leave_process_group
 from zero.engine._deepspeed_queries import DeepSpeedQueries
-from zero.engine._construction import (broadcast_buffer, cast_module, match_param_groups,
-                                       offload_files, owners_of, param_files, units_of)
+from zero.engine._construction import (apply_aio, broadcast_buffer, cast_module,
+                                       match_param_groups, offload_files, owners_of,
+                                       param_files, units_of)
 from zero.engine._handback import restore_params
 from zero.engine._reports import EngineReports
 from zero.engine._routes import (call_alive, check_optimizer_unchanged, guard_optimizer,
@@ -165,6 +166,7 @@ class Engine(DeepSpeedQueries, EngineReports, nn.Module):
                 if not p.requires_grad and \
                         (not self.policy.partitions_params or not p.is_floating_point()):
                     broadcast_buffer(comm, name, p.data, kind="parameter")
+        apply_aio(config.aio, config.offload_optimizer, config.offload_param)
         offload = offload_files(config.offload_optimizer, comm)
         shard_files = param_files(config.offload_param,
                                   config.offload_optimizer.chunk_elements, comm)
