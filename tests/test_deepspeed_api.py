@@ -245,8 +245,8 @@ def test_a_disabled_block_is_accepted_whatever_it_holds():
 
 
 @pytest.mark.parametrize("config,match", [
-    ({"flops_profiler": {"enabled": True}},
-     r"flops_profiler: a DeepSpeed key zero does not support \(not built yet"),
+    ({"comms_logger": {"enabled": True}},
+     r"comms_logger: a DeepSpeed key zero does not support \(not built yet"),
     ({"amp": {"enabled": True}}, r"amp: a DeepSpeed key zero does not support \(NVIDIA apex"),
     ({"sparse_gradients": True}, "sparse_gradients: a DeepSpeed key zero does not support"),
     ({"trian_batch_size": 8}, r"trian_batch_size: not a DeepSpeed key \(a typo of "

@@ -97,3 +97,33 @@ def test_a_disabled_monitor_writes_nothing_and_bad_blocks_are_named(tmp_path):
         zero.Config(monitor={"csv_monitor": {"enabled": True, "outpt_path": "x"}})
     with pytest.raises(ValueError, match="'comet' is not a monitor zero writes"):
         zero.Config(monitor={"comet": {"enabled": True}})
+
+
+def test_the_flops_profiler_counts_one_step(tmp_path):
+    """The FLOPs of the profiled step's forwards and backwards, against
+    torch's own counter over the same work on a plain copy: the engine's
+    count is the same (its hooks add no matrix products)."""
+    from torch.utils.flop_counter import FlopCounterMode
+    report = tmp_path / "flops.txt"
+    config = ds_config(tmp_path, flops_profiler={"enabled": True, "profile_step": 2,
+                                                 "module_depth": -1, "top_modules": 1,
+                                                 "detailed": True,
+                                                 "output_file": str(report)})
+    torch.manual_seed(0)
+    model = Net()
+    engine = zero.initialize(model, config=config)
+    data = batches("cpu", 6)
+    for tokens, targets in data:
+        engine.backward(loss_of(engine(tokens), targets))
+        engine.step()
+    profiler = engine._monitor.profiler
+    engine.close()
+    torch.manual_seed(0)
+    plain = Net()
+    with FlopCounterMode(display=False) as counter:
+        for tokens, targets in data[2:4]:  # update 2's two micro-batches
+            loss_of(plain(tokens), targets).backward()
+    assert profiler.done and profiler.report["flops"] == counter.get_total_flops() > 0
+    text = report.read_text()
+    assert "zero flops profiler: update 2" in text and "GFLOP/s" in text
+    assert "body" in text  # the modules' breakdown

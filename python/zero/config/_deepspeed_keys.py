@@ -11,8 +11,6 @@ import warnings
 # DeepSpeed keys (dotted) zero refuses when enabled or set, with the reason
 UNSUPPORTED = {
     "comet": "zero writes the tensorboard, csv_monitor and wandb monitors only",
-    "flops_profiler": "not built yet; torch.utils.flop_counter.FlopCounterMode counts a "
-                      "step's FLOPs",
     "comms_logger": "not built yet; engine.comm_summary() gives each step's collectives",
     "memory_breakdown": "not built yet; engine.memory_summary() gives the model states",
     "amp": "NVIDIA apex AMP is not supported; use bf16 or fp16",
@@ -88,7 +86,7 @@ def refusal(keys: list, known: list) -> ValueError:
                       ". docs/deepspeed.md lists the keys zero reads, ignores and refuses")
 
 
-MONITORS = ("tensorboard", "csv_monitor", "wandb")
+MONITORS = ("tensorboard", "csv_monitor", "wandb", "flops_profiler")
 
 
 def check_monitor(monitor) -> dict:
@@ -105,8 +103,10 @@ def check_monitor(monitor) -> dict:
                              f"{', '.join(MONITORS)}")
         if not isinstance(block, dict):
             raise ValueError(f"monitor.{kind} must be an object, got {block!r}")
-        known = {"enabled", "output_path", "job_name"} if kind != "wandb" else \
-            {"enabled", "group", "team", "project"}
+        known = {"wandb": {"enabled", "group", "team", "project"},
+                 "flops_profiler": {"enabled", "profile_step", "module_depth", "top_modules",
+                                    "detailed", "output_file", "recompute_fwd_factor"},
+                 }.get(kind, {"enabled", "output_path", "job_name"})
         unknown = set(block) - known
         if unknown:
             raise ValueError(f"{kind}: unknown key(s) {sorted(unknown)}; it takes "

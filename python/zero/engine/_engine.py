@@ -271,6 +271,8 @@ class Engine(DeepSpeedQueries, EngineReports, nn.Module):
             x.is_floating_point() else x  # noqa: E731
         args = tuple(cast(a) for a in args)
         kwargs = {k: cast(v) for k, v in kwargs.items()}
+        if self._monitor is not None:  # the flops profiler starts with a step's first forward
+            self._monitor.before_forward(self)
         return self.module(*args, **kwargs)
 
     @property

@@ -1,6 +1,6 @@
 """DeepSpeed's monitors on zero's engine: the config's `tensorboard`,
-`csv_monitor` and `wandb` blocks (zero.initialize(monitor=...) takes the
-same blocks).
+`csv_monitor` and `wandb` blocks, and its `flops_profiler`
+(zero.initialize(monitor=...) takes the same blocks).
 
 [Note: monitor events] As DeepSpeed's engine writes them, on the global
 rank 0 only, at each accumulation boundary, with the global samples so far
@@ -24,9 +24,17 @@ class Monitor:
         """blocks: check_monitor's dict; writers are opened on rank 0 only
         (the caller's choice: it builds a Monitor there)."""
         self.writers = []
+        self.profiler = None
         for kind, block in blocks.items():
-            self.writers.append(_WRITERS[kind](block))
+            if kind == "flops_profiler":
+                self.profiler = FlopsProfiler(block)
+            else:
+                self.writers.append(_WRITERS[kind](block))
         self.losses = []
+
+    def before_forward(self, engine):
+        if self.profiler is not None:
+            self.profiler.start_if_due(engine)
 
     def record_loss(self, loss):
         self.losses.append(loss.detach().float().mean())
@@ -44,6 +52,8 @@ class Monitor:
             events.append(("Train/Samples/loss_scale", float(engine.loss_scale), step))
         for writer in self.writers:
             writer.write(events)
+        if self.profiler is not None:
+            self.profiler.stop_if_running(engine)
 
     def close(self):
         for writer in self.writers:
@@ -120,3 +130,63 @@ class _Wandb:
 
 
 _WRITERS = {"tensorboard": _Tensorboard, "csv_monitor": _Csv, "wandb": _Wandb}
+
+
+class FlopsProfiler:
+    """DeepSpeed's flops_profiler block: the FLOPs of one training step
+    (every forward and backward of the boundary's micro-batches counted by
+    torch.utils.flop_counter; the optimizer's elementwise update is not a
+    matrix product and is left out, as DeepSpeed leaves it), the time of
+    that step from its first forward to the end of its update, and the
+    achieved FLOP/s, printed with the modules' breakdown down to
+    module_depth (-1: all), or written to output_file."""
+
+    def __init__(self, block):
+        self.profile_step = int(block.get("profile_step", 1))
+        depth = int(block.get("module_depth", -1))
+        self.depth = 999 if depth < 0 else depth
+        self.detailed = bool(block.get("detailed", True))
+        self.output_file = block.get("output_file")
+        self.mode = None
+        self.start = None
+        self.done = False
+        self.report = None
+
+    def start_if_due(self, engine):
+        # the update counted next is global_steps + 1
+        if self.done or self.mode is not None or engine.global_steps + 1 != self.profile_step:
+            return
+        import time
+        from torch.utils.flop_counter import FlopCounterMode
+        self.mode = FlopCounterMode(depth=self.depth, display=False)
+        self.mode.__enter__()
+        self.start = time.perf_counter()
+
+    def stop_if_running(self, engine):
+        if self.mode is None:
+            return
+        import time
+        seconds = time.perf_counter() - self.start
+        self.mode.__exit__(None, None, None)
+        total = self.mode.get_total_flops()
+        lines = [f"zero flops profiler: update {engine.global_steps}",
+                 f"  model parameters: {sum(p.numel() for p in engine.module.parameters()):,}"
+                 " (this rank's view)",
+                 f"  forward and backward FLOPs of the step: {total:,}",
+                 f"  step time (first forward to update): {seconds * 1e3:.2f} ms",
+                 f"  achieved: {total / seconds / 1e9:.2f} GFLOP/s"]
+        if self.detailed:  # each module's FLOPs (its submodules' included), as counted
+            counts = self.mode.get_flop_counts()
+            for name in sorted(counts, key=lambda n: (n != "Global", n)):
+                ops = counts[name]
+                flops = sum(ops.values())
+                if flops and name.count(".") <= self.depth:
+                    share = flops / total if total else 0.0
+                    lines.append(f"    {name:<40} {flops:>16,} {share:>7.1%}")
+        self.report = {"flops": total, "seconds": seconds, "text": "\n".join(lines)}
+        if self.output_file:
+            with open(self.output_file, "w") as f:
+                f.write(self.report["text"] + "\n")
+        else:
+            print(self.report["text"], flush=True)
+        self.mode, self.done = None, True
