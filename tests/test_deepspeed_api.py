@@ -263,6 +263,30 @@ def test_a_refused_key_says_whether_it_is_deepspeeds(config, match):
         zero.Config.from_deepspeed(config)
 
 
+def test_blocks_with_every_feature_off_are_accepted():
+    """What DeepSpeed configs (HuggingFace's templates, DeepSpeedExamples)
+    often carry with nothing turned on."""
+    cfg = zero.Config.from_deepspeed({
+        "activation_checkpointing": {"partition_activations": False, "cpu_checkpointing": False,
+                                     "contiguous_memory_optimization": False,
+                                     "number_checkpoints": None,
+                                     "synchronize_checkpoint_boundary": False,
+                                     "profile": False},
+        "checkpoint": {"tag_validation": "Warn", "load_universal": False,
+                       "use_node_local_storage": False},
+        "communication_data_type": None, "sparse_gradients": False,
+        "memory_breakdown": False, "zero_optimization": {"stage": 2}})
+    assert cfg.stage == 2
+    for turned_on, match in (
+            ({"activation_checkpointing": {"partition_activations": True}},
+             "activation_checkpointing: a DeepSpeed key zero does not support"),
+            ({"checkpoint": {"load_universal": True}}, "universal checkpoints"),
+            ({"communication_data_type": "fp32"}, "communication_data_type"),
+            ({"memory_breakdown": True}, "memory_breakdown")):
+        with pytest.raises(ValueError, match=match):
+            zero.Config.from_deepspeed(turned_on)
+
+
 def test_cpu_offload_is_read_as_deepspeed_reads_it():
     with pytest.warns(DeprecationWarning, match="cpu_offload is deprecated"):
         cfg = zero.Config.from_deepspeed({"zero_optimization": {"stage": 2,

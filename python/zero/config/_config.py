@@ -13,7 +13,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any, Optional
 
 from zero.config._deepspeed_keys import (MONITORS, check_aio, check_monitor, drop_disabled,
-                                         refusal, take_cpu_offload)
+                                         drop_inert, refusal, take_cpu_offload)
 
 PRECISIONS = ("fp32", "bf16", "fp16")
 
@@ -511,7 +511,7 @@ def _translate(ds: dict) -> dict:
         raise ValueError(f"zero_optimization must be an object, got {zero_block!r}")
     fp16, bf16 = top.pop("fp16", None) or {}, top.pop("bf16", None) or {}
     # a block whose "enabled" is false runs nothing: accepted whatever it holds
-    top = drop_disabled(top, _enabled_or_kept)
+    top = drop_inert(drop_disabled(top, _enabled_or_kept))
     zero_block = take_cpu_offload(zero_block)
     monitor = {kind: top.pop(kind) for kind in MONITORS if kind in top}  # enabled ones
     top = _drop_auto(top, "")

@@ -14,11 +14,12 @@ UNSUPPORTED = {
     "comms_logger": "not built yet; engine.comm_summary() gives each step's collectives",
     "memory_breakdown": "not built yet; engine.memory_summary() gives the model states",
     "amp": "NVIDIA apex AMP is not supported; use bf16 or fp16",
-    "activation_checkpointing": "its partitioning and CPU checkpointing are not supported; "
-                                "use deepspeed.checkpointing.checkpoint (zero.deepspeed's) or "
+    "activation_checkpointing": "partition_activations, cpu_checkpointing and "
+                                "contiguous_memory_optimization are not supported; use "
+                                "deepspeed.checkpointing.checkpoint (zero.deepspeed's) or "
                                 "torch.utils.checkpoint",
-    "checkpoint": "DeepSpeed's checkpoint options (tag validation, universal checkpoints) "
-                  "do not apply: zero's checkpoints load at any world size and stage",
+    "checkpoint": "universal checkpoints and node-local storage are not needed: zero's "
+                  "checkpoints load at any world size and stage",
     "communication_data_type": "gradients are reduced in the compute dtype (or "
                                "data_types.grad_accum_dtype's)",
     "sparse_gradients": "sparse gradients are not supported: zero reduces dense ones",
@@ -47,6 +48,31 @@ def drop_disabled(block: dict, enabled) -> dict:
     function reading an "enabled" value as DeepSpeed does)."""
     return {k: v for k, v in block.items()
             if not (isinstance(v, dict) and "enabled" in v and not enabled(v, k))}
+
+
+# blocks and keys that DeepSpeed configs often carry with every feature
+# off: dropped when they are (a feature turned on is refused by name)
+_INERT = {
+    "activation_checkpointing": lambda b: isinstance(b, dict) and not any(
+        b.get(k) for k in ("partition_activations", "cpu_checkpointing",
+                           "contiguous_memory_optimization")),
+    "checkpoint": lambda b: isinstance(b, dict) and not b.get("load_universal") and
+    not b.get("use_node_local_storage"),
+    "communication_data_type": lambda v: v is None,
+    "sparse_gradients": lambda v: v is False,
+    "memory_breakdown": lambda v: v is False,
+}
+
+
+def drop_inert(block: dict) -> dict:
+    """block without the settings that turn nothing on: an
+    activation_checkpointing block with partitioning, CPU checkpointing and
+    contiguous memory off (torch's checkpoint needs none of its other
+    knobs), a checkpoint block without universal checkpoints or node-local
+    storage (tag_validation, parallel_write: zero's checkpoints check and
+    write their own way), communication_data_type null, sparse_gradients
+    and memory_breakdown false."""
+    return {k: v for k, v in block.items() if not (k in _INERT and _INERT[k](v))}
 
 
 def take_cpu_offload(zero_block: dict) -> dict:
