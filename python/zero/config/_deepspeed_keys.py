@@ -142,8 +142,6 @@ def check_monitor(monitor) -> dict:
     return out
 
 
-
-
 # DeepSpeed's aio block: what zero's disk engine takes, and what it accepts
 # without effect (its engine has one submission path and its own threads)
 AIO_TAKEN = ("block_size", "queue_depth")

@@ -82,6 +82,8 @@ def estimate_memory(model: nn.Module, world_size: int = 1, *, optimizer=None, st
     grads_on_host = shard_on_host and staged
     # [Note: delayed update] in step/_delayed.py
     delayed = cfg.offload_optimizer.delayed_update
+    own_master = _flat_group.has_own_master(cfg.precision == "fp32", staged, shard_on_host,
+                                            delayed)
     if optimizer is None:
         optimizer = default_optimizer(cfg, model)
     spec = spec_for(optimizer)
@@ -93,7 +95,6 @@ def estimate_memory(model: nn.Module, world_size: int = 1, *, optimizer=None, st
         if policy.partitions_params else None
     pb = DTYPES[cfg.precision].itemsize
     gb = DTYPES[cfg.grad_accum_dtype or cfg.precision].itemsize
-    fp32 = cfg.precision == "fp32"
     totals = {"params": 0, "grads": 0, "optimizer_states": 0, "offloaded": 0, "host": 0,
               "persistent": 0, "params_offloaded": 0}
     shapes = []  # (Ψ of the group, its number of states), for the formula
@@ -112,8 +113,6 @@ def estimate_memory(model: nn.Module, world_size: int = 1, *, optimizer=None, st
         totals["params_offloaded"] += params_offloaded
         grads = (part if policy.partitions_grads else units[0].total) * gb
         totals["host" if grads_on_host else "grads"] += grads
-        # the master is the parameters only in fp32 on one device
-        own_master = not fp32 or staged or shard_on_host or delayed
         kept, offloaded = _optimizer_bytes(part, states + own_master, cfg)
         totals["offloaded"] += offloaded
         if delayed:  # the update's copies of the gradients and parameters
@@ -138,8 +137,7 @@ def estimate_memory(model: nn.Module, world_size: int = 1, *, optimizer=None, st
     totals["buckets"] = None if policy.reduces_in_backward else 0
     totals["model_states"] = totals["params"] + totals["grads"] + totals["optimizer_states"]
     formula, expected = zero_formula(cfg.stage, world_size, pb, gb,
-                                     not fp32 or staged or shard_on_host or delayed, shapes,
-                                     totals,
+                                     own_master, shapes, totals,
                                      staged=staged, shard_on_host=shard_on_host,
                                      grads_on_host=grads_on_host)
     return MemorySummary(totals, formula=formula, formula_bytes=expected,

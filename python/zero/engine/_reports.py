@@ -46,9 +46,7 @@ class EngineReports:
         return zero_formula(
             self.stage, self._comm.world, self.compute_dtype.itemsize,
             self.groups[0].grad_part.element_size(),  # grad_accum_dtype's
-            # a master of its own
-            self.compute_dtype != torch.float32 or self._staged or self._copier is not None or
-            self._delayed is not None,
+            any(fg.master is not fg.shard for fg in self.groups),  # a master of its own
             [(fg.numel, len(fg.states)) for fg in self.groups], totals, staged=self._staged,
             shard_on_host=self.groups[0].shard_on_host,
             grads_on_host=self.groups[0].grads_on_host)

@@ -44,6 +44,12 @@ def params_off_device(device: torch.device, offload_param) -> bool:
     return device.type != "cpu" and offload_param.device in ("cpu", "nvme")
 
 
+def host_buffer(numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A host buffer for a model on `device`: page-locked for a GPU (its
+    copies then run at bus speed and off the host's critical path)."""
+    return torch.empty(numel, dtype=dtype, pin_memory=device.type == "cuda")
+
+
 class ShardCopier:
     """Copies this rank's chunks of a host shard to the device ahead of
     their gathers, on a stream of its own."""
@@ -52,10 +58,6 @@ class ShardCopier:
         self.device = device
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self.bytes_copied = 0  # host to device since the last take_bytes()
-
-    def host_tensor(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
-        """A host buffer for a shard or a partition, page-locked for a GPU."""
-        return torch.empty(numel, dtype=dtype, pin_memory=self.device.type == "cuda")
 
     def to_device(self, host_chunk: torch.Tensor) -> torch.Tensor:
         """A copy of host_chunk on the device, ordered before whatever the

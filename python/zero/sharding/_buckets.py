@@ -71,8 +71,8 @@ class BucketReducer:
         # not hold back every bucket after it until the end of backward.
         self.expected = bytearray(b"\x01" * len(self.fg.params))
         self.never_expected = ()  # see never_expect
-        self.reset_buckets()
         self.in_flight = []
+        self.reset_buckets()
         self.peak_bucket_bytes = 0
 
     def never_expect(self, indices):
@@ -102,7 +102,7 @@ class BucketReducer:
                              else None for u in self.fg.units]
         self.staging = [None] * len(self.buckets)
         # what is still in flight (none but after an abandoned backward)
-        self.live_elements = sum(f[1].numel() for f in getattr(self, "in_flight", ()))
+        self.live_elements = sum(f[1].numel() for f in self.in_flight)
         self.next_bucket = 0
         self.fired = bytearray(len(self.fg.params))  # got a gradient this backward
         self.late = {}  # bucket -> gradients that came after it was launched

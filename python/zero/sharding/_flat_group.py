@@ -31,6 +31,7 @@ import torch
 import zero._C as _C
 from zero.sharding._partitioned_init import take_values
 from zero.offload._mapped import release_freed_memory
+from zero.offload._param_staging import host_buffer
 from zero.sharding._buckets import BucketReducer
 from zero.sharding._units import Unit, lay_out
 
@@ -132,7 +133,7 @@ class FlatGroup:
             self.grad_flat = None
             grad_dtype = grad_dtype or compute_dtype
             if self.grads_on_host:
-                self.grad_part = copier.host_tensor(self.part_size, grad_dtype).zero_()
+                self.grad_part = host_buffer(self.part_size, grad_dtype, device).zero_()
             else:
                 self.grad_part = torch.zeros(self.part_size, dtype=grad_dtype, device=device)
             self.reducer = BucketReducer(self, bucket_elements)
@@ -142,10 +143,8 @@ class FlatGroup:
             # whole partitions instead of a staged step's windows: the
             # update of one step runs while the next backward refills the
             # gradients and the model computes with the parameters
-            self.delayed_grad = copier_or_pinned(copier, device, self.part_size,
-                                                 self.grad_part.dtype)
-            self.delayed_params = copier_or_pinned(copier, device, self.part_size,
-                                                   compute_dtype)
+            self.delayed_grad = host_buffer(self.part_size, self.grad_part.dtype, device)
+            self.delayed_params = host_buffer(self.part_size, compute_dtype, device)
         if self.staged:
             # page-locked windows the step stages a chunk of the gradients
             # in and of the rounded parameters out through; chunk-sized, so
@@ -167,11 +166,10 @@ class FlatGroup:
         itself plus one unit in fp32."""
         fp32 = compute_dtype == torch.float32
         releasing = self.policy.partitions_params
-        # the master is the parameters themselves only in fp32 with both on
-        # one device; an offloaded master is written straight into its
-        # file, so RAM never holds a second copy of this rank's partition
-        # (a delayed update writes the master while the model computes)
-        own_master = not fp32 or self.staged or self.shard_on_host or self.delayed is not None
+        # an offloaded master is written straight into its file, so RAM
+        # never holds a second copy of this rank's partition
+        own_master = has_own_master(fp32, self.staged, self.shard_on_host,
+                                    self.delayed is not None)
         master_file = None
         if self.offload is not None and own_master:
             master_file = self.offload.create("master", self.part_size)
@@ -179,7 +177,7 @@ class FlatGroup:
             if self.param_files is not None:
                 self.shard = self.param_files.create("shard", self.part_size, dtype=compute_dtype)
             elif self.shard_on_host:
-                self.shard = self.copier.host_tensor(self.part_size, compute_dtype)
+                self.shard = host_buffer(self.part_size, compute_dtype, self.device)
             else:
                 self.shard = torch.empty(self.part_size, dtype=compute_dtype, device=self.device)
             self.master = None
@@ -281,10 +279,7 @@ class FlatGroup:
         or host step writes them there itself)."""
         if not self.shard_on_host or self.staged or not self.trainable:
             return
-        for lo in range(0, self.part_size, STAGING_CHUNK):
-            hi = min(lo + STAGING_CHUNK, self.part_size)
-            self.shard[lo:hi].copy_(self.master[lo:hi])
-            self.drop_param_pages(slice(lo, hi))
+        self._copy_into_shard(self.master)
 
     def hand_grads_to_delayed(self):
         """A delayed update's gradients ([Note: delayed update] in
@@ -309,9 +304,14 @@ class FlatGroup:
                 self.tensors["copy_out"] = self.shard
                 self._register("copy_out", self.shard)
             return
+        self._copy_into_shard(self.delayed_params)
+
+    def _copy_into_shard(self, source):
+        """shard = source (cast to the compute dtype, across devices), a
+        chunk at a time, each chunk's pages dropped for a shard on a disk."""
         for lo in range(0, self.part_size, STAGING_CHUNK):
             hi = min(lo + STAGING_CHUNK, self.part_size)
-            self.shard[lo:hi].copy_(self.delayed_params[lo:hi])
+            self.shard[lo:hi].copy_(source[lo:hi])
             self.drop_param_pages(slice(lo, hi))
 
     def check_shard_writable(self):
@@ -345,10 +345,8 @@ class FlatGroup:
             self.param_files.drop("shard", max(0, span.start - margin), span.stop + margin)
 
     def _host_buffer(self, dtype):
-        """STAGING_SLOTS staging windows end to end, page-locked for a GPU
-        (copies at bus speed, and off the host's critical path)."""
-        return torch.empty(STAGING_SLOTS * self.staging_chunk, dtype=dtype,
-                           pin_memory=self.device.type == "cuda")
+        """STAGING_SLOTS staging windows end to end."""
+        return host_buffer(STAGING_SLOTS * self.staging_chunk, dtype, self.device)
 
     def _register(self, name, tensor):
         if self.device.type == "cpu":
@@ -534,16 +532,18 @@ class FlatGroup:
 
 
 
+def has_own_master(fp32: bool, staged: bool, shard_on_host: bool, delayed: bool) -> bool:
+    """Whether a group's fp32 master is a tensor apart from its parameters:
+    they are the master only in fp32, on one device (not staged: states on
+    the host; not shard_on_host: the shard on the host), and not written
+    while the model computes (delayed: a delayed update writes the master
+    on its thread). FlatGroup and estimate_memory both follow this."""
+    return not fp32 or staged or shard_on_host or delayed
+
+
 def _same_kind(a, b) -> bool:
     """Whether two buffers can trade places: same device, dtype and size."""
     return a.device == b.device and a.dtype == b.dtype and a.shape == b.shape
-
-
-def copier_or_pinned(copier, device, numel, dtype):
-    """A host buffer, page-locked for a GPU model."""
-    if copier is not None:
-        return copier.host_tensor(numel, dtype)
-    return torch.empty(numel, dtype=dtype, pin_memory=device.type == "cuda")
 
 
 def gather_in_slices(comm, out, mine, n, slice_elements):

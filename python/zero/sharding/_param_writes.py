@@ -105,7 +105,7 @@ def take_in_parameter_writes(groups, call: str, refusal: Exception | None = None
     # an update computed on another thread ([Note: delayed update] in
     # step/_delayed.py) lands here, once every rank is here
     delayed = [d for d in {id(fg.delayed): fg.delayed for fg in groups
-                           if getattr(fg, "delayed", None) is not None}.values() if d.pending]
+                           if fg.delayed is not None}.values() if d.pending]
     for d in delayed:
         failure = d.wait()
         problem = problem or failure

@@ -489,7 +489,7 @@ class Stage3Schedule(SavedParameters):
                     "parameters that stage 3 releases. Use stage 2, or compute the penalty "
                     "without differentiating the gradients.")
             self.begin_backward()
-            for unit in self.release_with.pop(key, ()) if key is not None else ():
+            for unit in self.release_with.pop(key, ()):
                 self.release(unit)  # the next module's frozen units: its backward is over
             self._advance(index)
             module = self.modules[index]

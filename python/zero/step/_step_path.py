@@ -70,6 +70,27 @@ def chunk_buffers(fg, lo, hi, windows):
     return buffers
 
 
+def chunk_ranges(fg, chunk: int) -> list:
+    """The (lo, hi) chunks a chunked update walks: the states' files' own
+    chunks where they are in files, else `chunk` elements at a time."""
+    if fg.offload is not None and fg.offload.maps:
+        return fg.offload.chunks(fg.part_size)
+    chunk = max(1, chunk)
+    return [(lo, min(lo + chunk, fg.part_size)) for lo in range(0, fg.part_size, chunk)]
+
+
+def run_in_chunks(fg, ranges, update_chunk):
+    """update_chunk(lo, hi, windows) over chunk_ranges' chunks: through the
+    files' RAM windows, the next chunk read and the last written while one
+    is updated ([Note: offloaded step] in _nvme.py), or over the group's
+    own tensors (windows empty)."""
+    if fg.offload is not None and fg.offload.maps:
+        fg.offload.paged_update(fg.part_size, update_chunk)
+    else:
+        for lo, hi in ranges:
+            update_chunk(lo, hi, {})
+
+
 def update_delayed(spec, optimizer, group, fg, grad_scale, step_count):
     """The update of a delayed step ([Note: delayed update] in
     _delayed.py), on its thread: host memory only, from the gradient copy
@@ -79,10 +100,7 @@ def update_delayed(spec, optimizer, group, fg, grad_scale, step_count):
         buffers = chunk_buffers(fg, lo, hi, {**windows, "grad": fg.delayed_grad[lo:hi],
                                              "copy_out": fg.delayed_params[lo:hi]})
         run_update(spec, optimizer, group, buffers, step_count, grad_scale, spec.host)
-    if fg.offload is not None and fg.offload.maps:
-        fg.offload.paged_update(fg.part_size, update_chunk)
-    else:
-        update_chunk(0, fg.part_size, {})
+    run_in_chunks(fg, chunk_ranges(fg, fg.part_size), update_chunk)
 
 
 class HostStep:
@@ -104,14 +122,10 @@ class HostStep:
             # the new parameters went through the shard's mapping: a shard
             # on a disk keeps only this chunk resident
             fg.drop_param_pages(slice(lo, hi))
-        if fg.offload is not None and fg.offload.maps:
-            # states in files: chunk by chunk through RAM windows, the next
-            # chunk read and the last written while this one is updated
-            # ([Note: offloaded step] in _nvme.py)
-            fg.offload.paged_update(fg.part_size, update_chunk)
-        elif fg.param_files is not None:
-            for lo in range(0, fg.part_size, fg.param_files.chunk):
-                update_chunk(lo, min(lo + fg.param_files.chunk, fg.part_size), {})
+        if (fg.offload is not None and fg.offload.maps) or fg.param_files is not None:
+            # states or the shard in files: chunk by chunk
+            chunk = fg.param_files.chunk if fg.param_files is not None else fg.part_size
+            run_in_chunks(fg, chunk_ranges(fg, chunk), update_chunk)
         else:  # all in memory: one call over the registered buffers
             run_update(spec, optimizer, group, fg.current_buffers(), fg.step_count,
                        grad_scale, spec.host)
@@ -144,11 +158,7 @@ class StagedHostStep:
         return self._norm.squared_norm(groups, comm, across_ranks)
 
     def update(self, spec, optimizer, group, fg, grad_scale):
-        if fg.offload is not None and fg.offload.maps:
-            ranges = fg.offload.chunks(fg.part_size)
-        else:
-            step = fg.staging_chunk
-            ranges = [(lo, min(lo + step, fg.part_size)) for lo in range(0, fg.part_size, step)]
+        ranges = chunk_ranges(fg, fg.staging_chunk)
         # [Note: pipelined staged step] in _staged_copies.py
         copies = StagedCopies(fg, ranges)
         index = {lo: i for i, (lo, _hi) in enumerate(ranges)}
@@ -165,11 +175,7 @@ class StagedHostStep:
                        fg.step_count, grad_scale, spec.host)
             copies.send(i, out)
         try:
-            if fg.offload is not None and fg.offload.maps:
-                fg.offload.paged_update(fg.part_size, update_chunk)
-            else:
-                for lo, hi in ranges:
-                    update_chunk(lo, hi, {})
+            run_in_chunks(fg, ranges, update_chunk)
         finally:
             copies.finish()
 
