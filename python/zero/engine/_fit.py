@@ -9,7 +9,9 @@ with `headroom`.
 """
 from __future__ import annotations
 
+from zero.engine._engine import DTYPES
 from zero.engine._estimate import estimate_memory
+from zero.engine._initialize import resolve_config
 from zero.sharding._buckets import MAX_IN_FLIGHT
 
 # the settings tried, in the order they cost speed: more offloaded means
@@ -72,14 +74,22 @@ def settings_that_fit(model, world_size: int = 1, *, device_memory, host_memory,
         raise ValueError(f"local_ranks must be an integer >= 1, got {local_ranks!r}")
     on_gpu = str(device).startswith("cuda")
     usable = 1.0 - headroom
+    # the settings the rule for a run's bytes reads (estimate_memory takes
+    # optimizer and mesh besides the Config's fields)
+    cfg = resolve_config(None, None, options.get("precision"),
+                         {k: v for k, v in options.items()
+                          if k not in ("optimizer", "mesh", "precision")})
+    numel = sum(p.numel() for p in model.parameters())
+    largest = max((sum(p.numel() for p in m.parameters(recurse=False))
+                   for m in model.modules()), default=0)
     table = FitTable()
     for optimizer_place, param_place, stages in _OFFLOADS:
         for stage in stages:
             summary = estimate_memory(
                 model, world_size, stage=stage, device=device,
-                offload_optimizer=_block(optimizer_place, "offload_optimizer"),
-                offload_param=_block(param_place, "offload_param"), **options)
-            run = _run_bytes(model, summary, stage, options)
+                offload_optimizer=_block(optimizer_place),
+                offload_param=_block(param_place), **options)
+            run = _run_bytes(stage, cfg, numel, largest)
             on_device = summary["params"] + summary["grads"] + \
                 summary["optimizer_states"] + summary["frozen_params"] + run
             host = summary["host"]
@@ -95,36 +105,26 @@ def settings_that_fit(model, world_size: int = 1, *, device_memory, host_memory,
     return table
 
 
-def _block(place, name):
+def _block(place):
     if place == "none":
         return {"device": "none"}
     return {"device": place, "nvme_path": _PLACEHOLDER_PATH} if place == "nvme" \
         else {"device": place}
 
 
-def _run_bytes(model, summary, stage, options):
+def _run_bytes(stage, cfg, numel, largest):
     """What estimate_memory leaves to a run, by rule: the gradient buckets
     of stages 2-3 (MAX_IN_FLIGHT in flight plus the one filling, each
     reduce_bucket_size elements at most, in the compute dtype), and stage
     3's gathered units (stage3_prefetch_bucket_size elements ahead of the
-    running unit, counted as that many more elements, at most
-    stage3_max_live_parameters)."""
-    from zero.config._config import (DEFAULT_BUCKET_ELEMENTS, DEFAULT_MAX_LIVE_ELEMENTS,
-                                     DEFAULT_PREFETCH_ELEMENTS)
-    item = _compute_itemsize(options)
-    numel = sum(p.numel() for p in model.parameters())
+    running unit, the largest module's own parameters, counted as that many
+    more elements, at most stage3_max_live_parameters). numel: the
+    model's parameters."""
+    item = DTYPES[cfg.precision].itemsize
     extra = 0
     if stage >= 2:
-        bucket = options.get("reduce_bucket_size", DEFAULT_BUCKET_ELEMENTS)
-        extra += min(numel, (MAX_IN_FLIGHT + 1) * int(bucket)) * item
+        extra += min(numel, (MAX_IN_FLIGHT + 1) * cfg.reduce_bucket_size) * item
     if stage == 3:
-        largest = max((sum(p.numel() for p in m.parameters(recurse=False))
-                       for m in model.modules()), default=0)
-        ahead = options.get("stage3_prefetch_bucket_size", DEFAULT_PREFETCH_ELEMENTS)
-        live = options.get("stage3_max_live_parameters", DEFAULT_MAX_LIVE_ELEMENTS)
-        extra += min(numel, int(live), largest + int(ahead)) * item
+        extra += min(numel, cfg.stage3_max_live_parameters,
+                     largest + cfg.stage3_prefetch_bucket_size) * item
     return extra
-
-
-def _compute_itemsize(options):
-    return {"fp32": 4, "bf16": 2, "fp16": 2}[options.get("precision", "fp32")]
