@@ -52,6 +52,43 @@ def no_launcher(monkeypatch):
         monkeypatch.delenv(var, raising=False)
 
 
+def apart_on_the_cpu(_device, offload):
+    """The placement rule the offload tests put in place of the real one
+    (zero.step._step_path.states_off_device, zero.offload._param_staging.
+    params_off_device): states or a shard offloaded to "cpu" or "nvme" are
+    kept apart from a CPU model as from a GPU model's, so the copies a GPU
+    model's engine makes run between separate buffers on the CPU."""
+    return offload.device in ("cpu", "nvme")
+
+
+_REAL_PLACEMENT = {}
+
+
+def place_apart(params: bool, states: bool):
+    """In a worker process (no monkeypatch there): apart_on_the_cpu for the
+    parameter shard and/or the states, the real rule for the other; the
+    real rules are kept from the first call, so runs can alternate."""
+    import zero.offload._param_staging as param_staging
+    import zero.step._step_path as step_path
+    real_params = _REAL_PLACEMENT.setdefault("params", param_staging.params_off_device)
+    real_states = _REAL_PLACEMENT.setdefault("states", step_path.states_off_device)
+    param_staging.params_off_device = apart_on_the_cpu if params else real_params
+    step_path.states_off_device = apart_on_the_cpu if states else real_states
+
+
+def offload_options(directory, params=None, states=None, chunk_elements=1024):
+    """initialize's offload_param / offload_optimizer blocks for the
+    devices given ("cpu" or "nvme"; None leaves the block out), files under
+    `directory`."""
+    options = {}
+    if params is not None:
+        options["offload_param"] = {"device": params, "nvme_path": str(directory)}
+    if states is not None:
+        options["offload_optimizer"] = {"device": states, "nvme_path": str(directory),
+                                        "chunk_elements": chunk_elements}
+    return options
+
+
 def pair(device, seed=0):
     """The model on `device` and an identical reference copy."""
     torch.manual_seed(seed)

@@ -19,8 +19,8 @@ from torch import nn
 import zero
 import zero.step._step_path as step_path
 from conftest import max_rel_error
-from engine_cases import (ACCUMULATION, Net, batches, engine_run, loss_of, make_optimizer,
-                          no_launcher)
+from engine_cases import (ACCUMULATION, Net, apart_on_the_cpu, batches, engine_run, loss_of,
+                          make_optimizer, no_launcher)
 
 STEPS = 5
 CLIP = 0.5
@@ -30,8 +30,7 @@ REAL_STATES_OFF_DEVICE = step_path.states_off_device
 @pytest.fixture(autouse=True)
 def _staged_on_the_cpu(monkeypatch):
     no_launcher(monkeypatch)
-    monkeypatch.setattr(step_path, "states_off_device",
-                        lambda device, offload: offload.device in ("cpu", "nvme"))
+    monkeypatch.setattr(step_path, "states_off_device", apart_on_the_cpu)
 
 
 def delayed_engine(stage, optimizer="adamw", offload="cpu", tmp_path=None, **options):

@@ -18,8 +18,9 @@ import zero
 import zero.offload._param_staging as param_staging
 import zero.sharding._flat_group
 import zero.step._step_path as step_path
-from engine_cases import (Net, assert_checkpoint_chain_exact, assert_same_finish, batches,
-                          finish, loss_of, no_launcher)
+from engine_cases import (Net, apart_on_the_cpu, assert_checkpoint_chain_exact,
+                          assert_same_finish, batches, finish, loss_of, no_launcher,
+                          offload_options)
 
 STAGING_CHUNK = 512  # several chunks a partition: the write-back and the windows loop
 
@@ -27,21 +28,9 @@ STAGING_CHUNK = 512  # several chunks a partition: the write-back and the window
 @pytest.fixture(autouse=True)
 def _offloaded_on_the_cpu(monkeypatch):
     no_launcher(monkeypatch)
-    monkeypatch.setattr(param_staging, "params_off_device",
-                        lambda device, offload: offload.device in ("cpu", "nvme"))
-    monkeypatch.setattr(step_path, "states_off_device",
-                        lambda device, offload: offload.device in ("cpu", "nvme"))
+    monkeypatch.setattr(param_staging, "params_off_device", apart_on_the_cpu)
+    monkeypatch.setattr(step_path, "states_off_device", apart_on_the_cpu)
     monkeypatch.setattr(zero.sharding._flat_group, "STAGING_CHUNK", STAGING_CHUNK)
-
-
-def offload_options(tmp_path, params, states):
-    options = {}
-    if params is not None:
-        options["offload_param"] = {"device": params, "nvme_path": str(tmp_path)}
-    if states is not None:
-        options["offload_optimizer"] = {"device": states, "nvme_path": str(tmp_path),
-                                        "chunk_elements": 1024}
-    return options
 
 
 def run(precision, steps=3, accumulation=2, clip=0.5, **options):

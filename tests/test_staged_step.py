@@ -14,8 +14,9 @@ import torch
 import zero
 import zero.sharding._flat_group
 import zero.step._step_path as step_path
-from engine_cases import (Net, assert_checkpoint_chain_exact, assert_same_finish, batches,
-                          finish, loss_of, make_optimizer, no_launcher)
+from engine_cases import (Net, apart_on_the_cpu, assert_checkpoint_chain_exact,
+                          assert_same_finish, batches, finish, loss_of, make_optimizer,
+                          no_launcher)
 
 
 STAGING_CHUNK = 512  # several chunks a partition, so the windows are reused
@@ -25,8 +26,7 @@ STAGING_SLOTS = zero.sharding._flat_group.STAGING_SLOTS
 @pytest.fixture(autouse=True)
 def _staged_on_the_cpu(monkeypatch):
     no_launcher(monkeypatch)
-    monkeypatch.setattr(step_path, "states_off_device",
-                        lambda device, offload: offload.device in ("cpu", "nvme"))
+    monkeypatch.setattr(step_path, "states_off_device", apart_on_the_cpu)
     monkeypatch.setattr(zero.sharding._flat_group, "STAGING_CHUNK", STAGING_CHUNK)
 
 

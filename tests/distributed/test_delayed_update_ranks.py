@@ -11,19 +11,12 @@ import torch
 
 import harness
 
-REAL = {}
-
 
 def train(rank, world, stage, params):
     import zero
-    import zero.offload._param_staging as param_staging
-    import zero.step._step_path as step_path
-    from engine_cases import ACCUMULATION, batches, loss_of
+    from engine_cases import ACCUMULATION, batches, loss_of, place_apart
     from test_delayed_update import STEPS, delayed_engine
-    on_the_cpu = lambda device, offload: offload.device in ("cpu", "nvme")  # noqa: E731
-    REAL.setdefault("params", param_staging.params_off_device)
-    step_path.states_off_device = on_the_cpu
-    param_staging.params_off_device = on_the_cpu if params else REAL["params"]
+    place_apart(params=params, states=True)
     options = {"offload_param": {"device": "cpu"}} if params else {}
     engine = delayed_engine(stage, **options)
     for tokens, targets in batches("cpu", STEPS * ACCUMULATION):

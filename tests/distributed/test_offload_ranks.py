@@ -21,7 +21,6 @@ from engine_cases import mapped_rss
 WORLDS = [2, 3]
 STEPS = 4
 CHUNK = 1024  # the smallest chunk: every partition spans several
-REAL = {}  # a worker's real zero.step._step_path.states_off_device, kept while it is replaced
 
 
 def mlp():
@@ -38,10 +37,8 @@ def train(rank, world, stage, nvme_path, staged=False, param_path=None):
     file there (offload_param "nvme")."""
     import torch.distributed as dist
     import zero
-    import zero.step._step_path as step_path
-    real = REAL.setdefault("states_off_device", step_path.states_off_device)
-    step_path.states_off_device = \
-        (lambda device, offload: offload.device in ("cpu", "nvme")) if staged else real
+    from engine_cases import place_apart
+    place_apart(params=False, states=staged)
     model = mlp()
     options = {}
     if nvme_path is not None:

@@ -21,7 +21,6 @@ import harness
 
 WORLDS = [2, 3]
 STEPS = 3
-REAL = {}  # the worker's real placement functions, kept while replaced
 
 
 class Model(nn.Module):
@@ -39,20 +38,9 @@ class Model(nn.Module):
 
 def train(rank, world, precision, params=None, states=None):
     import zero
-    import zero.offload._param_staging as param_staging
-    import zero.step._step_path as step_path
-    real_params = REAL.setdefault("params", param_staging.params_off_device)
-    real_states = REAL.setdefault("states", step_path.states_off_device)
-    on_the_cpu = lambda device, offload: offload.device in ("cpu", "nvme")  # noqa: E731
-    param_staging.params_off_device = on_the_cpu if params else real_params
-    step_path.states_off_device = on_the_cpu if states else real_states
-    directory = tempfile.mkdtemp(prefix=f"zero-params-r{rank}-")
-    options = {}
-    if params is not None:
-        options["offload_param"] = {"device": params, "nvme_path": directory}
-    if states is not None:
-        options["offload_optimizer"] = {"device": states, "nvme_path": directory,
-                                        "chunk_elements": 1024}
+    from engine_cases import offload_options, place_apart
+    place_apart(params=params is not None, states=states is not None)
+    options = offload_options(tempfile.mkdtemp(prefix=f"zero-params-r{rank}-"), params, states)
     torch.manual_seed(0)
     model = Model()
     optimizer = torch.optim.AdamW(

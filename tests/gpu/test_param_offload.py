@@ -30,19 +30,13 @@ if SKIP_REASON:
 def placement(monkeypatch):
     engine_cases.no_launcher(monkeypatch)
     if EMULATED:
-        on_the_cpu = lambda device, offload: offload.device in ("cpu", "nvme")  # noqa: E731
-        monkeypatch.setattr(param_staging, "params_off_device", on_the_cpu)
-        monkeypatch.setattr(step_path, "states_off_device", on_the_cpu)
+        monkeypatch.setattr(param_staging, "params_off_device", engine_cases.apart_on_the_cpu)
+        monkeypatch.setattr(step_path, "states_off_device", engine_cases.apart_on_the_cpu)
         monkeypatch.setattr(zero.engine._engine, "step_path_for", lambda device: CudaStep(device))
 
 
 def run(tmp_path, precision, params=None, states=None, steps=3):
-    options = {}
-    if params is not None:
-        options["offload_param"] = {"device": params, "nvme_path": str(tmp_path)}
-    if states is not None:
-        options["offload_optimizer"] = {"device": states, "nvme_path": str(tmp_path),
-                                        "chunk_elements": 1024}
+    options = engine_cases.offload_options(tmp_path, params, states)
     torch.manual_seed(0)
     model = engine_cases.Net()  # built on the host; initialize moves it
     engine = zero.initialize(model, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-2),
