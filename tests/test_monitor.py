@@ -93,6 +93,12 @@ def test_a_disabled_monitor_writes_nothing_and_bad_blocks_are_named(tmp_path):
     train(ds_config(tmp_path, csv_monitor={"enabled": False, "output_path": str(tmp_path)}),
           steps=1)
     assert not any(tmp_path.iterdir())
+    # "enabled" read as for every DeepSpeed block: the word "true" enables
+    # it (it was dropped silently before)
+    config = ds_config(tmp_path, csv_monitor={"enabled": "true", "output_path": str(tmp_path),
+                                              "job_name": "words"})
+    train(config, steps=1)
+    assert (tmp_path / "words" / "Train_Samples_lr.csv").exists()
     with pytest.raises(ValueError, match=r"csv_monitor: unknown key\(s\) \['outpt_path'\]"):
         zero.Config(monitor={"csv_monitor": {"enabled": True, "outpt_path": "x"}})
     with pytest.raises(ValueError, match="'comet' is not a monitor zero writes"):

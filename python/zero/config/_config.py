@@ -262,7 +262,7 @@ class Config:
 
     def __post_init__(self):
         object.__setattr__(self, "timeout", _seconds(self.timeout, "timeout"))
-        object.__setattr__(self, "monitor", check_monitor(self.monitor) or None)
+        object.__setattr__(self, "monitor", check_monitor(self.monitor, _enabled) or None)
         object.__setattr__(self, "aio", check_aio(self.aio))
         leaves = self.stage3_leaf_modules
         if isinstance(leaves, (str, type)):

@@ -115,8 +115,10 @@ def refusal(keys: list, known: list) -> ValueError:
 MONITORS = ("tensorboard", "csv_monitor", "wandb", "flops_profiler")
 
 
-def check_monitor(monitor) -> dict:
-    """The monitor setting as a dict of enabled blocks, or a ValueError."""
+def check_monitor(monitor, enabled) -> dict:
+    """The monitor setting as a dict of enabled blocks, or a ValueError.
+    enabled(block, name): a block's "enabled" read as DeepSpeed reads it
+    (JSON true or false, or a word such as "true"), as for every block."""
     if monitor is None:
         return {}
     if not isinstance(monitor, dict):
@@ -137,7 +139,7 @@ def check_monitor(monitor) -> dict:
         if unknown:
             raise ValueError(f"{kind}: unknown key(s) {sorted(unknown)}; it takes "
                              f"{sorted(known)}")
-        if block.get("enabled", False) is True:
+        if enabled(block, kind):
             out[kind] = dict(block)
     return out
 
