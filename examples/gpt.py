@@ -31,20 +31,26 @@ class GPTConfig:
 class Block(nn.Module):
     def __init__(self, cfg: GPTConfig):
         super().__init__()
-        self.heads = cfg.heads
+        self.head_dim = cfg.dim // cfg.heads
         self.ln1 = nn.LayerNorm(cfg.dim)
-        self.qkv = nn.Linear(cfg.dim, 3 * cfg.dim)
+        # q, k and v apart (not one packed Linear), so a tensor-parallel
+        # plan splits each by heads (zero.parallel.parallelize_gpt)
+        self.q = nn.Linear(cfg.dim, cfg.dim)
+        self.k = nn.Linear(cfg.dim, cfg.dim)
+        self.v = nn.Linear(cfg.dim, cfg.dim)
         self.proj = nn.Linear(cfg.dim, cfg.dim)
         self.ln2 = nn.LayerNorm(cfg.dim)
         self.up = nn.Linear(cfg.dim, 4 * cfg.dim)
         self.down = nn.Linear(4 * cfg.dim, cfg.dim)
 
     def forward(self, x):
-        b, t, d = x.shape
-        q, k, v = self.qkv(self.ln1(x)).split(d, dim=2)
-        q, k, v = (z.view(b, t, self.heads, d // self.heads).transpose(1, 2) for z in (q, k, v))
+        b, t, _ = x.shape
+        h = self.ln1(x)
+        # -1 heads: under tensor parallelism a rank computes its own heads
+        q, k, v = (z(h).view(b, t, -1, self.head_dim).transpose(1, 2)
+                   for z in (self.q, self.k, self.v))
         att = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        x = x + self.proj(att.transpose(1, 2).reshape(b, t, d))
+        x = x + self.proj(att.transpose(1, 2).reshape(b, t, -1))
         return x + self.down(F.gelu(self.up(self.ln2(x))))
 
 

@@ -16,6 +16,7 @@ bf16 training is compared with the same mixed precision written in torch
 (a bf16 model, fp32 masters updated by torch's AdamW), and its bf16
 parameters must be the fp32 master rounded to bf16, bit for bit.
 """
+import contextlib
 import copy
 import os
 import subprocess
@@ -50,6 +51,19 @@ def no_launcher(monkeypatch):
     in-memory group."""
     for var in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK"):
         monkeypatch.delenv(var, raising=False)
+
+
+@contextlib.contextmanager
+def user_group_of_one(monkeypatch):
+    """A default process group of one rank that the test made itself (as a
+    user's script would), with no launcher variables."""
+    import torch.distributed as dist
+    no_launcher(monkeypatch)
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
 
 
 def apart_on_the_cpu(_device, offload):

@@ -1,5 +1,6 @@
-"""zero.initialize(mesh=...) in one process: what it accepts, and what it
-refuses by name (meshes with dimensions not built yet, another type, a
+"""zero.initialize(mesh=...) in one process: what it accepts (a group, a
+1-D mesh, meshes named dp_replicate, dp_shard, tp), and what it refuses by
+name (pipeline dimensions, not built yet; other names; another type; a
 model zero.partitioned_init partitioned over the whole world).
 Training over a part of the world: tests/distributed/test_mesh_groups.py."""
 import pytest
@@ -7,15 +8,13 @@ import torch
 import torch.distributed as dist
 
 import zero
-from engine_cases import no_launcher
+from engine_cases import user_group_of_one
 
 
 @pytest.fixture(autouse=True)
 def one_process_group(monkeypatch):
-    no_launcher(monkeypatch)
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
+    with user_group_of_one(monkeypatch):
+        yield
 
 
 def _model():
@@ -43,14 +42,35 @@ def test_a_hybrid_mesh_is_taken():
     engine.close()
 
 
-@pytest.mark.parametrize("shape, names", [([[0]], ("dp_shard", "tp")),
-                                          ([[0]], ("dp_shard", "dp_replicate")),
-                                          ([[[0]]], ("pp", "dp_shard", "tp"))])
-def test_other_meshes_are_refused_by_name(shape, names):
+@pytest.mark.parametrize("names", [("dp_shard", "tp"), ("dp_shard", "dp_replicate"),
+                                   ("dp_replicate", "dp_shard", "tp"), ("tp",)])
+def test_named_meshes_are_taken(names):
+    from torch.distributed.device_mesh import DeviceMesh
+    mesh = DeviceMesh("cpu", torch.zeros([1] * len(names), dtype=torch.int64),
+                      mesh_dim_names=names)
+    engine = zero.initialize(_model(), stage=2, mesh=mesh)
+    engine.backward(engine(torch.randn(3, 4)).square().mean())
+    engine.step()
+    assert engine._comm.world == 1
+    engine.close()
+
+
+@pytest.mark.parametrize("shape, names, why", [
+    ([[[0]]], ("pp", "dp_shard", "tp"), r"pipeline parallelism \(pp\) is not built yet"),
+    ([[0]], ("dp", "tp"), "name each dimension one of dp_replicate, dp_shard, tp"),
+    ([[0]], None, "name each dimension")])
+def test_other_meshes_are_refused_by_name(shape, names, why):
     from torch.distributed.device_mesh import DeviceMesh
     mesh = DeviceMesh("cpu", shape, mesh_dim_names=names)
-    with pytest.raises(NotImplementedError, match=rf"mesh has {len(names)} dimensions "
-                                                  rf"\({', '.join(names)}\).*tp, pp"):
+    shown = ", ".join(names) if names else "unnamed"
+    with pytest.raises(NotImplementedError, match=rf"mesh has {mesh.ndim} dimensions \({shown}\).*{why}"):
+        zero.initialize(_model(), stage=2, mesh=mesh)
+
+
+def test_replicas_without_a_shard_dimension_are_refused():
+    from torch.distributed.device_mesh import DeviceMesh
+    mesh = DeviceMesh("cpu", [[0]], mesh_dim_names=("dp_replicate", "tp"))
+    with pytest.raises(ValueError, match="dp_replicate dimension without dp_shard"):
         zero.initialize(_model(), stage=2, mesh=mesh)
 
 

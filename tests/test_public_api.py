@@ -7,7 +7,7 @@ def test_top_level_names():
     assert sorted(zero.__all__) == sorted([
         "initialize", "estimate_memory", "settings_that_fit", "Engine", "Config", "LossScaling",
         "GatheredParameters",
-        "partitioned_init", "optim", "checkpoint", "cpu_info", "get_num_threads",
+        "partitioned_init", "optim", "checkpoint", "parallel", "cpu_info", "get_num_threads",
         "set_num_threads"])
     for name in zero.__all__:
         assert hasattr(zero, name)
@@ -15,6 +15,11 @@ def test_top_level_names():
 
 def test_optimizer_names():
     assert sorted(zero.optim.__all__) == ["Adagrad", "Adam", "AdamW", "Lion", "SGD"]
+
+
+def test_parallel_names():
+    assert sorted(zero.parallel.__all__) == ["gpt_plan", "llama_plan", "parallelize_gpt",
+                                             "parallelize_llama"]
 
 
 def test_checkpoint_names():

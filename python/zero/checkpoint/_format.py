@@ -51,22 +51,6 @@ def shard_file(rank: int) -> str:
     return f"zero_shard_{rank:05d}.pt"
 
 
-def owned_pieces(fg) -> list:
-    """(name, lo, hi, offset) for every stretch of a parameter in this
-    rank's partition of the flat group `fg` (its chunk of each unit; see
-    [Note: flat group layout])."""
-    pieces = []
-    for unit in fg.units:
-        chunk_lo = fg.owner * unit.part
-        chunk_hi = chunk_lo + unit.part
-        for j, (start, n) in enumerate(zip(unit.offsets, unit.numels)):
-            lo, hi = max(start, chunk_lo), min(start + n, chunk_hi)
-            if lo < hi:
-                pieces.append((fg.names[unit.members.start + j], lo - start, hi - start,
-                               unit.shard_offset + lo - chunk_lo))
-    return pieces
-
-
 def check_plain(value, where: str):
     """Refuse what torch.load(weights_only=True) could not read back,
     naming where it sits (client_state['a'][2])."""

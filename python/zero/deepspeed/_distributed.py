@@ -4,7 +4,6 @@ a one-process group when there is none (a plain `python train.py`)."""
 from __future__ import annotations
 
 import datetime
-import os
 
 import torch
 

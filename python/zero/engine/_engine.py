@@ -31,7 +31,7 @@ from zero.engine._deepspeed_queries import DeepSpeedQueries
 from zero.engine._construction import (apply_aio, broadcast_buffer, cast_module,
                                        match_param_groups, offload_files, owners_of,
                                        param_files, units_of)
-from zero.engine._handback import restore_params
+from zero.engine._handback import hand_back
 from zero.engine._reports import EngineReports
 from zero.engine._routes import (call_alive, check_optimizer_unchanged, guard_optimizer,
                                  on_each_grad)
@@ -44,15 +44,15 @@ from zero.step._loss_scaler import DynamicLossScaler
 from zero.step._registry import fresh_states, spec_for
 from zero.sharding._param_writes import (Place, bump_versions, check_parameters_in_place,
                                 record_parameters, take_in_parameter_writes)
-from zero.step._resumed_states import (describe_held, give_back_optimizer_states,
-                                  held_optimizer_states, take_in_optimizer_states)
+from zero.step._resumed_states import (describe_held, held_optimizer_states,
+                                       take_in_optimizer_states)
 from zero.sharding._backward import BackwardLifecycle
 from zero.sharding._policy import StagePolicy
 from zero.sharding._stage3 import Stage3Schedule
 from zero.sharding._unit_roots import unit_roots
 from zero.sharding._step_agreement import describe_settings
 from zero.step import _step_path
-from zero.step._clipping import clip_coefficient
+from zero.step._clipping import clip_coefficient, tensor_parallel_sumsq
 from zero.step._delayed import delayed_update_for
 from zero.step._step_path import step_path_for
 from zero.config._config import Config
@@ -68,13 +68,15 @@ class Engine(DeepSpeedQueries, EngineReports, nn.Module):
     docs/engine.md describes it all."""
 
     def __init__(self, module: nn.Module, optimizer, config: Config, comm: Comm,
-                 owns_group: bool, lr_scheduler=None):
+                 owns_group: bool, lr_scheduler=None, tensor_parallel=None):
         super().__init__()
         self.module = module
         self.optimizer = optimizer
         self.config = config
         self.lr_scheduler = lr_scheduler
         self._comm = comm
+        # a parallel/_tensor_parallel.TensorParallelLayout, or None
+        self._tensor_parallel = tensor_parallel
         self._spec = spec_for(optimizer)
         self.compute_dtype = DTYPES[config.precision]
         self.device = comm.device  # the model's; every buffer lives there
@@ -338,6 +340,9 @@ class Engine(DeepSpeedQueries, EngineReports, nn.Module):
             fg.reduce_across_replicas()
         sumsq = self.step_path.squared_norm(self.groups, self._comm,
                                             across_ranks=self.policy.partitions)
+        if self._tensor_parallel is not None:
+            sumsq = tensor_parallel_sumsq(sumsq, self.groups, self._tensor_parallel,
+                                          self._comm, self.policy.partitions)
         base = 1.0 / (self.loss_scale * self._comm.dp_world *
                       self.config.gradient_accumulation_steps)
         # a NaN gradient gives a NaN norm, as torch's clip_grad_norm_ does
@@ -524,8 +529,8 @@ class Engine(DeepSpeedQueries, EngineReports, nn.Module):
         dicts), handed back by load_checkpoint. A collective; call it after
         the boundary's step(). Returns the checkpoint's directory."""
         self._check_open()
-        from zero.checkpoint import _engine_io as _checkpoint
-        return _checkpoint.save(self, save_dir, tag, client_state, save_latest)
+        from zero.checkpoint._engine_save import save
+        return save(self, save_dir, tag, client_state, save_latest)
 
     def load_checkpoint(self, load_dir, tag=None, load_module_strict: bool = True, *,
                         load_optimizer_states: bool = True,
@@ -548,9 +553,9 @@ class Engine(DeepSpeedQueries, EngineReports, nn.Module):
                 "fine-tune with a changed head, load the consolidated weights "
                 "(zero.checkpoint.consolidate) into the model with "
                 "load_state_dict(strict=False) before zero.initialize")
-        from zero.checkpoint import _engine_io as _checkpoint
-        return _checkpoint.load(self, load_dir, tag, load_optimizer_states,
-                                load_lr_scheduler_states, load_module_only)
+        from zero.checkpoint._engine_load import load
+        return load(self, load_dir, tag, load_optimizer_states, load_lr_scheduler_states,
+                    load_module_only)
 
     def close(self):
         """Hand the model and optimizer back to plain torch: remove the
@@ -558,34 +563,13 @@ class Engine(DeepSpeedQueries, EngineReports, nn.Module):
         collective: every rank must call it); give the optimizer its states
         back in one process (on several ranks they stay partitioned, and
         the optimizer refuses what would start them afresh; docs/engine.md);
-        free offload files; destroy the in-memory process group made for a
+        give a tensor-parallel model its DTensor parameters back; free
+        offload files; destroy the in-memory process group made for a
         launcher-less run (an env:// group stays for the next engine in this
         process; see _comm.join_process_group). A second call does nothing."""
-        if self._closed:
-            return
-        if self._delayed is not None:
-            self._delayed.finish()  # the model handed back has the last update
-        for h in self._hooks:
-            h.remove()
-        self._hooks = []
-        if self._schedule is not None:
-            self._schedule.remove()
-            restore_params(self)
-        give_back_optimizer_states(self.optimizer, self.groups, self._comm.world)
-        resume = getattr(self.optimizer, "_resume_after_engine", None)  # zero.optim's
-        if resume is not None:
-            resume()
-        for fg in self.all_groups:
-            for p in fg.params:
-                p.__dict__.pop("_zero_place", None)
-            if fg.offload is not None:  # its windows and descriptors
-                fg.offload.close()
-            if fg.param_files is not None:
-                fg.param_files.close()
-        if self._monitor is not None:
-            self._monitor.close()
-        self._leave_group()
-        self._closed = True
+        if not self._closed:
+            hand_back(self)
+            self._closed = True
 
 
 def _accumulate_grad(_engine, fg, i):

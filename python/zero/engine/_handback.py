@@ -1,8 +1,38 @@
-"""close() at stage 3: every parameter given its full values again, so the
-model works as a plain torch model without the engine."""
+"""engine.close(): the model and optimizer handed back to plain torch (at
+stage 3 every parameter given its full values again), so the model works
+without the engine."""
 from __future__ import annotations
 
 from zero.offload._mapped import MappedFile, release_freed_memory
+from zero.step._resumed_states import give_back_optimizer_states
+
+
+def hand_back(engine):
+    """close()'s work, once (the engine marks itself closed after)."""
+    if engine._delayed is not None:
+        engine._delayed.finish()  # the model handed back has the last update
+    for h in engine._hooks:
+        h.remove()
+    engine._hooks = []
+    if engine._schedule is not None:
+        engine._schedule.remove()
+        restore_params(engine)
+    give_back_optimizer_states(engine.optimizer, engine.groups, engine._comm.world)
+    if engine._tensor_parallel is not None:  # DTensor parameters again
+        engine._tensor_parallel.restore(engine.optimizer)
+    resume = getattr(engine.optimizer, "_resume_after_engine", None)  # zero.optim's
+    if resume is not None:
+        resume()
+    for fg in engine.all_groups:
+        for p in fg.params:
+            p.__dict__.pop("_zero_place", None)
+        if fg.offload is not None:  # its windows and descriptors
+            fg.offload.close()
+        if fg.param_files is not None:
+            fg.param_files.close()
+    if engine._monitor is not None:
+        engine._monitor.close()
+    engine._leave_group()
 
 
 def restore_params(engine):

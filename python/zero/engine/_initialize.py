@@ -9,6 +9,7 @@ from torch import nn
 from zero.comm._comm import Comm, join_process_group, leave_process_group
 from zero.sharding._copying import EngineRef
 from zero.parallel._mesh import resolve_mesh
+from zero.parallel._tensor_parallel import localize
 from zero.optim._from_config import optimizer_from_config
 from zero.sharding._partitioned_init import sharded_record
 from zero.config._schedulers import scheduler_from_config
@@ -64,7 +65,11 @@ def initialize(model: nn.Module, *, optimizer=None, stage=None, precision=None,
     mesh: the data-parallel group ZeRO partitions over: None for the whole
         world, or a torch.distributed ProcessGroup or 1-D DeviceMesh that
         holds this rank (two engines can then train on two halves of the
-        world). Ranks, partitions and checkpoints are the group's.
+        world). Ranks, partitions and checkpoints are the group's. A
+        DeviceMesh with named dimensions: ZeRO partitions over `dp_shard`,
+        keeps replicas over `dp_replicate` (hybrid sharding), and trains a
+        model parallelized over `tp` (parallelize_module on mesh["tp"];
+        zero.parallel has plans) on its local pieces.
     options: any other zero.Config field (gradient_accumulation_steps,
         gradient_clipping, reduce_bucket_size, ...).
     """
@@ -96,29 +101,50 @@ def initialize(model: nn.Module, *, optimizer=None, stage=None, precision=None,
         optimizer = default_optimizer(cfg, model)
     share_cores_among_local_ranks()
     created = join_process_group(device, timeout=cfg.timeout)
-    engine = None
+    engine = tensor_parallel = None
     try:
-        group, replicate, everyone = resolve_mesh(mesh)
-        if group is not None or replicate is not None:
+        groups = resolve_mesh(mesh)
+        if groups.partial:
             _check_not_partitioned_over_the_world(model)
-        comm = Comm(device, group)
-        if replicate is not None:
-            comm.with_replicas(replicate, everyone)
+        comm = Comm(device, groups.shard)
+        if groups.replicate is not None:
+            comm.with_replicas(groups.replicate, groups.everyone)
+        elif groups.everyone is not groups.shard:
+            comm.everyone = Comm(device, groups.everyone)
+        # [Note: local parameters] in parallel/_tensor_parallel.py
+        tensor_parallel = localize(model, optimizer, groups.tp_mesh,
+                                   *_tensor_parallel_comms(device, groups))
+        if tensor_parallel is None and groups.tp_mesh is not None and groups.tp_mesh.size() > 1:
+            raise ValueError(f"mesh has a 'tp' dimension of size {groups.tp_mesh.size()}, but "
+                             "no parameter of the model is a DTensor over it: parallelize the "
+                             "model first (parallelize_module(model, mesh['tp'], plan), or "
+                             "zero.parallel.parallelize_gpt / parallelize_llama)")
         cfg = settle_batch_sizes(cfg, comm.dp_world)
         if lr_scheduler is None and cfg.scheduler:
             lr_scheduler = scheduler_from_config(cfg.scheduler, optimizer)
         elif callable(lr_scheduler) and not hasattr(lr_scheduler, "step"):
             lr_scheduler = lr_scheduler(optimizer)
         _check_scheduler(lr_scheduler, optimizer)
-        engine = Engine(model, optimizer, cfg, comm, created, lr_scheduler)
+        engine = Engine(model, optimizer, cfg, comm, created, lr_scheduler,
+                        tensor_parallel=tensor_parallel)
         model._zero_engine = EngineRef(engine)
         return engine
     except BaseException:
         if engine is None:
+            if tensor_parallel is not None:  # the model and optimizer as they came
+                tensor_parallel.restore(optimizer)
             leave_process_group(created)
         else:  # its finalizer leaves, once
             engine._leave_group()
         raise
+
+
+def _tensor_parallel_comms(device, groups):
+    """(the tp group's Comm, one over every rank of the engine), or Nones
+    without a tp dimension."""
+    if groups.tp_mesh is None:
+        return None, None
+    return Comm(device, groups.tp_mesh.get_group()), Comm(device, groups.whole)
 
 
 def _check_not_partitioned_over_the_world(model: nn.Module) -> None:

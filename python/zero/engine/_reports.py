@@ -84,7 +84,8 @@ class EngineReports:
     def full_state_dict(self) -> dict:
         """The whole model's state dict, trainable parameters in fp32 from
         the master copies (gathered from every rank), on every rank, in host
-        memory whatever the model's device. A collective: every rank must
+        memory whatever the model's device; a tensor-parallel parameter
+        whole (its tp pieces gathered). A collective: every rank must
         call it."""
         self._check_open()
         take_in_parameter_writes(self.all_groups, self.call_text("full_state_dict()"))
@@ -95,6 +96,7 @@ class EngineReports:
             fg.release_offloaded()
             for i, p in enumerate(fg.params):
                 by_id[id(p)] = fg.view(master, i).clone()
+        tp = self._tensor_parallel
         for name, t in self.module_state_entries().items():
             if id(t) in by_id:
                 full[name] = by_id[id(t)]
@@ -102,4 +104,6 @@ class EngineReports:
                 t = t.detach()
                 full[name] = t.to(device="cpu", copy=True,
                                   dtype=torch.float32 if t.is_floating_point() else None)
+            if tp is not None:
+                full[name] = tp.whole_values(name, full[name])
         return full

@@ -1,17 +1,23 @@
-"""zero.initialize's `mesh=`: which process group ZeRO partitions over.
+"""zero.initialize's `mesh=`: which process groups ZeRO's collectives use.
 
 None is the whole world, as before. A torch.distributed ProcessGroup, or a
 1-D DeviceMesh (its group, whatever its dimension is named), is taken as
 the data-parallel group: the engine's ranks, partitions, reductions,
 gathers, agreements and checkpoints are that group's, so two engines can
-train two models on two halves of the world at once. A
-2-D DeviceMesh named ("dp_replicate", "dp_shard") is hybrid sharding:
-partitions over dp_shard (the gathers stay inside it), replicas of them
-across dp_replicate (the gradients summed over it once per step). Tensor
-and pipeline dimensions are refused by name: not built yet
+train two models on two halves of the world at once. A mesh of named
+dimensions (torchtitan's names) is read by name:
+- `dp_shard`: ZeRO partitions over it (the gathers stay inside it);
+- `dp_replicate`: replicas of the partitions, the gradients summed over it
+  once per step (hybrid sharding);
+- `tp`: tensor parallelism; the model's DTensor parameters are over it and
+  ZeRO partitions each rank's local pieces over the data-parallel
+  dimensions only (_tensor_parallel.py).
+Pipeline dimensions (`pp`) are refused by name: not built yet
 (docs/engine.md, "Mesh").
 """
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch.distributed as dist
 
@@ -35,33 +41,79 @@ def _group_of_ranks(ranks):
                           timeout=current_timeout())
 
 
-def resolve_mesh(mesh):
-    """(shard, replicate, everyone): the group ZeRO partitions over, the
-    group of this rank's replicas (None: no replicas), and the group of
-    every data-parallel rank, which agreements and rank 0's broadcasts
-    span. None stands for the default group."""
+DATA_PARALLEL = ("dp_replicate", "dp_shard")
+KNOWN = DATA_PARALLEL + ("tp",)
+
+
+@dataclass
+class MeshGroups:
+    """The groups a mesh names. shard: ZeRO partitions over it; replicate:
+    this rank's replicas (None: none); everyone: every data-parallel rank,
+    which agreements and rank 0's broadcasts span; tp_mesh: the 1-D
+    DeviceMesh of tensor parallelism (None: none). None for a group
+    stands for the default group."""
+    shard: object = None
+    replicate: object = None
+    everyone: object = None
+    tp_mesh: object = None
+
+    @property
+    def partial(self) -> bool:
+        """Whether ZeRO's group is less than the whole world."""
+        return self.shard is not None or self.replicate is not None or \
+            self.tp_mesh is not None
+
+
+def resolve_mesh(mesh) -> MeshGroups:
+    """The MeshGroups `mesh` (None, a ProcessGroup or a DeviceMesh) names."""
     if mesh is None:
-        return None, None, None
+        return MeshGroups()
     if _is_device_mesh(mesh):
         _check_initialized()
         names = tuple(getattr(mesh, "mesh_dim_names", None) or ())
-        if mesh.ndim == 1:
-            return _one_group(mesh.get_group())
-        if mesh.ndim == 2 and names == ("dp_replicate", "dp_shard"):
-            shard = _member(mesh["dp_shard"].get_group())
-            replicate = _member(mesh["dp_replicate"].get_group())
-            everyone = _group_of_ranks(mesh.mesh.flatten().tolist())
-            return _default(shard), replicate, everyone
-        raise NotImplementedError(
-            f"mesh has {mesh.ndim} dimensions ({', '.join(names) or 'unnamed'}): zero takes a "
-            "1-D mesh (or process group), or a 2-D mesh named ('dp_replicate', 'dp_shard') for "
-            "hybrid sharding; tensor and pipeline dimensions (tp, pp) are not built yet")
+        if mesh.ndim == 1 and names != ("tp",):
+            return MeshGroups(*_one_group(mesh.get_group()))
+        unknown = [n for n in names if n not in KNOWN]
+        if not names or unknown or len(set(names)) != len(names):
+            why = "pipeline parallelism (pp) is not built yet" if "pp" in unknown else \
+                "name each dimension one of dp_replicate, dp_shard, tp"
+            raise NotImplementedError(
+                f"mesh has {mesh.ndim} dimensions ({', '.join(names) or 'unnamed'}): zero takes "
+                "a 1-D mesh (or process group), or a mesh whose dimensions are named "
+                f"dp_replicate, dp_shard and tp (torchtitan's names); {why}")
+        return _named(mesh, names)
     if isinstance(mesh, dist.ProcessGroup):
         _check_initialized()
-        return _one_group(mesh)
-    raise TypeError("mesh must be a torch.distributed DeviceMesh (1-D, or 2-D named "
-                    "dp_replicate, dp_shard) or ProcessGroup, or None for the whole world; "
-                    f"got {type(mesh).__name__}")
+        return MeshGroups(*_one_group(mesh))
+    raise TypeError("mesh must be a torch.distributed DeviceMesh (1-D, or with dimensions "
+                    "named dp_replicate, dp_shard, tp) or ProcessGroup, or None for the whole "
+                    f"world; got {type(mesh).__name__}")
+
+
+def _named(mesh, names) -> MeshGroups:
+    groups = _data_parallel(mesh, names)
+    if "tp" in names:
+        groups.tp_mesh = mesh["tp"]
+        groups.whole = _group_of_ranks(mesh.mesh.flatten().tolist())
+    return groups
+
+
+def _data_parallel(mesh, names) -> MeshGroups:
+    dp = tuple(n for n in DATA_PARALLEL if n in names)
+    if "dp_replicate" in dp and "dp_shard" not in dp:
+        raise ValueError("mesh has a dp_replicate dimension without dp_shard: replicas of "
+                         "what? Name the partitioning dimension dp_shard (or drop "
+                         "dp_replicate: one data-parallel dimension is dp_shard)")
+    if not dp:  # tensor parallelism alone: each rank its own data-parallel group
+        own = _group_of_ranks([dist.get_rank()])
+        return MeshGroups(own, None, own)
+    shard = _member(mesh["dp_shard"].get_group())
+    if dp == ("dp_shard",):
+        everyone = _default(shard)
+        return MeshGroups(everyone, None, everyone)
+    replicate = _member(mesh["dp_replicate"].get_group())
+    ranks = mesh["dp_replicate", "dp_shard"].mesh.flatten().tolist()
+    return MeshGroups(_default(shard), replicate, _group_of_ranks(ranks))
 
 
 def _check_initialized():

@@ -241,6 +241,21 @@ class FlatGroup:
         off = self.layout_start[i]
         return layout[off:off + unit.numels[j]].view(unit.shapes[j])
 
+    def owned_pieces(self) -> list:
+        """(name, lo, hi, offset) for every stretch of a parameter in this
+        rank's partition (its chunk of each unit): elements [lo, hi) of the
+        flattened parameter sit at [offset, offset + hi - lo) of it."""
+        pieces = []
+        for unit in self.units:
+            chunk_lo = self.owner * unit.part
+            chunk_hi = chunk_lo + unit.part
+            for j, (start, n) in enumerate(zip(unit.offsets, unit.numels)):
+                lo, hi = max(start, chunk_lo), min(start + n, chunk_hi)
+                if lo < hi:
+                    pieces.append((self.names[unit.members.start + j], lo - start,
+                                   hi - start, unit.shard_offset + lo - chunk_lo))
+        return pieces
+
     def add_state(self, name, fill=0.0):
         if name not in self.states:
             if self.offload is not None:

@@ -17,3 +17,25 @@ def clip_coefficient(max_norm, norm) -> float:
     if math.isnan(norm):
         return 0.0
     return min(1.0, max_norm / (norm + 1e-6))
+
+
+def tensor_parallel_sumsq(sumsq, groups, tensor_parallel, comm, across_ranks) -> float:
+    """The squared global norm of a tensor-parallel model's gradients from
+    this rank's `sumsq` (already summed over the data-parallel ranks): a
+    sharded parameter's pieces differ on each tp rank and all count; a
+    replicated one (a LayerNorm, Replicate(), a parameter outside the
+    plan) is the same on each and counts once. So each tp rank weighs its
+    replicated part by 1/tp before the sum over tp, which keeps the global
+    norm torch's on the unsplit model."""
+    if tensor_parallel.world == 1:
+        return sumsq
+    replicated = 0.0
+    for fg in groups:
+        for name, _lo, _hi, offset in fg.owned_pieces():
+            if not tensor_parallel.is_sharded(name):
+                piece = fg.grad_part[offset:offset + _hi - _lo]
+                replicated += float(piece.double().square().sum())
+    if across_ranks:
+        replicated = comm.sum_scalar(replicated)
+    weighted = sumsq - replicated * (1.0 - 1.0 / tensor_parallel.world)
+    return tensor_parallel.comm.sum_scalar(weighted)

@@ -1,0 +1,240 @@
+"""engine.save_checkpoint: each rank writes its own partitions, rank 0
+the meta, and the staging directory replaces the tag whole once every
+file is on the disk. The layout is in checkpoint/_format.py ([Note:
+checkpoint layout]).
+
+A collective: every rank calls it with the same arguments, and every rank
+must be able to read every file (a shared filesystem across machines).
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+
+import torch
+
+from zero._version import __version__
+from zero.checkpoint._engine_parts import (all_ok, host_copy, in_files, in_whole_tensors,
+                                           param_shapes, release_offloaded, replicated_frozen,
+                                           shard_index, whole_comm)
+from zero.checkpoint._format import (FORMAT, META_FILE, REPLICATED_GROUP, VERSION, check_plain,
+                                     check_tag, shard_file, staging_directory)
+from zero.checkpoint._writes import (discard_replaced, discard_staging, prepare_staging, publish,
+                                     write_file, write_latest)
+from zero.offload._mapped import PagesDroppedMeanwhile
+from zero.sharding._param_writes import take_in_parameter_writes
+from zero.sharding._units import parameter_names
+
+
+def _shard_groups(engine) -> list:
+    """This rank's part of the checkpoint: for each flat group it holds a
+    partition of, the partition tensors and their pieces."""
+    rank = engine._comm.rank
+    replicate = engine._comm.replicate
+    if replicate is not None and replicate.rank != 0:
+        return []  # a replica of partitions its replicate rank 0 writes
+    groups = []
+    for fg in engine.all_groups:
+        if fg.num_partitions == 1 and rank != 0:
+            continue  # stage 0: every rank holds the same; rank 0 writes it
+        if fg.trainable:
+            tensors = {"value": host_copy(fg.master)}
+            tensors.update({k: host_copy(t) for k, t in fg.states.items()})
+        else:
+            tensors = {"value": host_copy(fg.shard)}
+        groups.append({"index": fg.index, "tensors": tensors,
+                       "pieces": in_whole_tensors(engine, fg.owned_pieces())})
+    frozen = replicated_frozen(engine)
+    if frozen and rank == 0:
+        pieces, offset = [], 0
+        for name, p in frozen:
+            pieces.append((name, 0, p.numel(), offset))
+            offset += p.numel()
+        value = torch.cat([_as_fp32_exactly(name, p) for name, p in frozen])
+        groups.append({"index": REPLICATED_GROUP, "tensors": {"value": value},
+                       "pieces": in_whole_tensors(engine, pieces)})
+    return groups
+
+
+def _as_fp32_exactly(name, p) -> torch.Tensor:
+    """A frozen parameter's values in fp32, as the checkpoint keeps them;
+    refused when fp32 cannot hold them exactly (an int64 past 2**24, a
+    complex one's imaginary part), which the load would otherwise give
+    back changed, without a word. (Floating ones are in the engine's
+    compute dtype since initialize, which fp32 holds.)"""
+    flat = p.detach().reshape(-1).to("cpu")
+    if flat.is_complex():
+        exact = not bool(flat.imag.any()) and \
+            torch.equal(flat.real.float().to(flat.real.dtype), flat.real)
+    else:
+        exact = torch.equal(flat.float().to(flat.dtype), flat)
+    if not exact:
+        raise ValueError(f"frozen parameter '{name}' ({str(p.dtype).replace('torch.', '')}) "
+                         "holds values fp32 cannot keep exactly, and a checkpoint keeps "
+                         "frozen values in fp32: they would load changed. Keep it as a "
+                         "buffer (register_buffer keeps its dtype), or in float32")
+    return flat.float() if not flat.is_complex() else flat.real.float()
+
+
+def _meta(engine, client_state, scheduler_state, shard_files) -> dict:
+    module, optimizer = engine.module, engine.optimizer
+    names = parameter_names(module)
+    state_dict, buffers = [], {}
+    for key, t in engine.module_state_entries().items():
+        if id(t) in names:
+            state_dict.append((key, "param", names[id(t)]))
+        else:
+            state_dict.append((key, "buffer", None))
+            buffers[key] = host_copy(t)
+    steps = {fg.index: fg.step_count for fg in engine.groups}
+    states = {fg.index: sorted(fg.states) for fg in engine.groups}
+    groups = []
+    for gi, group in enumerate(optimizer.param_groups):
+        hyper = {k: v for k, v in group.items() if k != "params"}
+        check_plain(hyper, f"optimizer.param_groups[{gi}]")
+        groups.append({"param_names": [names[id(p)] for p in group["params"]],
+                       "hyper": hyper, "step": steps.get(gi, 0),
+                       "states": states.get(gi, [])})
+    params = {name: {"shape": list(shape), "numel": int(torch.Size(shape).numel()),
+                     "trainable": trainable}
+              for name, (shape, trainable) in param_shapes(engine).items()}
+    scaler = engine.loss_scaler.state_dict() if engine.loss_scaler else None
+    return {"format": FORMAT, "version": VERSION, "zero_version": __version__,
+            "world_size": engine._comm.world, "stage": engine.stage,
+            "tensor_parallel": engine._tensor_parallel.world if engine._tensor_parallel else 1,
+            "precision": engine.config.precision, "optimizer": engine._spec.name,
+            "optimizer_class": type(optimizer).__qualname__, "params": params,
+            "state_dict": state_dict, "buffers": buffers, "groups": groups,
+            "engine": {"micro_steps": engine.micro_steps, "global_steps": engine.global_steps,
+                       "skipped_steps": engine.skipped_steps},
+            "loss_scaler": scaler, "lr_scheduler": scheduler_state,
+            "client_state": client_state, "shards": shard_files}
+
+
+def _gradients_pending(engine) -> bool:
+    """Whether this rank holds gradients no step has used: any nonzero
+    element in its gradient buffers (a backward's, or a .grad set by hand,
+    taken in as the step would)."""
+    for fg in engine.groups:
+        if not fg.policy.partitions_grads:
+            fg.gather_stray_grads()
+        grads = fg.grad_flat if fg.grad_flat is not None else fg.grad_part
+        if bool(grads.any()):
+            return True
+    return False
+
+
+def save(engine, save_dir, tag=None, client_state=None, save_latest=True) -> str:
+    refusal = None
+    if engine.micro_steps % engine.config.gradient_accumulation_steps:
+        refusal = RuntimeError(
+            "save_checkpoint was called in the middle of an accumulation boundary (micro-step "
+            f"{engine.micro_steps % engine.config.gradient_accumulation_steps} of "
+            f"{engine.config.gradient_accumulation_steps}); gradients are not saved, so call "
+            "it after the boundary's engine.step()")
+    elif _gradients_pending(engine):
+        refusal = RuntimeError(
+            "save_checkpoint was called with gradients waiting for step() (a backward since "
+            "the last step, or inside no_sync()); gradients are not saved, so a run resumed "
+            "from it would step without them. Call it after engine.step(), or drop them with "
+            "engine.zero_grad() first")
+    try:
+        tag = check_tag(f"global_step{engine.global_steps}" if tag is None else tag)
+        save_dir = os.fspath(save_dir)
+    except (TypeError, ValueError) as error:
+        refusal = refusal or error
+    # a collective that raises on every rank alike (a refusal on one rank
+    # too): before the per-rank work
+    take_in_parameter_writes(engine.all_groups, engine.call_text("save_checkpoint()"), refusal)
+    path = os.path.join(save_dir, tag)
+    error, lock = None, None
+    whole = whole_comm(engine)
+    if whole.rank == 0:
+        try:  # before the save id's broadcast, which every rank waits for
+            lock = prepare_staging(save_dir, tag)
+        except Exception as e:
+            error = e
+    try:
+        save_id = _agreed_save_id(whole)
+        _save_agreed(engine, save_dir, tag, save_id, client_state, save_latest, error)
+    except BaseException:
+        # every rank is past the failed agreement: nothing writes into
+        # the staging directory any more (a kill leaves it to the next save)
+        if lock is not None:
+            discard_staging(save_dir, tag)
+        raise
+    finally:
+        if lock is not None:
+            lock.release()
+    return path
+
+
+def _save_agreed(engine, save_dir, tag, save_id, client_state, save_latest, error):
+    """The save's writes, each step agreed over the ranks; `error` is rank
+    0's from preparing the staging directory."""
+    comm, whole = engine._comm, whole_comm(engine)
+    meta = None
+    # [Note: a save replaces a tag whole] in checkpoint/_writes.py
+    staging = staging_directory(save_dir, tag)
+    try:  # this rank's checks and shard; a failure is raised on every rank by all_ok
+        if error is not None:
+            raise error
+        client_state = {} if client_state is None else client_state
+        check_plain(client_state, "client_state")
+        scheduler_state = engine.lr_scheduler.state_dict() if engine.lr_scheduler else None
+        check_plain(scheduler_state, "lr_scheduler.state_dict()")
+        os.makedirs(staging, exist_ok=True)
+        try:
+            groups = _shard_groups(engine)
+            if groups:
+                with _dropping_offloaded(engine):
+                    write_file({"format": FORMAT, "version": VERSION, "rank": comm.rank,
+                                "save_id": save_id, "groups": groups},
+                               os.path.join(staging, shard_file(shard_index(engine))))
+        finally:  # offloaded states were read through their mapping
+            release_offloaded(engine)
+        if whole.rank == 0:
+            shard_files = [shard_file(r) for r in range(shard_index(engine, count=True))]
+            meta = _meta(engine, client_state, scheduler_state, shard_files)
+            meta["save_id"] = save_id
+    except Exception as e:
+        error = e
+    all_ok(engine, error)
+    # the meta only once every shard is on the disk, then the staging
+    # directory replaces the tag whole
+    try:
+        if whole.rank == 0:
+            write_file(meta, os.path.join(staging, META_FILE))
+            publish(save_dir, tag)
+    except Exception as e:
+        error = e
+    all_ok(engine, error)
+    if save_latest:
+        try:
+            if whole.rank == 0:
+                write_latest(save_dir, tag)
+        except Exception as e:
+            error = e
+        all_ok(engine, error)
+    if whole.rank == 0:
+        discard_replaced(save_dir, tag)
+
+
+def _agreed_save_id(whole) -> int:
+    """A number rank 0 draws for this save and every rank writes into its
+    files, so a tag that holds files of two saves (one that failed halfway
+    over an older one) is refused instead of loaded as a mixture."""
+    drawn = int.from_bytes(os.urandom(7), "little")
+    t = torch.tensor([drawn], dtype=torch.int64, device=whole.scalar_device)
+    whole.broadcast(t, src=0)
+    return int(t.item())
+
+
+def _dropping_offloaded(engine):
+    """For an engine whose partitions live in files: their mappings' pages
+    dropped while torch.save reads them, so a model larger than memory is
+    saved in what the save touches between two drops
+    (offload/_mapped.py's PagesDroppedMeanwhile)."""
+    if not in_files(engine):
+        return contextlib.nullcontext()
+    return PagesDroppedMeanwhile(lambda: release_offloaded(engine))

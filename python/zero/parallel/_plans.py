@@ -1,0 +1,103 @@
+"""Ready tensor-parallel plans (Megatron-LM's layouts, in torch's DTensor
+parallel styles) for examples/gpt.py's GPT and HuggingFace Llama-family
+decoders, applied with torch's parallelize_module.
+
+Each transformer block splits its attention by heads (q, k, v column-wise,
+the output projection row-wise) and its MLP by the hidden size (up/gate
+column-wise, down row-wise): one all-reduce in forward and one in backward
+per half-block, as in Megatron-LM. The embedding is vocabulary-parallel
+(rows split; the partial lookups all-reduced) and so is the output head
+(its logits gathered whole, so any loss works on them). LayerNorms and the
+position embedding stay whole on every tp rank. A tied head keeps its tie:
+parallelize_module gives each module a DTensor of its own, so the plan
+ties them again (both are split by vocabulary rows, Shard(0)).
+"""
+from __future__ import annotations
+
+from torch import nn
+
+
+def _styles():
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+    return Replicate, ColwiseParallel, RowwiseParallel
+
+
+def gpt_plan() -> dict:
+    """The plan for examples/gpt.py's GPT (module names to parallel styles)."""
+    Replicate, Colwise, Rowwise = _styles()
+    plan = {"embed": Rowwise(input_layouts=Replicate(), output_layouts=Replicate()),
+            "head": Colwise(output_layouts=Replicate())}
+    for name in ("q", "k", "v", "up"):
+        plan[f"blocks.*.{name}"] = Colwise()
+    for name in ("proj", "down"):
+        plan[f"blocks.*.{name}"] = Rowwise()
+    return plan
+
+
+def llama_plan(model: nn.Module) -> dict:
+    """The plan for a HuggingFace LlamaForCausalLM (and decoders laid out as
+    it is: Mistral, Qwen2): model.embed_tokens, model.layers.*.self_attn
+    .{q,k,v,o}_proj, model.layers.*.mlp.{gate,up,down}_proj, lm_head."""
+    Replicate, Colwise, Rowwise = _styles()
+    base = _base_name(model)
+    plan = {f"{base}embed_tokens": Rowwise(input_layouts=Replicate(),
+                                           output_layouts=Replicate())}
+    if getattr(model, "lm_head", None) is not None:
+        plan["lm_head"] = Colwise(output_layouts=Replicate())
+    layers = f"{base}layers.*."
+    for name in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj",
+                 "mlp.gate_proj", "mlp.up_proj"):
+        plan[layers + name] = Colwise()
+    for name in ("self_attn.o_proj", "mlp.down_proj"):
+        plan[layers + name] = Rowwise()
+    return plan
+
+
+def _base_name(model) -> str:
+    return "model." if hasattr(model, "model") and hasattr(model.model, "layers") else ""
+
+
+def _check_divides(what, size, tp):
+    if size % tp:
+        raise ValueError(f"{what} ({size}) is not divisible by the tp size ({tp}); tensor "
+                         "parallelism splits it evenly over the tp ranks")
+
+
+def _apply(model, tp_mesh, plan, ties):
+    """parallelize_module, then each (owner, name) in `ties` tied again to
+    the first's parameter."""
+    from torch.distributed.tensor.parallel import parallelize_module
+    tied = [(a, an, b, bn) for a, an, b, bn in ties
+            if getattr(a, an, None) is not None and getattr(a, an) is getattr(b, bn, None)]
+    parallelize_module(model, tp_mesh, plan)
+    for a, an, b, bn in tied:
+        setattr(b, bn, getattr(a, an))
+    return model
+
+
+def parallelize_gpt(model: nn.Module, tp_mesh) -> nn.Module:
+    """Split examples/gpt.py's GPT over `tp_mesh` (mesh["tp"]) in place and
+    return it; heads, the MLP width and the vocabulary must divide by tp."""
+    tp = tp_mesh.size()
+    cfg = model.cfg
+    _check_divides("heads", cfg.heads, tp)
+    _check_divides("the vocabulary", cfg.vocab, tp)
+    return _apply(model, tp_mesh, gpt_plan(), [(model.embed, "weight", model.head, "weight")])
+
+
+def parallelize_llama(model: nn.Module, tp_mesh) -> nn.Module:
+    """Split a HuggingFace Llama-family causal LM over `tp_mesh` in place
+    and return it; the attention and key/value heads, the intermediate
+    size and the vocabulary must divide by tp."""
+    tp = tp_mesh.size()
+    cfg = model.config
+    _check_divides("num_attention_heads", cfg.num_attention_heads, tp)
+    _check_divides("num_key_value_heads",
+                   getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads, tp)
+    _check_divides("vocab_size", cfg.vocab_size, tp)
+    base = model.model if _base_name(model) else model
+    ties = []
+    if getattr(model, "lm_head", None) is not None:
+        ties.append((base.embed_tokens, "weight", model.lm_head, "weight"))
+    return _apply(model, tp_mesh, llama_plan(model), ties)
