@@ -7,6 +7,8 @@ parallel embedding and tied head), trained by zero.initialize(mesh=...) on
   accumulation at stage 2, and bf16 at stage 2;
 - dp_replicate=2 x tp=2 at stage 3 (hybrid: the partitions are whole, two
   replicas), and tp=4 alone at stage 1;
+- a tiny HuggingFace Llama (grouped-query attention) split by
+  zero.parallel.parallelize_llama, tp=2 x dp=2 at stage 2;
 
 each against one process of plain torch on the same global batch: losses
 and final parameters within 1e-5 (normwise, conftest.max_rel_error; the
@@ -20,7 +22,8 @@ Then checkpoints: one saved on tp=2 x dp=2 at stage 3 loads on tp=4 at
 stage 1, on 4 plain data-parallel ranks at stage 2 (no tp), and one saved
 there loads back on tp=2 x dp=2 at stage 0, each holding exactly the saved
 values; consolidate gives the whole tensors. close() hands back DTensor
-parameters holding the trained values."""
+parameters holding the trained values, and each run's memory_summary()
+equals zero.estimate_memory of the parallelized model on the mesh."""
 import os
 import sys
 
@@ -29,6 +32,7 @@ import torch
 
 import harness
 from conftest import max_rel_error
+from test_estimate import check as check_estimate
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(
     os.path.abspath(__file__)))), "examples"))
@@ -54,8 +58,10 @@ def make_optimizer(name, model):
     return torch.optim.SGD(params, lr=0.05, momentum=0.9)
 
 
-def make_model():
+def make_model(kind="gpt"):
     torch.manual_seed(0)
+    if kind == "llama":
+        return _llama()
     model = GPT(CFG)
     for block in model.blocks:
         block.k.bias.requires_grad_(False)
@@ -67,22 +73,40 @@ def make_model():
     return model
 
 
+def _llama():
+    """A tiny HuggingFace Llama (grouped-query attention: 4 heads, 2 key/
+    value heads), parallelized by zero.parallel.parallelize_llama."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+    config = LlamaConfig(vocab_size=CFG.vocab, hidden_size=32, intermediate_size=64,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                         max_position_embeddings=CFG.seq, attn_implementation="eager")
+    return LlamaForCausalLM(config)
+
+
+def loss_of(model, ids, labels):
+    """GPT takes the next tokens as labels; a HuggingFace model shifts them
+    itself."""
+    if isinstance(model, GPT) or isinstance(getattr(model, "module", None), GPT):
+        return model(ids, labels)
+    return model(input_ids=ids, labels=ids).loss
+
+
 def batch(step):
     g = torch.Generator().manual_seed(100 + step)
     ids = torch.randint(0, CFG.vocab, (BATCH, CFG.seq), generator=g)
     return ids, torch.roll(ids, -1, dims=1)
 
 
-def reference(accumulation=1, clip=None, opt="sgd"):
+def reference(accumulation=1, clip=None, opt="sgd", kind="gpt"):
     """One process of plain torch on the whole batch: (losses, norms, state)."""
-    model = make_model()
+    model = make_model(kind)
     opt = make_optimizer(opt, model)
     losses, norms = [], []
     for step in range(STEPS):
         ids, labels = batch(step)
         total = 0.0
         for ids_m, labels_m in zip(ids.chunk(accumulation), labels.chunk(accumulation)):
-            loss = model(ids_m, labels_m)
+            loss = loss_of(model, ids_m, labels_m)
             (loss / accumulation).backward()
             total += loss.item() / accumulation
         if clip is not None:
@@ -108,19 +132,28 @@ def _dp_place(mesh):
     return index, size
 
 
-def _engine(mesh, stage, opt="sgd", **options):
+def parallelized(kind, mesh):
+    """make_model(kind), split over the mesh's tp dimension by zero's plan."""
     import zero
-    model = make_model()
+    model = make_model(kind)
     if "tp" in mesh.mesh_dim_names:
-        zero.parallel.parallelize_gpt(model, mesh["tp"])
+        parallelize = zero.parallel.parallelize_llama if kind == "llama" else \
+            zero.parallel.parallelize_gpt
+        parallelize(model, mesh["tp"])
+    return model
+
+
+def _engine(mesh, stage, opt="sgd", kind="gpt", **options):
+    import zero
+    model = parallelized(kind, mesh)
     return zero.initialize(model, optimizer=make_optimizer(opt, model), stage=stage,
                            mesh=mesh, **options)
 
 
-def train(mesh, stage, accumulation=1, clip=None, precision="fp32", opt="sgd"):
+def train(mesh, stage, accumulation=1, clip=None, precision="fp32", opt="sgd", kind="gpt"):
     """(losses, clip norms, full_state_dict, the model's DTensor check)."""
     import torch.distributed as dist
-    engine = _engine(mesh, stage, opt, gradient_accumulation_steps=accumulation,
+    engine = _engine(mesh, stage, opt, kind, gradient_accumulation_steps=accumulation,
                      precision=precision)
     index, size = _dp_place(mesh)
     losses, norms = [], []
@@ -129,7 +162,7 @@ def train(mesh, stage, accumulation=1, clip=None, precision="fp32", opt="sgd"):
         ids, labels = ids.chunk(size)[index], labels.chunk(size)[index]
         total = torch.zeros(1)
         for ids_m, labels_m in zip(ids.chunk(accumulation), labels.chunk(accumulation)):
-            loss = engine(ids_m, labels_m)
+            loss = loss_of(engine, ids_m, labels_m)
             engine.backward(loss)
             total += loss.detach().float() / accumulation
             if clip is not None and engine.is_accumulation_boundary:
@@ -138,16 +171,30 @@ def train(mesh, stage, accumulation=1, clip=None, precision="fp32", opt="sgd"):
         dist.all_reduce(total)
         losses.append(total.item() / dist.get_world_size())
     state = engine.full_state_dict()
+    memory = _memory_pair(engine, mesh, stage, opt, kind, precision)
     model = engine.module
     engine.close()
     # close() hands back DTensor parameters holding the trained values
-    from torch.distributed.tensor import DTensor
-    handed = isinstance(model.blocks[0].q.weight, DTensor) and \
-        model.head.weight is model.embed.weight and \
-        torch.equal(model.blocks[0].q.weight.full_tensor().float(),
-                    state["blocks.0.q.weight"].to(model.blocks[0].q.weight.dtype).float()) \
-        if "tp" in mesh.mesh_dim_names else True
-    return losses, norms, state, handed
+    handed = True
+    if "tp" in mesh.mesh_dim_names:
+        from torch.distributed.tensor import DTensor
+        name, p = next((n, p) for n, p in model.named_parameters() if n.endswith("q.weight") or
+                       n.endswith("q_proj.weight"))
+        handed = isinstance(p, DTensor) and torch.equal(
+            p.full_tensor().float(), state[name].to(p.dtype).float())
+        if kind == "gpt":
+            handed = handed and model.head.weight is model.embed.weight
+    return losses, norms, state, handed, memory
+
+
+def _memory_pair(engine, mesh, stage, opt, kind, precision):
+    """(what the engine holds, zero.estimate_memory of a fresh copy of the
+    parallelized model on the mesh): a rank's local pieces."""
+    import zero
+    fresh = parallelized(kind, mesh)
+    estimate = zero.estimate_memory(fresh, mesh=mesh, stage=stage, precision=precision,
+                                    optimizer=make_optimizer(opt, fresh))
+    return dict(engine.memory_summary()), dict(estimate)
 
 
 def checkpoints(directory):
@@ -192,6 +239,7 @@ def _worker(rank, world, directory):
     out["bf16"] = train(tp2_dp2, 2, precision="bf16")
     out["replicas x tp2"] = train(_mesh((2, 1, 2), ("dp_replicate", "dp_shard", "tp")), 3)
     out["tp4"] = train(_mesh((4,), ("tp",)), 1)
+    out["llama"] = train(tp2_dp2, 2, kind="llama")
     out["checkpoints"] = checkpoints(directory)
     dist.destroy_process_group()
     return out
@@ -203,9 +251,10 @@ def results(tmp_path_factory):
     return harness.run(4, _worker, directory, timeout=600)
 
 
-def _check_run(run, accumulation=1, clip=None, tol=TOL, opt="sgd"):
-    losses, norms, state, handed = run
-    ref_losses, ref_norms, ref_state = reference(accumulation, clip, opt)
+def _check_run(run, accumulation=1, clip=None, tol=TOL, opt="sgd", kind="gpt"):
+    losses, norms, state, handed, (measured, estimated) = run
+    check_estimate(estimated, measured)
+    ref_losses, ref_norms, ref_state = reference(accumulation, clip, opt, kind)
     assert max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses)) < tol
     for name, ref in ref_state.items():
         assert max_rel_error(state[name], ref) < tol, name
@@ -232,7 +281,8 @@ def test_clipping_and_accumulation(results):
 
 
 def test_bf16_tracks_fp32(results):
-    losses, _norms, _state, handed = results[0]["bf16"]
+    losses, _norms, _state, handed, (measured, estimated) = results[0]["bf16"]
+    check_estimate(estimated, measured)
     ref_losses = reference()[0]
     # bf16 keeps 8 bits of mantissa: the loss within a few of its ulps
     assert max(abs(a - b) / b for a, b in zip(losses, ref_losses)) < 2e-2
@@ -242,6 +292,10 @@ def test_bf16_tracks_fp32(results):
 def test_replicas_and_tp_alone(results):
     _check_run(results[0]["replicas x tp2"])
     _check_run(results[3]["tp4"])
+
+
+def test_hf_llama(results):
+    _check_run(results[1]["llama"], kind="llama")
 
 
 def test_checkpoints_load_under_other_layouts(results):

@@ -27,16 +27,20 @@ from zero.sharding._units import lay_out
 from zero.sharding._unit_roots import unit_roots
 from zero.engine._construction import match_param_groups, owners_of, units_of
 from zero.engine._engine import DTYPES
+from zero.parallel._tensor_parallel import localize, tensor_parallel_mesh
 
 
 def _partitions_of_mesh(mesh, world_size) -> int:
-    """How many ranks a mesh's partitions span: dp_shard's size."""
+    """How many ranks a mesh's partitions span: dp_shard's size (1 for a
+    mesh of tp alone)."""
     if hasattr(mesh, "mesh") and hasattr(mesh, "ndim"):  # a DeviceMesh
         names = tuple(getattr(mesh, "mesh_dim_names", None) or ())
-        shape = tuple(mesh.mesh.shape)
-        if mesh.ndim == 2 and names != ("dp_replicate", "dp_shard"):
-            raise ValueError(f"mesh: a 2-D mesh must be named ('dp_replicate', 'dp_shard'), "
-                             f"got {names}")
+        if mesh.ndim == 1 and names != ("tp",):
+            return mesh.size()
+        if not names or any(n not in ("dp_replicate", "dp_shard", "tp") for n in names):
+            raise ValueError("mesh: a DeviceMesh of more than one dimension must name them "
+                             f"dp_replicate, dp_shard, tp; got {names or 'unnamed'}")
+        return mesh["dp_shard"].size() if "dp_shard" in names else 1
     else:
         shape = tuple(mesh) if isinstance(mesh, (tuple, list)) else (mesh,)
     if not 1 <= len(shape) <= 2 or \
@@ -58,7 +62,9 @@ def estimate_memory(model: nn.Module, world_size: int = 1, *, optimizer=None, st
     initialize's (optimizer None means the config's, default AdamW).
     mesh: the shape of a hybrid mesh, (dp_replicate, dp_shard), or a
     DeviceMesh as initialize takes it; a rank then holds 1/dp_shard of what
-    is partitioned (world_size is the mesh's size, or left out).
+    is partitioned (world_size is the mesh's size, or left out). A model
+    parallelized over the mesh's tp dimension (DTensor parameters) is
+    counted by its local pieces: what this rank holds.
     device: where the model will train, "cpu" or "cuda" (default: where
     its parameters are; a meta model counts as "cpu"); with "cuda",
     offload_optimizer "cpu" or "nvme" puts the states in host memory,
@@ -86,6 +92,19 @@ def estimate_memory(model: nn.Module, world_size: int = 1, *, optimizer=None, st
                                             delayed)
     if optimizer is None:
         optimizer = default_optimizer(cfg, model)
+    # a tensor-parallel model: what a rank holds is its local pieces
+    # ([Note: local parameters]); the model is given back as it came
+    local = localize(model, optimizer, tensor_parallel_mesh(model))
+    try:
+        return _estimate(model, optimizer, cfg, world_size, where, staged, shard_on_host,
+                         grads_on_host, delayed, own_master)
+    finally:
+        if local is not None:
+            local.restore(optimizer)
+
+
+def _estimate(model, optimizer, cfg, world_size, where, staged, shard_on_host, grads_on_host,
+              delayed, own_master) -> MemorySummary:
     spec = spec_for(optimizer)
     groups = match_param_groups(model, optimizer)
     if not any(params for params, _ in groups):

@@ -156,10 +156,11 @@ class TensorParallelLayout:
     parameter has), after `localize`; and the tp group's Comm."""
 
     def __init__(self, comm, whole, placements: dict, modules: list):
-        self.comm = comm              # over the tp group
+        self.comm = comm              # over the tp group (None: an estimate's)
         self.whole = whole            # over every rank of the engine (tp x data-parallel)
-        self.world = comm.world
-        self.rank = comm.rank
+        mesh = next(iter(placements.values())).mesh
+        self.world = mesh.size()
+        self.rank = mesh.get_local_rank()
         self.placements = placements  # name -> Placement
         self._modules = modules       # the modules whose class was swapped
 
@@ -239,7 +240,13 @@ class TensorParallelLayout:
                     for k, v in state.items()}
 
 
-def localize(model: nn.Module, optimizer, tp_mesh, comm, whole) -> TensorParallelLayout | None:
+def tensor_parallel_mesh(model: nn.Module):
+    """The mesh of the model's first DTensor parameter (None: it has none)."""
+    return next((p.device_mesh for p in model.parameters() if is_dtensor(p)), None)
+
+
+def localize(model: nn.Module, optimizer, tp_mesh, comm=None,
+             whole=None) -> TensorParallelLayout | None:
     """Turn the model's DTensor parameters into plain local ones ([Note:
     local parameters]) and point the optimizer at them. None when the
     model has none. comm: a Comm over the tp group; whole: one over every
