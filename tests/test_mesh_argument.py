@@ -1,6 +1,6 @@
 """zero.initialize(mesh=...) in one process: what it accepts (a group, a
-1-D mesh, meshes named dp_replicate, dp_shard, tp), and what it refuses by
-name (pipeline dimensions, not built yet; other names; another type; a
+1-D mesh, meshes named dp_replicate, dp_shard, tp, pp), and what it refuses
+by name (other names, a name twice; another type; a
 model zero.partitioned_init partitioned over the whole world).
 Training over a part of the world: tests/distributed/test_mesh_groups.py."""
 import pytest
@@ -43,7 +43,8 @@ def test_a_hybrid_mesh_is_taken():
 
 
 @pytest.mark.parametrize("names", [("dp_shard", "tp"), ("dp_shard", "dp_replicate"),
-                                   ("dp_replicate", "dp_shard", "tp"), ("tp",)])
+                                   ("dp_replicate", "dp_shard", "tp"), ("tp",), ("pp",),
+                                   ("pp", "dp_shard", "tp")])
 def test_named_meshes_are_taken(names):
     from torch.distributed.device_mesh import DeviceMesh
     mesh = DeviceMesh("cpu", torch.zeros([1] * len(names), dtype=torch.int64),
@@ -56,8 +57,8 @@ def test_named_meshes_are_taken(names):
 
 
 @pytest.mark.parametrize("shape, names, why", [
-    ([[[0]]], ("pp", "dp_shard", "tp"), r"pipeline parallelism \(pp\) is not built yet"),
-    ([[0]], ("dp", "tp"), "name each dimension one of dp_replicate, dp_shard, tp"),
+    ([[[0]]], ("pp", "dp_shard", "dp_shard"), "name each dimension one of them"),
+    ([[0]], ("dp", "tp"), "named dp_replicate, dp_shard, tp and pp"),
     ([[0]], None, "name each dimension")])
 def test_other_meshes_are_refused_by_name(shape, names, why):
     from torch.distributed.device_mesh import DeviceMesh

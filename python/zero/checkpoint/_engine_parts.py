@@ -36,9 +36,8 @@ def replicated_frozen(engine) -> list:
 def whole_comm(engine):
     """The Comm over every rank of the engine, which a checkpoint's
     agreements and its one meta writer span: the data-parallel ranks, times
-    the tp ranks of a tensor-parallel model."""
-    tp = engine._tensor_parallel
-    return tp.whole if tp is not None else engine._comm.everyone
+    the tp and pp ranks of a model split over them."""
+    return engine._comm.whole
 
 
 def in_whole_tensors(engine, pieces) -> list:

@@ -459,6 +459,9 @@ class Comm:
         # agreements and rank 0's broadcasts span
         self.replicate = None
         self.everyone = self
+        # tensor and pipeline parallelism (with_model_parallel): the Comm
+        # over every rank of the engine, data and model parallel
+        self._whole = None
 
     def with_replicas(self, replicate_group, everyone_group) -> "Comm":
         """This Comm partitioning over its group, with replicas of its
@@ -478,6 +481,19 @@ class Comm:
                              f"places {partitions} of their rows, and {crossed:.0f} rank(s) "
                              "found such a group")
         return self
+
+    def with_model_parallel(self, whole_group) -> "Comm":
+        """This Comm, in an engine whose ranks also split the model (tp,
+        pp): `whole_group` holds every rank of it, which a checkpoint's
+        agreements and its one meta writer span."""
+        self._whole = Comm(self.device, whole_group)
+        return self
+
+    @property
+    def whole(self) -> "Comm":
+        """Every rank of the engine: the data-parallel ones, times the
+        model-parallel ones of a tensor- or pipeline-parallel model."""
+        return self._whole if self._whole is not None else self.everyone
 
     @property
     def dp_world(self) -> int:

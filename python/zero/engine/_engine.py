@@ -52,7 +52,7 @@ from zero.sharding._stage3 import Stage3Schedule
 from zero.sharding._unit_roots import unit_roots
 from zero.sharding._step_agreement import describe_settings
 from zero.step import _step_path
-from zero.step._clipping import clip_coefficient, tensor_parallel_sumsq
+from zero.step._clipping import clip_coefficient, model_parallel_sumsq
 from zero.step._delayed import delayed_update_for
 from zero.step._step_path import step_path_for
 from zero.config._config import Config
@@ -68,7 +68,7 @@ class Engine(DeepSpeedQueries, EngineReports, nn.Module):
     docs/engine.md describes it all."""
 
     def __init__(self, module: nn.Module, optimizer, config: Config, comm: Comm,
-                 owns_group: bool, lr_scheduler=None, tensor_parallel=None):
+                 owns_group: bool, lr_scheduler=None, tensor_parallel=None, pipeline=None):
         super().__init__()
         self.module = module
         self.optimizer = optimizer
@@ -77,6 +77,8 @@ class Engine(DeepSpeedQueries, EngineReports, nn.Module):
         self._comm = comm
         # a parallel/_tensor_parallel.TensorParallelLayout, or None
         self._tensor_parallel = tensor_parallel
+        # a parallel/_pipeline.PipelineLayout: this rank's pipeline stage
+        self._pipeline = pipeline
         self._spec = spec_for(optimizer)
         self.compute_dtype = DTYPES[config.precision]
         self.device = comm.device  # the model's; every buffer lives there
@@ -338,11 +340,12 @@ class Engine(DeepSpeedQueries, EngineReports, nn.Module):
                 fg.reducer.finish_backward()
             fg.reduced_since_step = False
             fg.reduce_across_replicas()
+        if self._pipeline is not None:  # a tied head's copies take the same gradient
+            self._pipeline.sum_ties(self.groups, self._comm, self.policy.partitions)
         sumsq = self.step_path.squared_norm(self.groups, self._comm,
                                             across_ranks=self.policy.partitions)
-        if self._tensor_parallel is not None:
-            sumsq = tensor_parallel_sumsq(sumsq, self.groups, self._tensor_parallel,
-                                          self._comm, self.policy.partitions)
+        sumsq = model_parallel_sumsq(sumsq, self.groups, self._comm, self.policy.partitions,
+                                     self._tensor_parallel, self._pipeline)
         base = 1.0 / (self.loss_scale * self._comm.dp_world *
                       self.config.gradient_accumulation_steps)
         # a NaN gradient gives a NaN norm, as torch's clip_grad_norm_ does

@@ -8,7 +8,8 @@ from torch import nn
 
 from zero.comm._comm import Comm, join_process_group, leave_process_group
 from zero.sharding._copying import EngineRef
-from zero.parallel._mesh import resolve_mesh
+from zero.parallel._mesh import group_of_ranks, resolve_mesh
+from zero.parallel._pipeline import PipelineLayout, tie_ranks
 from zero.parallel._tensor_parallel import localize
 from zero.optim._from_config import optimizer_from_config
 from zero.sharding._partitioned_init import sharded_record
@@ -112,8 +113,12 @@ def initialize(model: nn.Module, *, optimizer=None, stage=None, precision=None,
         elif groups.everyone is not groups.shard:
             comm.everyone = Comm(device, groups.everyone)
         # [Note: local parameters] in parallel/_tensor_parallel.py
+        if groups.tp_mesh is not None or groups.pp_mesh is not None:
+            comm.with_model_parallel(groups.whole)
         tensor_parallel = localize(model, optimizer, groups.tp_mesh,
-                                   *_tensor_parallel_comms(device, groups))
+                                   Comm(device, groups.tp_mesh.get_group())
+                                   if groups.tp_mesh is not None else None)
+        pipeline = _pipeline_layout(model, mesh, groups, device)
         if tensor_parallel is None and groups.tp_mesh is not None and groups.tp_mesh.size() > 1:
             raise ValueError(f"mesh has a 'tp' dimension of size {groups.tp_mesh.size()}, but "
                              "no parameter of the model is a DTensor over it: parallelize the "
@@ -126,7 +131,7 @@ def initialize(model: nn.Module, *, optimizer=None, stage=None, precision=None,
             lr_scheduler = lr_scheduler(optimizer)
         _check_scheduler(lr_scheduler, optimizer)
         engine = Engine(model, optimizer, cfg, comm, created, lr_scheduler,
-                        tensor_parallel=tensor_parallel)
+                        tensor_parallel=tensor_parallel, pipeline=pipeline)
         model._zero_engine = EngineRef(engine)
         return engine
     except BaseException:
@@ -139,12 +144,25 @@ def initialize(model: nn.Module, *, optimizer=None, stage=None, precision=None,
         raise
 
 
-def _tensor_parallel_comms(device, groups):
-    """(the tp group's Comm, one over every rank of the engine), or Nones
-    without a tp dimension."""
-    if groups.tp_mesh is None:
-        return None, None
-    return Comm(device, groups.tp_mesh.get_group()), Comm(device, groups.whole)
+def _pipeline_layout(model, mesh, groups, device):
+    """The engine's PipelineLayout for a mesh with a pp dimension (None
+    without): its stage (split_gpt / split_llama say which, and what is
+    tied) and the group of the ranks that hold a tied parameter."""
+    if groups.pp_mesh is None:
+        if getattr(model, "_zero_pipeline", None) is not None:
+            raise ValueError("the model is a pipeline stage (split_gpt / split_llama) but the "
+                             "mesh has no 'pp' dimension; pass the mesh it was split over")
+        return None
+    info = getattr(model, "_zero_pipeline", None)
+    if info is not None and (info.index, info.count) != (groups.pp_mesh.get_local_rank(),
+                                                         groups.pp_mesh.size()):
+        raise ValueError(f"the model is stage {info.index} of {info.count}, but this rank is "
+                         f"stage {groups.pp_mesh.get_local_rank()} of {groups.pp_mesh.size()} "
+                         "on the mesh's pp dimension; split the model over mesh['pp']")
+    tie_comm = None
+    if info is not None and info.ties:
+        tie_comm = Comm(device, group_of_ranks(tie_ranks(mesh, info)))
+    return PipelineLayout(Comm(device, groups.pp_mesh.get_group()), info, tie_comm)
 
 
 def _check_not_partitioned_over_the_world(model: nn.Module) -> None:

@@ -11,9 +11,10 @@ dimensions (torchtitan's names) is read by name:
   once per step (hybrid sharding);
 - `tp`: tensor parallelism; the model's DTensor parameters are over it and
   ZeRO partitions each rank's local pieces over the data-parallel
-  dimensions only (_tensor_parallel.py).
-Pipeline dimensions (`pp`) are refused by name: not built yet
-(docs/engine.md, "Mesh").
+  dimensions only (_tensor_parallel.py);
+- `pp`: pipeline parallelism; the engine trains this rank's stage of the
+  model, and the norm, tied weights and checkpoints span the stages
+  (_pipeline.py).
 """
 from __future__ import annotations
 
@@ -32,7 +33,7 @@ def _is_device_mesh(mesh) -> bool:
     return isinstance(mesh, DeviceMesh)
 
 
-def _group_of_ranks(ranks):
+def group_of_ranks(ranks):
     """The default group when `ranks` are the whole world, else a group of
     them made by those ranks alone."""
     if len(ranks) == dist.get_world_size():
@@ -42,7 +43,8 @@ def _group_of_ranks(ranks):
 
 
 DATA_PARALLEL = ("dp_replicate", "dp_shard")
-KNOWN = DATA_PARALLEL + ("tp",)
+MODEL_PARALLEL = ("tp", "pp")
+KNOWN = DATA_PARALLEL + MODEL_PARALLEL
 
 
 @dataclass
@@ -50,18 +52,22 @@ class MeshGroups:
     """The groups a mesh names. shard: ZeRO partitions over it; replicate:
     this rank's replicas (None: none); everyone: every data-parallel rank,
     which agreements and rank 0's broadcasts span; tp_mesh: the 1-D
-    DeviceMesh of tensor parallelism (None: none). None for a group
-    stands for the default group."""
+    DeviceMesh of tensor parallelism (None: none); pp_mesh: that of
+    pipeline parallelism; whole: every rank of the mesh (data, tensor and
+    pipeline parallel), which a checkpoint's agreements span. None for a
+    group stands for the default group."""
     shard: object = None
     replicate: object = None
     everyone: object = None
     tp_mesh: object = None
+    pp_mesh: object = None
+    whole: object = None
 
     @property
     def partial(self) -> bool:
         """Whether ZeRO's group is less than the whole world."""
         return self.shard is not None or self.replicate is not None or \
-            self.tp_mesh is not None
+            self.tp_mesh is not None or self.pp_mesh is not None
 
 
 def resolve_mesh(mesh) -> MeshGroups:
@@ -71,22 +77,21 @@ def resolve_mesh(mesh) -> MeshGroups:
     if _is_device_mesh(mesh):
         _check_initialized()
         names = tuple(getattr(mesh, "mesh_dim_names", None) or ())
-        if mesh.ndim == 1 and names != ("tp",):
+        if mesh.ndim == 1 and names not in (("tp",), ("pp",)):
             return MeshGroups(*_one_group(mesh.get_group()))
         unknown = [n for n in names if n not in KNOWN]
         if not names or unknown or len(set(names)) != len(names):
-            why = "pipeline parallelism (pp) is not built yet" if "pp" in unknown else \
-                "name each dimension one of dp_replicate, dp_shard, tp"
             raise NotImplementedError(
                 f"mesh has {mesh.ndim} dimensions ({', '.join(names) or 'unnamed'}): zero takes "
                 "a 1-D mesh (or process group), or a mesh whose dimensions are named "
-                f"dp_replicate, dp_shard and tp (torchtitan's names); {why}")
+                "dp_replicate, dp_shard, tp and pp (torchtitan's names); name each dimension "
+                "one of them")
         return _named(mesh, names)
     if isinstance(mesh, dist.ProcessGroup):
         _check_initialized()
         return MeshGroups(*_one_group(mesh))
     raise TypeError("mesh must be a torch.distributed DeviceMesh (1-D, or with dimensions "
-                    "named dp_replicate, dp_shard, tp) or ProcessGroup, or None for the whole "
+                    "named dp_replicate, dp_shard, tp, pp) or ProcessGroup, or None for the whole "
                     f"world; got {type(mesh).__name__}")
 
 
@@ -94,7 +99,10 @@ def _named(mesh, names) -> MeshGroups:
     groups = _data_parallel(mesh, names)
     if "tp" in names:
         groups.tp_mesh = mesh["tp"]
-        groups.whole = _group_of_ranks(mesh.mesh.flatten().tolist())
+    if "pp" in names:
+        groups.pp_mesh = mesh["pp"]
+    if "tp" in names or "pp" in names:
+        groups.whole = group_of_ranks(mesh.mesh.flatten().tolist())
     return groups
 
 
@@ -104,8 +112,8 @@ def _data_parallel(mesh, names) -> MeshGroups:
         raise ValueError("mesh has a dp_replicate dimension without dp_shard: replicas of "
                          "what? Name the partitioning dimension dp_shard (or drop "
                          "dp_replicate: one data-parallel dimension is dp_shard)")
-    if not dp:  # tensor parallelism alone: each rank its own data-parallel group
-        own = _group_of_ranks([dist.get_rank()])
+    if not dp:  # model parallelism alone: each rank its own data-parallel group
+        own = group_of_ranks([dist.get_rank()])
         return MeshGroups(own, None, own)
     shard = _member(mesh["dp_shard"].get_group())
     if dp == ("dp_shard",):
@@ -113,7 +121,7 @@ def _data_parallel(mesh, names) -> MeshGroups:
         return MeshGroups(everyone, None, everyone)
     replicate = _member(mesh["dp_replicate"].get_group())
     ranks = mesh["dp_replicate", "dp_shard"].mesh.flatten().tolist()
-    return MeshGroups(_default(shard), replicate, _group_of_ranks(ranks))
+    return MeshGroups(_default(shard), replicate, group_of_ranks(ranks))
 
 
 def _check_initialized():

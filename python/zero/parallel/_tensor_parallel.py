@@ -155,9 +155,8 @@ class TensorParallelLayout:
     """The model's tensor-parallel parameters, by name (every name a tied
     parameter has), after `localize`; and the tp group's Comm."""
 
-    def __init__(self, comm, whole, placements: dict, modules: list):
+    def __init__(self, comm, placements: dict, modules: list):
         self.comm = comm              # over the tp group (None: an estimate's)
-        self.whole = whole            # over every rank of the engine (tp x data-parallel)
         mesh = next(iter(placements.values())).mesh
         self.world = mesh.size()
         self.rank = mesh.get_local_rank()
@@ -245,12 +244,11 @@ def tensor_parallel_mesh(model: nn.Module):
     return next((p.device_mesh for p in model.parameters() if is_dtensor(p)), None)
 
 
-def localize(model: nn.Module, optimizer, tp_mesh, comm=None,
-             whole=None) -> TensorParallelLayout | None:
+def localize(model: nn.Module, optimizer, tp_mesh, comm=None) -> TensorParallelLayout | None:
     """Turn the model's DTensor parameters into plain local ones ([Note:
     local parameters]) and point the optimizer at them. None when the
-    model has none. comm: a Comm over the tp group; whole: one over every
-    rank of the engine. Refusals come before anything is changed."""
+    model has none. comm: a Comm over the tp group (None for an estimate).
+    Refusals come before anything is changed."""
     found = {}  # id(DTensor parameter) -> (its placement, its local Parameter)
     where = []  # (module, name, id)
     names = {}
@@ -293,4 +291,4 @@ def localize(model: nn.Module, optimizer, tp_mesh, comm=None,
             optimizer.state[local] = {k: v.to_local() if is_dtensor(v) else v
                                       for k, v in state.items()}
     placements = {name: found[key][0] for key, ns in names.items() for name in ns}
-    return TensorParallelLayout(comm, whole, placements, swapped)
+    return TensorParallelLayout(comm, placements, swapped)

@@ -19,23 +19,37 @@ def clip_coefficient(max_norm, norm) -> float:
     return min(1.0, max_norm / (norm + 1e-6))
 
 
-def tensor_parallel_sumsq(sumsq, groups, tensor_parallel, comm, across_ranks) -> float:
-    """The squared global norm of a tensor-parallel model's gradients from
-    this rank's `sumsq` (already summed over the data-parallel ranks): a
-    sharded parameter's pieces differ on each tp rank and all count; a
-    replicated one (a LayerNorm, Replicate(), a parameter outside the
-    plan) is the same on each and counts once. So each tp rank weighs its
-    replicated part by 1/tp before the sum over tp, which keeps the global
-    norm torch's on the unsplit model."""
-    if tensor_parallel.world == 1:
+def model_parallel_sumsq(sumsq, groups, comm, across_ranks, tensor_parallel=None,
+                        pipeline=None) -> float:
+    """The squared global norm of a tensor- or pipeline-parallel model's
+    gradients from this rank's `sumsq` (already summed over the data-
+    parallel ranks). A parameter that lives on several model-parallel
+    ranks at once counts once: a replicated one under tp (a LayerNorm,
+    Replicate(), one outside the plan) is the same on each tp rank, a
+    head tied to the embedding lives on the first and the last pipeline
+    stage. So each rank weighs such a parameter by 1 / its copies before
+    the sums over tp and over pp, which keeps the norm torch's on the
+    unsplit model."""
+    tp_world = tensor_parallel.world if tensor_parallel is not None else 1
+    pp_world = pipeline.count if pipeline is not None else 1
+    if tp_world == 1 and pp_world == 1:
         return sumsq
-    replicated = 0.0
+
+    def copies(name):
+        shared = tp_world if not tensor_parallel or not tensor_parallel.is_sharded(name) else 1
+        return shared * (pipeline.copies(name) if pipeline is not None else 1)
+    extra = 0.0
     for fg in groups:
-        for name, _lo, _hi, offset in fg.owned_pieces():
-            if not tensor_parallel.is_sharded(name):
-                piece = fg.grad_part[offset:offset + _hi - _lo]
-                replicated += float(piece.double().square().sum())
+        for name, lo, hi, offset in fg.owned_pieces():
+            n = copies(name)
+            if n > 1:
+                piece = fg.grad_part[offset:offset + hi - lo]
+                extra += float(piece.double().square().sum()) * (1.0 - 1.0 / n)
     if across_ranks:
-        replicated = comm.sum_scalar(replicated)
-    weighted = sumsq - replicated * (1.0 - 1.0 / tensor_parallel.world)
-    return tensor_parallel.comm.sum_scalar(weighted)
+        extra = comm.sum_scalar(extra)
+    weighted = sumsq - extra
+    if tp_world > 1:
+        weighted = tensor_parallel.comm.sum_scalar(weighted)
+    if pp_world > 1:
+        weighted = pipeline.comm.sum_scalar(weighted)
+    return weighted

@@ -1,0 +1,283 @@
+"""Pipeline parallelism composed with ZeRO (GPipe's and 1F1B's schedules,
+torch.distributed.pipelining's engines): each rank of the mesh's `pp`
+dimension holds one stage of the model, ZeRO partitions that stage over
+the data-parallel dimensions, and torch's schedule streams micro-batches
+through the stages.
+
+[Note: pipeline stages] What zero adds to torch's pipelining:
+- split_gpt / split_llama cut a model into stages by layers, keeping every
+  parameter's name (blocks.5.q.weight stays blocks.5.q.weight: the blocks
+  sit in a ModuleDict keyed by their index), so a checkpoint saved on one
+  pipeline layout loads on any other, or in one process;
+- pipeline_schedule builds torch's PipelineStage and schedule on the
+  engine's stage with scale_grads=False and each micro-batch's loss
+  divided by their number instead: zero's stages 2-3 move the gradients
+  out of .grad during backward, where torch's scale_grads would not find
+  them. The schedule's micro-batches are its accumulation: the engine
+  steps once per batch (gradient_accumulation_steps 1);
+- a head tied to the embedding (GPT-2, examples/gpt.py) lives on the first
+  and the last stage; each holds a copy, the copies' gradients are summed
+  at the step over the ranks that hold them (PipelineLayout.sum_ties), so
+  both take the same update, as Megatron-LM does with its shared
+  embedding; the last stage's copy is not written into checkpoints (it is
+  the first stage's parameter under another name);
+- the global gradient norm sums the stages (a tied copy counted once).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+
+@dataclass
+class StageInfo:
+    """What a stage module made by split_gpt / split_llama tells the
+    engine: its place, and its tied copies (its parameter name -> the
+    name of the parameter it copies, which the first stage holds)."""
+    index: int
+    count: int
+    ties: dict = field(default_factory=dict)
+
+
+def _stage_of(pp_mesh):
+    return pp_mesh.get_local_rank(), pp_mesh.size()
+
+
+def layer_range(layers: int, index: int, count: int) -> range:
+    """The layers stage `index` of `count` holds: contiguous, the first
+    stages one more each when `count` does not divide `layers`."""
+    if count > layers:
+        raise ValueError(f"{count} pipeline stages for {layers} layers: each stage needs at "
+                         "least one layer")
+    per, extra = divmod(layers, count)
+    start = index * per + min(index, extra)
+    return range(start, start + per + (index < extra))
+
+
+def _is_tied(first: nn.Module, first_name, last: nn.Module, last_name, count) -> bool:
+    """Whether last.<last_name> is first.<first_name> (a tied head) on
+    stages that differ: the last stage then gets a copy of its own."""
+    return count > 1 and getattr(last, last_name) is getattr(first, first_name)
+
+
+def _ties(index, count, tied, copy_name, canonical) -> dict:
+    """A stage's StageInfo.ties: the first stage holds the parameter, the
+    last its copy."""
+    if not tied:
+        return {}
+    return {canonical: canonical} if index == 0 else \
+        {copy_name: canonical} if index == count - 1 else {}
+
+
+class GPTStage(nn.Module):
+    """Stage `index` of `count` of examples/gpt.py's GPT: the embeddings on
+    the first, its blocks, the final norm and head on the last. Its
+    forward takes token ids (first stage) or the previous stage's hidden
+    states, and gives hidden states or (last stage) the logits."""
+
+    def __init__(self, model, index: int, count: int):
+        super().__init__()
+        self.first, self.last = index == 0, index == count - 1
+        tied = _is_tied(model.embed, "weight", model.head, "weight", count)
+        if self.first:
+            self.embed, self.pos = model.embed, model.pos
+        self.blocks = nn.ModuleDict({str(i): model.blocks[i]
+                                     for i in layer_range(len(model.blocks), index, count)})
+        if self.last:
+            self.ln, self.head = model.ln, model.head
+            if tied:
+                self.head.weight = nn.Parameter(model.embed.weight.detach().clone())
+        self._zero_pipeline = StageInfo(index, count, _ties(index, count, tied, "head.weight",
+                                                            "embed.weight"))
+
+    def forward(self, x):
+        if self.first:
+            x = self.embed(x) + self.pos(torch.arange(x.shape[1], device=x.device))
+        for block in self.blocks.values():
+            x = block(x)
+        return self.head(self.ln(x)) if self.last else x
+
+
+def split_gpt(model: nn.Module, pp_mesh) -> GPTStage:
+    """This rank's stage of examples/gpt.py's GPT over `pp_mesh`
+    (mesh["pp"]), by blocks; parameter names kept."""
+    index, count = _stage_of(pp_mesh)
+    return GPTStage(model, index, count)
+
+
+def gpt_loss(logits, labels):
+    """examples/gpt.py's loss on a last stage's logits (labels are the next
+    tokens)."""
+    return nn.functional.cross_entropy(logits.float().reshape(-1, logits.shape[-1]),
+                                       labels.reshape(-1))
+
+
+class _LlamaBody(nn.Module):
+    """The `model` of a LlamaForCausalLM stage: its share of the layers,
+    under their own indices, and the rotary embedding every stage needs."""
+
+
+class LlamaStage(nn.Module):
+    """Stage `index` of `count` of a HuggingFace LlamaForCausalLM (and
+    decoders laid out as it is): embed_tokens on the first, its decoder
+    layers, the final norm and lm_head on the last. Causal attention
+    through an explicit mask, so the eager and sdpa kernels both apply
+    it. Its forward takes input ids or hidden states and gives hidden
+    states or (last stage) the logits."""
+
+    def __init__(self, model, index: int, count: int):
+        super().__init__()
+        base = model.model
+        self.first, self.last = index == 0, index == count - 1
+        tied = _is_tied(base.embed_tokens, "weight", model.lm_head, "weight", count)
+        self.model = _LlamaBody()
+        if self.first:
+            self.model.embed_tokens = base.embed_tokens
+        self.model.layers = nn.ModuleDict({str(i): base.layers[i] for i in
+                                           layer_range(len(base.layers), index, count)})
+        self.model.rotary_emb = base.rotary_emb
+        if self.last:
+            self.model.norm = base.norm
+            self.lm_head = model.lm_head
+            if tied:
+                self.lm_head.weight = nn.Parameter(base.embed_tokens.weight.detach().clone())
+        self._zero_pipeline = StageInfo(index, count, _ties(
+            index, count, tied, "lm_head.weight", "model.embed_tokens.weight"))
+
+    def forward(self, x):
+        h = self.model.embed_tokens(x) if self.first else x
+        t = h.shape[1]
+        positions = torch.arange(t, device=h.device).unsqueeze(0)
+        rotary = self.model.rotary_emb(h, positions)
+        mask = torch.full((t, t), float("-inf"), dtype=h.dtype, device=h.device).triu(1)
+        mask = mask[None, None]
+        for layer in self.model.layers.values():
+            out = layer(h, attention_mask=mask, position_ids=positions,
+                        position_embeddings=rotary)
+            h = out[0] if isinstance(out, tuple) else out
+        return self.lm_head(self.model.norm(h)) if self.last else h
+
+
+def split_llama(model: nn.Module, pp_mesh) -> LlamaStage:
+    """This rank's stage of a HuggingFace LlamaForCausalLM over `pp_mesh`,
+    by decoder layers; parameter names kept."""
+    index, count = _stage_of(pp_mesh)
+    return LlamaStage(model, index, count)
+
+
+def causal_lm_loss(logits, labels):
+    """A HuggingFace causal LM's loss on a last stage's logits, with labels
+    as HuggingFace takes them (the input ids: shifted here)."""
+    return nn.functional.cross_entropy(
+        logits[:, :-1].float().reshape(-1, logits.shape[-1]), labels[:, 1:].reshape(-1))
+
+
+class _PerMicroBatch:
+    """loss_fn divided by the number of micro-batches: the schedule's
+    backwards then add up to the batch's mean ([Note: pipeline stages])."""
+
+    def __init__(self, loss_fn, n):
+        self.loss_fn, self.n = loss_fn, n
+
+    def __call__(self, output, target):
+        return self.loss_fn(output, target) / self.n
+
+
+SCHEDULES = ("gpipe", "1f1b")
+
+
+def pipeline_schedule(engine, pp_mesh, n_microbatches: int, loss_fn, schedule="1f1b"):
+    """torch's pipeline schedule over the engine's stage: `schedule` is
+    "gpipe", "1f1b", or a torch.distributed.pipelining schedule class
+    that takes a single stage. Call schedule.step(ids) on the first stage,
+    schedule.step(target=labels, losses=out) on the last (out: each
+    micro-batch's loss divided by n_microbatches; their sum is the batch's
+    mean loss), schedule.step() on the others; then engine.step()."""
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+    if isinstance(schedule, str):
+        if schedule not in SCHEDULES:
+            raise ValueError(f"schedule must be one of {SCHEDULES} or a schedule class, got "
+                             f"{schedule!r}")
+        schedule = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[schedule]
+    if not isinstance(n_microbatches, int) or n_microbatches < 1:
+        raise ValueError(f"n_microbatches must be a positive integer, got {n_microbatches!r}")
+    if engine.config.gradient_accumulation_steps != 1:
+        raise ValueError("the pipeline's micro-batches are its accumulation: build the engine "
+                         "with gradient_accumulation_steps=1 (it is "
+                         f"{engine.config.gradient_accumulation_steps}) and call "
+                         "engine.step() once per schedule.step()")
+    index, count = _stage_of(pp_mesh)
+    stage = PipelineStage(engine.module, index, count, engine.device,
+                          group=pp_mesh.get_group())
+    return schedule(stage, n_microbatches, loss_fn=_PerMicroBatch(loss_fn, n_microbatches),
+                    scale_grads=False)
+
+
+def tie_ranks(mesh, info: StageInfo) -> list:
+    """The global ranks that hold this stage's tied parameter: the first
+    and the last stage's, every data-parallel rank of them, at this rank's
+    place on the other model-parallel dimensions (tp)."""
+    names = mesh.mesh_dim_names
+    coordinate = mesh.get_coordinate()
+    ranks = mesh.mesh
+    for d in reversed(range(len(names))):
+        if names[d] == "pp":
+            keep = [0, info.count - 1]
+        elif names[d] == "tp":
+            keep = [coordinate[d]]
+        else:
+            continue
+        ranks = ranks.index_select(d, torch.tensor(keep))
+    return sorted(ranks.flatten().tolist())
+
+
+class PipelineLayout:
+    """The engine's view of its stage: the pp group's Comm, the stage's
+    tied copies, and the Comm over the ranks that hold them."""
+
+    def __init__(self, comm, info: StageInfo | None, tie_comm=None):
+        self.comm = comm
+        self.index, self.count = comm.rank, comm.world
+        self.ties = dict(info.ties) if info is not None else {}
+        self.tie_comm = tie_comm
+
+    def canonical(self, name: str) -> str:
+        """The name a checkpoint keeps `name` under (a tied copy: the
+        parameter it copies)."""
+        return self.ties.get(name, name)
+
+    def is_copy(self, name: str) -> bool:
+        return self.ties.get(name, name) != name
+
+    def copies(self, name: str) -> int:
+        """On how many stages `name` lives (a tied parameter: two)."""
+        return 2 if name in self.ties else 1
+
+    def sum_ties(self, groups, comm, partitions: bool):
+        """Each tied parameter's gradient summed over its two stages, after
+        the data-parallel reduction: every rank that holds a reduced
+        element (its own partition's; at stage 0 the first data-parallel
+        rank, with replicas the first replica) adds it into a buffer of the
+        whole parameter, one all-reduce over the tie's ranks sums the
+        stages, and each rank takes back its elements."""
+        if self.tie_comm is None:
+            return
+        first_replica = comm.replicate is None or comm.replicate.rank == 0
+        for fg in groups:
+            pieces = [p for p in fg.owned_pieces() if p[0] in self.ties]
+            # every rank of the tie, in the same order on both stages,
+            # also one whose partition holds none of it
+            for name in sorted((n for n in fg.names if n in self.ties), key=self.canonical):
+                mine = [p for p in pieces if p[0] == name]
+                i = fg.names.index(name)
+                unit = fg.unit_of[i]
+                whole = torch.zeros(unit.numels[i - unit.members.start], dtype=fg.grad_part.dtype, device=fg.grad_part.device)
+                contributes = first_replica and (partitions or comm.rank == 0)
+                if contributes:
+                    for _n, lo, hi, offset in mine:
+                        whole[lo:hi] = fg.grad_part[offset:offset + hi - lo]
+                self.tie_comm.all_reduce_sum(whole)
+                for _n, lo, hi, offset in mine:
+                    fg.grad_part[offset:offset + hi - lo] = whole[lo:hi]
