@@ -128,8 +128,9 @@ def test_only_comm_and_the_mesh_import_torch_distributed():
     """Every collective goes through comm/_comm.py with the group it is
     given; comm/_world.py makes a default group on a script's request
     (zero.deepspeed.init_distributed); parallel/ builds the groups from
-    the user's mesh. DTensor (torch.distributed.tensor: tensor
-    parallelism's plans and local parameters) is parallel/'s alone."""
+    the user's mesh. torch's model-parallel engines (DTensor:
+    torch.distributed.tensor; torch.distributed.pipelining) are parallel/'s
+    tensor- and pipeline-parallel modules' alone."""
     found, dtensor = [], []
     for path, name in modules():
         tree = ast.parse(path.read_text())
@@ -137,10 +138,11 @@ def test_only_comm_and_the_mesh_import_torch_distributed():
             names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
                 [node.module or ""] if isinstance(node, ast.ImportFrom) else []
             for n in names:
-                if n.startswith("torch.distributed.tensor"):
+                if n.startswith(("torch.distributed.tensor", "torch.distributed.pipelining")):
                     dtensor.append(name)
                 elif n == "torch.distributed" or n.startswith("torch.distributed."):
                     found.append(name)
     assert sorted(set(found)) == ["zero.comm._comm", "zero.comm._world",
                                   "zero.parallel._mesh"], found
-    assert sorted(set(dtensor)) == ["zero.parallel._plans", "zero.parallel._tensor_parallel"]
+    assert sorted(set(dtensor)) == ["zero.parallel._pipeline", "zero.parallel._plans",
+                                    "zero.parallel._tensor_parallel"]

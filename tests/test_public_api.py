@@ -18,8 +18,9 @@ def test_optimizer_names():
 
 
 def test_parallel_names():
-    assert sorted(zero.parallel.__all__) == ["gpt_plan", "llama_plan", "parallelize_gpt",
-                                             "parallelize_llama"]
+    assert sorted(zero.parallel.__all__) == [
+        "causal_lm_loss", "gpt_loss", "gpt_plan", "llama_plan", "parallelize_gpt",
+        "parallelize_llama", "pipeline_schedule", "split_gpt", "split_llama"]
 
 
 def test_checkpoint_names():

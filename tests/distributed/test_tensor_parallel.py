@@ -24,112 +24,14 @@ there loads back on tp=2 x dp=2 at stage 0, each holding exactly the saved
 values; consolidate gives the whole tensors. close() hands back DTensor
 parameters holding the trained values, and each run's memory_summary()
 equals zero.estimate_memory of the parallelized model on the mesh."""
-import os
-import sys
-
 import pytest
 import torch
 
 import harness
 from conftest import max_rel_error
+from parallel_cases import (ADAM_TOL, CFG, STEPS, TOL, batch, dp_place, loss_of, make_model,
+                            make_optimizer, mesh_of, reference)
 from test_estimate import check as check_estimate
-
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(
-    os.path.abspath(__file__)))), "examples"))
-from gpt import GPT, GPTConfig  # noqa: E402
-
-CFG = GPTConfig(vocab=64, dim=32, layers=2, heads=4, seq=8)
-STEPS = 4
-BATCH = 8
-TOL = 1e-5
-# SGD with momentum: its update is linear in the gradient, so a few ulps of
-# difference in the gradients stay a few ulps in the parameters. Adam
-# divides each element by its own gradient's size, which multiplies the
-# relative error of an element whose gradient nearly cancels by as much as
-# the cancellation; it is checked once, at ADAM_TOL (measured: 1.2e-5 to
-# 3.3e-5 on this model, and about as much for plain data parallelism).
-ADAM_TOL = 1e-4
-
-
-def make_optimizer(name, model):
-    params = [p for p in model.parameters() if p.requires_grad]
-    if name == "adamw":
-        return torch.optim.AdamW(params, lr=2e-3)
-    return torch.optim.SGD(params, lr=0.05, momentum=0.9)
-
-
-def make_model(kind="gpt"):
-    torch.manual_seed(0)
-    if kind == "llama":
-        return _llama()
-    model = GPT(CFG)
-    for block in model.blocks:
-        block.k.bias.requires_grad_(False)
-        # attention that is not uniform at the start: with GPT's 0.02 the
-        # scores are ~1e-3, the queries' gradients nearly cancel, and
-        # Adam's normalized steps on them are rounding noise again
-        for linear in (block.q, block.k):
-            torch.nn.init.normal_(linear.weight, std=0.3)
-    return model
-
-
-def _llama():
-    """A tiny HuggingFace Llama (grouped-query attention: 4 heads, 2 key/
-    value heads), parallelized by zero.parallel.parallelize_llama."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-    config = LlamaConfig(vocab_size=CFG.vocab, hidden_size=32, intermediate_size=64,
-                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                         max_position_embeddings=CFG.seq, attn_implementation="eager")
-    return LlamaForCausalLM(config)
-
-
-def loss_of(model, ids, labels):
-    """GPT takes the next tokens as labels; a HuggingFace model shifts them
-    itself."""
-    if isinstance(model, GPT) or isinstance(getattr(model, "module", None), GPT):
-        return model(ids, labels)
-    return model(input_ids=ids, labels=ids).loss
-
-
-def batch(step):
-    g = torch.Generator().manual_seed(100 + step)
-    ids = torch.randint(0, CFG.vocab, (BATCH, CFG.seq), generator=g)
-    return ids, torch.roll(ids, -1, dims=1)
-
-
-def reference(accumulation=1, clip=None, opt="sgd", kind="gpt"):
-    """One process of plain torch on the whole batch: (losses, norms, state)."""
-    model = make_model(kind)
-    opt = make_optimizer(opt, model)
-    losses, norms = [], []
-    for step in range(STEPS):
-        ids, labels = batch(step)
-        total = 0.0
-        for ids_m, labels_m in zip(ids.chunk(accumulation), labels.chunk(accumulation)):
-            loss = loss_of(model, ids_m, labels_m)
-            (loss / accumulation).backward()
-            total += loss.item() / accumulation
-        if clip is not None:
-            norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), clip)))
-        opt.step()
-        opt.zero_grad()
-        losses.append(total)
-    return losses, norms, {k: v.detach().clone() for k, v in model.state_dict().items()}
-
-
-def _mesh(shape, names):
-    from torch.distributed.device_mesh import init_device_mesh
-    return init_device_mesh("cpu", shape, mesh_dim_names=names)
-
-
-def _dp_place(mesh):
-    """(this rank's data-parallel index, the data-parallel size) on `mesh`."""
-    index, size = 0, 1
-    for name in ("dp_replicate", "dp_shard"):
-        if name in (mesh.mesh_dim_names or ()):
-            index = index * mesh[name].size() + mesh[name].get_local_rank()
-            size *= mesh[name].size()
-    return index, size
 
 
 def parallelized(kind, mesh):
@@ -155,7 +57,7 @@ def train(mesh, stage, accumulation=1, clip=None, precision="fp32", opt="sgd", k
     import torch.distributed as dist
     engine = _engine(mesh, stage, opt, kind, gradient_accumulation_steps=accumulation,
                      precision=precision)
-    index, size = _dp_place(mesh)
+    index, size = dp_place(mesh)
     losses, norms = [], []
     for step in range(STEPS):
         ids, labels = batch(step)
@@ -201,11 +103,11 @@ def checkpoints(directory):
     """Save on tp=2 x dp=2 at stage 3, load elsewhere; what each holds."""
     import zero
     out = {}
-    mesh = _mesh((2, 2), ("dp_shard", "tp"))
+    mesh = mesh_of((2, 2), ("dp_shard", "tp"))
     engine = _engine(mesh, 3)
     for step in range(2):
         ids, labels = batch(step)
-        index, size = _dp_place(mesh)
+        index, size = dp_place(mesh)
         engine.backward(engine(ids.chunk(size)[index], labels.chunk(size)[index]))
         engine.step()
     engine.save_checkpoint(directory, tag="tp")
@@ -214,7 +116,7 @@ def checkpoints(directory):
     out["consolidated"] = zero.checkpoint.consolidate(directory, tag="tp")["model"]
     for label, layout, stage in (("tp4 stage1", ((4,), ("tp",)), 1),
                                  ("dp4 stage2", ((4,), ("dp_shard",)), 2)):
-        engine = _engine(_mesh(*layout), stage)
+        engine = _engine(mesh_of(*layout), stage)
         engine.load_checkpoint(directory, tag="tp")
         out[label] = engine.full_state_dict()
         if label.startswith("dp4"):
@@ -230,15 +132,15 @@ def checkpoints(directory):
 def _worker(rank, world, directory):
     import torch.distributed as dist
     dist.init_process_group("gloo")
-    tp2_dp2 = _mesh((2, 2), ("dp_shard", "tp"))
+    tp2_dp2 = mesh_of((2, 2), ("dp_shard", "tp"))
     out = {}
     for stage in (0, 1, 2, 3):
         out[("tp2 x dp2", stage)] = train(tp2_dp2, stage)
     out["adamw"] = train(tp2_dp2, 3, opt="adamw")
     out["clip + accumulation"] = train(tp2_dp2, 2, accumulation=2, clip=0.5)
     out["bf16"] = train(tp2_dp2, 2, precision="bf16")
-    out["replicas x tp2"] = train(_mesh((2, 1, 2), ("dp_replicate", "dp_shard", "tp")), 3)
-    out["tp4"] = train(_mesh((4,), ("tp",)), 1)
+    out["replicas x tp2"] = train(mesh_of((2, 1, 2), ("dp_replicate", "dp_shard", "tp")), 3)
+    out["tp4"] = train(mesh_of((4,), ("tp",)), 1)
     out["llama"] = train(tp2_dp2, 2, kind="llama")
     out["checkpoints"] = checkpoints(directory)
     dist.destroy_process_group()

@@ -13,8 +13,9 @@ import warnings
 
 import torch
 
-from zero.checkpoint._engine_parts import (all_ok, in_files, param_shapes, release_offloaded,
-                                           replicated_frozen, whole_comm)
+from zero.checkpoint._engine_parts import (all_ok, checkpoint_name, holds_a_part, in_files,
+                                           param_shapes, release_offloaded, replicated_frozen,
+                                           whole_comm)
 from zero.checkpoint._format import (LATEST_FILE, META_FILE, STAGING_SUFFIX, CheckpointReader,
                                      resolve_tag, tag_directory_hint)
 from zero.checkpoint._restored_settings import check_restored_settings
@@ -66,7 +67,8 @@ def _check_params(engine, meta):
     saved = meta["params"]
     ours = param_shapes(engine)
     missing = [n for n in ours if n not in saved]
-    extra = [n for n in saved if n not in ours]
+    # a pipeline stage holds a part of the model the checkpoint holds
+    extra = [] if holds_a_part(engine) else [n for n in saved if n not in ours]
     if missing:
         raise ValueError(f"the checkpoint has no parameter {missing[0]!r}"
                          + (f" (nor {len(missing) - 1} more)" if len(missing) > 1 else "")
@@ -91,9 +93,11 @@ def _check_optimizer(engine, reader):
         raise ValueError(f"the checkpoint has {len(meta['groups'])} param groups, the "
                          f"optimizer has {len(groups)}" + hint)
     names = parameter_names(engine.module)
+    part = holds_a_part(engine)
     for gi, (saved, group) in enumerate(zip(meta["groups"], groups)):
-        ours = [names[id(p)] for p in group["params"]]
-        if sorted(ours) != sorted(saved["param_names"]):
+        ours = [checkpoint_name(engine, names[id(p)]) for p in group["params"]]
+        if (not set(ours) <= set(saved["param_names"])) if part else \
+                sorted(ours) != sorted(saved["param_names"]):
             only_here = sorted(set(ours) - set(saved["param_names"]))
             only_saved = sorted(set(saved["param_names"]) - set(ours))
             what = "; ".join(f"{label}: {', '.join(repr(n) for n in found[:3])}"
@@ -113,7 +117,7 @@ def _check_optimizer(engine, reader):
             raise ValueError(f"param group {fg.index} was saved with hyperparameters that keep "
                              f"the states {sorted(saved_states)}, the engine's optimizer keeps "
                              f"{sorted(fg.states)} (amsgrad or momentum differ)" + hint)
-        for name in fg.names:
+        for name in map(lambda n: checkpoint_name(engine, n), fg.names):
             for key in fg.states:
                 if not reader.has_state(name, key):
                     raise ValueError(f"the checkpoint has no optimizer state {key!r} for "
@@ -121,7 +125,8 @@ def _check_optimizer(engine, reader):
 
 
 def _targets(engine, with_optimizer):
-    """(flat group, name, lo, hi, offset, keys): what this rank reads."""
+    """(flat group, name, lo, hi, offset, keys): what this rank reads;
+    name is the parameter's own (checkpoint_name gives where it is kept)."""
     for fg in engine.all_groups:
         keys = ["value"] + (list(fg.states) if with_optimizer and fg.trainable else [])
         for name, lo, hi, offset in fg.owned_pieces():
@@ -137,39 +142,42 @@ def _check_stored(engine, reader, with_optimizer):
     for _fg, name, lo, hi, _offset, keys in _targets(engine, with_optimizer):
         for key in keys:
             if tp is not None and tp.is_sharded(name):
-                whole.add((name, key))
+                whole.add((checkpoint_name(engine, name), key))
             else:
-                reader.check(name, key, lo, hi - lo)
+                reader.check(checkpoint_name(engine, name), key, lo, hi - lo)
     for name, p in replicated_frozen(engine):
         if tp is not None and tp.is_sharded(name):
-            whole.add((name, "value"))
+            whole.add((checkpoint_name(engine, name), "value"))
         else:
-            reader.check(name, "value", 0, p.numel())
+            reader.check(checkpoint_name(engine, name), "value", 0, p.numel())
     for name, key in sorted(whole):
         reader.check(name, key, 0, reader.meta["params"][name]["numel"])
 
 
 class _LocalPieces:
-    """Reads a tensor-parallel rank's local elements from the whole
-    tensors a checkpoint keeps: each whole tensor is read once, and its
-    local piece kept until another is asked for (a piece of a Shard(1)
-    weight is one stretch per row of the whole)."""
+    """Reads a rank's elements of its parameters from the checkpoint, each
+    from the name it is kept under (a pipeline stage's tied copy: the
+    parameter's). A tensor-parallel rank's local elements come from the
+    whole tensors: each whole tensor is read once, and its local piece
+    kept until another is asked for (a piece of a Shard(1) weight is one
+    stretch per row of the whole)."""
 
     def __init__(self, engine, reader):
+        self.engine = engine
         self.tp = engine._tensor_parallel
         self.reader = reader
         self.held = (None, None)
 
     def local(self, name, key) -> torch.Tensor:
         if self.held[0] != (name, key):
-            whole = self.reader.read(name, key)
+            whole = self.reader.read(checkpoint_name(self.engine, name), key)
             self.held = ((name, key), self.tp.placement(name).local_slice(
                 whole, self.tp.rank).reshape(-1))
         return self.held[1]
 
     def read_into(self, name, key, lo, out):
         if self.tp is None or not self.tp.is_sharded(name):
-            self.reader.read_into(name, key, lo, out)
+            self.reader.read_into(checkpoint_name(self.engine, name), key, lo, out)
         else:
             out.copy_(self.local(name, key)[lo:lo + out.numel()])
 
@@ -240,7 +248,7 @@ def _check_buffers(engine, meta):
     """The same buffers, by name and shape, as the parameters are checked:
     a saved buffer the model lacks means another model."""
     ours = dict(_buffer_items(engine))
-    extra = [key for key in meta["buffers"] if key not in ours]
+    extra = [] if holds_a_part(engine) else [key for key in meta["buffers"] if key not in ours]
     if extra:
         raise ValueError(f"the checkpoint's buffer {extra[0]!r} is not in the model"
                          + (f" (nor {len(extra) - 1} more)" if len(extra) > 1 else ""))

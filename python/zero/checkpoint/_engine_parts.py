@@ -40,10 +40,26 @@ def whole_comm(engine):
     return engine._comm.whole
 
 
+def checkpoint_name(engine, name: str) -> str:
+    """The name a checkpoint keeps parameter `name` under: its own, but a
+    pipeline stage's tied copy goes by the parameter it copies
+    ([Note: pipeline stages] in parallel/_pipeline.py)."""
+    pipeline = engine._pipeline
+    return name if pipeline is None else pipeline.canonical(name)
+
+
+def is_copy(engine, name: str) -> bool:
+    """A pipeline stage's tied copy: the stage that holds the parameter
+    itself writes it."""
+    return engine._pipeline is not None and engine._pipeline.is_copy(name)
+
+
 def in_whole_tensors(engine, pieces) -> list:
-    """Pieces of the whole parameters (a tensor-parallel rank's local
-    pieces turned into the whole tensors' elements), as a checkpoint keeps
-    them: it loads under any tp size, or in one process."""
+    """Pieces of the whole parameters, as a checkpoint keeps them, so it
+    loads under any tp and pp size, or in one process: a tensor-parallel
+    rank's local pieces turned into the whole tensors' elements, a
+    pipeline stage's tied copies left to the stage that holds them."""
+    pieces = [p for p in pieces if not is_copy(engine, p[0])]
     tp = engine._tensor_parallel
     return pieces if tp is None else tp.global_pieces(pieces)
 
@@ -51,11 +67,14 @@ def in_whole_tensors(engine, pieces) -> list:
 def shard_index(engine, count=False) -> int:
     """This rank's shard file number (count=True: how many there are):
     one per data-parallel rank that writes (rank 0 alone at stage 0), for
-    each tp rank."""
-    comm, tp = engine._comm, engine._tensor_parallel
+    each tp rank of each pipeline stage."""
+    comm, tp, pp = engine._comm, engine._tensor_parallel, engine._pipeline
     per_tp = comm.world if engine.policy.partitions else 1
     tp_rank, tp_world = (tp.rank, tp.world) if tp is not None else (0, 1)
-    return tp_world * per_tp if count else tp_rank * per_tp + comm.rank
+    pp_rank, pp_world = (pp.index, pp.count) if pp is not None else (0, 1)
+    if count:
+        return pp_world * tp_world * per_tp
+    return (pp_rank * tp_world + tp_rank) * per_tp + comm.rank
 
 
 def param_shapes(engine) -> dict:
@@ -73,7 +92,13 @@ def param_shapes(engine) -> dict:
         for name, (shape, trainable) in shapes.items():
             if tp.is_sharded(name):
                 shapes[name] = (tp.placement(name).global_shape, trainable)
-    return shapes
+    return {checkpoint_name(engine, name): value for name, value in shapes.items()}
+
+
+def holds_a_part(engine) -> bool:
+    """Whether the engine trains one pipeline stage of a larger model: the
+    checkpoint then holds more parameters than it does."""
+    return engine._pipeline is not None and engine._pipeline.count > 1
 
 
 def all_ok(engine, error, doing="saving") -> None:

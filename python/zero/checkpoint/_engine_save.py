@@ -14,9 +14,10 @@ import os
 import torch
 
 from zero._version import __version__
-from zero.checkpoint._engine_parts import (all_ok, host_copy, in_files, in_whole_tensors,
-                                           param_shapes, release_offloaded, replicated_frozen,
-                                           shard_index, whole_comm)
+from zero.checkpoint._engine_parts import (all_ok, checkpoint_name, holds_a_part, host_copy,
+                                           in_files, in_whole_tensors, param_shapes,
+                                           release_offloaded, replicated_frozen, shard_index,
+                                           whole_comm)
 from zero.checkpoint._format import (FORMAT, META_FILE, REPLICATED_GROUP, VERSION, check_plain,
                                      check_tag, shard_file, staging_directory)
 from zero.checkpoint._writes import (discard_replaced, discard_staging, prepare_staging, publish,
@@ -82,7 +83,7 @@ def _meta(engine, client_state, scheduler_state, shard_files) -> dict:
     state_dict, buffers = [], {}
     for key, t in engine.module_state_entries().items():
         if id(t) in names:
-            state_dict.append((key, "param", names[id(t)]))
+            state_dict.append((key, "param", checkpoint_name(engine, names[id(t)])))
         else:
             state_dict.append((key, "buffer", None))
             buffers[key] = host_copy(t)
@@ -92,7 +93,8 @@ def _meta(engine, client_state, scheduler_state, shard_files) -> dict:
     for gi, group in enumerate(optimizer.param_groups):
         hyper = {k: v for k, v in group.items() if k != "params"}
         check_plain(hyper, f"optimizer.param_groups[{gi}]")
-        groups.append({"param_names": [names[id(p)] for p in group["params"]],
+        groups.append({"param_names": [checkpoint_name(engine, names[id(p)])
+                                       for p in group["params"]],
                        "hyper": hyper, "step": steps.get(gi, 0),
                        "states": states.get(gi, [])})
     params = {name: {"shape": list(shape), "numel": int(torch.Size(shape).numel()),
@@ -102,6 +104,7 @@ def _meta(engine, client_state, scheduler_state, shard_files) -> dict:
     return {"format": FORMAT, "version": VERSION, "zero_version": __version__,
             "world_size": engine._comm.world, "stage": engine.stage,
             "tensor_parallel": engine._tensor_parallel.world if engine._tensor_parallel else 1,
+            "pipeline_stages": engine._pipeline.count if engine._pipeline else 1,
             "precision": engine.config.precision, "optimizer": engine._spec.name,
             "optimizer_class": type(optimizer).__qualname__, "params": params,
             "state_dict": state_dict, "buffers": buffers, "groups": groups,
@@ -109,6 +112,49 @@ def _meta(engine, client_state, scheduler_state, shard_files) -> dict:
                        "skipped_steps": engine.skipped_steps},
             "loss_scaler": scaler, "lr_scheduler": scheduler_state,
             "client_state": client_state, "shards": shard_files}
+
+
+STAGE_KEYS = ("params", "state_dict", "buffers", "groups")
+
+
+def _writes_stage_meta(engine) -> bool:
+    """Whether this rank gives its pipeline stage's part of the meta: the
+    stage's first data- and tensor-parallel rank."""
+    tp = engine._tensor_parallel
+    return holds_a_part(engine) and engine._comm.everyone.rank == 0 and \
+        (tp is None or tp.rank == 0)
+
+
+def _stage_part(meta) -> dict:
+    return {key: meta[key] for key in STAGE_KEYS}
+
+
+def _merged_stages(parts) -> dict:
+    """The whole model's parameters, state dict entries, buffers and
+    optimizer groups from each pipeline stage's (index, part), stage by
+    stage; a tied copy's entries name the parameter it copies, so they
+    merge into one."""
+    parts = [part for _index, part in sorted(parts, key=lambda p: p[0])]
+    merged = {"params": {}, "state_dict": [], "buffers": {}}
+    groups = [dict(g, param_names=[], states=[]) for g in parts[0]["groups"]]
+    keys, names = set(), [set() for _ in groups]
+    for part in parts:
+        if len(part["groups"]) != len(groups):
+            raise ValueError("the pipeline stages' optimizers have different numbers of param "
+                             f"groups ({len(groups)} and {len(part['groups'])}); give every "
+                             "stage's optimizer the same groups")
+        merged["params"].update(part["params"])
+        merged["buffers"].update(part["buffers"])
+        for entry in part["state_dict"]:
+            if entry[0] not in keys:
+                keys.add(entry[0])
+                merged["state_dict"].append(entry)
+        for group, seen, stage_group in zip(groups, names, part["groups"]):
+            group["param_names"] += [n for n in stage_group["param_names"] if n not in seen]
+            seen.update(stage_group["param_names"])
+            group["states"] = sorted(set(group["states"]) | set(stage_group["states"]))
+    merged["groups"] = groups
+    return merged
 
 
 def _gradients_pending(engine) -> bool:
@@ -193,17 +239,23 @@ def _save_agreed(engine, save_dir, tag, save_id, client_state, save_latest, erro
                                os.path.join(staging, shard_file(shard_index(engine))))
         finally:  # offloaded states were read through their mapping
             release_offloaded(engine)
-        if whole.rank == 0:
+        if whole.rank == 0 or _writes_stage_meta(engine):
             shard_files = [shard_file(r) for r in range(shard_index(engine, count=True))]
             meta = _meta(engine, client_state, scheduler_state, shard_files)
             meta["save_id"] = save_id
     except Exception as e:
         error = e
     all_ok(engine, error)
+    stages = None
+    if holds_a_part(engine):  # every stage's parameters, into one meta
+        stages = whole.gather_objects((engine._pipeline.index, _stage_part(meta))
+                                      if _writes_stage_meta(engine) else None)
     # the meta only once every shard is on the disk, then the staging
     # directory replaces the tag whole
     try:
         if whole.rank == 0:
+            if stages is not None:
+                meta.update(_merged_stages([part for part in stages if part is not None]))
             write_file(meta, os.path.join(staging, META_FILE))
             publish(save_dir, tag)
     except Exception as e:

@@ -11,10 +11,11 @@ import datetime
 import os
 import time
 import warnings
-from collections import defaultdict
 
 import torch
 import torch.distributed as dist
+
+from zero.comm._log import CommLog
 
 _LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 # [Note: timeouts] How long a collective on a group zero makes waits for the
@@ -400,39 +401,6 @@ def leave_process_group(created: bool):
         dist.destroy_process_group()
 
 
-class CommLog:
-    """Elements and bytes per collective since the last reset().
-
-    `moved_elements` counts what each collective carries in the ZeRO paper's
-    accounting: a reduce, reduce-scatter, all-gather or broadcast of n
-    elements moves n; an all-reduce moves 2n (a reduce-scatter plus an
-    all-gather).
-    """
-
-    WEIGHT = {"all_reduce": 2}
-
-    def __init__(self):
-        self.reset()
-
-    def reset(self):
-        self.calls = defaultdict(int)
-        self.elements = defaultdict(int)
-        self.bytes = defaultdict(int)
-
-    def record(self, op: str, tensor: torch.Tensor, elements: int | None = None):
-        n = tensor.numel() if elements is None else elements
-        self.calls[op] += 1
-        self.elements[op] += n
-        self.bytes[op] += n * tensor.element_size()
-
-    def summary(self) -> dict:
-        ops = {op: {"calls": self.calls[op], "elements": self.elements[op],
-                    "bytes": self.bytes[op]} for op in self.calls}
-        moved = sum(self.WEIGHT.get(op, 1) * e for op, e in self.elements.items())
-        return {"ops": ops, "moved_elements": moved,
-                "moved_bytes": sum(self.WEIGHT.get(op, 1) * b for op, b in self.bytes.items())}
-
-
 class Comm:
     """Collectives over one process group, logged: the default group, or
     the one given to zero.initialize as `mesh` (a group or a 1-D
@@ -580,6 +548,16 @@ class Comm:
                             device=self.scalar_device)
         self._issue("all_gather", all_gather_single, every, mine, group=self.group)
         return every.view(self.world, -1).tolist()
+
+    def gather_objects(self, obj) -> list | None:
+        """Every rank's picklable object, in rank order, on the group's rank
+        0 (None on the others); not logged, like gather_scalars."""
+        if self.world == 1:
+            return [obj]
+        out = [None] * self.world if self.rank == 0 else None
+        self._issue("gather_object", dist.gather_object, obj, out, dst=self.global_ranks[0],
+                    group=self.group)
+        return out
 
     def sum_scalars_(self, tensor):
         """Sum a few numbers (a tensor on the model's device) over ranks in

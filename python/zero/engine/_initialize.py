@@ -8,8 +8,8 @@ from torch import nn
 
 from zero.comm._comm import Comm, join_process_group, leave_process_group
 from zero.sharding._copying import EngineRef
-from zero.parallel._mesh import group_of_ranks, resolve_mesh
-from zero.parallel._pipeline import PipelineLayout, tie_ranks
+from zero.parallel._mesh import resolve_mesh
+from zero.parallel._pipeline import PipelineLayout
 from zero.parallel._tensor_parallel import localize
 from zero.optim._from_config import optimizer_from_config
 from zero.sharding._partitioned_init import sharded_record
@@ -118,7 +118,7 @@ def initialize(model: nn.Module, *, optimizer=None, stage=None, precision=None,
         tensor_parallel = localize(model, optimizer, groups.tp_mesh,
                                    Comm(device, groups.tp_mesh.get_group())
                                    if groups.tp_mesh is not None else None)
-        pipeline = _pipeline_layout(model, mesh, groups, device)
+        pipeline = _pipeline_layout(model, groups, device)
         if tensor_parallel is None and groups.tp_mesh is not None and groups.tp_mesh.size() > 1:
             raise ValueError(f"mesh has a 'tp' dimension of size {groups.tp_mesh.size()}, but "
                              "no parameter of the model is a DTensor over it: parallelize the "
@@ -144,10 +144,10 @@ def initialize(model: nn.Module, *, optimizer=None, stage=None, precision=None,
         raise
 
 
-def _pipeline_layout(model, mesh, groups, device):
+def _pipeline_layout(model, groups, device):
     """The engine's PipelineLayout for a mesh with a pp dimension (None
     without): its stage (split_gpt / split_llama say which, and what is
-    tied) and the group of the ranks that hold a tied parameter."""
+    tied)."""
     if groups.pp_mesh is None:
         if getattr(model, "_zero_pipeline", None) is not None:
             raise ValueError("the model is a pipeline stage (split_gpt / split_llama) but the "
@@ -159,10 +159,8 @@ def _pipeline_layout(model, mesh, groups, device):
         raise ValueError(f"the model is stage {info.index} of {info.count}, but this rank is "
                          f"stage {groups.pp_mesh.get_local_rank()} of {groups.pp_mesh.size()} "
                          "on the mesh's pp dimension; split the model over mesh['pp']")
-    tie_comm = None
-    if info is not None and info.ties:
-        tie_comm = Comm(device, group_of_ranks(tie_ranks(mesh, info)))
-    return PipelineLayout(Comm(device, groups.pp_mesh.get_group()), info, tie_comm)
+    return PipelineLayout(Comm(device, groups.pp_mesh.get_group()), info,
+                          dict(model.named_parameters()))
 
 
 def _check_not_partitioned_over_the_world(model: nn.Module) -> None:

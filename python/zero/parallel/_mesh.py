@@ -33,13 +33,26 @@ def _is_device_mesh(mesh) -> bool:
     return isinstance(mesh, DeviceMesh)
 
 
+# groups made by group_of_ranks, by their ranks, for the default group they
+# were made in: torch names a group made by its ranks alone after them, and
+# a second group of the same ranks would meet the first's keys in the store
+# (measured: a hang at the next engine on the same ranks)
+_made = {"world": None, "groups": {}}
+
+
 def group_of_ranks(ranks):
     """The default group when `ranks` are the whole world, else a group of
-    them made by those ranks alone."""
+    them made by those ranks alone (once per process: a later engine on the
+    same ranks shares it)."""
     if len(ranks) == dist.get_world_size():
         return None
-    return dist.new_group(sorted(ranks), use_local_synchronization=True,
-                          timeout=current_timeout())
+    if _made["world"] is not dist.group.WORLD:
+        _made.update(world=dist.group.WORLD, groups={})
+    key = tuple(sorted(ranks))
+    if key not in _made["groups"]:
+        _made["groups"][key] = dist.new_group(list(key), use_local_synchronization=True,
+                                              timeout=current_timeout())
+    return _made["groups"][key]
 
 
 DATA_PARALLEL = ("dp_replicate", "dp_shard")

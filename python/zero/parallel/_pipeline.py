@@ -34,11 +34,14 @@ from torch import nn
 @dataclass
 class StageInfo:
     """What a stage module made by split_gpt / split_llama tells the
-    engine: its place, and its tied copies (its parameter name -> the
-    name of the parameter it copies, which the first stage holds)."""
+    engine: its place, its tied copies (its parameter name -> the name of
+    the parameter it copies, which the first stage holds), and the names
+    of the model's parameters tied across stages (the same on every
+    stage, so all take part in their sums)."""
     index: int
     count: int
     ties: dict = field(default_factory=dict)
+    tied: tuple = ()
 
 
 def _stage_of(pp_mesh):
@@ -79,6 +82,7 @@ class GPTStage(nn.Module):
 
     def __init__(self, model, index: int, count: int):
         super().__init__()
+        self.cfg = model.cfg  # what parallelize_gpt checks the tp size against
         self.first, self.last = index == 0, index == count - 1
         tied = _is_tied(model.embed, "weight", model.head, "weight", count)
         if self.first:
@@ -90,7 +94,8 @@ class GPTStage(nn.Module):
             if tied:
                 self.head.weight = nn.Parameter(model.embed.weight.detach().clone())
         self._zero_pipeline = StageInfo(index, count, _ties(index, count, tied, "head.weight",
-                                                            "embed.weight"))
+                                                            "embed.weight"),
+                                        ("embed.weight",) if tied else ())
 
     def forward(self, x):
         if self.first:
@@ -130,6 +135,7 @@ class LlamaStage(nn.Module):
     def __init__(self, model, index: int, count: int):
         super().__init__()
         base = model.model
+        self.config = model.config  # what parallelize_llama checks the tp size against
         self.first, self.last = index == 0, index == count - 1
         tied = _is_tied(base.embed_tokens, "weight", model.lm_head, "weight", count)
         self.model = _LlamaBody()
@@ -143,8 +149,9 @@ class LlamaStage(nn.Module):
             self.lm_head = model.lm_head
             if tied:
                 self.lm_head.weight = nn.Parameter(base.embed_tokens.weight.detach().clone())
+        canonical = "model.embed_tokens.weight"
         self._zero_pipeline = StageInfo(index, count, _ties(
-            index, count, tied, "lm_head.weight", "model.embed_tokens.weight"))
+            index, count, tied, "lm_head.weight", canonical), (canonical,) if tied else ())
 
     def forward(self, x):
         h = self.model.embed_tokens(x) if self.first else x
@@ -215,33 +222,23 @@ def pipeline_schedule(engine, pp_mesh, n_microbatches: int, loss_fn, schedule="1
                     scale_grads=False)
 
 
-def tie_ranks(mesh, info: StageInfo) -> list:
-    """The global ranks that hold this stage's tied parameter: the first
-    and the last stage's, every data-parallel rank of them, at this rank's
-    place on the other model-parallel dimensions (tp)."""
-    names = mesh.mesh_dim_names
-    coordinate = mesh.get_coordinate()
-    ranks = mesh.mesh
-    for d in reversed(range(len(names))):
-        if names[d] == "pp":
-            keep = [0, info.count - 1]
-        elif names[d] == "tp":
-            keep = [coordinate[d]]
-        else:
-            continue
-        ranks = ranks.index_select(d, torch.tensor(keep))
-    return sorted(ranks.flatten().tolist())
-
-
 class PipelineLayout:
     """The engine's view of its stage: the pp group's Comm, the stage's
-    tied copies, and the Comm over the ranks that hold them."""
+    tied copies, and the sizes of the parameters tied across stages."""
 
-    def __init__(self, comm, info: StageInfo | None, tie_comm=None):
+    def __init__(self, comm, info: StageInfo | None, params: dict):
+        """params: this stage's parameters by name (local tensors)."""
         self.comm = comm
         self.index, self.count = comm.rank, comm.world
         self.ties = dict(info.ties) if info is not None else {}
-        self.tie_comm = tie_comm
+        self.tied = tuple(info.tied) if info is not None else ()
+        # every stage takes part in each tie's sum over pp: the sizes come
+        # from the stages that hold it (the local ones, under tp)
+        mine = [0] * len(self.tied)
+        for name, canonical in self.ties.items():
+            mine[self.tied.index(canonical)] = params[name].numel()
+        rows = comm.gather_ints(mine) if self.tied and comm.world > 1 else [mine]
+        self.tie_sizes = [max(column) for column in zip(*rows)] if self.tied else []
 
     def canonical(self, name: str) -> str:
         """The name a checkpoint keeps `name` under (a tied copy: the
@@ -257,27 +254,32 @@ class PipelineLayout:
 
     def sum_ties(self, groups, comm, partitions: bool):
         """Each tied parameter's gradient summed over its two stages, after
-        the data-parallel reduction: every rank that holds a reduced
-        element (its own partition's; at stage 0 the first data-parallel
-        rank, with replicas the first replica) adds it into a buffer of the
-        whole parameter, one all-reduce over the tie's ranks sums the
-        stages, and each rank takes back its elements."""
-        if self.tie_comm is None:
+        the data-parallel reduction. On a stage that holds it, every rank
+        puts the reduced elements it owns (its partition's; at stage 0 the
+        first data-parallel rank's, with replicas the first replica's) into
+        a buffer of the whole parameter, summed over the stage's data-
+        parallel ranks; a sum over the pp group (the other stages give
+        zeros) adds the two stages; each rank takes back its elements. The
+        groups are the ones every engine has: no group of the tie's ranks
+        alone (gloo hung making such groups after others that overlap)."""
+        if self.count == 1 or not self.tied:
             return
         first_replica = comm.replicate is None or comm.replicate.rank == 0
-        for fg in groups:
-            pieces = [p for p in fg.owned_pieces() if p[0] in self.ties]
-            # every rank of the tie, in the same order on both stages,
-            # also one whose partition holds none of it
-            for name in sorted((n for n in fg.names if n in self.ties), key=self.canonical):
-                mine = [p for p in pieces if p[0] == name]
-                i = fg.names.index(name)
-                unit = fg.unit_of[i]
-                whole = torch.zeros(unit.numels[i - unit.members.start], dtype=fg.grad_part.dtype, device=fg.grad_part.device)
-                contributes = first_replica and (partitions or comm.rank == 0)
+        contributes = first_replica and (partitions or comm.rank == 0)
+        dtype, device = groups[0].grad_part.dtype, groups[0].grad_part.device
+        here = {canonical: name for name, canonical in self.ties.items()}
+        for canonical, size in zip(self.tied, self.tie_sizes):
+            whole = torch.zeros(size, dtype=dtype, device=device)
+            pieces = []
+            if canonical in here:
+                for fg in groups:
+                    for piece in fg.owned_pieces():
+                        if piece[0] == here[canonical]:
+                            pieces.append((fg, piece))
                 if contributes:
-                    for _n, lo, hi, offset in mine:
+                    for fg, (_n, lo, hi, offset) in pieces:
                         whole[lo:hi] = fg.grad_part[offset:offset + hi - lo]
-                self.tie_comm.all_reduce_sum(whole)
-                for _n, lo, hi, offset in mine:
-                    fg.grad_part[offset:offset + hi - lo] = whole[lo:hi]
+                comm.everyone.all_reduce_sum(whole)
+            self.comm.all_reduce_sum(whole)
+            for fg, (_n, lo, hi, offset) in pieces:
+                fg.grad_part[offset:offset + hi - lo] = whole[lo:hi]

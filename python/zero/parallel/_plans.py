@@ -14,6 +14,8 @@ ties them again (both are split by vocabulary rows, Shard(0)).
 """
 from __future__ import annotations
 
+import fnmatch
+
 from torch import nn
 
 
@@ -65,9 +67,13 @@ def _check_divides(what, size, tp):
 
 
 def _apply(model, tp_mesh, plan, ties):
-    """parallelize_module, then each (owner, name) in `ties` tied again to
-    the first's parameter."""
+    """parallelize_module with the plan's entries that name modules the
+    model has (a pipeline stage holds some of them), then each (owner,
+    name) in `ties` tied again to the first's parameter."""
     from torch.distributed.tensor.parallel import parallelize_module
+    names = [name for name, _ in model.named_modules()]
+    plan = {key: style for key, style in plan.items()
+            if any(fnmatch.fnmatchcase(name, key) for name in names)}
     tied = [(a, an, b, bn) for a, an, b, bn in ties
             if getattr(a, an, None) is not None and getattr(a, an) is getattr(b, bn, None)]
     parallelize_module(model, tp_mesh, plan)
@@ -77,18 +83,21 @@ def _apply(model, tp_mesh, plan, ties):
 
 
 def parallelize_gpt(model: nn.Module, tp_mesh) -> nn.Module:
-    """Split examples/gpt.py's GPT over `tp_mesh` (mesh["tp"]) in place and
-    return it; heads, the MLP width and the vocabulary must divide by tp."""
+    """Split examples/gpt.py's GPT, or a pipeline stage of it (split_gpt),
+    over `tp_mesh` (mesh["tp"]) in place and return it; heads, the MLP
+    width and the vocabulary must divide by tp."""
     tp = tp_mesh.size()
     cfg = model.cfg
     _check_divides("heads", cfg.heads, tp)
     _check_divides("the vocabulary", cfg.vocab, tp)
-    return _apply(model, tp_mesh, gpt_plan(), [(model.embed, "weight", model.head, "weight")])
+    ties = [(model.embed, "weight", model.head, "weight")] \
+        if hasattr(model, "embed") and hasattr(model, "head") else []
+    return _apply(model, tp_mesh, gpt_plan(), ties)
 
 
 def parallelize_llama(model: nn.Module, tp_mesh) -> nn.Module:
-    """Split a HuggingFace Llama-family causal LM over `tp_mesh` in place
-    and return it; the attention and key/value heads, the intermediate
+    """Split a HuggingFace Llama-family causal LM, or a pipeline stage of
+    it (split_llama), over `tp_mesh` in place and return it; the attention and key/value heads, the intermediate
     size and the vocabulary must divide by tp."""
     tp = tp_mesh.size()
     cfg = model.config
@@ -98,6 +107,6 @@ def parallelize_llama(model: nn.Module, tp_mesh) -> nn.Module:
     _check_divides("vocab_size", cfg.vocab_size, tp)
     base = model.model if _base_name(model) else model
     ties = []
-    if getattr(model, "lm_head", None) is not None:
+    if getattr(model, "lm_head", None) is not None and hasattr(base, "embed_tokens"):
         ties.append((base.embed_tokens, "weight", model.lm_head, "weight"))
     return _apply(model, tp_mesh, llama_plan(model), ties)

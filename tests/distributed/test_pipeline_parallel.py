@@ -1,0 +1,206 @@
+"""Pipeline parallelism composed with ZeRO, on 4 gloo ranks: examples/gpt.py's
+GPT (its head tied to the embedding) cut into stages by zero.parallel.split_gpt,
+each stage trained by zero.initialize(mesh=...) over its data-parallel ranks,
+micro-batches streamed by torch's schedules through zero.parallel.
+pipeline_schedule, on
+
+- pp=2 x dp=2 at ZeRO stages 0-3 (1F1B), GPipe with gradient clipping at
+  stage 2, AdamW at stage 2, bf16 at stage 1;
+- pp=2 x tp=2 at stages 1 and 3 (each stage split by parallelize_gpt);
+- a tiny HuggingFace Llama with a tied head, split by split_llama, pp=2 x
+  dp=2 at stage 2;
+
+each against one process of plain torch on the same global batch: the
+losses and every stage's parameters (the last stage's copy of the tied head
+too) within 1e-5 (parallel_cases: SGD, and Adam at ADAM_TOL), the clip
+norm within 1e-6. Then checkpoints: one saved on pp=2 x dp=2 consolidates
+into the whole model (the tied head once), loads on 4 plain data-parallel
+ranks, on pp=4 at stage 3 and on pp=2 x tp=2 at stage 0; one saved by the
+plain ranks loads back on pp=2 x dp=2. Each holds exactly the saved values.
+All three at once (pp x tp x dp on 8 ranks): test_three_dimensions.py."""
+import pytest
+import torch
+
+import harness
+from conftest import max_rel_error
+from parallel_cases import (ADAM_TOL, STEPS, TOL, batch, dp_place, make_model, make_optimizer,
+                            mesh_of, reference)
+
+
+def stage_engine(mesh, stage, kind="gpt", opt="sgd", **options):
+    """This rank's stage of make_model(kind), split over mesh["pp"] (and
+    mesh["tp"] where the mesh has it), in an engine over the rest."""
+    import zero
+    model = make_model(kind)
+    llama = kind.startswith("llama")
+    part = (zero.parallel.split_llama if llama else zero.parallel.split_gpt)(model, mesh["pp"])
+    if "tp" in mesh.mesh_dim_names:
+        (zero.parallel.parallelize_llama if llama else zero.parallel.parallelize_gpt)(
+            part, mesh["tp"])
+    return zero.initialize(part, optimizer=make_optimizer(opt, part), stage=stage, mesh=mesh,
+                           **options)
+
+
+def run_batches(engine, mesh, kind, steps, schedule="1f1b", clip=None, micro_batches=2):
+    """`steps` batches through the pipeline: (mean losses, clip norms)."""
+    import torch.distributed as dist
+    import zero
+    llama = kind.startswith("llama")
+    loss_fn = zero.parallel.causal_lm_loss if llama else zero.parallel.gpt_loss
+    pipe = zero.parallel.pipeline_schedule(engine, mesh["pp"], micro_batches, loss_fn, schedule)
+    pp = mesh["pp"]
+    first, last = pp.get_local_rank() == 0, pp.get_local_rank() == pp.size() - 1
+    index, size = dp_place(mesh)
+    losses, norms = [], []
+    for step in range(steps):
+        ids, labels = batch(step)
+        ids, labels = ids.chunk(size)[index], labels.chunk(size)[index]
+        out = []
+        if first:
+            pipe.step(ids)
+        elif last:  # a HuggingFace model's labels are its inputs (shifted in the loss)
+            pipe.step(target=ids if llama else labels, losses=out)
+        else:
+            pipe.step()
+        if clip is not None:
+            norms.append(engine.clip_grad_norm_(clip))
+        engine.step()
+        total = torch.tensor([float(sum(x.item() for x in out))])
+        dist.all_reduce(total)
+        # every last-stage rank (one per data- and tensor-parallel place)
+        losses.append(total.item() / (dist.get_world_size() // pp.size()))
+    return losses, norms
+
+
+def train(mesh, stage, kind="gpt", schedule="1f1b", clip=None, opt="sgd", precision="fp32"):
+    engine = stage_engine(mesh, stage, kind, opt, precision=precision)
+    losses, norms = run_batches(engine, mesh, kind, STEPS, schedule, clip)
+    state = engine.full_state_dict()  # this stage's entries
+    engine.close()
+    return losses, norms, state
+
+
+def saved_and_loaded_plain(mesh, directory, tag, save_plain=None) -> dict:
+    """Train a GPT split over `mesh` two batches at stage 2 and save it
+    under `tag`: its stage's entries ("stage"), the consolidated model, and
+    what an engine on every rank without a mesh holds after loading it
+    ("plain"; saved again under `save_plain`)."""
+    import zero
+    out = {}
+    engine = stage_engine(mesh, 2)
+    run_batches(engine, mesh, "gpt", 2)
+    engine.save_checkpoint(directory, tag=tag)
+    out["stage"] = engine.full_state_dict()
+    engine.close()
+    out["consolidated"] = zero.checkpoint.consolidate(directory, tag=tag)["model"]
+    model = make_model()
+    plain = zero.initialize(model, optimizer=make_optimizer("sgd", model), stage=1)
+    plain.load_checkpoint(directory, tag=tag)
+    out["plain"] = plain.full_state_dict()
+    if save_plain is not None:
+        plain.save_checkpoint(directory, tag=save_plain)
+    plain.close()
+    return out
+
+
+def checkpoints(directory):
+    out = saved_and_loaded_plain(mesh_of((2, 2), ("pp", "dp_shard")), directory, "pp",
+                                 save_plain="plain")
+    for label, layout, stage, tag in (("pp4 stage3", ((4,), ("pp",)), 3, "pp"),
+                                      ("pp2 x tp2 stage0", ((2, 2), ("pp", "tp")), 0, "pp"),
+                                      ("plain to pp2 x dp2", ((2, 2), ("pp", "dp_shard")), 1,
+                                       "plain")):
+        engine = stage_engine(mesh_of(*layout), stage)
+        engine.load_checkpoint(directory, tag=tag)
+        out[label] = engine.full_state_dict()
+        engine.close()
+    return out
+
+
+def _worker(rank, world, directory):
+    import torch.distributed as dist
+    dist.init_process_group("gloo")
+    pp_dp = mesh_of((2, 2), ("pp", "dp_shard"))
+    pp_tp = mesh_of((2, 2), ("pp", "tp"))
+    out = {}
+    for stage in (0, 1, 2, 3):
+        out[("pp2 x dp2", stage)] = train(pp_dp, stage)
+    out["gpipe + clip"] = train(pp_dp, 2, schedule="gpipe", clip=0.5)
+    out["adamw"] = train(pp_dp, 2, opt="adamw")
+    out["bf16"] = train(pp_dp, 1, precision="bf16")
+    for stage in (1, 3):
+        out[("pp2 x tp2", stage)] = train(pp_tp, stage)
+    out["llama tied"] = train(pp_dp, 2, kind="llama tied")
+    out["checkpoints"] = checkpoints(directory)
+    dist.destroy_process_group()
+    return out
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    directory = str(tmp_path_factory.mktemp("pp_checkpoints"))
+    return harness.run(4, _worker, directory, timeout=600)
+
+
+def check_run(run, kind="gpt", clip=None, opt="sgd", tol=TOL):
+    """A rank's run against one process of torch: the losses, its stage's
+    parameters (a tied copy against the parameter it copies), the norms."""
+    losses, norms, state = run
+    ref_losses, ref_norms, ref_state = reference(clip=clip, opt=opt, kind=kind)
+    assert max(abs(a - b) / b for a, b in zip(losses, ref_losses)) < tol
+    assert state
+    for name, value in state.items():
+        assert max_rel_error(value, ref_state[name]) < tol, name
+    if clip is not None:
+        assert norms and all(n > clip for n in norms)  # the clip bites
+        assert max(abs(a - b) / b for a, b in zip(norms, ref_norms)) < 1e-6
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_pp2_dp2_matches_one_process(results, stage):
+    for rank_out in results:
+        check_run(rank_out[("pp2 x dp2", stage)])
+
+
+def test_gpipe_with_clipping(results):
+    for rank_out in results:
+        check_run(rank_out["gpipe + clip"], clip=0.5)
+
+
+def test_adamw(results):
+    for rank_out in results:
+        check_run(rank_out["adamw"], opt="adamw", tol=ADAM_TOL)
+
+
+def test_bf16_tracks_fp32(results):
+    ref_losses = reference()[0]
+    for rank_out in results:
+        losses = rank_out["bf16"][0]
+        assert max(abs(a - b) / b for a, b in zip(losses, ref_losses)) < 2e-2
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_pp2_tp2(results, stage):
+    for rank_out in results:
+        check_run(rank_out[("pp2 x tp2", stage)])
+
+
+def test_hf_llama_with_a_tied_head(results):
+    for rank_out in results:
+        check_run(rank_out["llama tied"], kind="llama tied")
+    # the last stage's head is a copy of the first stage's embedding
+    assert "lm_head.weight" in results[3]["llama tied"][2]
+    assert "model.embed_tokens.weight" in results[0]["llama tied"][2]
+
+
+def test_checkpoints_load_under_other_layouts(results):
+    whole = results[0]["checkpoints"]["consolidated"]
+    assert set(whole) == set(make_model().state_dict())
+    assert torch.equal(whole["head.weight"], whole["embed.weight"])
+    for rank_out in results:
+        out = rank_out["checkpoints"]
+        assert torch.equal(out["consolidated"]["blocks.3.q.weight"], whole["blocks.3.q.weight"])
+        for label in ("stage", "plain", "pp4 stage3", "pp2 x tp2 stage0", "plain to pp2 x dp2"):
+            for name, value in out[label].items():
+                assert torch.equal(value, whole[name]), (label, name)
+        assert set(out["plain"]) == set(whole)
