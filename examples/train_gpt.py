@@ -4,6 +4,7 @@
     python examples/train_gpt.py                                 # 1 process
     torchrun --nproc_per_node 2 examples/train_gpt.py --stage 3 --partitioned-init
     torchrun --nproc_per_node 8 examples/train_gpt.py --device cuda  # a GPU per rank
+    torchrun --nproc_per_node 8 examples/train_gpt.py --tp 2 --pp 2   # 3D: pp x dp x tp
 
 Each rank trains on its own batches of a synthetic Markov language; the
 script prints the loss as it falls and, at the end, each rank's memory
@@ -40,6 +41,12 @@ def main():
                     help="keep the AdamW states (and, in bf16/fp16, the fp32 master) in "
                          "files under DIR, an existing directory (offload_optimizer device nvme), and at stage 3 "
                          "the parameter shard too (offload_param)")
+    ap.add_argument("--tp", type=int, default=1,
+                    help="tensor parallelism: heads, MLP and vocabulary split over TP ranks")
+    ap.add_argument("--pp", type=int, default=1,
+                    help="pipeline parallelism: blocks cut into PP stages (1F1B schedule)")
+    ap.add_argument("--micro-batches", type=int, default=4,
+                    help="with --pp: micro-batches each batch is streamed in")
     args = ap.parse_args()
     device = torch.device("cpu")
     if args.device == "cuda":
@@ -56,6 +63,7 @@ def main():
     else:
         model = GPT(cfg)
     n = sum(p.numel() for p in model.parameters())  # before stage 3 releases them
+    mesh, model = model_parallel(args, model, device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
     # built in host memory; the engine moves it (a partitioned model one
     # parameter at a time)
@@ -63,23 +71,31 @@ def main():
     engine = zero.initialize(model, optimizer=optimizer, stage=args.stage,
                              precision=precision, gradient_clipping=1.0, device=device,
                              offload_optimizer=offload,
-                             offload_param=offload if args.stage == 3 else {})
+                             offload_param=offload if args.stage == 3 else {}, mesh=mesh)
     rank, world = dist.get_rank(), dist.get_world_size()
+    dp_rank = mesh["dp_shard"].get_local_rank() if mesh is not None else rank
     data = MarkovText(cfg.vocab, cfg.seq)
     if rank == 0:
+        layout = f"pp {args.pp} x dp {world // (args.tp * args.pp)} x tp {args.tp}" \
+            if mesh is not None else f"{world} rank(s)"
         print(f"zero {zero.__version__}: GPT of {n / 1e6:.1f}M parameters, stage {args.stage}, "
-              f"{precision}{why}, {world} rank(s), step on {engine.step_path.name}", flush=True)
+              f"{precision}{why}, {layout}, step on {engine.step_path.name}", flush=True)
+    step_batch = pipelined(engine, mesh, args) if args.pp > 1 else \
+        lambda ids, labels: engine(ids, labels)
     start = time.perf_counter()
     for step in range(args.steps):
-        ids, labels = (t.to(device) for t in data.batch(args.batch, step, rank))
-        loss = engine(ids, labels)
-        engine.backward(loss)
+        ids, labels = (t.to(device) for t in data.batch(args.batch, step, dp_rank))
+        loss = step_batch(ids, labels)
+        if args.pp == 1:
+            engine.backward(loss)
         engine.step()
         if step % 10 == 0 or step == args.steps - 1:
-            t = torch.tensor([loss.item()], device=device)
+            # the mean over the ranks that computed the loss (pp: the last stage's)
+            t = torch.tensor([loss.item(), 1.0] if loss is not None else [0.0, 0.0],
+                             device=device)
             dist.all_reduce(t)
             if rank == 0:
-                print(f"step {step:4d}  loss {t.item() / world:.4f}  "
+                print(f"step {step:4d}  loss {t[0].item() / t[1].item():.4f}  "
                       f"grad norm {engine.get_global_grad_norm():.3f}  "
                       f"{time.perf_counter() - start:.1f}s", flush=True)
     summary = engine.memory_summary()
@@ -89,6 +105,49 @@ def main():
                   flush=True)
         dist.barrier()
     engine.close()
+
+
+def model_parallel(args, model, device):
+    """(mesh, this rank's model) for --tp and --pp: a mesh (pp, dp_shard,
+    tp) over the world, the model cut into pipeline stages by blocks and
+    each stage split over tp by zero.parallel's plans; (None, model)
+    without them."""
+    if args.tp == 1 and args.pp == 1:
+        return None, model
+    from torch.distributed.device_mesh import init_device_mesh
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    world = dist.get_world_size()
+    if args.partitioned_init or world % (args.tp * args.pp):
+        raise SystemExit(f"--tp {args.tp} x --pp {args.pp} must divide the {world} ranks, "
+                         "without --partitioned-init")
+    mesh = init_device_mesh(device.type, (args.pp, world // (args.tp * args.pp), args.tp),
+                            mesh_dim_names=("pp", "dp_shard", "tp"))
+    if args.pp > 1:
+        model = zero.parallel.split_gpt(model, mesh["pp"])
+    if args.tp > 1:
+        zero.parallel.parallelize_gpt(model, mesh["tp"])
+    return mesh, model
+
+
+def pipelined(engine, mesh, args):
+    """One batch through the pipeline (1F1B): its mean loss on the last
+    stage, None on the others."""
+    schedule = zero.parallel.pipeline_schedule(engine, mesh["pp"], args.micro_batches,
+                                               zero.parallel.gpt_loss)
+    stage, stages = mesh["pp"].get_local_rank(), mesh["pp"].size()
+
+    def step_batch(ids, labels):
+        losses = []
+        if stage == 0:
+            schedule.step(ids)
+        elif stage == stages - 1:
+            schedule.step(target=labels, losses=losses)
+            return sum(losses)
+        else:
+            schedule.step()
+        return None
+    return step_batch
 
 
 def choose_precision(requested, device):
