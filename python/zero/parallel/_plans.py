@@ -26,10 +26,18 @@ def _styles():
 
 
 def gpt_plan() -> dict:
-    """The plan for examples/gpt.py's GPT (module names to parallel styles)."""
+    """The plan for examples/gpt.py's GPT (module names to parallel styles).
+    The first LayerNorm's output becomes one replicated DTensor that q, k
+    and v share: its gradient is then summed over tp once, as Megatron's
+    f operator does, instead of once per projection (measured by
+    bench/parallel.py: two all-reduces a layer fewer)."""
+    from torch.distributed.tensor.parallel import PrepareModuleOutput
     Replicate, Colwise, Rowwise = _styles()
     plan = {"embed": Rowwise(input_layouts=Replicate(), output_layouts=Replicate()),
-            "head": Colwise(output_layouts=Replicate())}
+            "head": Colwise(output_layouts=Replicate()),
+            "blocks.*.ln1": PrepareModuleOutput(output_layouts=Replicate(),
+                                                desired_output_layouts=Replicate(),
+                                                use_local_output=False)}
     for name in ("q", "k", "v", "up"):
         plan[f"blocks.*.{name}"] = Colwise()
     for name in ("proj", "down"):
@@ -48,6 +56,13 @@ def llama_plan(model: nn.Module) -> dict:
     if getattr(model, "lm_head", None) is not None:
         plan["lm_head"] = Colwise(output_layouts=Replicate())
     layers = f"{base}layers.*."
+    # each norm's output one replicated DTensor that its projections share
+    # (q, k, v; gate, up): one all-reduce of its gradient, as in gpt_plan
+    from torch.distributed.tensor.parallel import PrepareModuleOutput
+    for name in ("input_layernorm", "post_attention_layernorm"):
+        plan[layers + name] = PrepareModuleOutput(output_layouts=Replicate(),
+                                                  desired_output_layouts=Replicate(),
+                                                  use_local_output=False)
     for name in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj",
                  "mlp.gate_proj", "mlp.up_proj"):
         plan[layers + name] = Colwise()
