@@ -68,9 +68,11 @@ def initialize(model: nn.Module, *, optimizer=None, stage=None, precision=None,
         holds this rank (two engines can then train on two halves of the
         world). Ranks, partitions and checkpoints are the group's. A
         DeviceMesh with named dimensions: ZeRO partitions over `dp_shard`,
-        keeps replicas over `dp_replicate` (hybrid sharding), and trains a
+        keeps replicas over `dp_replicate` (hybrid sharding), trains a
         model parallelized over `tp` (parallelize_module on mesh["tp"];
-        zero.parallel has plans) on its local pieces.
+        zero.parallel has plans) on its local pieces, and a pipeline stage
+        over `pp` (zero.parallel.split_gpt / split_llama;
+        docs/parallel.md).
     options: any other zero.Config field (gradient_accumulation_steps,
         gradient_clipping, reduce_bucket_size, ...).
     """
