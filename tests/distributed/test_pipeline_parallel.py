@@ -5,7 +5,7 @@ micro-batches streamed by torch's schedules through zero.parallel.
 pipeline_schedule, on
 
 - pp=2 x dp=2 at ZeRO stages 0-3 (1F1B), GPipe with gradient clipping at
-  stage 2, AdamW at stage 2, bf16 at stage 1;
+  stage 2, AdamW at stage 2, bf16 at stage 1, fp16 (loss scaled) at stage 2;
 - pp=2 x tp=2 at stages 1 and 3 (each stage split by parallelize_gpt);
 - a tiny HuggingFace Llama with a tied head, split by split_llama, pp=2 x
   dp=2 at stage 2;
@@ -72,8 +72,9 @@ def run_batches(engine, mesh, kind, steps, schedule="1f1b", clip=None, micro_bat
     return losses, norms
 
 
-def train(mesh, stage, kind="gpt", schedule="1f1b", clip=None, opt="sgd", precision="fp32"):
-    engine = stage_engine(mesh, stage, kind, opt, precision=precision)
+def train(mesh, stage, kind="gpt", schedule="1f1b", clip=None, opt="sgd", precision="fp32",
+          **options):
+    engine = stage_engine(mesh, stage, kind, opt, precision=precision, **options)
     losses, norms = run_batches(engine, mesh, kind, STEPS, schedule, clip)
     state = engine.full_state_dict()  # this stage's entries
     engine.close()
@@ -128,6 +129,10 @@ def _worker(rank, world, directory):
     out["gpipe + clip"] = train(pp_dp, 2, schedule="gpipe", clip=0.5)
     out["adamw"] = train(pp_dp, 2, opt="adamw")
     out["bf16"] = train(pp_dp, 1, precision="bf16")
+    import zero
+    # a fixed scale: every step applied (a dynamic one skips the first)
+    out["fp16"] = train(pp_dp, 2, precision="fp16",
+                        loss_scaling=zero.LossScaling(static_loss_scale=1024.0))
     for stage in (1, 3):
         out[("pp2 x tp2", stage)] = train(pp_tp, stage)
     out["llama tied"] = train(pp_dp, 2, kind="llama tied")
@@ -172,11 +177,18 @@ def test_adamw(results):
         check_run(rank_out["adamw"], opt="adamw", tol=ADAM_TOL)
 
 
-def test_bf16_tracks_fp32(results):
-    ref_losses = reference()[0]
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_half_precision_tracks_fp32(results, precision):
+    """bf16 keeps 8 bits of mantissa, fp16 11: the losses within a few of
+    bf16's ulps. fp16's losses come back divided by the loss scale the
+    schedule's backwards were multiplied by."""
+    ref_losses, _norms, ref_state = reference()
     for rank_out in results:
-        losses = rank_out["bf16"][0]
+        losses, _norms, state = rank_out[precision]
         assert max(abs(a - b) / b for a, b in zip(losses, ref_losses)) < 2e-2
+        # the fp32 masters took the updates (the parameters move by up to
+        # their whole size over these steps; a scale left in would show)
+        assert max(max_rel_error(v, ref_state[k]) for k, v in state.items()) < 2e-2
 
 
 @pytest.mark.parametrize("stage", [1, 3])

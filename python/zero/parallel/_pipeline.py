@@ -14,7 +14,9 @@ through the stages.
   divided by their number instead: zero's stages 2-3 move the gradients
   out of .grad during backward, where torch's scale_grads would not find
   them. The schedule's micro-batches are its accumulation: the engine
-  steps once per batch (gradient_accumulation_steps 1);
+  steps once per batch (gradient_accumulation_steps 1). In fp16 the loss
+  is multiplied by the engine's loss scale there too (the losses given
+  back are unscaled);
 - a head tied to the embedding (GPT-2, examples/gpt.py) lives on the first
   and the last stage; each holds a copy, the copies' gradients are summed
   at the step over the ranks that hold them (PipelineLayout.sum_ties), so
@@ -183,13 +185,32 @@ def causal_lm_loss(logits, labels):
 
 class _PerMicroBatch:
     """loss_fn divided by the number of micro-batches: the schedule's
-    backwards then add up to the batch's mean ([Note: pipeline stages])."""
+    backwards then add up to the batch's mean ([Note: pipeline stages]);
+    in fp16 also multiplied by the engine's loss scale, as engine.backward
+    would (the schedule runs the backwards)."""
 
-    def __init__(self, loss_fn, n):
-        self.loss_fn, self.n = loss_fn, n
+    def __init__(self, loss_fn, n, engine):
+        self.loss_fn, self.n, self.engine = loss_fn, n, engine
 
     def __call__(self, output, target):
-        return self.loss_fn(output, target) / self.n
+        return self.loss_fn(output, target) * (self.engine.loss_scale / self.n)
+
+
+class _ScaledSteps:
+    """The schedule's step, telling the engine its backwards were scaled
+    (fp16: step() divides by the loss scale, which it refuses to do for a
+    backward it did not scale), and giving the losses back unscaled."""
+
+    def __init__(self, engine, step):
+        self.engine, self.step = engine, step
+
+    def __call__(self, *args, losses=None, **kwargs):
+        scale = self.engine.loss_scale
+        out = self.step(*args, losses=losses, **kwargs)
+        self.engine._scaled_backward = True
+        if losses is not None and scale != 1.0:
+            losses[:] = [loss / scale for loss in losses]
+        return out
 
 
 SCHEDULES = ("gpipe", "1f1b")
@@ -218,8 +239,10 @@ def pipeline_schedule(engine, pp_mesh, n_microbatches: int, loss_fn, schedule="1
     index, count = _stage_of(pp_mesh)
     stage = PipelineStage(engine.module, index, count, engine.device,
                           group=pp_mesh.get_group())
-    return schedule(stage, n_microbatches, loss_fn=_PerMicroBatch(loss_fn, n_microbatches),
-                    scale_grads=False)
+    built = schedule(stage, n_microbatches,
+                     loss_fn=_PerMicroBatch(loss_fn, n_microbatches, engine), scale_grads=False)
+    built.step = _ScaledSteps(engine, built.step)
+    return built
 
 
 class PipelineLayout:
