@@ -210,6 +210,8 @@ def train_loop(runner, steps, model_name="30M", profile=None):
             opt.step()
             opt.zero_grad(set_to_none=True)
             return loss
+    elif runner == TP_PP_RUNNER:
+        engine, step = tensor_and_pipeline_of_one(model, "cuda")
     else:
         opt = torch.optim.AdamW(model.parameters(), lr=3e-4, weight_decay=0.01)
         engine = zero.initialize(model, optimizer=opt, stage=int(runner[4]), precision="bf16",
@@ -248,6 +250,34 @@ def train_loop(runner, steps, model_name="30M", profile=None):
     if engine is not None:
         engine.close()
     return result  # the model and its states go with this frame
+
+
+# issue 23's cost of the tensor- and pipeline-parallel code paths on one
+# GPU: zero stage 1 with the model split over a tp of 1 (DTensor parameters
+# and styles) and cut into a pipeline of 1 (torch's 1F1B schedule), beside
+# "zero1" (target: within 3%)
+TP_PP_RUNNER = "zero1 tp1 pp1"
+
+
+def tensor_and_pipeline_of_one(model, device_type):
+    """(engine, step) for TP_PP_RUNNER on a mesh (pp, dp_shard, tp) of 1 x 1
+    x 1 (one_rank_group's; destroyed by the caller after the run)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    one_rank_group()
+    mesh = init_device_mesh(device_type, (1, 1, 1), mesh_dim_names=("pp", "dp_shard", "tp"))
+    stage = zero.parallel.split_gpt(model, mesh["pp"])
+    zero.parallel.parallelize_gpt(stage, mesh["tp"])
+    opt = torch.optim.AdamW(stage.parameters(), lr=3e-4, weight_decay=0.01)
+    engine = zero.initialize(stage, optimizer=opt, stage=1, precision="bf16",
+                             gradient_clipping=1.0, mesh=mesh)
+    pipe = zero.parallel.pipeline_schedule(engine, mesh["pp"], 1, zero.parallel.gpt_loss)
+
+    def step(ids, labels):
+        losses = []
+        pipe.step(ids, target=labels, losses=losses)
+        engine.step()
+        return sum(losses)
+    return engine, step
 
 
 # the offloaded runners: "zero2 offload" (states on the host), "... delayed"
@@ -382,7 +412,7 @@ def main():
     for model_name in args.train_models.split(","):
         rows_before = len(training)
         for runner in ("torch", "fwd+bwd", "fsdp2", "zero0", "zero1", "zero2", "zero3",
-                       *OFFLOAD_RUNNERS):
+                       *OFFLOAD_RUNNERS, TP_PP_RUNNER):
             if runner == "zero0" and torch.distributed.is_initialized():
                 torch.distributed.destroy_process_group()  # fsdp2's: the engine makes its own
             wanted = args.profile and model_name == "30M" and runner in ("torch", "fsdp2",
@@ -396,6 +426,8 @@ def main():
                                      loss=float("nan"), peak_mib=float("nan"),
                                      before_mib=float("nan"),
                                      path=f"failed: {error}"[:200]))
+            if runner == TP_PP_RUNNER and torch.distributed.is_initialized():
+                torch.distributed.destroy_process_group()  # its mesh's
             torch.cuda.empty_cache()
         cfg, batch = TRAIN_MODELS[model_name]
         base = training[rows_before]["ms"]
@@ -412,6 +444,9 @@ def main():
               f"{pcie[0] / 1e9:.0f}/{pcie[1] / 1e9:.0f} GB/s up/down {bus_ms:.2f} ms "
               "(targets: 1.15x for the states, 1.3x for the parameters)\n")
         print_table(f"{'runner':<30} {'ms/step':>9} {'bound ms':>9} {'ratio':>8}", lines)
+        by_runner = {r["runner"]: r["ms"] for r in training[rows_before:]}
+        print(f"\n{TP_PP_RUNNER} / zero1, {model_name}: "
+              f"{by_runner[TP_PP_RUNNER] / by_runner['zero1']:.3f} (issue 23's target: <= 1.03)")
 
     out_dir = os.environ.get("OUT")
     if out_dir:
