@@ -34,6 +34,7 @@ so they load under another tp size (checkpoint/_format.py).
 from __future__ import annotations
 
 import math
+import sys
 from dataclasses import dataclass
 
 import torch
@@ -79,11 +80,12 @@ class Placement:
 
 
 def _dtensor_class():
-    try:
-        from torch.distributed.tensor import DTensor
-    except ImportError:  # a torch built without distributed
-        return None
-    return DTensor
+    """DTensor, or None where no DTensor can exist yet: its module is not
+    imported (importing it costs half a second, which a model without
+    tensor parallelism should not pay at initialize), or torch was built
+    without distributed."""
+    module = sys.modules.get("torch.distributed.tensor")
+    return getattr(module, "DTensor", None) if module is not None else None
 
 
 def is_dtensor(t) -> bool:
