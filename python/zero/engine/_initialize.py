@@ -112,8 +112,6 @@ def initialize(model: nn.Module, *, optimizer=None, stage=None, precision=None,
         comm = Comm(device, groups.shard)
         if groups.replicate is not None:
             comm.with_replicas(groups.replicate, groups.everyone)
-        elif groups.everyone is not groups.shard:
-            comm.everyone = Comm(device, groups.everyone)
         # [Note: local parameters] in parallel/_tensor_parallel.py
         if groups.tp_mesh is not None or groups.pp_mesh is not None:
             comm.with_model_parallel(groups.whole)

@@ -204,12 +204,6 @@ class TensorParallelLayout:
         self.comm.all_gather_into(every, local.reshape(-1))
         return torch.cat(list(every.view(self.world, *local.shape)), dim=placement.shard_dim)
 
-    def describe(self) -> dict:
-        """name -> [shard dim, global shape] for the sharded parameters:
-        what a checkpoint records."""
-        return {name: [pl.shard_dim, list(pl.global_shape)]
-                for name, pl in self.placements.items() if pl.shard_dim is not None}
-
     def restore(self, optimizer):
         """close(): DTensor parameters again, holding the local tensors'
         values, in the modules and the optimizer (ties kept); optimizer
@@ -251,7 +245,7 @@ def localize(model: nn.Module, optimizer, tp_mesh, comm=None) -> TensorParallelL
     local parameters]) and point the optimizer at them. None when the
     model has none. comm: a Comm over the tp group (None for an estimate).
     Refusals come before anything is changed."""
-    found = {}  # id(DTensor parameter) -> (its placement, its local Parameter)
+    found = {}  # id(DTensor parameter) -> (its placement, its local Parameter, it)
     where = []  # (module, name, id)
     names = {}
     for mname, module in model.named_modules():
@@ -266,13 +260,12 @@ def localize(model: nn.Module, optimizer, tp_mesh, comm=None) -> TensorParallelL
                                  "over (init_device_mesh(..., mesh_dim_names=('dp_shard', "
                                  "'tp')))")
             if id(p) not in found:
-                found[id(p)] = (_placement_of(full, p, tp_mesh), None)
+                found[id(p)] = (_placement_of(full, p, tp_mesh), None, p)
             names.setdefault(id(p), []).append(full)
             where.append((module, pname, id(p)))
     if not found:
         return None
-    for key, (placement, _) in list(found.items()):
-        dtensor = next(m._parameters[n] for m, n, k in where if k == key)
+    for key, (placement, _, dtensor) in list(found.items()):
         local = nn.Parameter(dtensor.to_local().detach(), requires_grad=dtensor.requires_grad)
         found[key] = (placement, local, dtensor)
     swapped = []
