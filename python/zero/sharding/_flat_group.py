@@ -108,6 +108,7 @@ class FlatGroup:
             for j in range(len(unit.members)):
                 self.unit_of.append(unit)
                 self.layout_start.append(unit.layout_offset + unit.offsets[j])
+        self._owned_pieces = None  # owned_pieces(), once worked out
         self.part_size = sum(u.part for u in self.units)     # this rank's partition
         self.layout_size = sum(u.total for u in self.units)  # the unsharded layout
         self._build_buffers(compute_dtype)
@@ -244,7 +245,11 @@ class FlatGroup:
     def owned_pieces(self) -> list:
         """(name, lo, hi, offset) for every stretch of a parameter in this
         rank's partition (its chunk of each unit): elements [lo, hi) of the
-        flattened parameter sit at [offset, offset + hi - lo) of it."""
+        flattened parameter sit at [offset, offset + hi - lo) of it. The
+        layout never changes, so they are worked out once (the step of a
+        tensor- or pipeline-parallel model reads them every time)."""
+        if self._owned_pieces is not None:
+            return self._owned_pieces
         pieces = []
         for unit in self.units:
             chunk_lo = self.owner * unit.part
@@ -254,6 +259,7 @@ class FlatGroup:
                 if lo < hi:
                     pieces.append((self.names[unit.members.start + j], lo - start,
                                    hi - start, unit.shard_offset + lo - chunk_lo))
+        self._owned_pieces = pieces
         return pieces
 
     def add_state(self, name, fill=0.0):
