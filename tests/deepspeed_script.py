@@ -14,6 +14,7 @@ Usage (one rank: python; several: torchrun):
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -24,6 +25,7 @@ from torch import nn
 import deepspeed  # the line a user changes: import zero.deepspeed as deepspeed
 
 STEPS = 6
+AFTER_RESUME = 2  # steps after the save and load: they read the optimizer's states
 
 
 class Net(nn.Module):
@@ -51,17 +53,30 @@ class Data(torch.utils.data.Dataset):
         return self.x[i], self.y[i]
 
 
-def config(stage):
-    return {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 1,
+def config(stage, bf16=False):
+    return {"bf16": {"enabled": bf16}, "train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 1,
             "gradient_clipping": 1.0, "steps_per_print": 1000,
             "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.01}},
+            "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": 1e-3,
+                                                         "warmup_max_lr": 1e-2,
+                                                         "warmup_num_steps": 10}},
             "zero_optimization": {"stage": stage}}
+
+
+def step(engine, batches, device, bf16):
+    x, y = next(batches)
+    x = x.to(device)
+    out = engine(x.bfloat16()).float() if bf16 else engine(x)
+    loss = nn.functional.mse_loss(out, y.to(device))
+    engine.backward(loss)
+    engine.step()
+    return loss.item()
 
 
 def train(args):
     deepspeed.init_distributed(dist_backend="gloo")
     torch.manual_seed(0)
-    ds_config = config(args.stage)
+    ds_config = config(args.stage, args.bf16)
     with deepspeed.zero.Init(enabled=args.stage == 3, config_dict_or_path=ds_config):
         model = Net()
     engine, _optimizer, loader, _scheduler = deepspeed.initialize(
@@ -69,52 +84,64 @@ def train(args):
         config=ds_config)
     device = deepspeed.accelerator.get_accelerator().device_name()
     batches = iter(loader)
-    losses = []
-    for _ in range(STEPS):
-        x, y = next(batches)
-        loss = nn.functional.mse_loss(engine(x.to(device)), y.to(device))
-        engine.backward(loss)
-        engine.step()
-        losses.append(loss.item())
+    rank = int(os.environ.get("RANK", 0))
+    if args.resume:  # a converted checkpoint: the batches after the saved steps
+        for _ in range(STEPS):
+            next(batches)
+        engine.load_checkpoint(args.resume)
+        losses = [step(engine, batches, device, args.bf16) for _ in range(AFTER_RESUME)]
+        if rank == 0:
+            with open(args.out, "w") as f:
+                json.dump({"losses": losses, "global_steps": engine.global_steps}, f)
+        return
+    losses = [step(engine, batches, device, args.bf16) for _ in range(STEPS)]
     with deepspeed.zero.GatheredParameters(list(engine.module.parameters())):
         norm = float(sum(p.detach().float().square().sum() for p in engine.module.parameters()))
     engine.save_checkpoint(args.save)
     engine.load_checkpoint(args.save)  # resumes where it was
     steps = engine.global_steps
-    x, y = next(batches)
-    loss = nn.functional.mse_loss(engine(x.to(device)), y.to(device))
-    engine.backward(loss)
-    engine.step()
-    losses.append(loss.item())
-    rank = int(os.environ.get("RANK", 0))
+    losses += [step(engine, batches, device, args.bf16) for _ in range(AFTER_RESUME)]
     if rank == 0:
         state_norm = None
         if args.stage > 0:  # DeepSpeed's zero_to_fp32 reads ZeRO checkpoints only
             state = deepspeed.utils.zero_to_fp32.get_fp32_state_dict_from_zero_checkpoint(
                 args.save)
-            state_norm = float(sum(v.float().square().sum() for v in state.values()))
+            state_norm = float(sum(v.detach().float().square().sum() for v in state.values()))
         with open(args.out, "w") as f:
             json.dump({"losses": losses, "global_steps": steps, "weight_norm_squared": norm,
                        "state_norm_squared": state_norm}, f)
 
 
-def make_reference(path):
+# DeepSpeed's checkpoints kept for tests/test_from_deepspeed.py (world, stage, bf16)
+KEPT_CHECKPOINTS = [(1, 0, False), (2, 0, False), (1, 2, False), (2, 1, False), (2, 2, False),
+                    (2, 3, False), (2, 1, True), (2, 3, True)]
+
+
+def make_reference(data):
     """DeepSpeed's figures for every stage on 1 and 2 ranks (torchrun, as
-    DeepSpeed builds its DistributedSampler only under a launcher)."""
+    DeepSpeed builds its DistributedSampler only under a launcher), and
+    some of its checkpoints (without the scripts DeepSpeed copies beside
+    them), for the converter's tests."""
     results = {}
-    for world in (1, 2):
-        for stage in (0, 1, 2, 3):
-            with tempfile.TemporaryDirectory() as scratch:
-                out = os.path.join(scratch, "out.json")
-                subprocess.run([sys.executable, "-m", "torch.distributed.run",
-                                f"--nproc_per_node={world}", "--master_port=29561",
-                                __file__, "--stage", str(stage), "--out", out,
-                                "--save", os.path.join(scratch, "ckpt")],
-                               check=True, env={**os.environ, "DS_ACCELERATOR": "cpu"})
-                with open(out) as f:
-                    results[f"world{world}-stage{stage}"] = json.load(f)
+    runs = [(world, stage, False) for world in (1, 2) for stage in (0, 1, 2, 3)]
+    runs += [run for run in KEPT_CHECKPOINTS if run[2]]
+    for world, stage, bf16 in runs:
+        name = f"{'bf16-' if bf16 else ''}world{world}-stage{stage}"
+        with tempfile.TemporaryDirectory() as scratch:
+            out, ckpt = os.path.join(scratch, "out.json"), os.path.join(scratch, "ckpt")
+            subprocess.run([sys.executable, "-m", "torch.distributed.run",
+                            f"--nproc_per_node={world}", "--master_port=29561",
+                            __file__, "--stage", str(stage), "--out", out, "--save", ckpt,
+                            *(["--bf16"] if bf16 else [])],
+                           check=True, env={**os.environ, "DS_ACCELERATOR": "cpu"})
+            with open(out) as f:
+                results[name] = json.load(f)
+            if (world, stage, bf16) in KEPT_CHECKPOINTS:
+                kept = os.path.join(data, "deepspeed_checkpoints", name)
+                shutil.rmtree(kept, ignore_errors=True)
+                shutil.copytree(ckpt, kept, ignore=shutil.ignore_patterns("*.py"))
     results["made_with"] = f"deepspeed {deepspeed.__version__}, torch {torch.__version__}"
-    with open(path, "w") as f:
+    with open(os.path.join(data, "deepspeed_losses.json"), "w") as f:
         json.dump(results, f, indent=1)
 
 
@@ -123,12 +150,14 @@ def main():
     parser.add_argument("--stage", type=int, default=2)
     parser.add_argument("--out")
     parser.add_argument("--save")
+    parser.add_argument("--resume", help="load this (converted) checkpoint after the saved "
+                        "steps' batches and train the steps after the resume")
+    parser.add_argument("--bf16", action="store_true")
     parser.add_argument("--make-reference", action="store_true")
     parser = deepspeed.add_config_arguments(parser)
     args = parser.parse_args()
     if args.make_reference:
-        make_reference(os.path.join(os.path.dirname(os.path.abspath(__file__)), "data",
-                                    "deepspeed_losses.json"))
+        make_reference(os.path.join(os.path.dirname(os.path.abspath(__file__)), "data"))
     else:
         train(args)
 

@@ -24,7 +24,7 @@ def test_parallel_names():
 
 
 def test_checkpoint_names():
-    assert zero.checkpoint.__all__ == ["consolidate"]
+    assert zero.checkpoint.__all__ == ["consolidate", "convert_deepspeed"]
     for method in ("save_checkpoint", "load_checkpoint", "full_state_dict"):
         assert callable(getattr(zero.Engine, method))
 

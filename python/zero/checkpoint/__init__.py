@@ -10,7 +10,13 @@ state dicts, with no engine, no process group and any number of processes
 or from a shell, the model's fp32 state dict alone:
 
     python -m zero.checkpoint ckpt/ model.pt [--tag TAG] [--with-optimizer]
+
+A DeepSpeed run comes across with convert_deepspeed(ds_dir, out_dir,
+trust_pickle=True), or from a shell:
+
+    python -m zero.checkpoint.from_deepspeed DS_DIR OUT_DIR --trust-pickle
 """
 from zero.checkpoint._consolidate import consolidate
+from zero.checkpoint._from_deepspeed import convert_deepspeed
 
-__all__ = ["consolidate"]
+__all__ = ["consolidate", "convert_deepspeed"]

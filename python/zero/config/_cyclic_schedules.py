@@ -52,7 +52,23 @@ def _resumed(optimizer, last_batch_iteration: int) -> None:
             group.setdefault("initial_lr", group["lr"])
 
 
-class DeepSpeedRangeTest(LRScheduler):
+class DeepSpeedStateDict:
+    """load_state_dict takes DeepSpeed's own state dict of these schedules
+    too, {"last_batch_iteration": i} (a checkpoint converted from
+    DeepSpeed by zero.checkpoint.convert_deepspeed): after i + 1 DeepSpeed
+    steps torch's schedule is at last_epoch i + 1, having been stepped
+    i + 2 times (once at construction). state_dict stays torch's."""
+
+    def load_state_dict(self, state_dict):
+        if set(state_dict) != {"last_batch_iteration"}:
+            return super().load_state_dict(state_dict)
+        i = int(state_dict["last_batch_iteration"])
+        self.last_epoch, self._step_count = i + 1, i + 2
+        self._last_lr = list(self.get_lr())
+        return None
+
+
+class DeepSpeedRangeTest(DeepSpeedStateDict, LRScheduler):
     """LRRangeTest: each group's lr grows linearly (or in stairs) from its
     min_lr, by `rate` times min_lr every `step_size` updates."""
 
@@ -70,7 +86,7 @@ class DeepSpeedRangeTest(LRScheduler):
         return [low * (1 + self.rate * interval) for low in self.min_lrs]
 
 
-class DeepSpeedOneCycle(LRScheduler):
+class DeepSpeedOneCycle(DeepSpeedStateDict, LRScheduler):
     """OneCycle: one cycle of lr up and down (and beta1 down and up), then
     an optional slow decay. See the module docstring for the curve."""
 

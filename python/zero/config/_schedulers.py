@@ -22,7 +22,8 @@ import math
 
 from torch.optim.lr_scheduler import LRScheduler
 
-from zero.config._cyclic_schedules import DeepSpeedOneCycle, DeepSpeedRangeTest, per_group
+from zero.config._cyclic_schedules import (DeepSpeedOneCycle, DeepSpeedRangeTest,
+                                           DeepSpeedStateDict, per_group)
 from zero.config._config import auto_refused
 
 SCHEDULER_TYPES = ("WarmupLR", "WarmupDecayLR", "WarmupCosineLR", "OneCycle", "LRRangeTest")
@@ -43,7 +44,7 @@ _KNOWN = {  # each type's params: DeepSpeed's constructor arguments
 }
 
 
-class _DeepSpeedSchedule(LRScheduler):
+class _DeepSpeedSchedule(DeepSpeedStateDict, LRScheduler):
     """What DeepSpeed's warm-up schedules share. torch's step count k (0 at
     construction) is DeepSpeed's last_batch_iteration + 1."""
 

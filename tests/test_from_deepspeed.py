@@ -1,0 +1,232 @@
+"""zero.checkpoint.convert_deepspeed and `python -m zero.checkpoint.from_deepspeed`:
+DeepSpeed 0.19.8's own checkpoints (tests/data/deepspeed_checkpoints, made
+by `python tests/deepspeed_script.py --make-reference` where DeepSpeed is
+installed, at step 6 of that script, fp32 at stages 0-3 on 1 and 2 ranks,
+bf16 at stages 1 and 3) converted and checked against what DeepSpeed itself
+said of them (tests/data/deepspeed_losses.json):
+- the converted weights' squared norm equals DeepSpeed's zero_to_fp32's of
+  the same checkpoint (stages 1-3), or its gathered weights' (stage 0);
+  each tensor equals the module weights DeepSpeed saved beside its masters
+  (rounded to bf16 for the bf16 runs);
+- the script, on zero with its import line changed, loads the converted
+  checkpoint (at another ZeRO stage than DeepSpeed's) and trains the two
+  steps DeepSpeed trained after its own resume: the losses agree within
+  1e-5 (measured 1.3e-8; the second step reads the converted Adam states
+  and step count, the WarmupLR schedule's position too: a step count off
+  by one moves the second loss by 3e-4 relative, 30 times the bound);
+- refusals: no trust flag, a file that names code, missing ranks,
+  tensor-parallel files, the output onto the input."""
+import json
+import os
+import shutil
+import subprocess
+import sys
+import warnings
+
+import pytest
+import torch
+
+import zero
+from zero.checkpoint import consolidate, convert_deepspeed
+from zero.checkpoint._deepspeed_files import load_pickle
+from zero.config._schedulers import DeepSpeedWarmup
+from deepspeed_runs import ROOT, run_script, script_on_zero
+from engine_cases import no_launcher
+
+DATA = ROOT / "tests" / "data"
+CHECKPOINTS = DATA / "deepspeed_checkpoints"
+REFERENCE = json.loads((DATA / "deepspeed_losses.json").read_text())
+NAMES = sorted(os.listdir(CHECKPOINTS))
+
+
+def test_the_stored_checkpoints_are_there():
+    assert set(NAMES) == {"world1-stage0", "world2-stage0", "world1-stage2", "world2-stage1",
+                          "world2-stage2", "world2-stage3", "bf16-world2-stage1",
+                          "bf16-world2-stage3"}
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_converted_weights_are_deepspeeds(tmp_path, name):
+    convert_deepspeed(CHECKPOINTS / name, tmp_path, trust_pickle=True)
+    state = consolidate(str(tmp_path))
+    model = state["model"]
+    expected = REFERENCE[name]["state_norm_squared"] or REFERENCE[name]["weight_norm_squared"]
+    got = float(sum(t.double().square().sum() for t in model.values()))
+    assert abs(got - expected) <= 1e-6 * expected
+    # each tensor against the weights DeepSpeed kept in its module (stages 0-2)
+    tag = CHECKPOINTS / name / "global_step6"
+    if (tag / "mp_rank_00_model_states.pt").exists():
+        module = load_pickle(str(tag / "mp_rank_00_model_states.pt"))["module"]
+        for key, t in model.items():
+            saved = module[key]
+            assert torch.equal(t.to(saved.dtype), saved), key
+    optimizer = state["optimizer"]
+    assert [s["step"].item() for s in optimizer["state"].values()] == [6.0] * 6
+    assert sorted(optimizer["state"][0]) == ["exp_avg", "exp_avg_sq", "step"]
+    group = optimizer["param_groups"][0]
+    assert group["weight_decay"] == 0.01 and tuple(group["betas"]) == (0.9, 0.999)
+    # DeepSpeed's WarmupLR after 6 steps: min + (max - min) log(6) / log(10)
+    assert abs(group["lr"] - (1e-3 + 9e-3 * 0.778151250383644)) < 1e-12
+    meta = torch.load(tmp_path / "global_step6" / "zero_meta.pt", weights_only=True)
+    assert meta["engine"]["global_steps"] == 6 and meta["lr_scheduler"] == \
+        {"last_batch_iteration": 5}
+
+
+def resume_on_zero(directory, world, stage, resume, bf16=False):
+    return run_script(script_on_zero(directory), world, directory, "--stage", stage,
+                      "--resume", resume, *(["--bf16"] if bf16 else []))
+
+
+@pytest.mark.parametrize("name, stage", [("world1-stage0", 3), ("world1-stage2", 0),
+                                         ("world2-stage0", 2), ("world2-stage1", 3),
+                                         ("world2-stage3", 1)])
+def test_zero_resumes_where_deepspeed_resumed(tmp_path, name, stage):
+    convert_deepspeed(CHECKPOINTS / name, tmp_path / "converted", trust_pickle=True)
+    world = int(name.split("world")[1][0])
+    got = resume_on_zero(tmp_path, world, stage, tmp_path / "converted")
+    expected = REFERENCE[name]["losses"][6:]
+    assert len(got["losses"]) == len(expected) == 2
+    for ours, theirs in zip(got["losses"], expected):
+        assert abs(ours - theirs) <= 1e-5 * abs(theirs), (got["losses"], expected)
+    assert got["global_steps"] == REFERENCE[name]["global_steps"] + 2
+
+
+def test_a_bf16_run_resumes_in_bf16(tmp_path):
+    """bf16: zero rounds the converted fp32 masters to bf16 as DeepSpeed
+    did, and its two steps give DeepSpeed's losses (measured equal, bit for
+    bit; the bound is the fp32 tests')."""
+    name = "bf16-world2-stage3"
+    convert_deepspeed(CHECKPOINTS / name, tmp_path / "converted", trust_pickle=True)
+    got = resume_on_zero(tmp_path, 2, 2, tmp_path / "converted", bf16=True)
+    for ours, theirs in zip(got["losses"], REFERENCE[name]["losses"][6:]):
+        assert abs(ours - theirs) <= 1e-5 * abs(theirs)
+
+
+def test_the_schedule_takes_deepspeeds_state():
+    """DeepSpeed's WarmupLR state ({'last_batch_iteration': 5}, after six
+    steps) puts zero's schedule where six steps put it."""
+    def schedule():
+        p = torch.nn.Parameter(torch.zeros(1))
+        optimizer = torch.optim.SGD([p], lr=1.0)
+        return optimizer, DeepSpeedWarmup(optimizer, 1e-3, 1e-2, 10, "log")
+    stepped_optimizer, stepped = schedule()
+    for _ in range(6):
+        stepped_optimizer.step()
+        stepped.step()
+    _optimizer, loaded = schedule()
+    loaded.load_state_dict({"last_batch_iteration": 5})
+    assert loaded.last_epoch == stepped.last_epoch and loaded.get_last_lr() == \
+        stepped.get_last_lr()
+    stepped.step()
+    loaded.step()
+    assert loaded.get_last_lr() == stepped.get_last_lr()
+
+
+def copy_of(tmp_path, name="world2-stage2"):
+    target = tmp_path / "ds"
+    shutil.copytree(CHECKPOINTS / name, target)
+    return target
+
+
+def command(*args):
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "python"),
+                                                        os.environ.get("PYTHONPATH", "")])}
+    return subprocess.run([sys.executable, "-m", "zero.checkpoint.from_deepspeed", *map(str, args)],
+                          capture_output=True, text=True, env=env, timeout=120)
+
+
+def test_the_command_needs_the_trust_flag(tmp_path):
+    refused = command(CHECKPOINTS / "world2-stage2", tmp_path / "out")
+    assert refused.returncode == 2 and "--trust-pickle is required" in refused.stderr
+    assert "pickle" in refused.stderr and not (tmp_path / "out").exists()
+    with pytest.raises(PermissionError, match="pickles"):
+        convert_deepspeed(CHECKPOINTS / "world2-stage2", tmp_path / "out")
+    done = command(CHECKPOINTS / "world2-stage2", tmp_path / "out", "--trust-pickle")
+    assert done.returncode == 0, done.stderr
+    assert (tmp_path / "out" / "latest").read_text() == "global_step6"
+
+
+class Payload:
+    """Pickles as a call of os.system: what a crafted checkpoint would hold."""
+
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+def test_a_file_that_names_code_is_refused_and_nothing_runs(tmp_path):
+    ds = copy_of(tmp_path)
+    states = ds / "global_step6" / "mp_rank_00_model_states.pt"
+    saved = load_pickle(str(states))
+    marker = tmp_path / "ran"
+    saved["client"] = Payload(marker)
+    torch.save(saved, states)
+    with pytest.raises(ValueError, match="cannot be read safely.*system"):
+        convert_deepspeed(ds, tmp_path / "out", trust_pickle=True)
+    assert not marker.exists() and not (tmp_path / "out" / "latest").exists()
+
+
+def test_client_state_keeps_what_is_plain(tmp_path):
+    import argparse
+    ds = copy_of(tmp_path)
+    states = ds / "global_step6" / "mp_rank_00_model_states.pt"
+    saved = load_pickle(str(states))
+    saved["epoch"] = 3
+    saved["args"] = argparse.Namespace(lr=0.1)  # a class: read as an inert stand-in
+    torch.save(saved, states)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        convert_deepspeed(ds, tmp_path / "out", trust_pickle=True)
+    assert any("client_state['args']" in str(w.message) and "Namespace" in str(w.message)
+               for w in caught)
+    meta = torch.load(tmp_path / "out" / "global_step6" / "zero_meta.pt", weights_only=True)
+    assert meta["client_state"] == {"epoch": 3}
+
+
+def test_missing_ranks_and_model_parallel_files_are_named(tmp_path):
+    ds = copy_of(tmp_path)
+    (ds / "global_step6" / "zero_pp_rank_1_mp_rank_00_optim_states.pt").unlink()
+    with pytest.raises(ValueError, match="1 optimizer-states files for a data-parallel "
+                       "world of 2"):
+        convert_deepspeed(ds, tmp_path / "out", trust_pickle=True)
+    (ds / "global_step6" / "zero_pp_rank_0_mp_rank_00_optim_states.pt").rename(
+        ds / "global_step6" / "zero_pp_rank_1_mp_rank_00_optim_states.pt")
+    with pytest.raises(FileNotFoundError, match=r"rank\(s\) \[0\]"):
+        convert_deepspeed(ds, tmp_path / "out", trust_pickle=True)
+    shutil.copy(ds / "global_step6" / "mp_rank_00_model_states.pt",
+                ds / "global_step6" / "mp_rank_01_model_states.pt")
+    with pytest.raises(ValueError, match="tensor or pipeline parallelism"):
+        convert_deepspeed(ds, tmp_path / "out", trust_pickle=True)
+
+
+def test_no_checkpoint_and_output_onto_input_are_refused(tmp_path):
+    with pytest.raises(FileNotFoundError, match="no 'latest' file"):
+        convert_deepspeed(tmp_path, tmp_path / "out", trust_pickle=True)
+    ds = copy_of(tmp_path)
+    with pytest.raises(ValueError, match="would overwrite"):
+        convert_deepspeed(ds, ds, trust_pickle=True)
+    assert sorted(os.listdir(ds / "global_step6")) == sorted(
+        os.listdir(CHECKPOINTS / "world2-stage2" / "global_step6"))
+
+
+def test_the_converted_checkpoint_loads_in_one_process(tmp_path, monkeypatch):
+    """The whole route in one process, no script: zero's engine at stage 2
+    over the same module loads it and holds DeepSpeed's weights."""
+    no_launcher(monkeypatch)
+    convert_deepspeed(CHECKPOINTS / "world2-stage3", tmp_path, trust_pickle=True)
+    torch.manual_seed(1)
+    # tests/deepspeed_script.py's Net (that file imports DeepSpeed)
+    model = torch.nn.Sequential()
+    model.body = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(),
+                                     torch.nn.Linear(32, 32), torch.nn.Tanh())
+    model.head = torch.nn.Linear(32, 4)
+    engine = zero.initialize(model, optimizer=torch.optim.AdamW(model.parameters(), lr=1.0),
+                             stage=2)
+    engine.load_checkpoint(str(tmp_path))
+    expected = consolidate(str(tmp_path))["model"]
+    state = engine.full_state_dict()
+    assert all(torch.equal(state[k], expected[k]) for k in expected)
+    assert engine.global_steps == 6
+    engine.close()
