@@ -28,17 +28,21 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None,
     `model_parameters` (default: all the model's parameters).
     `training_data` (a torch Dataset) gives a DataLoader of the config's
     micro-batch size, sampled over the data-parallel ranks with
-    DistributedSampler, as DeepSpeed builds it. `mpu` and `mesh_param`
-    (Megatron's model-parallel unit, DeepSpeed's mesh) are refused until
-    zero composes with tensor and pipeline parallelism."""
+    DistributedSampler, as DeepSpeed builds it; train_batch() draws from
+    it. `mpu` and `mesh_param` (Megatron's model-parallel unit, DeepSpeed's
+    mesh) are refused: zero's tensor and pipeline parallelism are torch's
+    DTensor and pipelining over zero.initialize(mesh=...) (docs/parallel.md)."""
     if model is None:
         raise ValueError("deepspeed.initialize: model is None; pass model=your_module")
     for name, value in (("mpu", mpu), ("mesh_param", mesh_param)):
         if value is not None:
             raise NotImplementedError(
-                f"deepspeed.initialize({name}=...): tensor and pipeline parallelism do not "
-                f"compose with zero's engine yet, so {name} is refused rather than ignored. "
-                "For data parallelism over a part of the world, use zero.initialize(mesh=)")
+                f"deepspeed.initialize({name}=...): a Megatron-style model-parallel unit "
+                "(plain tensors split by hand, groups from the mpu) is not read, so it is "
+                "refused rather than ignored. zero's tensor and pipeline parallelism are "
+                "torch's: parallelize the model with DTensor plans and pass "
+                "zero.initialize(model, mesh=mesh) (docs/parallel.md); for data "
+                "parallelism over a part of the world, mesh= takes a process group")
     cfg = _config(args, config, config_params)
     if dist_init_required is not False:
         init_distributed(distributed_port=distributed_port,
@@ -62,6 +66,7 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None,
     loader = None
     if training_data is not None:
         loader = engine.deepspeed_io(training_data, collate_fn=collate_fn)
+        engine.set_dataloader(loader)  # train_batch()'s, as DeepSpeed's pipeline engine
     return engine, engine.optimizer, loader, engine.lr_scheduler
 
 

@@ -27,6 +27,7 @@ from torch import nn
 
 from zero.engine._agreement import check_ranks_agree
 from zero.comm._comm import Comm, leave_process_group
+from zero.engine._batch_calls import BatchCalls
 from zero.engine._deepspeed_queries import DeepSpeedQueries
 from zero.engine._construction import (apply_aio, broadcast_buffer, cast_module,
                                        match_param_groups, offload_files, owners_of,
@@ -60,7 +61,7 @@ from zero.config._config import Config
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-class Engine(DeepSpeedQueries, EngineReports, nn.Module):
+class Engine(DeepSpeedQueries, BatchCalls, EngineReports, nn.Module):
     """What zero.initialize returns: the model wrapped for ZeRO training.
     Call it as the model (inputs are cast to the compute dtype), then
     engine.backward(loss) and engine.step(). Its attributes: module,
