@@ -210,8 +210,8 @@ def test_a_disabled_block_is_accepted_whatever_it_holds():
 
 
 @pytest.mark.parametrize("config,match", [
-    ({"comms_logger": {"enabled": True}},
-     r"comms_logger: a DeepSpeed key zero does not support \(not built yet"),
+    ({"tensor_parallel": {"autotp_size": 2}},
+     r"tensor_parallel: a DeepSpeed key zero does not support \(DeepSpeed's AutoTP is not"),
     ({"amp": {"enabled": True}}, r"amp: a DeepSpeed key zero does not support \(NVIDIA apex"),
     ({"sparse_gradients": True}, "sparse_gradients: a DeepSpeed key zero does not support"),
     ({"trian_batch_size": 8}, r"trian_batch_size: not a DeepSpeed key \(a typo of "
@@ -246,8 +246,7 @@ def test_blocks_with_every_feature_off_are_accepted():
             ({"activation_checkpointing": {"partition_activations": True}},
              "activation_checkpointing: a DeepSpeed key zero does not support"),
             ({"checkpoint": {"load_universal": True}}, "universal checkpoints"),
-            ({"communication_data_type": "fp32"}, "communication_data_type"),
-            ({"memory_breakdown": True}, "memory_breakdown")):
+            ({"communication_data_type": "fp32"}, "communication_data_type")):
         with pytest.raises(ValueError, match=match):
             zero.Config.from_deepspeed(turned_on)
 

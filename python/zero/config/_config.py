@@ -513,6 +513,8 @@ def _translate(ds: dict) -> dict:
     # a block whose "enabled" is false runs nothing: accepted whatever it holds
     top = drop_inert(drop_disabled(top, _enabled_or_kept))
     zero_block = take_cpu_offload(zero_block)
+    if top.get("memory_breakdown") is True:  # DeepSpeed's switch, a block here
+        top["memory_breakdown"] = {"enabled": True}
     monitor = {kind: top.pop(kind) for kind in MONITORS if kind in top}  # enabled ones
     top = _drop_auto(top, "")
     zero_block = _drop_auto(zero_block, "zero_optimization.")

@@ -11,8 +11,6 @@ import warnings
 # DeepSpeed keys (dotted) zero refuses when enabled or set, with the reason
 UNSUPPORTED = {
     "comet": "zero writes the tensorboard, csv_monitor and wandb monitors only",
-    "comms_logger": "not built yet; engine.comm_summary() gives each step's collectives",
-    "memory_breakdown": "not built yet; engine.memory_summary() gives the model states",
     "amp": "NVIDIA apex AMP is not supported; use bf16 or fp16",
     "activation_checkpointing": "partition_activations, cpu_checkpointing and "
                                 "contiguous_memory_optimization are not supported; use "
@@ -23,8 +21,12 @@ UNSUPPORTED = {
     "communication_data_type": "gradients are reduced in the compute dtype (or "
                                "data_types.grad_accum_dtype's)",
     "sparse_gradients": "sparse gradients are not supported: zero reduces dense ones",
-    "pipeline": "pipeline parallelism does not compose with the engine yet",
-    "tensor_parallel": "tensor parallelism does not compose with the engine yet",
+    "pipeline": "DeepSpeed's PipelineModule is not read; zero's pipeline parallelism is "
+                "torch.distributed.pipelining over zero.initialize(mesh=...) "
+                "(zero.parallel.split_gpt/split_llama, pipeline_schedule; docs/parallel.md)",
+    "tensor_parallel": "DeepSpeed's AutoTP is not read; zero's tensor parallelism is torch's "
+                       "DTensor plans over zero.initialize(mesh=...) (zero.parallel."
+                       "parallelize_gpt/parallelize_llama; docs/parallel.md)",
     "compression_training": "not supported",
     "data_efficiency": "not supported",
     "curriculum_learning": "not supported",
@@ -112,7 +114,8 @@ def refusal(keys: list, known: list) -> ValueError:
                       ". docs/deepspeed.md lists the keys zero reads, ignores and refuses")
 
 
-MONITORS = ("tensorboard", "csv_monitor", "wandb", "flops_profiler")
+MONITORS = ("tensorboard", "csv_monitor", "wandb", "flops_profiler", "comms_logger",
+            "memory_breakdown")
 
 
 def check_monitor(monitor, enabled) -> dict:
@@ -134,6 +137,8 @@ def check_monitor(monitor, enabled) -> dict:
         known = {"wandb": {"enabled", "group", "team", "project"},
                  "flops_profiler": {"enabled", "profile_step", "module_depth", "top_modules",
                                     "detailed", "output_file", "recompute_fwd_factor"},
+                 "comms_logger": {"enabled", "verbose", "prof_all", "prof_ops", "debug"},
+                 "memory_breakdown": {"enabled"},
                  }.get(kind, {"enabled", "output_path", "job_name"})
         unknown = set(block) - known
         if unknown:

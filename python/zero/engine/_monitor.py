@@ -1,5 +1,6 @@
 """DeepSpeed's monitors on zero's engine: the config's `tensorboard`,
-`csv_monitor` and `wandb` blocks, and its `flops_profiler`
+`csv_monitor` and `wandb` blocks, its `flops_profiler`, and its
+`comms_logger` and `memory_breakdown` (engine/_step_logs.py)
 (zero.initialize(monitor=...) takes the same blocks).
 
 [Note: monitor events] As DeepSpeed's engine writes them, on the global
@@ -18,16 +19,20 @@ from __future__ import annotations
 import csv
 import os
 
+from zero.engine._step_logs import CommsLogger, MemoryBreakdown
+
 
 class Monitor:
     def __init__(self, blocks: dict):
         """blocks: check_monitor's dict; writers are opened on rank 0 only
         (the caller's choice: it builds a Monitor there)."""
-        self.writers = []
+        self.writers, self.loggers = [], []
         self.profiler = None
         for kind, block in blocks.items():
             if kind == "flops_profiler":
                 self.profiler = FlopsProfiler(block)
+            elif kind in _LOGGERS:
+                self.loggers.append(_LOGGERS[kind](block))
             else:
                 self.writers.append(_WRITERS[kind](block))
         self.losses = []
@@ -52,11 +57,13 @@ class Monitor:
             events.append(("Train/Samples/loss_scale", float(engine.loss_scale), step))
         for writer in self.writers:
             writer.write(events)
+        for logger in self.loggers:
+            logger.after_step(engine)
         if self.profiler is not None:
             self.profiler.stop_if_running(engine)
 
     def close(self):
-        for writer in self.writers:
+        for writer in self.writers + self.loggers:
             writer.close()
 
 
@@ -130,6 +137,7 @@ class _Wandb:
 
 
 _WRITERS = {"tensorboard": _Tensorboard, "csv_monitor": _Csv, "wandb": _Wandb}
+_LOGGERS = {"comms_logger": CommsLogger, "memory_breakdown": MemoryBreakdown}
 
 
 class FlopsProfiler:
