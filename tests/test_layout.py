@@ -12,11 +12,11 @@ PACKAGE = pathlib.Path(__file__).resolve().parents[1] / "python" / "zero"
 MAX_LINES = 600
 
 # The concerns, lowest first: a subpackage may import from those before it
-# (and from itself), never from one after it. The top-level modules _C and
-# _version sit below them all; zero/__init__.py above them all.
+# (and from itself), never from one after it. The top-level modules _C,
+# _version and _progress sit below them all; zero/__init__.py above them all.
 LAYERS = ["config", "comm", "parallel", "offload", "sharding", "step", "optim", "checkpoint",
           "engine", "integrations", "deepspeed"]
-LEAVES = {"_C", "_version"}
+LEAVES = {"_C", "_version", "_progress"}
 
 
 def modules():

@@ -13,6 +13,7 @@ import warnings
 
 import torch
 
+from zero._progress import bar
 from zero.checkpoint._engine_parts import (all_ok, checkpoint_name, holds_a_part, in_files,
                                            param_shapes, release_offloaded, replicated_frozen,
                                            whole_comm)
@@ -201,14 +202,19 @@ def _read_partitions(engine, reader, with_optimizer):
     on_disk = in_files(engine)
     mappings = reader.file_mappings() if on_disk else None
     pieces = _LocalPieces(engine, reader)
-    for fg, name, lo, hi, offset, keys in _targets(engine, with_optimizer):
-        for key in keys:
-            target = fg.states[key] if key != "value" else \
-                fg.master if fg.trainable else fg.shard
-            pieces.read_into(name, key, lo, target[offset:offset + hi - lo])
-            if on_disk:
-                fg.release_offloaded()
-                reader.drop_pages(mappings)
+    targets = list(_targets(engine, with_optimizer))
+    nbytes = sum(4 * (hi - lo) * len(keys) for _fg, _n, lo, hi, _o, keys in targets)
+    with bar("loading checkpoint (rank 0's part)", total=nbytes,
+             enabled=whole_comm(engine).rank == 0) as progress:
+        for fg, name, lo, hi, offset, keys in targets:
+            for key in keys:
+                target = fg.states[key] if key != "value" else \
+                    fg.master if fg.trainable else fg.shard
+                pieces.read_into(name, key, lo, target[offset:offset + hi - lo])
+                progress.update(4 * (hi - lo))
+                if on_disk:
+                    fg.release_offloaded()
+                    reader.drop_pages(mappings)
     for fg in engine.all_groups:
         if fg.trainable and fg.master is not fg.shard:
             # the parameters: the master rounded, a chunk at a time

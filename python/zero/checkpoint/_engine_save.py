@@ -13,6 +13,7 @@ import os
 
 import torch
 
+from zero._progress import bar
 from zero._version import __version__
 from zero.checkpoint._engine_parts import (all_ok, checkpoint_name, holds_a_part, host_copy,
                                            in_files, in_whole_tensors, param_shapes,
@@ -233,10 +234,14 @@ def _save_agreed(engine, save_dir, tag, save_id, client_state, save_latest, erro
         try:
             groups = _shard_groups(engine)
             if groups:
-                with _dropping_offloaded(engine):
+                nbytes = sum(t.nbytes for g in groups for t in g["tensors"].values())
+                with _dropping_offloaded(engine), \
+                        bar("saving checkpoint (rank 0's shard)", total=nbytes,
+                            enabled=whole.rank == 0) as progress:
                     write_file({"format": FORMAT, "version": VERSION, "rank": comm.rank,
                                 "save_id": save_id, "groups": groups},
-                               os.path.join(staging, shard_file(shard_index(engine))))
+                               os.path.join(staging, shard_file(shard_index(engine))),
+                               on_write=progress.update)
         finally:  # offloaded states were read through their mapping
             release_offloaded(engine)
         if whole.rank == 0 or _writes_stage_meta(engine):

@@ -17,6 +17,7 @@ import warnings
 
 import torch
 
+from zero._progress import bar
 from zero._version import __version__
 from zero.checkpoint._deepspeed_files import (StandIn, load_pickle, model_states_files,
                                               optim_states_files, tag_directory)
@@ -75,8 +76,16 @@ def _stage_of(optims, path) -> int:
 
 
 def _read(path) -> dict:
-    model_states = [load_pickle(f) for f in model_states_files(path)]
-    optims = [load_pickle(f)["optimizer_state_dict"] for f in optim_states_files(path)]
+    model_files, optim_files = model_states_files(path), optim_states_files(path)
+    with bar("reading the DeepSpeed checkpoint", total=len(model_files) + len(optim_files),
+             unit="file") as progress:
+        model_states, optims = [], []
+        for f in model_files:
+            model_states.append(load_pickle(f))
+            progress.update(1)
+        for f in optim_files:
+            optims.append(load_pickle(f)["optimizer_state_dict"])
+            progress.update(1)
     ms = model_states[0]
     stage = _stage_of(optims, path)
     world = int(ms.get("dp_world_size", 1))

@@ -39,27 +39,30 @@ from zero.checkpoint._format import (LATEST_FILE, LOCK_SUFFIX, META_FILE, REPLAC
                                      STAGING_SUFFIX, replaced_directory, staging_directory)
 
 
-def write_file(obj, path):
+def write_file(obj, path, on_write=None):
     """torch.save to a temporary name, flushed to the disk, then renamed: a
     crash (or a power cut) never leaves a half-written file under the real
     name, and `latest` is written only after every file it covers is on
-    the disk."""
-    write_through_temporary(path, lambda f: torch.save(obj, f))
+    the disk. on_write(n) hears of each n bytes written (a progress bar)."""
+    write_through_temporary(path, lambda f: torch.save(obj, f), on_write=on_write)
 
 
 class _RecordingFile:
     """A file whose first write error is kept: torch.save reports a failed
     write as a RuntimeError without its errno ("unexpected pos")."""
 
-    def __init__(self, f):
-        self.f, self.error = f, None
+    def __init__(self, f, on_write=None):
+        self.f, self.error, self.on_write = f, None, on_write
 
     def write(self, data):
         try:
-            return self.f.write(data)
+            written = self.f.write(data)
         except OSError as error:
             self.error = self.error or error
             raise
+        if self.on_write is not None:
+            self.on_write(len(data))
+        return written
 
     def flush(self):
         return self.f.flush()
@@ -72,7 +75,7 @@ _WRITE_FAILURES = {
 }
 
 
-def write_through_temporary(path, fill, tmp=None):
+def write_through_temporary(path, fill, tmp=None, on_write=None):
     """fill(file) into `tmp` (default path + ".tmp"), fsynced, renamed to
     path. On any failure the temporary file is removed and an OSError
     names `path`."""
@@ -80,7 +83,7 @@ def write_through_temporary(path, fill, tmp=None):
     recording = None
     try:
         with open(tmp, "wb") as f:
-            recording = _RecordingFile(f)
+            recording = _RecordingFile(f, on_write)
             fill(recording)
             f.flush()
             os.fsync(f.fileno())

@@ -39,6 +39,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 from torch.utils.weak import WeakIdKeyDictionary
 
+from zero._progress import bar
 from zero.comm._comm import (Comm, backend_for, gather_by_broadcasts, issue,
                              join_for_the_process, nccl_available)
 from zero.config._config import check_nvme_path
@@ -166,12 +167,14 @@ class partitioned_init(TorchDispatchMode):
         self._buffer_hook = nn.modules.module.register_module_buffer_registration_hook(
             self._on_register_buffer)
         self._records = []
+        self._progress = bar("partitioned construction", unit="param", enabled=self.rank == 0)
         return super().__enter__()
 
     def __exit__(self, *exc):
         try:
             self._evict()
         finally:
+            self._progress.close()
             self._hook.remove()
             self._buffer_hook.remove()
             self._by_storage.clear()
@@ -216,6 +219,7 @@ class partitioned_init(TorchDispatchMode):
         record.key = storage_key(ph)
         record.closed = False
         self._records.append(record)
+        self._progress.update(1)
         _registry[ph] = record
         self._replaced[param] = ph
         self._by_storage[record.key] = (ph, _LazyView(ph, []))
