@@ -15,7 +15,7 @@ from zero.checkpoint import convert_deepspeed
 from zero.checkpoint._writes import write_file
 from engine_cases import Net, batches, loss_of, no_launcher
 
-pytest.importorskip("tqdm")
+import tqdm  # noqa: F401  (requirements-test.txt: the bars are tested, not skipped)
 CHECKPOINTS = pathlib.Path(__file__).resolve().parent / "data" / "deepspeed_checkpoints"
 
 
