@@ -230,3 +230,13 @@ def test_the_converted_checkpoint_loads_in_one_process(tmp_path, monkeypatch):
     assert all(torch.equal(state[k], expected[k]) for k in expected)
     assert engine.global_steps == 6
     engine.close()
+
+
+def test_loading_deepspeeds_directory_names_the_converter(monkeypatch):
+    no_launcher(monkeypatch)
+    model = torch.nn.Linear(2, 2)
+    engine = zero.initialize(model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+    with pytest.raises(FileNotFoundError, match="is a DeepSpeed checkpoint.*"
+                       "python -m zero.checkpoint.from_deepspeed"):
+        engine.load_checkpoint(str(CHECKPOINTS / "world2-stage2"))
+    engine.close()

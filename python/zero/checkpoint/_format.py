@@ -163,6 +163,12 @@ def resolve_tag(save_dir, tag=None) -> str:
         raise ValueError(f"{path!r} is a link to a directory outside {save_dir!r}; a "
                          "checkpoint is read from inside its directory only")
     if not os.path.isfile(os.path.join(path, META_FILE)):
+        if os.path.isdir(path) and any(f.endswith("_model_states.pt") for f in os.listdir(path)):
+            raise FileNotFoundError(
+                f"{path!r} is a DeepSpeed checkpoint, not a zero one: DeepSpeed's files are "
+                "pickles, which zero never loads as they are (they may run code). Convert it "
+                f"once: python -m zero.checkpoint.from_deepspeed {save_dir} OUT_DIR "
+                "--trust-pickle, then load OUT_DIR (docs/deepspeed.md)")
         hint = tag_directory_hint(save_dir)
         raise FileNotFoundError(f"{path!r} holds no zero checkpoint ({META_FILE} is missing)"
                                 + (f"; {hint}" if hint else ""))

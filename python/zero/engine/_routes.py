@@ -151,12 +151,16 @@ def check_optimizer_unchanged(engine):
             raise RuntimeError(
                 f"parameter '{name}' requires grad, but was frozen (or not in the model) at "
                 "zero.initialize, so the engine does not train it. Call zero.initialize "
-                "again after changing which parameters train")
+                "again after changing which parameters train (DeepSpeed too builds its "
+                "partitions once, at initialize, and does not follow a later change; zero "
+                "refuses rather than train other parameters than you set)")
         if trained and not p.requires_grad:
             raise RuntimeError(
                 f"parameter '{name}' was set to requires_grad=False after zero.initialize; "
                 "the engine would still update it. Call zero.initialize again after "
-                "changing which parameters train")
+                "changing which parameters train (DeepSpeed too builds its partitions once, "
+                "at initialize, and does not follow a later change; zero refuses rather "
+                "than train other parameters than you set)")
 
 
 def on_each_grad(engine, fg, body):
