@@ -115,7 +115,8 @@ def test_the_config_comes_from_args(one_process, tmp_path):
 @pytest.mark.parametrize("arguments,error,match", [
     ({}, ValueError, "no DeepSpeed config"),
     ({"config": CONFIG, "config_params": CONFIG}, ValueError, "not both"),
-    ({"config": CONFIG, "mpu": object()}, NotImplementedError, r"mpu=\.\.\.\): a Megatron-style"),
+    ({"config": CONFIG, "mpu": object()}, ValueError, "mpu: it has none of "
+     "get_data_parallel_group"),
     ({"config": CONFIG, "mesh_param": (2, 2)}, NotImplementedError, "mesh_param"),
 ])
 def test_refusals_say_what_deepspeed_does(one_process, arguments, error, match):

@@ -29,20 +29,19 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None,
     `training_data` (a torch Dataset) gives a DataLoader of the config's
     micro-batch size, sampled over the data-parallel ranks with
     DistributedSampler, as DeepSpeed builds it; train_batch() draws from
-    it. `mpu` and `mesh_param` (Megatron's model-parallel unit, DeepSpeed's
-    mesh) are refused: zero's tensor and pipeline parallelism are torch's
-    DTensor and pipelining over zero.initialize(mesh=...) (docs/parallel.md)."""
+    it. `mpu` (Megatron's model-parallel unit) maps onto the engine as
+    [Note: mpu] in parallel/_mpu.py says: ZeRO over its data-parallel
+    group, the norm over its model-parallel group. `mesh_param`
+    (DeepSpeed's mesh shape) is refused: pass zero.initialize(mesh=...) a
+    DeviceMesh."""
     if model is None:
         raise ValueError("deepspeed.initialize: model is None; pass model=your_module")
-    for name, value in (("mpu", mpu), ("mesh_param", mesh_param)):
-        if value is not None:
-            raise NotImplementedError(
-                f"deepspeed.initialize({name}=...): a Megatron-style model-parallel unit "
-                "(plain tensors split by hand, groups from the mpu) is not read, so it is "
-                "refused rather than ignored. zero's tensor and pipeline parallelism are "
-                "torch's: parallelize the model with DTensor plans and pass "
-                "zero.initialize(model, mesh=mesh) (docs/parallel.md); for data "
-                "parallelism over a part of the world, mesh= takes a process group")
+    if mesh_param is not None:
+        raise NotImplementedError(
+            "deepspeed.initialize(mesh_param=...): DeepSpeed's mesh shape is not read, so "
+            "it is refused rather than ignored; build a DeviceMesh (init_device_mesh, "
+            "dimensions dp_replicate/dp_shard/tp/pp) and pass zero.initialize(model, "
+            "mesh=mesh) (docs/parallel.md)")
     cfg = _config(args, config, config_params)
     if dist_init_required is not False:
         init_distributed(distributed_port=distributed_port,
@@ -61,8 +60,14 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None,
             "DeepSpeed builds an engine that cannot step; zero's needs an optimizer, so it "
             "uses torch.optim.AdamW(lr=1e-3): engine.step() would train with it",
             UserWarning, stacklevel=2)
+    layout = None
+    if mpu is not None:  # [Note: mpu]: its groups exist once the process group does
+        from zero.parallel._mpu import MegatronParallel
+        layout = MegatronParallel(mpu, model)
     engine = zero_initialize(model, optimizer=optimizer, config=cfg,
-                             lr_scheduler=lr_scheduler)
+                             lr_scheduler=lr_scheduler,
+                             mesh=layout.dp_group if layout is not None else None)
+    engine._mpu = layout.connect(engine.device) if layout is not None else None
     loader = None
     if training_data is not None:
         loader = engine.deepspeed_io(training_data, collate_fn=collate_fn)

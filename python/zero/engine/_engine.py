@@ -80,6 +80,8 @@ class Engine(DeepSpeedQueries, BatchCalls, EngineReports, nn.Module):
         self._tensor_parallel = tensor_parallel
         # a parallel/_pipeline.PipelineLayout: this rank's pipeline stage
         self._pipeline = pipeline
+        # a parallel/_mpu.MegatronParallel: a model split by hand, Megatron's way
+        self._mpu = None
         self._spec = spec_for(optimizer)
         self.compute_dtype = DTYPES[config.precision]
         self.device = comm.device  # the model's; every buffer lives there
@@ -346,7 +348,7 @@ class Engine(DeepSpeedQueries, BatchCalls, EngineReports, nn.Module):
         sumsq = self.step_path.squared_norm(self.groups, self._comm,
                                             across_ranks=self.policy.partitions)
         sumsq = model_parallel_sumsq(sumsq, self.groups, self._comm, self.policy.partitions,
-                                     self._tensor_parallel, self._pipeline)
+                                     self._tensor_parallel or self._mpu, self._pipeline)
         base = 1.0 / (self.loss_scale * self._comm.dp_world *
                       self.config.gradient_accumulation_steps)
         # a NaN gradient gives a NaN norm, as torch's clip_grad_norm_ does
@@ -534,6 +536,8 @@ class Engine(DeepSpeedQueries, BatchCalls, EngineReports, nn.Module):
         the boundary's step(). Returns the checkpoint's directory."""
         self._check_open()
         from zero.checkpoint._engine_save import save
+        if self._mpu is not None:  # [Note: mpu] one checkpoint per model-parallel rank
+            save_dir = self._mpu.checkpoint_dir(save_dir)
         return save(self, save_dir, tag, client_state, save_latest)
 
     def load_checkpoint(self, load_dir, tag=None, load_module_strict: bool = True, *,
@@ -558,6 +562,8 @@ class Engine(DeepSpeedQueries, BatchCalls, EngineReports, nn.Module):
                 "(zero.checkpoint.consolidate) into the model with "
                 "load_state_dict(strict=False) before zero.initialize")
         from zero.checkpoint._engine_load import load
+        if self._mpu is not None:  # [Note: mpu] one checkpoint per model-parallel rank
+            load_dir = self._mpu.checkpoint_dir(load_dir)
         return load(self, load_dir, tag, load_optimizer_states, load_lr_scheduler_states,
                     load_module_only)
 
