@@ -19,8 +19,8 @@ def test_optimizer_names():
 
 def test_parallel_names():
     assert sorted(zero.parallel.__all__) == [
-        "causal_lm_loss", "gpt_loss", "gpt_plan", "llama_plan", "parallelize_gpt",
-        "parallelize_llama", "pipeline_schedule", "split_gpt", "split_llama"]
+        "causal_lm_loss", "gpt2_plan", "gpt_loss", "gpt_plan", "llama_plan", "parallelize_gpt",
+        "parallelize_gpt2", "parallelize_llama", "pipeline_schedule", "split_gpt", "split_llama"]
 
 
 def test_checkpoint_names():

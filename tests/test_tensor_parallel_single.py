@@ -41,6 +41,31 @@ def test_global_runs_name_the_local_elements(shape, dim, world):
             assert torch.equal(got, local[lo:hi])
 
 
+@pytest.mark.parametrize("shape, dim, world, split", [((4, 12), 1, 2, 3), ((12,), 0, 2, 3),
+                                                       ((6, 4), 0, 3, 2), ((2, 24, 3), 1, 4, 3)])
+def test_strided_pieces_are_torchs(shape, dim, world, split):
+    """_StridedShard(dim, split) (a packed [q | k | v] weight cut by heads):
+    each rank's piece is the one torch's own placement cuts, its runs name
+    its elements in the whole, and whole() puts the pieces back."""
+    from torch.distributed.tensor.placement_types import _StridedShard
+    whole = torch.arange(torch.Size(shape).numel()).view(shape)
+    placement = Placement(dim, shape, whole.stride(), (), None, world, split)
+    torchs, _ = _StridedShard(dim, split_factor=split)._split_tensor(whole, world,
+                                                                     with_padding=False)
+    pieces = []
+    for rank in range(world):
+        local = placement.local_slice(whole, rank)
+        assert torch.equal(local, torchs[rank])
+        pieces.append(local)
+        flat = local.reshape(-1)
+        n = flat.numel()
+        for lo, hi in ((0, n), (1, n - 1), (n // 3, n // 2 + 1)):
+            got = torch.cat([whole.reshape(-1)[g_lo:g_hi]
+                             for g_lo, g_hi, _l in placement.global_runs(rank, lo, hi)])
+            assert torch.equal(got, flat[lo:hi])
+    assert torch.equal(placement.whole(pieces), whole)
+
+
 def test_replicated_pieces_are_themselves():
     placement = Placement(None, (4, 6), (6, 1), (), None, 2)
     assert placement.global_runs(1, 3, 17) == [(3, 17, 3)]

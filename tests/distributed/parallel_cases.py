@@ -1,5 +1,5 @@
 """What the tensor- and pipeline-parallel tests share: a tiny GPT
-(examples/gpt.py) and a tiny HuggingFace Llama, the optimizers, the data,
+(examples/gpt.py), a tiny HuggingFace Llama and GPT-2, the optimizers, the data,
 the single-process torch reference every layout is compared with, and the
 meshes."""
 import os
@@ -35,6 +35,8 @@ def make_model(kind="gpt"):
     torch.manual_seed(0)
     if kind.startswith("llama"):
         return _llama(tied=kind == "llama tied")
+    if kind == "gpt2":
+        return _gpt2()
     model = GPT(CFG)
     for block in model.blocks:
         block.k.bias.requires_grad_(False)
@@ -55,6 +57,16 @@ def _llama(tied=False):
                          max_position_embeddings=CFG.seq, attn_implementation="eager",
                          tie_word_embeddings=tied)
     return LlamaForCausalLM(config)
+
+
+def _gpt2():
+    """A tiny HuggingFace GPT-2 (Conv1D layers, q, k and v packed in one
+    c_attn, its head tied to the embedding), without dropout."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+    config = GPT2Config(vocab_size=CFG.vocab, n_embd=32, n_layer=2, n_head=4,
+                        n_positions=CFG.seq, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+                        attn_implementation="eager")
+    return GPT2LMHeadModel(config)
 
 
 def loss_of(model, ids, labels):

@@ -9,6 +9,10 @@ parallel embedding and tied head), trained by zero.initialize(mesh=...) on
   replicas), and tp=4 alone at stage 1;
 - a tiny HuggingFace Llama (grouped-query attention) split by
   zero.parallel.parallelize_llama, tp=2 x dp=2 at stage 2;
+- a tiny HuggingFace GPT-2 (Conv1D layers, q, k and v packed in c_attn,
+  a tied head) split by zero.parallel.parallelize_gpt2, tp=2 x dp=2 at
+  stage 3, and its checkpoint loaded by 4 plain data-parallel ranks
+  (c_attn's strided pieces put back whole);
 
 each against one process of plain torch on the same global batch: losses
 and final parameters within 1e-5 (normwise, conftest.max_rel_error; the
@@ -39,8 +43,9 @@ def parallelized(kind, mesh):
     import zero
     model = make_model(kind)
     if "tp" in mesh.mesh_dim_names:
-        parallelize = zero.parallel.parallelize_llama if kind == "llama" else \
-            zero.parallel.parallelize_gpt
+        parallelize = {"llama": zero.parallel.parallelize_llama,
+                       "gpt2": zero.parallel.parallelize_gpt2}.get(kind,
+                                                                   zero.parallel.parallelize_gpt)
         parallelize(model, mesh["tp"])
     return model
 
@@ -81,7 +86,7 @@ def train(mesh, stage, accumulation=1, clip=None, precision="fp32", opt="sgd", k
     if "tp" in mesh.mesh_dim_names:
         from torch.distributed.tensor import DTensor
         name, p = next((n, p) for n, p in model.named_parameters() if n.endswith("q.weight") or
-                       n.endswith("q_proj.weight"))
+                       n.endswith("q_proj.weight") or n.endswith("c_attn.weight"))
         handed = isinstance(p, DTensor) and torch.equal(
             p.full_tensor().float(), state[name].to(p.dtype).float())
         if kind == "gpt":
@@ -129,6 +134,24 @@ def checkpoints(directory):
     return out
 
 
+def gpt2_checkpoint(directory):
+    """GPT-2 saved on tp=2 x dp=2 at stage 1, loaded by 4 plain ranks."""
+    mesh = mesh_of((2, 2), ("dp_shard", "tp"))
+    engine = _engine(mesh, 1, kind="gpt2")
+    index, size = dp_place(mesh)
+    ids, labels = batch(0)
+    engine.backward(loss_of(engine, ids.chunk(size)[index], labels.chunk(size)[index]))
+    engine.step()
+    engine.save_checkpoint(directory, tag="gpt2")
+    saved = engine.full_state_dict()
+    engine.close()
+    engine = _engine(mesh_of((4,), ("dp_shard",)), 2, kind="gpt2")
+    engine.load_checkpoint(directory, tag="gpt2")
+    loaded = engine.full_state_dict()
+    engine.close()
+    return saved, loaded
+
+
 def _worker(rank, world, directory):
     import torch.distributed as dist
     dist.init_process_group("gloo")
@@ -142,6 +165,8 @@ def _worker(rank, world, directory):
     out["replicas x tp2"] = train(mesh_of((2, 1, 2), ("dp_replicate", "dp_shard", "tp")), 3)
     out["tp4"] = train(mesh_of((4,), ("tp",)), 1)
     out["llama"] = train(tp2_dp2, 2, kind="llama")
+    out["gpt2"] = train(tp2_dp2, 3, kind="gpt2")
+    out["gpt2 checkpoint"] = gpt2_checkpoint(directory)
     out["checkpoints"] = checkpoints(directory)
     dist.destroy_process_group()
     return out
@@ -198,6 +223,15 @@ def test_replicas_and_tp_alone(results):
 
 def test_hf_llama(results):
     _check_run(results[1]["llama"], kind="llama")
+
+
+def test_hf_gpt2(results):
+    _check_run(results[2]["gpt2"], kind="gpt2")
+    saved, loaded = results[0]["gpt2 checkpoint"]
+    assert set(saved) == set(loaded)
+    for name, value in saved.items():
+        assert torch.equal(loaded[name], value), name
+    assert saved["transformer.h.0.attn.c_attn.weight"].shape == (32, 96)
 
 
 def test_checkpoints_load_under_other_layouts(results):

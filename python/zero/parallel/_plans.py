@@ -1,6 +1,8 @@
 """Ready tensor-parallel plans (Megatron-LM's layouts, in torch's DTensor
-parallel styles) for examples/gpt.py's GPT and HuggingFace Llama-family
-decoders, applied with torch's parallelize_module.
+parallel styles) for examples/gpt.py's GPT, HuggingFace GPT-2 and
+HuggingFace Llama-family decoders, applied with torch's
+parallelize_module. GPT-2's Conv1D layers take zero's own styles
+(parallel/_conv1d_styles.py, [Note: Conv1D styles]).
 
 Each transformer block splits its attention by heads (q, k, v column-wise,
 the output projection row-wise) and its MLP by the hidden size (up/gate
@@ -125,3 +127,48 @@ def parallelize_llama(model: nn.Module, tp_mesh) -> nn.Module:
     if getattr(model, "lm_head", None) is not None and hasattr(base, "embed_tokens"):
         ties.append((base.embed_tokens, "weight", model.lm_head, "weight"))
     return _apply(model, tp_mesh, llama_plan(model), ties)
+
+
+def gpt2_plan(model: nn.Module) -> dict:
+    """The plan for a HuggingFace GPT2LMHeadModel (or GPT2Model):
+    transformer.wte vocabulary-parallel, h.*.attn.c_attn column-wise with
+    q, k and v each split by heads, h.*.attn.c_proj row-wise, h.*.mlp.c_fc
+    column-wise, h.*.mlp.c_proj row-wise, lm_head column-wise (logits
+    gathered). wpe and the LayerNorms stay whole."""
+    from zero.parallel._conv1d_styles import conv1d_styles
+    Replicate, Colwise, Rowwise = _styles()
+    ColwiseConv1D, RowwiseConv1D = conv1d_styles()
+    base = "transformer." if hasattr(model, "transformer") else ""
+    plan = {f"{base}wte": Rowwise(input_layouts=Replicate(), output_layouts=Replicate()),
+            f"{base}h.*.attn.c_attn": ColwiseConv1D(packed=3),
+            f"{base}h.*.attn.c_proj": RowwiseConv1D(),
+            f"{base}h.*.mlp.c_fc": ColwiseConv1D(),
+            f"{base}h.*.mlp.c_proj": RowwiseConv1D()}
+    if getattr(model, "lm_head", None) is not None:
+        plan["lm_head"] = Colwise(output_layouts=Replicate())
+    return plan
+
+
+def parallelize_gpt2(model: nn.Module, tp_mesh) -> nn.Module:
+    """Split a HuggingFace GPT-2 over `tp_mesh` in place and return it. The
+    heads, the MLP width and the vocabulary must divide by tp; each
+    attention module then splits its c_attn output at its own heads' width
+    (split_size: the embedding width / tp). Cross-attention (add_cross_
+    attention) is refused."""
+    tp = tp_mesh.size()
+    cfg = model.config
+    if getattr(cfg, "add_cross_attention", False):
+        raise NotImplementedError("parallelize_gpt2: cross-attention (add_cross_attention) "
+                                  "has no plan")
+    _check_divides("n_head", cfg.n_head, tp)
+    _check_divides("the MLP width", cfg.n_inner or 4 * cfg.n_embd, tp)
+    _check_divides("vocab_size", cfg.vocab_size, tp)
+    base = model.transformer if hasattr(model, "transformer") else model
+    ties = []
+    if getattr(model, "lm_head", None) is not None:
+        ties.append((base.wte, "weight", model.lm_head, "weight"))
+    _apply(model, tp_mesh, gpt2_plan(model), ties)
+    for block in base.h:
+        # c_attn's output is this rank's [q | k | v] heads: split at their width
+        block.attn.split_size = cfg.n_embd // tp
+    return model

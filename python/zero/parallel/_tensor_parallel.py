@@ -44,39 +44,60 @@ from torch import nn
 @dataclass(frozen=True)
 class Placement:
     """Where a parameter's local tensor sits in its global one: a slice of
-    `shard_dim` (None: the whole tensor, replicated over tp)."""
+    `shard_dim` (None: the whole tensor, replicated over tp).
+
+    split_factor > 1 is torch's _StridedShard(dim, split_factor): the dim
+    cut into split_factor x world chunks, and rank r holding chunks r,
+    r + world, r + 2 world, ... end to end. A packed projection (GPT-2's
+    c_attn, [q | k | v] in one weight) is split so, each rank holding its
+    heads of q, of k and of v."""
     shard_dim: int | None
     global_shape: tuple
     stride: tuple
     placements: tuple   # the DTensor placements, to rebuild it
     mesh: object        # the tp DeviceMesh
     world: int          # the tp size
+    split_factor: int = 1
+
+    def _chunk(self) -> int:
+        """Elements of shard_dim in one chunk of a rank's piece."""
+        return self.global_shape[self.shard_dim] // (self.world * self.split_factor)
 
     def local_slice(self, full: torch.Tensor, rank: int) -> torch.Tensor:
         """tp rank `rank`'s piece of the whole tensor `full`."""
         if self.shard_dim is None:
             return full
-        size = self.global_shape[self.shard_dim] // self.world
-        return full.narrow(self.shard_dim, rank * size, size)
+        d, chunk = self.shard_dim, self._chunk()
+        pieces = [full.narrow(d, (c * self.world + rank) * chunk, chunk)
+                  for c in range(self.split_factor)]
+        return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=d)
 
     def global_runs(self, rank: int, lo: int, hi: int) -> list:
         """Where elements [lo, hi) of tp rank `rank`'s flattened local
         tensor sit in the flattened whole tensor: (global lo, global hi,
         local lo) for each contiguous run. A Shard(0) piece is one run; a
-        Shard(d) piece is one run per index of the dimensions before d."""
+        Shard(d) piece is one run per index of the dimensions before d
+        (and per chunk, when strided)."""
         if self.shard_dim is None:
             return [(lo, hi, lo)]
         d = self.shard_dim
         after = math.prod(self.global_shape[d + 1:])
-        run = self.global_shape[d] // self.world * after   # a run of the local tensor
-        stride = self.global_shape[d] * after               # the same run in the whole
+        run = self._chunk() * after                         # a run of the local tensor
+        stride = self.global_shape[d] * after               # one outer index in the whole
         runs, k = [], lo // run
         while lo < hi:
             end = min(hi, (k + 1) * run)
-            start = k * stride + rank * run + lo - k * run
+            outer, chunk = divmod(k, self.split_factor)
+            start = outer * stride + (chunk * self.world + rank) * run + lo - k * run
             runs.append((start, start + end - lo, lo))
             lo, k = end, k + 1
         return runs
+
+    def whole(self, locals_by_rank: list) -> torch.Tensor:
+        """The whole tensor from every tp rank's local piece, in rank order."""
+        d, chunk = self.shard_dim, self._chunk()
+        return torch.cat([piece.narrow(d, c * chunk, chunk) for c in range(self.split_factor)
+                          for piece in locals_by_rank], dim=d)
 
 
 def _dtensor_class():
@@ -104,30 +125,33 @@ def _placement_of(name, p, tp_mesh) -> Placement:
                          f"the mesh's 'tp' dimension {tp_mesh}; parallelize the model with "
                          "parallelize_module(model, mesh['tp'], plan)")
     placement, = p.placements
+    split_factor = int(getattr(placement, "split_factor", 1))
     if isinstance(placement, Replicate):
         dim = None
-    elif type(placement) is Shard:
+    elif type(placement) is Shard or type(placement).__name__ == "_StridedShard":
         dim = placement.dim % p.dim()
     else:
         raise NotImplementedError(f"parameter '{name}' has placement {placement}: zero trains "
-                                  "tensor-parallel parameters that are Shard(dim) or "
-                                  "Replicate() over tp")
+                                  "tensor-parallel parameters that are Shard(dim), "
+                                  "_StridedShard(dim) or Replicate() over tp")
     local = p.to_local()
     if dim is not None:
         expected = list(p.shape)
         world = tp_mesh.size()
         # an even split (the parallel styles' torch.chunk on sizes tp
         # divides); an uneven one would need a size per rank in checkpoints
-        if p.shape[dim] % world != 0:
+        if p.shape[dim] % (world * split_factor) != 0:
             raise ValueError(f"parameter '{name}': dimension {dim} of shape {tuple(p.shape)} is "
-                             f"sharded over tp={world}, which does not divide it; choose "
-                             "sizes tp divides (heads, hidden sizes, the vocabulary)")
+                             f"sharded over tp={world}"
+                             f"{f' in {split_factor} strided parts' if split_factor > 1 else ''}"
+                             ", which does not divide it; choose sizes tp divides (heads, "
+                             "hidden sizes, the vocabulary)")
         expected[dim] //= world
         if list(local.shape) != expected:
             raise ValueError(f"parameter '{name}': local shape {tuple(local.shape)} is not an "
                              f"even shard of {tuple(p.shape)} on dimension {dim}")
     return Placement(dim, tuple(p.shape), tuple(p.stride()), tuple(p.placements),
-                     p.device_mesh, tp_mesh.size())
+                     p.device_mesh, tp_mesh.size(), split_factor if dim is not None else 1)
 
 
 _LOCAL_CLASSES: dict = {}
@@ -202,7 +226,7 @@ class TensorParallelLayout:
         local = local.contiguous()
         every = torch.empty(self.world * local.numel(), dtype=local.dtype, device=local.device)
         self.comm.all_gather_into(every, local.reshape(-1))
-        return torch.cat(list(every.view(self.world, *local.shape)), dim=placement.shard_dim)
+        return placement.whole(list(every.view(self.world, *local.shape)))
 
     def restore(self, optimizer):
         """close(): DTensor parameters again, holding the local tensors'
