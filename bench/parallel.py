@@ -13,7 +13,10 @@ formulas:
   width h: two all-reduces of T x h in forward and two in backward (2Th
   moved each), plus the vocabulary-parallel embedding's all-reduce (2Th),
   the head's all-gather of the logits (TV) and its input gradient's
-  all-reduce (2Th);
+  all-reduce (2Th); with the vocabulary-parallel loss (tp2xdp2-lp:
+  parallelize_gpt(loss_parallel=True) and torch's loss_parallel()), no
+  logits gathered, but three all-reduces of one number a token (the
+  maximum, the sum of exponentials, the target's logit: 6T);
 - pipeline (torch's point-to-point sends, counted by wrapping them): each
   micro-batch's activations forward and their gradients backward, T x h
   per stage boundary.
@@ -23,7 +26,7 @@ measure overheads and the work each layout adds, not the speed-up that
 more devices would give.
 
 Usage: python bench/parallel.py [--steps 5] [--warmup 2] [--json out.json]
-       [--layouts dp4,tp2xdp2,pp2xdp2,pp2xtp2]
+       [--layouts dp4,tp2xdp2,tp2xdp2-lp,pp2xdp2,pp2xtp2]
 """
 from __future__ import annotations
 
@@ -49,6 +52,7 @@ CFG = GPTConfig(vocab=2048, dim=256, layers=4, heads=8, seq=64)
 GLOBAL_BATCH = 16  # sequences per step, split over the data-parallel ranks
 MICRO_BATCHES = 4
 LAYOUTS = {"dp4": ((4,), ("dp_shard",)), "tp2xdp2": ((2, 2), ("dp_shard", "tp")),
+           "tp2xdp2-lp": ((2, 2), ("dp_shard", "tp")),
            "pp2xdp2": ((2, 2), ("pp", "dp_shard")), "pp2xtp2": ((2, 2), ("pp", "tp"))}
 COLLECTIVE_WEIGHT = {"all_reduce": 2}  # ZeRO's accounting: an all-reduce of n moves 2n
 COLLECTIVES = ("all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor",
@@ -105,8 +109,9 @@ def worker(rank, world, layout, warmup, steps):
     model = GPT(CFG)
     if "pp" in names:
         model = zero.parallel.split_gpt(model, mesh["pp"])
+    loss_parallel = layout.endswith("-lp")
     if "tp" in names:
-        zero.parallel.parallelize_gpt(model, mesh["tp"])
+        zero.parallel.parallelize_gpt(model, mesh["tp"], loss_parallel=loss_parallel)
     engine = zero.initialize(model, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3),
                              stage=1, mesh=mesh)
     dp = mesh["dp_shard"] if "dp_shard" in names else None
@@ -127,6 +132,13 @@ def worker(rank, world, layout, warmup, steps):
                 pipe.step(target=labels)
             else:
                 pipe.step()
+            engine.step()
+    elif loss_parallel:
+        from torch.distributed.tensor.parallel import loss_parallel as vocabulary_parallel
+
+        def step(ids, labels):
+            with vocabulary_parallel():
+                engine.backward(engine(ids, labels))
             engine.step()
     else:
         def step(ids, labels):
@@ -173,9 +185,11 @@ def formulas(layout, row):
     if tp > 1:
         megatron = layers * 4 * 2 * tokens * h  # 2 all-reduces forward, 2 backward, a layer
         # the embedding's all-reduce on the first stage; the head's logits
-        # all-gather and input-gradient all-reduce on the last
-        megatron += 2 * tokens * h + tokens * v + 2 * tokens * h if pp == 1 else \
-            max(2 * tokens * h, tokens * v + 2 * tokens * h)
+        # all-gather (or the vocabulary-parallel loss's three all-reduces of
+        # one number a token) and input-gradient all-reduce on the last
+        head = 6 * tokens if layout.endswith("-lp") else tokens * v
+        megatron += 2 * tokens * h + head + 2 * tokens * h if pp == 1 else \
+            max(2 * tokens * h, head + 2 * tokens * h)
     p2p = tokens * h if pp > 1 else 0
     return dp, megatron, p2p
 

@@ -54,7 +54,8 @@ class Data(torch.utils.data.Dataset):
 
 
 def config(stage, bf16=False):
-    return {"bf16": {"enabled": bf16}, "train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 1,
+    return {"bf16": {"enabled": bf16}, "train_micro_batch_size_per_gpu": 4,
+            "gradient_accumulation_steps": 1,
             "gradient_clipping": 1.0, "steps_per_print": 1000,
             "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.01}},
             "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": 1e-3,

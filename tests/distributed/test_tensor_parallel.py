@@ -28,6 +28,8 @@ there loads back on tp=2 x dp=2 at stage 0, each holding exactly the saved
 values; consolidate gives the whole tensors. close() hands back DTensor
 parameters holding the trained values, and each run's memory_summary()
 equals zero.estimate_memory of the parallelized model on the mesh."""
+import os
+
 import pytest
 import torch
 
@@ -38,7 +40,7 @@ from parallel_cases import (ADAM_TOL, CFG, STEPS, TOL, batch, dp_place, loss_of,
 from test_estimate import check as check_estimate
 
 
-def parallelized(kind, mesh):
+def parallelized(kind, mesh, loss_parallel=False):
     """make_model(kind), split over the mesh's tp dimension by zero's plan."""
     import zero
     model = make_model(kind)
@@ -46,22 +48,31 @@ def parallelized(kind, mesh):
         parallelize = {"llama": zero.parallel.parallelize_llama,
                        "gpt2": zero.parallel.parallelize_gpt2}.get(kind,
                                                                    zero.parallel.parallelize_gpt)
-        parallelize(model, mesh["tp"])
+        parallelize(model, mesh["tp"], loss_parallel=loss_parallel)
     return model
 
 
-def _engine(mesh, stage, opt="sgd", kind="gpt", **options):
+def _engine(mesh, stage, opt="sgd", kind="gpt", loss_parallel=False, **options):
     import zero
-    model = parallelized(kind, mesh)
+    model = parallelized(kind, mesh, loss_parallel)
     return zero.initialize(model, optimizer=make_optimizer(opt, model), stage=stage,
                            mesh=mesh, **options)
 
 
-def train(mesh, stage, accumulation=1, clip=None, precision="fp32", opt="sgd", kind="gpt"):
-    """(losses, clip norms, full_state_dict, the model's DTensor check)."""
+def train(mesh, stage, accumulation=1, clip=None, precision="fp32", opt="sgd", kind="gpt",
+          loss_parallel=False, **options):
+    """(losses, clip norms, full_state_dict, the model's DTensor check).
+    loss_parallel: the head's logits stay split by vocabulary, and each
+    micro-batch's loss and backward run inside torch's loss_parallel()."""
+    import contextlib
+
     import torch.distributed as dist
-    engine = _engine(mesh, stage, opt, kind, gradient_accumulation_steps=accumulation,
-                     precision=precision)
+    engine = _engine(mesh, stage, opt, kind, loss_parallel,
+                     gradient_accumulation_steps=accumulation, precision=precision, **options)
+    if loss_parallel:
+        from torch.distributed.tensor.parallel import loss_parallel as context
+    else:
+        context = contextlib.nullcontext
     index, size = dp_place(mesh)
     losses, norms = [], []
     for step in range(STEPS):
@@ -69,8 +80,11 @@ def train(mesh, stage, accumulation=1, clip=None, precision="fp32", opt="sgd", k
         ids, labels = ids.chunk(size)[index], labels.chunk(size)[index]
         total = torch.zeros(1)
         for ids_m, labels_m in zip(ids.chunk(accumulation), labels.chunk(accumulation)):
-            loss = loss_of(engine, ids_m, labels_m)
-            engine.backward(loss)
+            with context():
+                loss = loss_of(engine, ids_m, labels_m)
+                engine.backward(loss)
+            if loss_parallel:  # a replicated DTensor
+                loss = loss.to_local()
             total += loss.detach().float() / accumulation
             if clip is not None and engine.is_accumulation_boundary:
                 norms.append(engine.clip_grad_norm_(clip))
@@ -78,7 +92,7 @@ def train(mesh, stage, accumulation=1, clip=None, precision="fp32", opt="sgd", k
         dist.all_reduce(total)
         losses.append(total.item() / dist.get_world_size())
     state = engine.full_state_dict()
-    memory = _memory_pair(engine, mesh, stage, opt, kind, precision)
+    memory = _memory_pair(engine, mesh, stage, opt, kind, precision, options)
     model = engine.module
     engine.close()
     # close() hands back DTensor parameters holding the trained values
@@ -94,13 +108,13 @@ def train(mesh, stage, accumulation=1, clip=None, precision="fp32", opt="sgd", k
     return losses, norms, state, handed, memory
 
 
-def _memory_pair(engine, mesh, stage, opt, kind, precision):
+def _memory_pair(engine, mesh, stage, opt, kind, precision, options):
     """(what the engine holds, zero.estimate_memory of a fresh copy of the
     parallelized model on the mesh): a rank's local pieces."""
     import zero
     fresh = parallelized(kind, mesh)
     estimate = zero.estimate_memory(fresh, mesh=mesh, stage=stage, precision=precision,
-                                    optimizer=make_optimizer(opt, fresh))
+                                    optimizer=make_optimizer(opt, fresh), **options)
     return dict(engine.memory_summary()), dict(estimate)
 
 
@@ -166,6 +180,13 @@ def _worker(rank, world, directory):
     out["tp4"] = train(mesh_of((4,), ("tp",)), 1)
     out["llama"] = train(tp2_dp2, 2, kind="llama")
     out["gpt2"] = train(tp2_dp2, 3, kind="gpt2")
+    out["loss parallel"] = train(tp2_dp2, 2, loss_parallel=True)
+    out["llama loss parallel"] = train(tp2_dp2, 1, kind="llama", loss_parallel=True)
+    # on a CPU model, "cpu" is where the states already are: files are the real offload
+    files = {"device": "nvme", "nvme_path": os.path.join(directory, f"nvme{rank}")}
+    os.makedirs(files["nvme_path"])
+    out["offload"] = train(tp2_dp2, 2, offload_optimizer=files)
+    out["offload params"] = train(tp2_dp2, 3, offload_optimizer=files, offload_param=files)
     out["gpt2 checkpoint"] = gpt2_checkpoint(directory)
     out["checkpoints"] = checkpoints(directory)
     dist.destroy_process_group()
@@ -232,6 +253,17 @@ def test_hf_gpt2(results):
     for name, value in saved.items():
         assert torch.equal(loaded[name], value), name
     assert saved["transformer.h.0.attn.c_attn.weight"].shape == (32, 96)
+
+
+def test_loss_parallel(results):
+    """The logits never gathered: torch's vocabulary-parallel cross entropy."""
+    _check_run(results[0]["loss parallel"])
+    _check_run(results[1]["llama loss parallel"], kind="llama")
+
+
+def test_offload_to_files_under_tp(results):
+    _check_run(results[3]["offload"])
+    _check_run(results[2]["offload params"])
 
 
 def test_checkpoints_load_under_other_layouts(results):

@@ -9,7 +9,9 @@ the output projection row-wise) and its MLP by the hidden size (up/gate
 column-wise, down row-wise): one all-reduce in forward and one in backward
 per half-block, as in Megatron-LM. The embedding is vocabulary-parallel
 (rows split; the partial lookups all-reduced) and so is the output head
-(its logits gathered whole, so any loss works on them). LayerNorms and the
+(its logits gathered whole, so any loss works on them; or, with
+loss_parallel=True, left split by vocabulary as a DTensor for torch's
+loss_parallel() cross entropy, which never gathers them). LayerNorms and the
 position embedding stay whole on every tp rank. A tied head keeps its tie:
 parallelize_module gives each module a DTensor of its own, so the plan
 ties them again (both are split by vocabulary rows, Shard(0)).
@@ -27,7 +29,18 @@ def _styles():
     return Replicate, ColwiseParallel, RowwiseParallel
 
 
-def gpt_plan() -> dict:
+def _head_style(loss_parallel: bool):
+    """The output head, column-wise over the vocabulary: its logits
+    gathered whole (Replicate), or kept split (Shard(-1), a DTensor) for a
+    cross entropy computed under torch's loss_parallel() context."""
+    from torch.distributed.tensor import Shard
+    Replicate, Colwise, _ = _styles()
+    if loss_parallel:
+        return Colwise(output_layouts=Shard(-1), use_local_output=False)
+    return Colwise(output_layouts=Replicate())
+
+
+def gpt_plan(loss_parallel: bool = False) -> dict:
     """The plan for examples/gpt.py's GPT (module names to parallel styles).
     The first LayerNorm's output becomes one replicated DTensor that q, k
     and v share: its gradient is then summed over tp once, as Megatron's
@@ -36,7 +49,7 @@ def gpt_plan() -> dict:
     from torch.distributed.tensor.parallel import PrepareModuleOutput
     Replicate, Colwise, Rowwise = _styles()
     plan = {"embed": Rowwise(input_layouts=Replicate(), output_layouts=Replicate()),
-            "head": Colwise(output_layouts=Replicate()),
+            "head": _head_style(loss_parallel),
             "blocks.*.ln1": PrepareModuleOutput(output_layouts=Replicate(),
                                                 desired_output_layouts=Replicate(),
                                                 use_local_output=False)}
@@ -47,7 +60,7 @@ def gpt_plan() -> dict:
     return plan
 
 
-def llama_plan(model: nn.Module) -> dict:
+def llama_plan(model: nn.Module, loss_parallel: bool = False) -> dict:
     """The plan for a HuggingFace LlamaForCausalLM (and decoders laid out as
     it is: Mistral, Qwen2): model.embed_tokens, model.layers.*.self_attn
     .{q,k,v,o}_proj, model.layers.*.mlp.{gate,up,down}_proj, lm_head."""
@@ -56,7 +69,7 @@ def llama_plan(model: nn.Module) -> dict:
     plan = {f"{base}embed_tokens": Rowwise(input_layouts=Replicate(),
                                            output_layouts=Replicate())}
     if getattr(model, "lm_head", None) is not None:
-        plan["lm_head"] = Colwise(output_layouts=Replicate())
+        plan["lm_head"] = _head_style(loss_parallel)
     layers = f"{base}layers.*."
     # each norm's output one replicated DTensor that its projections share
     # (q, k, v; gate, up): one all-reduce of its gradient, as in gpt_plan
@@ -99,23 +112,29 @@ def _apply(model, tp_mesh, plan, ties):
     return model
 
 
-def parallelize_gpt(model: nn.Module, tp_mesh) -> nn.Module:
+def parallelize_gpt(model: nn.Module, tp_mesh, loss_parallel: bool = False) -> nn.Module:
     """Split examples/gpt.py's GPT, or a pipeline stage of it (split_gpt),
     over `tp_mesh` (mesh["tp"]) in place and return it; heads, the MLP
-    width and the vocabulary must divide by tp."""
+    width and the vocabulary must divide by tp. loss_parallel=True leaves
+    the head's logits split by vocabulary (a DTensor): compute the loss and
+    call backward inside torch.distributed.tensor.parallel.loss_parallel()
+    (docs/parallel.md)."""
     tp = tp_mesh.size()
     cfg = model.cfg
     _check_divides("heads", cfg.heads, tp)
     _check_divides("the vocabulary", cfg.vocab, tp)
     ties = [(model.embed, "weight", model.head, "weight")] \
         if hasattr(model, "embed") and hasattr(model, "head") else []
-    return _apply(model, tp_mesh, gpt_plan(), ties)
+    return _apply(model, tp_mesh, gpt_plan(loss_parallel), ties)
 
 
-def parallelize_llama(model: nn.Module, tp_mesh) -> nn.Module:
+def parallelize_llama(model: nn.Module, tp_mesh, loss_parallel: bool = False) -> nn.Module:
     """Split a HuggingFace Llama-family causal LM, or a pipeline stage of
-    it (split_llama), over `tp_mesh` in place and return it; the attention and key/value heads, the intermediate
-    size and the vocabulary must divide by tp."""
+    it (split_llama), over `tp_mesh` in place and return it; the attention
+    and key/value heads, the intermediate size and the vocabulary must
+    divide by tp. loss_parallel=True leaves the head's logits split by
+    vocabulary (a DTensor): compute the loss and call backward inside
+    torch.distributed.tensor.parallel.loss_parallel() (docs/parallel.md)."""
     tp = tp_mesh.size()
     cfg = model.config
     _check_divides("num_attention_heads", cfg.num_attention_heads, tp)
@@ -126,10 +145,10 @@ def parallelize_llama(model: nn.Module, tp_mesh) -> nn.Module:
     ties = []
     if getattr(model, "lm_head", None) is not None and hasattr(base, "embed_tokens"):
         ties.append((base.embed_tokens, "weight", model.lm_head, "weight"))
-    return _apply(model, tp_mesh, llama_plan(model), ties)
+    return _apply(model, tp_mesh, llama_plan(model, loss_parallel), ties)
 
 
-def gpt2_plan(model: nn.Module) -> dict:
+def gpt2_plan(model: nn.Module, loss_parallel: bool = False) -> dict:
     """The plan for a HuggingFace GPT2LMHeadModel (or GPT2Model):
     transformer.wte vocabulary-parallel, h.*.attn.c_attn column-wise with
     q, k and v each split by heads, h.*.attn.c_proj row-wise, h.*.mlp.c_fc
@@ -145,16 +164,19 @@ def gpt2_plan(model: nn.Module) -> dict:
             f"{base}h.*.mlp.c_fc": ColwiseConv1D(),
             f"{base}h.*.mlp.c_proj": RowwiseConv1D()}
     if getattr(model, "lm_head", None) is not None:
-        plan["lm_head"] = Colwise(output_layouts=Replicate())
+        plan["lm_head"] = _head_style(loss_parallel)
     return plan
 
 
-def parallelize_gpt2(model: nn.Module, tp_mesh) -> nn.Module:
+def parallelize_gpt2(model: nn.Module, tp_mesh, loss_parallel: bool = False) -> nn.Module:
     """Split a HuggingFace GPT-2 over `tp_mesh` in place and return it. The
     heads, the MLP width and the vocabulary must divide by tp; each
     attention module then splits its c_attn output at its own heads' width
     (split_size: the embedding width / tp). Cross-attention (add_cross_
-    attention) is refused."""
+    attention) is refused. loss_parallel=True leaves the head's logits
+    split by vocabulary (a DTensor): compute the loss and call backward
+    inside torch.distributed.tensor.parallel.loss_parallel()
+    (docs/parallel.md)."""
     tp = tp_mesh.size()
     cfg = model.config
     if getattr(cfg, "add_cross_attention", False):
@@ -167,7 +189,7 @@ def parallelize_gpt2(model: nn.Module, tp_mesh) -> nn.Module:
     ties = []
     if getattr(model, "lm_head", None) is not None:
         ties.append((base.wte, "weight", model.lm_head, "weight"))
-    _apply(model, tp_mesh, gpt2_plan(model), ties)
+    _apply(model, tp_mesh, gpt2_plan(model, loss_parallel), ties)
     for block in base.h:
         # c_attn's output is this rank's [q | k | v] heads: split at their width
         block.attn.split_size = cfg.n_embd // tp
