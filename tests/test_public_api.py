@@ -5,7 +5,8 @@ import zero
 
 def test_top_level_names():
     assert sorted(zero.__all__) == sorted([
-        "initialize", "estimate_memory", "settings_that_fit", "Engine", "Config", "LossScaling",
+        "initialize", "inference", "estimate_memory", "settings_that_fit", "Engine", "Config",
+        "LossScaling",
         "GatheredParameters",
         "partitioned_init", "optim", "checkpoint", "parallel", "cpu_info", "get_num_threads",
         "set_num_threads"])

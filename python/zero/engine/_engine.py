@@ -69,8 +69,11 @@ class Engine(DeepSpeedQueries, BatchCalls, EngineReports, nn.Module):
     docs/engine.md describes it all."""
 
     def __init__(self, module: nn.Module, optimizer, config: Config, comm: Comm,
-                 owns_group: bool, lr_scheduler=None, tensor_parallel=None, pipeline=None):
+                 owns_group: bool, lr_scheduler=None, tensor_parallel=None, pipeline=None,
+                 inference: bool = False):
         super().__init__()
+        # zero.inference's: every parameter frozen, no optimizer to step
+        self.inference_only = inference
         self.module = module
         self.optimizer = optimizer
         self.config = config
@@ -122,9 +125,11 @@ class Engine(DeepSpeedQueries, BatchCalls, EngineReports, nn.Module):
         self._unit_roots = unit_roots(module, config.units, config.stage3_leaf_modules) \
             if self.policy.partitions_params else None
         owners = owners_of(module, self._unit_roots) if self._unit_roots else None
-        if not any(params for params, _names in groups):
+        if not any(params for params, _names in groups) and not inference:
             raise ValueError("the model has no trainable parameters (every parameter has "
-                             "requires_grad=False); nothing to train")
+                             "requires_grad=False); nothing to train. To run it partitioned "
+                             "without training (a reference or reward model, generation), "
+                             "use zero.inference(model, stage=3)")
         # a refusal of the held states is raised once the ranks have
         # compared them (raised on one rank alone, the others would wait)
         try:
@@ -297,6 +302,7 @@ class Engine(DeepSpeedQueries, BatchCalls, EngineReports, nn.Module):
         DeepSpeed's, keeps this loss's gradient whole: the loss is
         multiplied by the count the step divides by."""
         self._check_open()
+        self._check_trains("backward")
         for name, value in (("retain_graph", retain_graph), ("scale_wrt_gas", scale_wrt_gas)):
             if not isinstance(value, bool):
                 raise TypeError(f"{name} must be True or False, got {value!r}")
@@ -362,6 +368,7 @@ class Engine(DeepSpeedQueries, BatchCalls, EngineReports, nn.Module):
         boundary micro-batch, before step(). A collective: every rank must
         call it."""
         self._check_open()
+        self._check_trains("clip_grad_norm_")
         refusal = None
         if not max_norm > 0:
             refusal = ValueError(f"max_norm must be > 0, got {max_norm}")
@@ -374,6 +381,12 @@ class Engine(DeepSpeedQueries, BatchCalls, EngineReports, nn.Module):
         take_in_parameter_writes(self.all_groups, self.call_text("clip_grad_norm_()"), refusal)
         self._clip_norm = float(max_norm)
         return self._prepare_boundary()[1]
+
+    def _check_trains(self, call: str):
+        if self.inference_only:
+            raise RuntimeError(f"{call}(): this engine was made by zero.inference, which "
+                               "trains nothing (its parameters are frozen and it has no "
+                               "optimizer); use zero.initialize to train")
 
     def call_text(self, call: str) -> str:
         """`call` with this engine's counts, as the ranks compare it
@@ -389,6 +402,7 @@ class Engine(DeepSpeedQueries, BatchCalls, EngineReports, nn.Module):
         calls it as often; what would refuse the step on one rank refuses
         it on every rank, before anything changes."""
         self._check_open()
+        self._check_trains("step")
         self._step_applied = False  # until a boundary's update is applied
         unscaled = None
         if self.loss_scaler is not None and not self._scaled_backward:

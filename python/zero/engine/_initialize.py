@@ -43,8 +43,33 @@ def default_optimizer(cfg: Config, model: nn.Module):
     return optimizer_from_config(cfg.optimizer, model.parameters())
 
 
+def inference(model: nn.Module, *, stage: int = 3, precision=None, config=None, device=None,
+              mesh=None, **options) -> Engine:
+    """An engine that runs `model` without training it: every parameter is
+    frozen (requires_grad=False) and partitioned as `stage` says (3: each
+    rank keeps 1/N, each block gathered as it runs; with offload_param
+    "cpu" or "nvme" the shards live in host memory or files and are
+    streamed in, ZeRO-Inference), with no optimizer or gradient memory.
+    Use it as the model (forward under torch.no_grad()), or
+    engine.generate(...) with the parameters gathered once. backward,
+    step and clip_grad_norm_ are refused. For a frozen reference or reward
+    model beside trained ones (zero.rlhf), and generation."""
+    if isinstance(model, Engine):
+        model = model.module
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    model.requires_grad_(False)
+    if not any(True for _ in model.parameters()):
+        raise ValueError("the model has no parameters; nothing to run partitioned")
+    # the engine keeps an optimizer's param groups to find the parameters;
+    # this one never steps
+    placeholder = torch.optim.SGD(model.parameters(), lr=0.0)
+    return initialize(model, optimizer=placeholder, stage=stage, precision=precision,
+                      config=config, device=device, mesh=mesh, _inference=True, **options)
+
+
 def initialize(model: nn.Module, *, optimizer=None, stage=None, precision=None,
-               config=None, lr_scheduler=None, device=None, mesh=None,
+               config=None, lr_scheduler=None, device=None, mesh=None, _inference=False,
                **options) -> Engine:
     """Wrap `model` in place and return the Engine that trains it.
 
@@ -131,7 +156,8 @@ def initialize(model: nn.Module, *, optimizer=None, stage=None, precision=None,
             lr_scheduler = lr_scheduler(optimizer)
         _check_scheduler(lr_scheduler, optimizer)
         engine = Engine(model, optimizer, cfg, comm, created, lr_scheduler,
-                        tensor_parallel=tensor_parallel, pipeline=pipeline)
+                        tensor_parallel=tensor_parallel, pipeline=pipeline,
+                        inference=_inference)
         model._zero_engine = EngineRef(engine)
         return engine
     except BaseException:

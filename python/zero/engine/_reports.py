@@ -43,13 +43,14 @@ class EngineReports:
                              trainable_params=sum(fg.numel for fg in self.groups))
 
     def _formula(self, totals):
+        first = self.groups[0] if self.groups else None  # none: zero.inference's engine
         return zero_formula(
             self.stage, self._comm.world, self.compute_dtype.itemsize,
-            self.groups[0].grad_part.element_size(),  # grad_accum_dtype's
+            first.grad_part.element_size() if first else self.compute_dtype.itemsize,
             any(fg.master is not fg.shard for fg in self.groups),  # a master of its own
             [(fg.numel, len(fg.states)) for fg in self.groups], totals, staged=self._staged,
-            shard_on_host=self.groups[0].shard_on_host,
-            grads_on_host=self.groups[0].grads_on_host)
+            shard_on_host=first.shard_on_host if first else False,
+            grads_on_host=first.grads_on_host if first else False)
 
     def generate(self, *args, generate_fn=None, **kwargs):
         """The model's generate (HuggingFace's), or generate_fn(model,
