@@ -12,7 +12,7 @@ CXX ?= g++
 # tests on machines without a GPU (tests/emulated_cuda, docs/cuda.md).
 EMULATED_CUDA = tests/c/build/libzero_fake_cuda.so
 
-.PHONY: deps install train test test-c test-cuda-build emulated-cuda test-py test-hf5 bench bench-train bench-checkpoint bench-offload bench-beyond-ram clean
+.PHONY: deps install train rlhf test test-c test-cuda-build emulated-cuda test-py test-hf5 bench bench-train bench-checkpoint bench-offload bench-beyond-ram clean
 
 # The pinned CPU build of torch and the test tools.
 deps:
@@ -74,6 +74,9 @@ test-hf5: install
 	$(HF5_VENV)/bin/python -m pytest -q $(HF5_TESTS)
 
 test: install test-c $(if $(NVCC),test-cuda-build) test-py test-hf5
+
+rlhf: install
+	$(PYTHON) -m torch.distributed.run --standalone --nproc_per_node 2 examples/rlhf/train.py
 
 bench: install
 	$(PYTHON) bench/optim_cpu.py

@@ -15,7 +15,7 @@ MAX_LINES = 600
 # (and from itself), never from one after it. The top-level modules _C,
 # _version and _progress sit below them all; zero/__init__.py above them all.
 LAYERS = ["config", "comm", "parallel", "offload", "sharding", "step", "optim", "checkpoint",
-          "engine", "integrations", "deepspeed"]
+          "engine", "integrations", "rlhf", "deepspeed"]
 LEAVES = {"_C", "_version", "_progress"}
 
 

@@ -8,7 +8,8 @@ def test_top_level_names():
         "initialize", "inference", "estimate_memory", "settings_that_fit", "Engine", "Config",
         "LossScaling",
         "GatheredParameters",
-        "partitioned_init", "optim", "checkpoint", "parallel", "cpu_info", "get_num_threads",
+        "partitioned_init", "optim", "checkpoint", "parallel", "rlhf", "cpu_info",
+        "get_num_threads",
         "set_num_threads"])
     for name in zero.__all__:
         assert hasattr(zero, name)

@@ -5,7 +5,7 @@
 Importing zero creates no CUDA context and needs no GPU: the C core
 (zero._C) is CPU code with its SIMD path chosen at run time.
 """
-from zero import checkpoint, optim, parallel
+from zero import checkpoint, optim, parallel, rlhf
 from zero._C import cpu_info, get_num_threads
 from zero._version import __version__
 from zero.engine._estimate import estimate_memory
@@ -19,5 +19,5 @@ from zero.engine._engine import Engine
 
 __all__ = ["initialize", "inference", "estimate_memory", "settings_that_fit", "Engine", "Config", "LossScaling",
            "GatheredParameters",
-           "partitioned_init", "optim", "checkpoint", "parallel", "cpu_info", "get_num_threads", "set_num_threads"]
+           "partitioned_init", "optim", "checkpoint", "parallel", "rlhf", "cpu_info", "get_num_threads", "set_num_threads"]
 

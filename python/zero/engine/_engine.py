@@ -28,6 +28,7 @@ from torch import nn
 from zero.engine._agreement import check_ranks_agree
 from zero.comm._comm import Comm, leave_process_group
 from zero.engine._batch_calls import BatchCalls
+from zero.engine._checkpoint_calls import CheckpointCalls
 from zero.engine._deepspeed_queries import DeepSpeedQueries
 from zero.engine._construction import (apply_aio, broadcast_buffer, cast_module,
                                        match_param_groups, offload_files, owners_of,
@@ -61,7 +62,7 @@ from zero.config._config import Config
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-class Engine(DeepSpeedQueries, BatchCalls, EngineReports, nn.Module):
+class Engine(DeepSpeedQueries, BatchCalls, CheckpointCalls, EngineReports, nn.Module):
     """What zero.initialize returns: the model wrapped for ZeRO training.
     Call it as the model (inputs are cast to the compute dtype), then
     engine.backward(loss) and engine.step(). Its attributes: module,
@@ -538,48 +539,6 @@ class Engine(DeepSpeedQueries, BatchCalls, EngineReports, nn.Module):
         A no-op at stages 0-2, where parameters are always gathered."""
         if self._schedule is not None:
             self._schedule.add_external(module, param)
-
-    def save_checkpoint(self, save_dir, tag=None, client_state=None,
-                        save_latest: bool = True) -> str:
-        """Write this engine's training state to <save_dir>/<tag>/ (tag
-        default "global_step<N>"), each rank its own partitions, and name
-        the tag in <save_dir>/latest. It loads at any world size and stage
-        (load_checkpoint) and into plain torch (zero.checkpoint.consolidate).
-        client_state: a dict of your own (tensors, numbers, strings, lists,
-        dicts), handed back by load_checkpoint. A collective; call it after
-        the boundary's step(). Returns the checkpoint's directory."""
-        self._check_open()
-        from zero.checkpoint._engine_save import save
-        if self._mpu is not None:  # [Note: mpu] one checkpoint per model-parallel rank
-            save_dir = self._mpu.checkpoint_dir(save_dir)
-        return save(self, save_dir, tag, client_state, save_latest)
-
-    def load_checkpoint(self, load_dir, tag=None, load_module_strict: bool = True, *,
-                        load_optimizer_states: bool = True,
-                        load_lr_scheduler_states: bool = True,
-                        load_module_only: bool = False):
-        """Restore a checkpoint of save_checkpoint (tag default: the one in
-        <load_dir>/latest): weights, buffers, optimizer states and
-        hyperparameters, step counts, the loss scale and the LR scheduler.
-        The checkpoint may come from another world size or stage. Everything
-        is checked (names, shapes, optimizer kind, files) before anything
-        changes. A collective. Returns (checkpoint directory, client_state),
-        or (None, None) when load_dir holds no checkpoint yet.
-        load_module_strict: DeepSpeed's third argument; only True (the
-        architecture must match) is supported."""
-        self._check_open()
-        if load_module_strict is not True:
-            raise ValueError(
-                f"load_module_strict={load_module_strict!r}: only True is supported (every "
-                "parameter of the checkpoint must match the model's by name and shape). To "
-                "fine-tune with a changed head, load the consolidated weights "
-                "(zero.checkpoint.consolidate) into the model with "
-                "load_state_dict(strict=False) before zero.initialize")
-        from zero.checkpoint._engine_load import load
-        if self._mpu is not None:  # [Note: mpu] one checkpoint per model-parallel rank
-            load_dir = self._mpu.checkpoint_dir(load_dir)
-        return load(self, load_dir, tag, load_optimizer_states, load_lr_scheduler_states,
-                    load_module_only)
 
     def close(self):
         """Hand the model and optimizer back to plain torch: remove the

@@ -1,0 +1,48 @@
+"""The scalar-head models of RLHF (DeepSpeed-Chat's reward model and
+critic): a HuggingFace causal LM's transformer with one linear head that
+maps each position's hidden state to a number.
+
+The reward model scores a whole sequence by its last real token's number
+(the one after which nothing but padding follows); the critic reads every
+position's number as the value of the state before the next token."""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+class ScalarHeadModel(nn.Module):
+    """`backbone` (a HuggingFace transformer without its LM head, e.g.
+    GPT2LMHeadModel(...).transformer, LlamaForCausalLM(...).model) and a
+    linear head of width 1: forward gives (batch, tokens) numbers."""
+
+    def __init__(self, backbone: nn.Module, hidden_size: int):
+        super().__init__()
+        self.backbone = backbone
+        self.head = nn.Linear(hidden_size, 1, bias=False)
+        nn.init.normal_(self.head.weight, std=1.0 / (hidden_size + 1) ** 0.5)
+
+    @classmethod
+    def from_causal_lm(cls, lm: nn.Module) -> "ScalarHeadModel":
+        """The LM's transformer (its own parameters, not a copy) with a new head."""
+        backbone = getattr(lm, "base_model", None)
+        if backbone is None or backbone is lm:
+            raise ValueError(f"{type(lm).__name__} has no base_model to put a scalar head "
+                             "on; pass a HuggingFace causal LM (GPT2LMHeadModel, "
+                             "LlamaForCausalLM, ...)")
+        return cls(backbone, lm.config.hidden_size)
+
+    def forward(self, input_ids, attention_mask=None):
+        hidden = self.backbone(input_ids=input_ids, attention_mask=attention_mask)[0]
+        return self.head(hidden).squeeze(-1).float()
+
+
+def last_token_index(attention_mask: torch.Tensor) -> torch.Tensor:
+    """Each row's last position whose mask is 1 (right padding)."""
+    positions = torch.arange(attention_mask.shape[1], device=attention_mask.device)
+    return (attention_mask.long() * positions).argmax(dim=1)
+
+
+def sequence_scores(values: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    """The reward model's score of each sequence: its last real token's."""
+    return values.gather(1, last_token_index(attention_mask)[:, None]).squeeze(1)

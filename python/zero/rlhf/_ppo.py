@@ -1,0 +1,183 @@
+"""DeepSpeed-Chat's third step: PPO on zero engines. The actor (a causal
+LM) and the critic (a ScalarHeadModel) train, each in its own engine at
+any stage; the reference (the actor before PPO) and the reward model run
+frozen, as zero.inference engines (partitioned) or plain modules. The
+actor generates through engine.generate, the hybrid engine: a stage-3
+actor is gathered once per generation, not once per token.
+
+[Note: one PPO iteration]
+1. generation: the actor samples a response of `response_length` tokens
+   for each prompt (ending early at eos_token_id when one is given);
+2. scoring, without gradients: the actor's and the reference's
+   log-probabilities of the sampled tokens, the critic's values of the
+   states before each of them, the reward model's score of the whole
+   sequence; the per-token reward is -kl_coef (log p_actor - log p_ref),
+   with the score (clipped to +-clip_reward) added at the last token;
+   advantages by GAE (gamma, lam), whitened over the batch;
+3. training, ppo_epochs times over the batch (in
+   gradient_accumulation_steps micro-batches per engine): the actor on the
+   clipped policy loss, the critic on the clipped value loss;
+4. with ema set, an exponential moving average of the actor's weights
+   (full_state_dict, a collective; as DeepSpeed-Chat's actor EMA).
+The time of each phase is returned with the statistics.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from zero.rlhf._losses import gae, masked_mean, policy_loss, token_logprobs, value_loss, whiten
+from zero.rlhf._models import sequence_scores
+
+
+@dataclass
+class PPOSettings:
+    response_length: int
+    kl_coef: float = 0.05
+    gamma: float = 1.0
+    lam: float = 0.95
+    clip_policy: float = 0.2
+    clip_value: float = 0.2
+    clip_reward: float = 5.0
+    ppo_epochs: int = 1
+    temperature: float = 1.0
+    whiten_advantages: bool = True
+    ema: float | None = None  # e.g. 0.992: the actor's weights averaged
+
+
+class PPOTrainer:
+    def __init__(self, actor, critic, reference, reward, settings: PPOSettings,
+                 pad_token_id: int = 0, eos_token_id: int | None = None):
+        for name, engine in (("actor", actor), ("critic", critic)):
+            if getattr(engine, "inference_only", True) or not hasattr(engine, "step"):
+                raise ValueError(f"PPOTrainer: {name} must be a training engine "
+                                 "(zero.initialize), not a module or zero.inference's")
+        if settings.response_length < 1:
+            raise ValueError(f"PPOSettings.response_length must be >= 1, got "
+                             f"{settings.response_length}")
+        self.actor, self.critic = actor, critic
+        self.reference, self.reward = reference, reward
+        self.settings = settings
+        self.pad_token_id, self.eos_token_id = pad_token_id, eos_token_id
+        self.ema_state = None
+
+    # ---- 1. generation -----------------------------------------------------------
+
+    def generate(self, prompts, attention_mask=None) -> tuple:
+        """(sequences, attention mask): prompts and sampled responses, the
+        mask 0 past each response's eos."""
+        s = self.settings
+        ones = torch.ones_like(prompts)
+        prompt_mask = ones if attention_mask is None else attention_mask
+        sequences = self.actor.generate(
+            input_ids=prompts, attention_mask=prompt_mask, max_new_tokens=s.response_length,
+            min_new_tokens=s.response_length if self.eos_token_id is None else 0,
+            do_sample=True, temperature=s.temperature, top_k=0, top_p=1.0,
+            pad_token_id=self.pad_token_id, eos_token_id=self.eos_token_id)
+        response = sequences[:, prompts.shape[1]:]
+        if response.shape[1] < s.response_length:  # every row ended early
+            pad = torch.full((response.shape[0], s.response_length - response.shape[1]),
+                             self.pad_token_id, dtype=response.dtype, device=response.device)
+            response = torch.cat([response, pad], dim=1)
+        valid = torch.ones_like(response)
+        if self.eos_token_id is not None:  # up to and with the first eos
+            ended = (response == self.eos_token_id).long().cumsum(dim=1)
+            valid = ((ended == 0) | ((ended == 1) & (response == self.eos_token_id))).long()
+        return torch.cat([prompts, response], dim=1), torch.cat([prompt_mask, valid], dim=1)
+
+    # ---- 2. scoring -----------------------------------------------------------------
+
+    @torch.no_grad()
+    def make_experience(self, prompts, attention_mask=None) -> dict:
+        s, start = self.settings, time.perf_counter()
+        sequences, mask = self.generate(prompts, attention_mask)
+        generated = time.perf_counter()
+        p = prompts.shape[1]
+        logprobs = token_logprobs(self.actor(input_ids=sequences, attention_mask=mask).logits,
+                                  sequences, p)
+        ref_logprobs = token_logprobs(
+            self.reference(input_ids=sequences, attention_mask=mask).logits, sequences, p)
+        values = self.critic(sequences, attention_mask=mask)[:, p - 1:-1]
+        scores = sequence_scores(self.reward(sequences, attention_mask=mask), mask)
+        action_mask = mask[:, p:].float()
+        kl = (logprobs - ref_logprobs) * action_mask
+        rewards = -s.kl_coef * kl
+        last = action_mask.sum(dim=1).long().clamp(min=1) - 1
+        rewards[torch.arange(len(last)), last] += scores.clamp(-s.clip_reward, s.clip_reward)
+        advantages, returns = gae(rewards, values, action_mask, s.gamma, s.lam)
+        if s.whiten_advantages:
+            advantages = whiten(advantages, action_mask)
+        return {"sequences": sequences, "attention_mask": mask, "prompt_length": p,
+                "logprobs": logprobs, "values": values, "advantages": advantages,
+                "returns": returns, "action_mask": action_mask, "scores": scores,
+                "kl": float(masked_mean(kl, action_mask)),
+                "generation_s": generated - start,
+                "scoring_s": time.perf_counter() - generated}
+
+    # ---- 3. training ----------------------------------------------------------------
+
+    def train(self, experience: dict) -> dict:
+        start = time.perf_counter()
+        actor_losses, critic_losses = [], []
+        for _ in range(self.settings.ppo_epochs):
+            actor_losses += self._epoch(self.actor, experience, self._actor_loss)
+            critic_losses += self._epoch(self.critic, experience, self._critic_loss)
+        if self.settings.ema is not None:
+            self._update_ema()
+        return {"actor_loss": sum(actor_losses) / len(actor_losses),
+                "critic_loss": sum(critic_losses) / len(critic_losses),
+                "training_s": time.perf_counter() - start}
+
+    def _epoch(self, engine, experience, loss_of) -> list:
+        """One pass over the batch in the engine's accumulation micro-batches."""
+        count = engine.config.gradient_accumulation_steps
+        rows = experience["sequences"].shape[0]
+        if rows % count:
+            raise ValueError(f"PPO: a batch of {rows} prompts does not split into "
+                             f"gradient_accumulation_steps={count} micro-batches")
+        losses = []
+        for part in torch.arange(rows).chunk(count):
+            batch = {k: v[part] if torch.is_tensor(v) and v.dim() > 0 else v
+                     for k, v in experience.items()}
+            loss = loss_of(batch)
+            engine.backward(loss)
+            engine.step()
+            losses.append(float(loss.detach()))
+        return losses
+
+    def _actor_loss(self, batch) -> torch.Tensor:
+        logits = self.actor(input_ids=batch["sequences"],
+                            attention_mask=batch["attention_mask"]).logits
+        logprobs = token_logprobs(logits, batch["sequences"], batch["prompt_length"])
+        return policy_loss(logprobs, batch["logprobs"], batch["advantages"],
+                           batch["action_mask"], self.settings.clip_policy)
+
+    def _critic_loss(self, batch) -> torch.Tensor:
+        p = batch["prompt_length"]
+        values = self.critic(batch["sequences"], attention_mask=batch["attention_mask"])
+        return value_loss(values[:, p - 1:-1], batch["values"], batch["returns"],
+                          batch["action_mask"], self.settings.clip_value)
+
+    def _update_ema(self):
+        decay = self.settings.ema
+        state = self.actor.full_state_dict()
+        if self.ema_state is None:
+            self.ema_state = {k: v.detach().float().clone() for k, v in state.items()}
+            return
+        for key, value in state.items():
+            self.ema_state[key].mul_(decay).add_(value.float(), alpha=1 - decay)
+
+    # ---- the iteration --------------------------------------------------------------
+
+    def step(self, prompts, attention_mask=None) -> dict:
+        """One PPO iteration ([Note: one PPO iteration]); its statistics:
+        the mean reward-model score, the KL to the reference, the losses
+        and the seconds of generation, scoring and training."""
+        experience = self.make_experience(prompts, attention_mask)
+        stats = self.train(experience)
+        stats.update(score=float(experience["scores"].mean()), kl=experience["kl"],
+                     generation_s=experience["generation_s"],
+                     scoring_s=experience["scoring_s"], sequences=experience["sequences"])
+        return stats
