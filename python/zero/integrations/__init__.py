@@ -2,4 +2,5 @@
 imports its framework only when imported itself:
 
     from zero.integrations.hf import ZeroTrainer   # HuggingFace transformers
+    from zero.integrations.trl import ZeroDPOTrainer, ZeroGRPOTrainer   # TRL
 """

@@ -131,10 +131,12 @@ def _check_optimizer_type(kind, optim: str) -> None:
                          "the type out of the config")
 
 
-class ZeroTrainer(Trainer):
-    """A transformers.Trainer trained by zero. zero_options: the keyword
-    arguments of zero.initialize (stage, precision, and any zero.Config
-    field) except those the Trainer owns (see _TRAINER_OWNS)."""
+class ZeroTrainerMixin:
+    """What makes a transformers.Trainer (or a subclass of it: TRL's
+    trainers, zero.integrations.trl) train through zero: put it first,
+    `class MyTrainer(ZeroTrainerMixin, SomeTrainer)`. zero_options: the
+    keyword arguments of zero.initialize (stage, precision, and any
+    zero.Config field) except those the Trainer owns (see _TRAINER_OWNS)."""
 
     _TRAINER_OWNS = {"gradient_accumulation_steps": "args.gradient_accumulation_steps",
                      "gradient_clipping": "args.max_grad_norm",
@@ -369,6 +371,10 @@ class ZeroTrainer(Trainer):
         scheduler = os.path.join(checkpoint, SCHEDULER_FILE)
         if self.lr_scheduler is not None and os.path.isfile(scheduler):
             self.lr_scheduler.load_state_dict(torch.load(scheduler, weights_only=True))
+
+
+class ZeroTrainer(ZeroTrainerMixin, Trainer):
+    """A transformers.Trainer trained by zero (see ZeroTrainerMixin)."""
 
 
 def _refuse_other_wrappers(training_args):

@@ -1,0 +1,69 @@
+"""TRL's trainers trained by zero: ZeroDPOTrainer and ZeroGRPOTrainer are
+TRL's DPOTrainer and GRPOTrainer with ZeroTrainerMixin first (the same
+mechanism as ZeroTrainer: the engine owns the parameters, gradients,
+optimizer states, reduction, precision, clipping and the step; the
+Trainer keeps the data, accumulation, schedule and logging).
+
+    from zero.integrations.trl import ZeroDPOTrainer
+    trainer = ZeroDPOTrainer(model=policy, ref_model=reference, args=DPOConfig(...),
+                             train_dataset=pairs, processing_class=tokenizer,
+                             zero_options={"stage": 3})
+
+What each adds (docs/hf-trainer.md, "TRL"):
+- DPO: a reference model (ref_model=) runs frozen under zero.inference at
+  stage 3 (partitioned like the policy) when zero_options' stage is 3,
+  and as TRL prepares it otherwise.
+- GRPO: generation samples from the policy's module; at stage 3 through
+  the engine's generate (its parameters gathered once per generation, the
+  hybrid engine), not per module and token.
+
+Importing this module imports trl (pip install trl).
+"""
+from __future__ import annotations
+
+import contextlib
+
+from trl import DPOTrainer, GRPOTrainer
+
+from zero.engine._initialize import inference
+from zero.integrations.hf import ZeroTrainerMixin
+
+
+class ZeroDPOTrainer(ZeroTrainerMixin, DPOTrainer):
+    """TRL's DPOTrainer trained by zero (see the module's docstring)."""
+
+    def __init__(self, *args, zero_options: dict | None = None, **kwargs):
+        super().__init__(*args, zero_options=zero_options, **kwargs)
+        if self.zero_options.get("stage") == 3 and self.ref_model is not None:
+            options = {k: v for k, v in self.zero_options.items()
+                       if k in ("precision", "device", "offload_param", "mesh",
+                                "stage3_param_persistence_threshold", "units")}
+            self.ref_model = inference(self.ref_model, stage=3, **options)
+
+
+class ZeroGRPOTrainer(ZeroTrainerMixin, GRPOTrainer):
+    """TRL's GRPOTrainer trained by zero (see the module's docstring)."""
+
+    def _generate_single_turn(self, *args, **kwargs):
+        with self._generation_through_engine():
+            return super()._generate_single_turn(*args, **kwargs)
+
+    @contextlib.contextmanager
+    def _generation_through_engine(self):
+        """While TRL generates: the module's generate goes through the
+        engine's (a stage-3 model gathered once for the generation)."""
+        engine = self.engine
+        module = engine.module if engine is not None else None
+        if module is None or engine._schedule is None or not hasattr(module, "generate"):
+            yield
+            return
+        original = module.generate
+        module.generate = lambda *a, **k: engine.generate(*a, generate_fn=_call(original), **k)
+        try:
+            yield
+        finally:
+            del module.generate  # the class's method again
+
+
+def _call(generate):
+    return lambda _model, *a, **k: generate(*a, **k)
