@@ -111,3 +111,39 @@ def test_the_three_steps_on_two_ranks(tmp_path):
     first, last, score_first, score_last = _curves(result["ppo"])
     assert last >= first + 0.3, (first, last)
     assert score_last > score_first + 2.0
+
+
+def test_ema_averages_the_actors_weights(monkeypatch):
+    """PPOSettings(ema=d): after each iteration ema = d ema + (1 - d) weights,
+    starting from the first iteration's weights."""
+    import zero
+    from zero.rlhf import PPOSettings, PPOTrainer, ScalarHeadModel
+    no_launcher(monkeypatch)
+    spec = importlib.util.spec_from_file_location("rlhf_example_ema", EXAMPLE)
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    torch.manual_seed(0)
+    actor_model, rm_model = example.tiny_gpt2(), ScalarHeadModel.from_causal_lm(
+        example.tiny_gpt2())
+    critic_model = ScalarHeadModel.from_causal_lm(example.tiny_gpt2())
+    reference = zero.inference(example.tiny_gpt2(), stage=3)
+    reward = zero.inference(rm_model, stage=3)
+    actor = zero.initialize(actor_model, optimizer=torch.optim.SGD(actor_model.parameters(),
+                                                                   lr=0.1), stage=3)
+    critic = zero.initialize(critic_model, optimizer=torch.optim.SGD(
+        critic_model.parameters(), lr=0.1), stage=3)
+    ppo = PPOTrainer(actor, critic, reference, reward,
+                     PPOSettings(response_length=example.RESPONSE, ema=0.75))
+    prompts = example.Task(seed=3).prompts(8)
+    ppo.step(prompts)
+    first = actor.full_state_dict()
+    assert all(torch.equal(ppo.ema_state[k], v) for k, v in first.items())
+    ppo.step(prompts)
+    second = actor.full_state_dict()
+    moved = 0.0
+    for key, value in second.items():
+        assert torch.allclose(ppo.ema_state[key], 0.75 * first[key] + 0.25 * value, atol=1e-7)
+        moved += float((value - first[key]).abs().sum())
+    assert moved > 0  # the actor trained in between
+    for engine in (actor, critic, reference, reward):
+        engine.close()
