@@ -103,3 +103,49 @@ def test_a_generate_function_for_other_models():
     engine.backward(loss_of(engine(tokens), targets))
     engine.step()
     engine.close()
+
+
+@pytest.mark.parametrize("gather", ["units", "auto with little memory"])
+def test_a_model_that_does_not_fit_generates_unit_by_unit(monkeypatch, gather):
+    """gather="units", or "auto" when the whole model would take more than
+    half the free memory: each forward gathers the units through the
+    hooks (with prefetch), so the gathers grow with the tokens; the
+    tokens are the plain model's."""
+    from zero.engine import _generation
+    model = tiny_gpt2()
+    plain = copy.deepcopy(model)
+    engine = zero.initialize(model, optimizer=torch.optim.AdamW(model.parameters()),
+                             stage=3, stage3_param_persistence_threshold=0)
+    prompt = torch.randint(1, 64, (2, 5), generator=torch.Generator().manual_seed(1))
+    if gather == "units":
+        kwargs = {"gather": "units"}
+    else:
+        needed = sum(p.numel() * 4 for p in plain.parameters())
+        monkeypatch.setattr(_generation, "available_memory", lambda device: 2 * needed - 1)
+        assert not _generation.whole_fits(engine)
+        kwargs = {}
+    engine._schedule.take_counts()
+    out = engine.generate(prompt, max_new_tokens=12, do_sample=False, **kwargs)
+    with torch.no_grad():
+        assert torch.equal(out, plain.generate(prompt, max_new_tokens=12, do_sample=False))
+    counts = engine._schedule.take_counts()
+    units = sum(len(fg.units) for fg in engine.all_groups)
+    assert counts["prefetched"] + counts["on_demand"] >= 12 * units  # every token's forward
+    assert counts["prefetched"] > 0
+    with pytest.raises(ValueError, match="gather='all'"):
+        engine.generate(prompt, max_new_tokens=1, gather="all")
+    engine.close()
+
+
+def test_the_whole_model_is_gathered_when_it_fits(monkeypatch):
+    from zero.engine import _generation
+    model = tiny_gpt2()
+    engine = zero.initialize(model, optimizer=torch.optim.AdamW(model.parameters()),
+                             stage=3, stage3_param_persistence_threshold=0)
+    needed = sum(fg.numel for fg in engine.all_groups) * 4  # the whole model, fp32
+    monkeypatch.setattr(_generation, "available_memory", lambda device: 2 * needed)
+    engine._schedule.take_counts()
+    engine.generate(torch.randint(1, 64, (1, 4)), max_new_tokens=6, do_sample=False)
+    units = sum(len(fg.units) for fg in engine.all_groups)
+    assert engine._schedule.take_counts() == {"prefetched": 0, "on_demand": units}
+    engine.close()

@@ -8,7 +8,9 @@ every rank is done: that is what the user (or an integration) must pass;
 transformers turns it on by itself only for DeepSpeed ZeRO-3 and FSDP
 (docs/engine.md). engine.generate needs neither: it gathers the model once
 and runs no collective until it is done. The tokens must equal a plain
-model's greedy output both ways."""
+model's greedy output every way, and engine.generate(gather="units")
+(unit by unit, for a model that does not fit gathered) sets synced_gpus
+itself."""
 import pytest
 import torch
 
@@ -42,17 +44,21 @@ def generate(rank, world):
     # engine.generate gathers once and runs no collective until it ends:
     # no synced_gpus, each rank stops at its own length
     once = engine.generate(prompt(rank), max_new_tokens=NEW_TOKENS[rank], do_sample=False)
+    # unit by unit (a model that does not fit gathered): synced_gpus is set for the caller
+    units = engine.generate(prompt(rank), max_new_tokens=NEW_TOKENS[rank], do_sample=False,
+                            gather="units")
     engine.close()
-    return out, once
+    return out, once, units
 
 
 def test_generation_with_ranks_finishing_apart():
     results = harness.run(2, generate, timeout=180)
     model = tiny_gpt2()
-    for rank, (out, once) in enumerate(results):
+    for rank, (out, once, units) in enumerate(results):
         with torch.no_grad():
             expected = model.generate(prompt(rank), max_new_tokens=NEW_TOKENS[rank],
                                       do_sample=False)
         assert out.shape[1] == 5 + NEW_TOKENS[rank]
         assert torch.equal(out, expected), rank
         assert torch.equal(once, expected), rank
+        assert torch.equal(units, expected), rank

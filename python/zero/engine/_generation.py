@@ -11,9 +11,16 @@ hybrid engine of DeepSpeed-Chat).
   caller's function, and releases everything after. No collective runs in
   between, so ranks may stop at different lengths without synced_gpus.
 - The gathered model must fit in the device's memory beside the training
-  states (the whole model, in the compute dtype). A model that does not
-  fit generates through engine.module.generate(..., synced_gpus=True),
-  unit by unit.
+  states (the whole model, in the compute dtype). gather="auto" (the
+  default) checks: when the whole model would take more than half the
+  device's free memory (CUDA's mem_get_info; the CPU's MemAvailable), it
+  generates unit by unit instead (gather="units"): the schedule's hooks
+  gather each block as it runs, prefetching the next, and release it
+  after, for every token (ZeRO-Inference's streaming, from host memory or
+  files under offload_param). Each forward then runs collectives, so
+  every rank must run as many: HuggingFace's generate gets
+  synced_gpus=True on more than one rank (a generate_fn must keep the
+  ranks in step itself). gather="whole" or "units" forces a choice.
 - Stages 0-2 hold the whole model already: generate runs as it is.
 - Generation runs without gradients; training goes on afterwards with
   nothing changed (tests/test_engine_generate.py: train, generate, train equals
@@ -22,28 +29,68 @@ hybrid engine of DeepSpeed-Chat).
 from __future__ import annotations
 
 import contextlib
+import os
 
 import torch
 
 from zero.sharding._gathered import GatheredParameters
 
 
-def generate(engine, args, kwargs, generate_fn=None):
+GATHERS = ("auto", "whole", "units")
+
+
+def available_memory(device: torch.device) -> int:
+    """Free bytes of the device's memory (CUDA), or the machine's
+    available memory (the CPU; /proc/meminfo's MemAvailable)."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+
+
+def whole_fits(engine) -> bool:
+    """Whether gathering the whole model takes at most half the free memory."""
+    # the flat groups know the whole sizes (released parameters are empty)
+    needed = sum(fg.numel for fg in engine.all_groups) * engine.compute_dtype.itemsize
+    return 2 * needed <= available_memory(engine.device)
+
+
+def generate(engine, args, kwargs, generate_fn=None, gather="auto"):
     """generate_fn(module, *args, **kwargs), or module.generate(*args,
-    **kwargs), with every parameter gathered once and no gradients."""
+    **kwargs), without gradients; at stage 3 with every parameter gathered
+    once ("whole") or unit by unit for each forward ("units"), "auto"
+    choosing by the free memory ([Note: generation])."""
+    if gather not in GATHERS:
+        raise ValueError(f"engine.generate: gather={gather!r}; choose one of {GATHERS}")
     module = engine.module
+    schedule = engine._schedule
+    units = schedule is not None and (gather == "units" or
+                                      gather == "auto" and not _whole_fits_everywhere(engine))
     if generate_fn is None:
         generate_fn = getattr(type(module), "generate", None)
         if generate_fn is None:
             raise TypeError(f"engine.generate: {type(module).__name__} has no generate method "
                             "(a HuggingFace model has one); pass generate_fn=f, called as "
                             "f(model, *args, **kwargs)")
-    schedule = engine._schedule
+        if units and engine._comm.everyone.world > 1:
+            kwargs.setdefault("synced_gpus", True)  # each forward gathers with collectives
     with torch.no_grad():
-        if schedule is None:  # stages 0-2: gathered for good
+        if schedule is None or units:  # gathered for good (stages 0-2), or by the hooks
             return generate_fn(module, *args, **kwargs)
         with GatheredParameters(list(module.parameters())), _suspended(schedule):
             return generate_fn(module, *args, **kwargs)
+
+
+def _whole_fits_everywhere(engine) -> bool:
+    """whole_fits on every rank (they must all gather the same way)."""
+    misses = engine._comm.everyone.sum_scalar(0.0 if whole_fits(engine) else 1.0)
+    return misses == 0
 
 
 @contextlib.contextmanager

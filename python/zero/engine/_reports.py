@@ -52,15 +52,18 @@ class EngineReports:
             shard_on_host=first.shard_on_host if first else False,
             grads_on_host=first.grads_on_host if first else False)
 
-    def generate(self, *args, generate_fn=None, **kwargs):
+    def generate(self, *args, generate_fn=None, gather="auto", **kwargs):
         """The model's generate (HuggingFace's), or generate_fn(model,
-        *args, **kwargs), with a stage-3 model's parameters gathered once
-        for the whole generation instead of per module and token, and no
-        gradients ([Note: generation] in _generation.py). A collective at
-        stage 3 (the gather and release); ranks may stop at different
-        lengths (no synced_gpus needed)."""
+        *args, **kwargs), without gradients, with a stage-3 model's
+        parameters gathered once for the whole generation instead of per
+        module and token ([Note: generation] in _generation.py). A
+        collective at stage 3 (the gather and release); ranks may stop at
+        different lengths (no synced_gpus needed). gather: "auto" gathers
+        the whole model when it takes at most half the free memory, else
+        unit by unit for each forward (streamed from host memory or files
+        under offload_param: ZeRO-Inference); "whole" or "units" chooses."""
         self._check_open()
-        return generate(self, args, kwargs, generate_fn)
+        return generate(self, args, kwargs, generate_fn, gather)
 
     def comm_summary(self) -> dict:
         """Elements and bytes per collective in the last optimizer step; at
