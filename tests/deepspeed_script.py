@@ -6,7 +6,8 @@ accelerator. tests/test_deepspeed_api.py runs it on zero with the import
 line below changed to `import zero.deepspeed as deepspeed`, and compares
 with the losses DeepSpeed itself gave, stored in
 tests/data/deepspeed_losses.json (made with `python tests/deepspeed_script.py
---make-reference`, where DeepSpeed is installed: not a test dependency).
+--make-reference [RUN ...]`, where DeepSpeed is installed: not a test
+dependency).
 
 Usage (one rank: python; several: torchrun):
     python tests/deepspeed_script.py --stage 2 --out result.json --save ckpt/
@@ -80,9 +81,12 @@ def train(args):
     ds_config = config(args.stage, args.bf16)
     with deepspeed.zero.Init(enabled=args.stage == 3, config_dict_or_path=ds_config):
         model = Net()
+    if args.frozen:  # a frozen parameter: DeepSpeed keeps it apart in its checkpoints
+        model.body[0].bias.requires_grad_(False)
     engine, _optimizer, loader, _scheduler = deepspeed.initialize(
-        args=args, model=model, model_parameters=model.parameters(), training_data=Data(),
-        config=ds_config)
+        args=args, model=model, model_parameters=[p for p in model.parameters()
+                                                  if p.requires_grad],
+        training_data=Data(), config=ds_config)
     device = deepspeed.accelerator.get_accelerator().device_name()
     batches = iter(loader)
     rank = int(os.environ.get("RANK", 0))
@@ -113,36 +117,48 @@ def train(args):
                        "state_norm_squared": state_norm}, f)
 
 
-# DeepSpeed's checkpoints kept for tests/test_from_deepspeed.py (world, stage, bf16)
-KEPT_CHECKPOINTS = [(1, 0, False), (2, 0, False), (1, 2, False), (2, 1, False), (2, 2, False),
-                    (2, 3, False), (2, 1, True), (2, 3, True)]
+# DeepSpeed's checkpoints kept for tests/test_from_deepspeed.py (world, stage, variant:
+# "" fp32, "bf16", or "frozen": fp32 with body.0.bias frozen)
+KEPT_CHECKPOINTS = [(1, 0, ""), (2, 0, ""), (1, 2, ""), (2, 1, ""), (2, 2, ""), (2, 3, ""),
+                    (2, 1, "bf16"), (2, 3, "bf16"), (2, 2, "frozen"), (2, 3, "frozen")]
 
 
-def make_reference(data):
+def run_name(world, stage, variant):
+    return f"{variant + '-' if variant else ''}world{world}-stage{stage}"
+
+
+def make_reference(data, only=()):
     """DeepSpeed's figures for every stage on 1 and 2 ranks (torchrun, as
     DeepSpeed builds its DistributedSampler only under a launcher), and
     some of its checkpoints (without the scripts DeepSpeed copies beside
-    them), for the converter's tests."""
+    them), for the converter's tests. `only`: these runs' names, merged
+    into the stored figures."""
+    path = os.path.join(data, "deepspeed_losses.json")
     results = {}
-    runs = [(world, stage, False) for world in (1, 2) for stage in (0, 1, 2, 3)]
+    if only:
+        with open(path) as f:
+            results = json.load(f)
+    runs = [(world, stage, "") for world in (1, 2) for stage in (0, 1, 2, 3)]
     runs += [run for run in KEPT_CHECKPOINTS if run[2]]
-    for world, stage, bf16 in runs:
-        name = f"{'bf16-' if bf16 else ''}world{world}-stage{stage}"
+    for world, stage, variant in runs:
+        name = run_name(world, stage, variant)
+        if only and name not in only:
+            continue
         with tempfile.TemporaryDirectory() as scratch:
             out, ckpt = os.path.join(scratch, "out.json"), os.path.join(scratch, "ckpt")
             subprocess.run([sys.executable, "-m", "torch.distributed.run",
                             f"--nproc_per_node={world}", "--master_port=29561",
                             __file__, "--stage", str(stage), "--out", out, "--save", ckpt,
-                            *(["--bf16"] if bf16 else [])],
+                            *([f"--{variant}"] if variant else [])],
                            check=True, env={**os.environ, "DS_ACCELERATOR": "cpu"})
             with open(out) as f:
                 results[name] = json.load(f)
-            if (world, stage, bf16) in KEPT_CHECKPOINTS:
+            if (world, stage, variant) in KEPT_CHECKPOINTS:
                 kept = os.path.join(data, "deepspeed_checkpoints", name)
                 shutil.rmtree(kept, ignore_errors=True)
                 shutil.copytree(ckpt, kept, ignore=shutil.ignore_patterns("*.py"))
     results["made_with"] = f"deepspeed {deepspeed.__version__}, torch {torch.__version__}"
-    with open(os.path.join(data, "deepspeed_losses.json"), "w") as f:
+    with open(path, "w") as f:
         json.dump(results, f, indent=1)
 
 
@@ -154,11 +170,14 @@ def main():
     parser.add_argument("--resume", help="load this (converted) checkpoint after the saved "
                         "steps' batches and train the steps after the resume")
     parser.add_argument("--bf16", action="store_true")
-    parser.add_argument("--make-reference", action="store_true")
+    parser.add_argument("--frozen", action="store_true", help="freeze body.0.bias")
+    parser.add_argument("--make-reference", nargs="*", metavar="RUN",
+                        help="run DeepSpeed (all runs, or these names) and store its figures")
     parser = deepspeed.add_config_arguments(parser)
     args = parser.parse_args()
-    if args.make_reference:
-        make_reference(os.path.join(os.path.dirname(os.path.abspath(__file__)), "data"))
+    if args.make_reference is not None:
+        make_reference(os.path.join(os.path.dirname(os.path.abspath(__file__)), "data"),
+                       args.make_reference)
     else:
         train(args)
 

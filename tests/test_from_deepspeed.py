@@ -2,7 +2,7 @@
 DeepSpeed 0.19.8's own checkpoints (tests/data/deepspeed_checkpoints, made
 by `python tests/deepspeed_script.py --make-reference` where DeepSpeed is
 installed, at step 6 of that script, fp32 at stages 0-3 on 1 and 2 ranks,
-bf16 at stages 1 and 3) converted and checked against what DeepSpeed itself
+bf16 at stages 1 and 3, fp32 with a frozen parameter at stages 2 and 3) converted and checked against what DeepSpeed itself
 said of them (tests/data/deepspeed_losses.json):
 - the converted weights' squared norm equals DeepSpeed's zero_to_fp32's of
   the same checkpoint (stages 1-3), or its gathered weights' (stage 0);
@@ -42,7 +42,7 @@ NAMES = sorted(os.listdir(CHECKPOINTS))
 def test_the_stored_checkpoints_are_there():
     assert set(NAMES) == {"world1-stage0", "world2-stage0", "world1-stage2", "world2-stage1",
                           "world2-stage2", "world2-stage3", "bf16-world2-stage1",
-                          "bf16-world2-stage3"}
+                          "bf16-world2-stage3", "frozen-world2-stage2", "frozen-world2-stage3"}
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -61,7 +61,8 @@ def test_converted_weights_are_deepspeeds(tmp_path, name):
             saved = module[key]
             assert torch.equal(t.to(saved.dtype), saved), key
     optimizer = state["optimizer"]
-    assert [s["step"].item() for s in optimizer["state"].values()] == [6.0] * 6
+    trainable = 5 if name.startswith("frozen") else 6  # body.0.bias frozen
+    assert [s["step"].item() for s in optimizer["state"].values()] == [6.0] * trainable
     assert sorted(optimizer["state"][0]) == ["exp_avg", "exp_avg_sq", "step"]
     group = optimizer["param_groups"][0]
     assert group["weight_decay"] == 0.01 and tuple(group["betas"]) == (0.9, 0.999)
@@ -72,18 +73,22 @@ def test_converted_weights_are_deepspeeds(tmp_path, name):
         {"last_batch_iteration": 5}
 
 
-def resume_on_zero(directory, world, stage, resume, bf16=False):
+def resume_on_zero(directory, world, stage, resume, variant=""):
     return run_script(script_on_zero(directory), world, directory, "--stage", stage,
-                      "--resume", resume, *(["--bf16"] if bf16 else []))
+                      "--resume", resume, *([f"--{variant}"] if variant else []))
 
 
 @pytest.mark.parametrize("name, stage", [("world1-stage0", 3), ("world1-stage2", 0),
                                          ("world2-stage0", 2), ("world2-stage1", 3),
-                                         ("world2-stage3", 1)])
+                                         ("world2-stage3", 1), ("frozen-world2-stage2", 3),
+                                         ("frozen-world2-stage3", 1)])
 def test_zero_resumes_where_deepspeed_resumed(tmp_path, name, stage):
+    """(A frozen parameter: DeepSpeed keeps it in frozen_param_shapes, whole
+    in the module at stage 2, in each rank's frozen_param_fragments at 3.)"""
     convert_deepspeed(CHECKPOINTS / name, tmp_path / "converted", trust_pickle=True)
     world = int(name.split("world")[1][0])
-    got = resume_on_zero(tmp_path, world, stage, tmp_path / "converted")
+    variant = name.split("-world")[0] if "-world" in name else ""
+    got = resume_on_zero(tmp_path, world, stage, tmp_path / "converted", variant)
     expected = REFERENCE[name]["losses"][6:]
     assert len(got["losses"]) == len(expected) == 2
     for ours, theirs in zip(got["losses"], expected):
@@ -97,7 +102,7 @@ def test_a_bf16_run_resumes_in_bf16(tmp_path):
     bit; the bound is the fp32 tests')."""
     name = "bf16-world2-stage3"
     convert_deepspeed(CHECKPOINTS / name, tmp_path / "converted", trust_pickle=True)
-    got = resume_on_zero(tmp_path, 2, 2, tmp_path / "converted", bf16=True)
+    got = resume_on_zero(tmp_path, 2, 2, tmp_path / "converted", "bf16")
     for ours, theirs in zip(got["losses"], REFERENCE[name]["losses"][6:]):
         assert abs(ours - theirs) <= 1e-5 * abs(theirs)
 

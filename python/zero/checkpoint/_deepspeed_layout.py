@@ -179,13 +179,10 @@ def read_stage_3(model_states_of_ranks, optims, path) -> tuple:
 
 def stage_3_frozen(model_states_of_ranks, shapes: dict) -> dict:
     """Stage 3's frozen parameters: each rank's stretch in frozen_param_fragments."""
-    world = len(model_states_of_ranks)
     out = {}
     for name, shape in shapes.items():
-        n = math.prod(shape)
         pieces = [ms["frozen_param_fragments"][name].reshape(-1) for ms in model_states_of_ranks]
-        out[name] = torch.cat(pieces)[:n].float().clone() if world > 1 else \
-            pieces[0][:n].float().clone()
+        out[name] = torch.cat(pieces)[:math.prod(shape)].float().clone()
     return out
 
 

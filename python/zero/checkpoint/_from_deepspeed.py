@@ -198,7 +198,10 @@ def _zero_files(c, path) -> tuple:
     for key in ms:
         if key not in DEEPSPEED_KEYS:
             value, why = _plain_or_dropped(ms[key], f"client_state[{key!r}]")
-            (dropped.append(why) if why else client_state.__setitem__(key, value))
+            if why:
+                dropped.append(why)
+            else:
+                client_state[key] = value
     scheduler, why = _plain_or_dropped(ms.get("lr_scheduler"), "lr_scheduler")
     dropped += [why] if why else []
     for why in dropped:
@@ -225,9 +228,11 @@ def _zero_files(c, path) -> tuple:
 
 
 def _class_name(ds_config, spec) -> str:
+    """What the meta says the optimizer was (for messages only)."""
     named = (ds_config.get("optimizer") or {}).get("type")
-    return f"DeepSpeed {named}" if isinstance(named, str) else spec.torch_classes[0].__qualname__ \
-        if spec.torch_classes else spec.name
+    if isinstance(named, str):
+        return f"DeepSpeed {named}"
+    return spec.torch_classes[0].__qualname__ if spec.torch_classes else spec.name
 
 
 def _shard_group(index, names, c, keys):
