@@ -2,7 +2,8 @@
 DeepSpeed 0.19.8's own checkpoints (tests/data/deepspeed_checkpoints, made
 by `python tests/deepspeed_script.py --make-reference` where DeepSpeed is
 installed, at step 6 of that script, fp32 at stages 0-3 on 1 and 2 ranks,
-bf16 at stages 1 and 3, fp32 with a frozen parameter at stages 2 and 3) converted and checked against what DeepSpeed itself
+bf16 at stages 1 and 3, fp32 with a frozen parameter at stages 2 and 3)
+converted and checked against what DeepSpeed itself
 said of them (tests/data/deepspeed_losses.json):
 - the converted weights' squared norm equals DeepSpeed's zero_to_fp32's of
   the same checkpoint (stages 1-3), or its gathered weights' (stage 0);
