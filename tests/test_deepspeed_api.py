@@ -293,3 +293,41 @@ def test_the_aio_block_sets_zeros_disk_engine(one_process, tmp_path):
                        ({"queue_dept": 8}, "aio.queue_dept: not a DeepSpeed key")):
         with pytest.raises(ValueError, match=match):
             zero.Config.from_deepspeed({"aio": bad})
+
+
+@pytest.mark.parametrize("key, value", [
+    ("hybrid_engine", {"enabled": True}), ("compile", {"deepcompile": True}),
+    ("gradient_allreduce_op", "sum"), ("managed_gradient_accumulation", True),
+    ("graph_harvesting", True), ("weight_quantization", {"post_init_quant": {}}),
+    ("eigenvalue", {"enabled": True}), ("progressive_layer_drop", {"enabled": True}),
+    ("expert_parallel", {"expert_parallel_size": 2}),
+    ("use_data_before_expert_parallelism", True),
+    ("seq_parallel_communication_data_type", "fp32"), ("torch_autocast", {"enabled": True})])
+def test_more_of_deepspeeds_keys_are_named_as_deepspeeds(key, value):
+    """DeepSpeed 0.19.8's own top-level keys are never called typos."""
+    with pytest.raises(ValueError, match=f"{key}: a DeepSpeed key zero does not support"):
+        zero.Config.from_deepspeed({key: value})
+
+
+def test_deepspeeds_logging_keys_and_bfloat16_are_read():
+    cfg = zero.Config.from_deepspeed({"log_level": "info", "timers": {"throughput": {}},
+                                      "disable_python_gc": 100, "disable_allgather": False,
+                                      "bfloat16": {"enabled": True}})
+    assert cfg.precision == "bf16"
+    with pytest.raises(ValueError, match="both bf16 and bfloat16"):
+        zero.Config.from_deepspeed({"bf16": {"enabled": True}, "bfloat16": {"enabled": True}})
+
+
+def test_dataloader_drop_last(one_process):
+    dataset = torch.utils.data.TensorDataset(torch.randint(0, 50, (11, 7)),
+                                             torch.randint(0, 50, (11, 7)))
+    for drop, batches_seen in ((False, 6), (True, 5)):
+        torch.manual_seed(0)
+        model = Net()
+        engine, _, loader, _ = deepspeed.initialize(
+            model=model, model_parameters=model.parameters(), training_data=dataset,
+            config={**CONFIG, "dataloader_drop_last": drop})
+        assert len(loader) == batches_seen and loader.drop_last is drop
+        engine.close()
+    with pytest.raises(ValueError, match="dataloader_drop_last must be true or false"):
+        zero.Config.from_deepspeed({"dataloader_drop_last": "yes"})

@@ -4,16 +4,14 @@ can bring theirs. Unknown keys are reported by their full dotted name."""
 from __future__ import annotations
 
 import dataclasses
-import datetime
-import json
-import math
 import numbers
 import os
 from dataclasses import dataclass, field, fields
-from typing import Any, Optional
+from typing import Optional
 
-from zero.config._deepspeed_keys import (MONITORS, check_aio, check_monitor, drop_disabled,
-                                         drop_inert, refusal, take_cpu_offload)
+from zero.config._deepspeed_config import read_deepspeed, translate
+from zero.config._deepspeed_keys import check_aio, check_monitor
+from zero.config._values import _enabled, _number, _seconds
 
 PRECISIONS = ("fp32", "bf16", "fp16")
 
@@ -86,36 +84,6 @@ class LossScaling:
         if not isinstance(self.consecutive_hysteresis, bool):
             raise ValueError("loss_scaling.consecutive_hysteresis must be true or false, got "
                              f"{self.consecutive_hysteresis!r}")
-
-
-def _seconds(value, name):
-    """A timeout as float seconds (None stays None): a positive, finite
-    number of seconds or a datetime.timedelta, at least the millisecond
-    torch counts in and at most what a timedelta holds."""
-    if value is None:
-        return None
-    seconds = value.total_seconds() if isinstance(value, datetime.timedelta) else value
-    if isinstance(seconds, bool) or not isinstance(seconds, numbers.Real) or \
-            not math.isfinite(seconds) or not 0.001 <= seconds <= _LONGEST_TIMEOUT:
-        raise ValueError(
-            f"{name} must be a positive, finite number of seconds (from 0.001 to "
-            f"{_LONGEST_TIMEOUT:.0f}) or a datetime.timedelta, got {value!r}; for a very long "
-            "wait give a large number, such as 86400 for a day")
-    return float(seconds)
-
-
-# about 31 years: gloo's store timed out at once at 1e10 s and a collective
-# never returned at 1e11 s (helper review, 2 ranks), and timedelta.max
-# overflowed inside torch
-_LONGEST_TIMEOUT = 1e9
-
-
-def _number(value, name):
-    """A finite int or float (not a bool), or a ValueError naming `name`."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or \
-            not math.isfinite(value):
-        raise ValueError(f"{name} must be a finite number, got {value!r}")
-    return value
 
 
 @dataclass(frozen=True)
@@ -235,6 +203,8 @@ class Config:
     units: object = "block"
     train_micro_batch_size_per_gpu: Optional[int] = None
     train_batch_size: Optional[int] = None  # checked against micro * accumulation * world
+    # engine.deepspeed_io's DataLoader drops a last, partial batch (DeepSpeed's key)
+    dataloader_drop_last: bool = False
     loss_scaling: LossScaling = field(default_factory=LossScaling)
     offload_optimizer: OffloadOptimizer = field(default_factory=OffloadOptimizer)
     offload_param: OffloadParam = field(default_factory=OffloadParam)  # stage 3 only
@@ -262,6 +232,9 @@ class Config:
 
     def __post_init__(self):
         object.__setattr__(self, "timeout", _seconds(self.timeout, "timeout"))
+        if not isinstance(self.dataloader_drop_last, bool):
+            raise ValueError(f"dataloader_drop_last must be true or false, got "
+                             f"{self.dataloader_drop_last!r}")
         object.__setattr__(self, "monitor", check_monitor(self.monitor, _enabled) or None)
         object.__setattr__(self, "aio", check_aio(self.aio))
         leaves = self.stage3_leaf_modules
@@ -368,233 +341,9 @@ class Config:
     @classmethod
     def from_deepspeed(cls, config: "dict | str | os.PathLike") -> "Config":
         """Read a DeepSpeed JSON config (a dict or a path to a JSON file)."""
-        return cls(**_translate(read_deepspeed(config)))
-
-
-def read_deepspeed(config) -> dict:
-    """The dict of a DeepSpeed config given as a dict or a JSON file's path."""
-    if isinstance(config, dict):
-        return config
-    if not isinstance(config, (str, os.PathLike)):  # open() would take an int as an fd
-        raise TypeError(f"config must be a dict, a path to a JSON file or a zero.Config, got "
-                        f"{type(config).__name__}")
-    with open(config) as f:
-        try:
-            loaded = json.load(f)
-        except json.JSONDecodeError as error:
-            raise ValueError(f"config file {os.fspath(config)!r} is not valid JSON: "
-                             f"{error}") from None
-    if not isinstance(loaded, dict):
-        raise ValueError(f"config file {os.fspath(config)!r} holds a JSON "
-                         f"{type(loaded).__name__}, not an object of DeepSpeed keys")
-    return loaded
-
-
-# HuggingFace's DeepSpeed templates write "auto" where its Trainer fills in a
-# value. Ours: the sizes below take zero's defaults (tuning, not results);
-# the batch sizes, used only for a consistency check, are left out; keys
-# whose value changes the training (accumulation, clipping) are refused
-# with the reason, as an optimizer or scheduler parameter is.
-_AUTO_MEANS_DEFAULT = {"reduce_bucket_size", "stage3_param_persistence_threshold",
-                       "stage3_prefetch_bucket_size", "stage3_max_live_parameters",
-                       "overlap_comm", "contiguous_gradients", "train_batch_size",
-                       "train_micro_batch_size_per_gpu"}
-
-
-def auto_refused(name: str, instead: str = "give a value") -> ValueError:
-    """The error for an "auto" that only HuggingFace's DeepSpeed integration
-    can fill in, where the value changes the result."""
-    return ValueError(f"{name} is 'auto', which HuggingFace's DeepSpeed integration fills in "
-                      f"from TrainingArguments; {instead} (or train with "
-                      "zero.integrations.hf.ZeroTrainer, where the Trainer owns it)")
-
-
-def _drop_auto(block: dict, prefix: str) -> dict:
-    out = {}
-    for key, value in block.items():
-        if value != "auto":
-            out[key] = value
-        elif key not in _AUTO_MEANS_DEFAULT:
-            raise auto_refused(f"{prefix}{key}")
-    return out
-
-
-# DeepSpeed keys that are accepted and have no effect here, with the reason
-# kept for the docs (docs/engine.md).
-_IGNORED = {
-    "steps_per_print", "wall_clock_breakdown", "dump_state", "prescale_gradients",
-    "gradient_predivide_factor", "zero_allow_untested_optimizer",
-    "zero_force_ds_cpu_optimizer",
-}
-_ZERO_IGNORED = {
-    "allgather_partitions", "allgather_bucket_size", "reduce_scatter", "round_robin_gradients",
-    "load_from_fp32_weights", "elastic_checkpoint", "sub_group_size",
-    # stage 3: units are released right after use, so there is no reuse
-    # window to tune; ZeroTrainer.save_model always writes the whole model
-    # (from the fp32 masters), and engine checkpoints are sharded
-    "stage3_max_reuse_distance", "stage3_gather_16bit_weights_on_model_save",
-    "stage3_gather_fp16_weights_on_model_save",  # its deprecated name
-    # stages 1-2 let unused parameters be; zero finds them by itself
-    # ([Note: expected gradients] in sharding/_buckets.py)
-    "ignore_unused_parameters",
-}
-
-
-def _take(block: dict, prefix: str, known: dict, ignored=frozenset()) -> dict:
-    """Map block's keys through `known` (DeepSpeed name -> our name, or None
-    to drop); raise on any key neither known nor ignored."""
-    out, unknown = {}, []
-    for key, value in block.items():
-        if key in known:
-            if known[key] is not None:
-                out[known[key]] = value
-        elif key not in ignored:
-            unknown.append(f"{prefix}{key}")
-    if unknown:
-        raise refusal(unknown, [f"{prefix}{k}" for k in (*known, *ignored)])
-    return out
-
-
-def _offload_options(zero_block, key, block_type, ignored):
-    """A DeepSpeed offload block (zero_optimization.<key>) as a block_type,
-    or None when it is left out; `ignored`: DeepSpeed's tuning keys it
-    accepts and drops."""
-    block = zero_block.get(key)
-    if block is not None and not isinstance(block, dict):
-        raise ValueError(f"zero_optimization.{key} must be an object such as "
-                         f'{{"device": "cpu"}}, got {block!r}')
-    if not block:
-        return None
-    offload = _take(block, f"zero_optimization.{key}.",
-                    {"device": "device", "nvme_path": "nvme_path"}, ignored)
-    if offload.get("device") == "auto":  # as DeepSpeed: no offload
-        offload.pop("device")
-    return block_type(**offload)
-
-
-# the strings DeepSpeed's config model (pydantic) reads as a boolean
-_TRUE_WORDS = {"true", "t", "yes", "y", "on", "1"}
-_FALSE_WORDS = {"false", "f", "no", "n", "off", "0"}
-
-
-def _enabled(block: dict, name: str) -> bool:
-    """A precision block's "enabled" as DeepSpeed reads it: JSON true/false,
-    or a word such as "false" (a string is no longer taken as true because
-    it is not empty)."""
-    value = block.get("enabled", False)
-    if value == "auto":
-        raise auto_refused(f"{name}.enabled", "set true or false")
-    if isinstance(value, bool):
-        return value
-    word = value.strip().lower() if isinstance(value, str) else None
-    if word in _TRUE_WORDS or word in _FALSE_WORDS:
-        return word in _TRUE_WORDS
-    if isinstance(value, (int, float)) and value in (0, 1):
-        return bool(value)
-    raise ValueError(f"{name}.enabled must be true or false, got {value!r}")
-
-
-def _enabled_or_kept(block: dict, name: str) -> bool:
-    """A block's "enabled" where it reads as true or false; any other value
-    keeps the block, so its keys are read (and refused) as they are."""
-    try:
-        return _enabled(block, name)
-    except ValueError:
-        return True
-
-
-def _translate(ds: dict) -> dict:
-    top = dict(ds)
-    options: dict[str, Any] = {}
-    zero_block = top.pop("zero_optimization", {}) or {}
-    if not isinstance(zero_block, dict):
-        raise ValueError(f"zero_optimization must be an object, got {zero_block!r}")
-    fp16, bf16 = top.pop("fp16", None) or {}, top.pop("bf16", None) or {}
-    # a block whose "enabled" is false runs nothing: accepted whatever it holds
-    top = drop_inert(drop_disabled(top, _enabled_or_kept))
-    zero_block = take_cpu_offload(zero_block)
-    if top.get("memory_breakdown") is True:  # DeepSpeed's switch, a block here
-        top["memory_breakdown"] = {"enabled": True}
-    monitor = {kind: top.pop(kind) for kind in MONITORS if kind in top}  # enabled ones
-    top = _drop_auto(top, "")
-    zero_block = _drop_auto(zero_block, "zero_optimization.")
-    top["fp16"], top["bf16"] = fp16, bf16
-    # DeepSpeed runs stage 0 when the config names none; zero.Config's own
-    # default (stage 2) is for zero.initialize(model) without a config
-    options["stage"] = zero_block.get("stage", 0)
-    if "train_batch_size" in top and "gradient_accumulation_steps" not in top:
-        options["gradient_accumulation_steps"] = None  # derived by initialize, as DeepSpeed
-    data_types = top.pop("data_types", None) or {}
-    fp16 = top.pop("fp16", None) or {}
-    bf16 = top.pop("bf16", None) or {}
-    options.update(_take(top, "", {
-        "train_micro_batch_size_per_gpu": "train_micro_batch_size_per_gpu",
-        "train_batch_size": "train_batch_size",
-        "gradient_accumulation_steps": "gradient_accumulation_steps",
-        "gradient_clipping": "gradient_clipping",
-        "optimizer": "optimizer",
-        "scheduler": "scheduler",
-        "comms_timeout": "timeout",  # ours: DeepSpeed reads DEEPSPEED_TIMEOUT (minutes) only
-        "aio": "aio",
-    }, _IGNORED))
-    zero_opts = _take(zero_block, "zero_optimization.", {
-        "stage": "stage", "reduce_bucket_size": "reduce_bucket_size",
-        "overlap_comm": "overlap_comm", "contiguous_gradients": "contiguous_gradients",
-        "offload_optimizer": None, "offload_param": None,
-        "stage3_param_persistence_threshold": "stage3_param_persistence_threshold",
-        "stage3_prefetch_bucket_size": "stage3_prefetch_bucket_size",
-        "stage3_max_live_parameters": "stage3_max_live_parameters",
-    }, _ZERO_IGNORED)
-    # buffer_count/buffer_size/max_in_cpu size DeepSpeed's pinned buffers;
-    # the shard here is read unit by unit through its mapping
-    param = _offload_options(zero_block, "offload_param", OffloadParam,
-                             {"pin_memory", "buffer_count", "buffer_size", "max_in_cpu"})
-    # buffer_size/buffer_count size DeepSpeed's pinned I/O buffers (often
-    # 1e8 elements); our windows are 3 x chunk_elements per file, so a
-    # buffer_size read as chunk_elements would cost GBs of RAM: accepted,
-    # ignored, the default chunk kept (docs/offload.md)
-    optimizer = _offload_options(zero_block, "offload_optimizer", OffloadOptimizer,
-                                 {"pin_memory", "buffer_count", "buffer_size", "fast_init",
-                                  "ratio", "pipeline_read", "pipeline_write", "super_offload",
-                                  "convert_grad_on_cpu", "cpuadam_cores_perc"})
-    for key, block in (("offload_param", param), ("offload_optimizer", optimizer)):
-        if block is not None:
-            options[key] = block
-    for key in ("reduce_bucket_size", "stage3_param_persistence_threshold",
-                "stage3_prefetch_bucket_size", "stage3_max_live_parameters"):
-        if key in zero_opts:  # DeepSpeed configs often write 5e7
-            value = _number(zero_opts[key], f"zero_optimization.{key}")
-            if value != int(value):
-                raise ValueError(f"zero_optimization.{key} must be an integer, got {value!r}")
-            zero_opts[key] = int(value)
-    options.update(zero_opts)
-    if monitor:
-        options["monitor"] = monitor
-    if "timeout" in options:  # named as the config names it
-        options["timeout"] = _seconds(options["timeout"], "comms_timeout")
-    options.update(_take(data_types, "data_types.", {"grad_accum_dtype": "grad_accum_dtype"}))
-    # DeepSpeed 0.19.8 clips at 1.0 when a config names no gradient_clipping
-    options.setdefault("gradient_clipping", 1.0)
-    enabled = {name: _enabled(block, name) for name, block in (("fp16", fp16), ("bf16", bf16))}
-    if enabled["fp16"] and enabled["bf16"]:
-        raise ValueError("fp16.enabled and bf16.enabled are both true; choose one")
-    if enabled["bf16"]:
-        options.update(_take(bf16, "bf16.", {"enabled": None,
-                                             "check_grad_overflow": "check_grad_overflow"},
-                             {"immediate_grad_update"}))
-        # DeepSpeed 0.19.8 skips a bf16 step with an inf/nan gradient by
-        # default at stages 0-2; its stage 3 checks only fp16
-        options.setdefault("check_grad_overflow", options["stage"] in (0, 1, 2))
-        options["precision"] = "bf16"
-    elif enabled["fp16"]:
-        scaling = _take(fp16, "fp16.", {
-            "enabled": None, "initial_scale_power": "initial_scale_power",
-            "loss_scale_window": "loss_scale_window", "hysteresis": "hysteresis",
-            "min_loss_scale": "min_loss_scale", "loss_scale": "static_loss_scale",
-            "consecutive_hysteresis": "consecutive_hysteresis",
-        }, {"auto_cast", "fp16_master_weights_and_grads"})
-        # "auto" (HuggingFace's templates) means DeepSpeed's default
-        scaling = {k: v for k, v in scaling.items() if v != "auto"}
-        options["precision"] = "fp16"
-        options["loss_scaling"] = LossScaling(**scaling)
-    return options
+        options = translate(read_deepspeed(config))
+        for name, kind in (("loss_scaling", LossScaling), ("offload_optimizer", OffloadOptimizer),
+                           ("offload_param", OffloadParam)):
+            if isinstance(options.get(name), dict):
+                options[name] = kind(**options[name])
+        return cls(**options)

@@ -33,6 +33,22 @@ UNSUPPORTED = {
     "autotuning": "not supported",
     "elasticity": "not supported",
     "nebula": "not supported",
+    "hybrid_engine": "DeepSpeed-Chat's hybrid engine is engine.generate (docs/stage3.md)",
+    "compile": "call torch.compile on the model yourself",
+    "torch_autocast": "the engine computes in its precision (bf16 or fp16 blocks), without "
+                      "autocast",
+    "gradient_allreduce_op": "gradients are averaged over the data-parallel ranks",
+    "managed_gradient_accumulation": "the engine accumulates in its flat buffers "
+                                     "(gradient_accumulation_steps)",
+    "graph_harvesting": "CUDA graphs are not captured",
+    "weight_quantization": "not supported",
+    "eigenvalue": "not supported",
+    "progressive_layer_drop": "not supported",
+    "expert_parallel": "mixture-of-experts parallelism is not supported; experts train "
+                       "data-parallel",
+    "use_data_before_expert_parallelism": "mixture-of-experts parallelism is not supported",
+    "seq_parallel_communication_data_type": "DeepSpeed's sequence parallelism is not "
+                                            "supported",
     "zero_optimization.zero_hpz_partition_size": "ZeRO++'s hierarchical partitioning: use "
                                                  "initialize(mesh=) with a 2-D mesh",
     "zero_optimization.zero_quantized_weights": "ZeRO++'s quantized weights are not supported",

@@ -24,7 +24,7 @@ from torch.optim.lr_scheduler import LRScheduler
 
 from zero.config._cyclic_schedules import (DeepSpeedOneCycle, DeepSpeedRangeTest,
                                            DeepSpeedStateDict, per_group)
-from zero.config._config import auto_refused
+from zero.config._values import auto_refused
 
 SCHEDULER_TYPES = ("WarmupLR", "WarmupDecayLR", "WarmupCosineLR", "OneCycle", "LRRangeTest")
 _WARMUP_KEYS = {"warmup_min_lr", "warmup_max_lr", "warmup_num_steps", "warmup_type",

@@ -93,7 +93,9 @@ class DeepSpeedQueries:
         train_micro_batch_size_per_gpu) samples per rank, drawn by a
         DistributedSampler over the data-parallel ranks (shuffled, seed 0;
         call loader.sampler.set_epoch(epoch) each epoch) unless
-        data_sampler is given. route is accepted and unused."""
+        data_sampler is given; a last, partial batch is dropped when the
+        config's dataloader_drop_last says so. route is accepted and
+        unused."""
         from torch.utils.data import DataLoader, DistributedSampler
         batch = batch_size or self.train_micro_batch_size_per_gpu()
         if batch is None:
@@ -104,7 +106,8 @@ class DeepSpeedQueries:
             dataset, num_replicas=self._comm.dp_world, rank=self._comm.everyone.rank)
         return DataLoader(dataset, batch_size=batch, sampler=sampler, collate_fn=collate_fn,
                           num_workers=num_local_io_workers or 0,
-                          pin_memory=pin_memory and self.device.type == "cuda")
+                          pin_memory=pin_memory and self.device.type == "cuda",
+                          drop_last=self.config.dataloader_drop_last)
 
     def save_16bit_model(self, save_dir, save_filename: str = "pytorch_model.bin") -> bool:
         """DeepSpeed's: the whole model's state dict, parameters in the

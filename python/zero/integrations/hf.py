@@ -42,7 +42,7 @@ from zero.config._config import Config
 from zero.engine._initialize import initialize
 from zero.step._registry import SPECS
 from zero.config._schedulers import SCHEDULER_TYPES, scheduler_from_config
-from zero.config._config import read_deepspeed
+from zero.config._deepspeed_config import read_deepspeed
 
 ZERO_CHECKPOINT_DIR = "zero_checkpoint"
 SCHEDULER_FILE = "scheduler.pt"  # the Trainer's own name for it

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from zero.config._config import auto_refused
+from zero.config._values import auto_refused
 from zero.optim.lion import Lion
 
 
