@@ -4,6 +4,7 @@ back (csv, and tensorboard's own event reader) and compared with the
 losses, learning rates and loss scales of the run, at the global-sample
 steps DeepSpeed uses."""
 import csv
+import json
 
 import pytest
 import torch
@@ -73,6 +74,49 @@ def test_fp16_writes_the_loss_scale(tmp_path):
     train(config, steps=2)
     _, scales = read_csv(tmp_path / "fp16" / "Train_Samples_loss_scale.csv")
     assert [v for _, v in scales] == [256.0, 256.0]
+
+
+def wandb_history(directory):
+    """The history records of the offline run in `directory`: its .wandb
+    file is LevelDB's log format (32 KiB blocks of records, each with a
+    7-byte header: crc, length, type) after a 7-byte file header, each
+    record a wandb protobuf Record."""
+    import glob
+    import struct
+    from wandb.proto import wandb_internal_pb2
+    path, = glob.glob(str(directory / "wandb" / "offline-run-*" / "run-*.wandb"))
+    raw = open(path, "rb").read()
+    assert raw[:4] == b":W&B"
+    block, pos, pending, history = 32768, 7, b"", []
+    while pos + 7 <= len(raw):
+        if block - pos % block < 7:  # a block's tail too short for a header
+            pos += block - pos % block
+            continue
+        _crc, length, kind = struct.unpack("<IHB", raw[pos:pos + 7])
+        pending += raw[pos + 7:pos + 7 + length]
+        pos += 7 + length
+        if kind in (1, 4):  # a whole record, or its last piece
+            record = wandb_internal_pb2.Record()
+            record.ParseFromString(pending)
+            pending = b""
+            if record.WhichOneof("record_type") == "history":
+                # wandb's own keys (_step) come as nested keys
+                history.append({item.key or "/".join(item.nested_key):
+                                json.loads(item.value_json) for item in record.history.item})
+    return history
+
+
+def test_wandb_logs_deepspeeds_events(tmp_path, monkeypatch):
+    """An offline wandb run (no network), read back from its own file."""
+    pytest.importorskip("wandb")  # installed by requirements-test.txt
+    for key, value in (("WANDB_MODE", "offline"), ("WANDB_DIR", str(tmp_path)),
+                       ("WANDB_SILENT", "true"), ("WANDB_CONSOLE", "off")):
+        monkeypatch.setenv(key, value)
+    means, lrs = train(ds_config(tmp_path, wandb={"enabled": True, "project": "zero-test"}))
+    history = wandb_history(tmp_path)
+    assert [h["_step"] for h in history] == [8, 16, 24]
+    assert [h["Train/Samples/train_loss"] for h in history] == pytest.approx(means, rel=1e-6)
+    assert [h["Train/Samples/lr"] for h in history] == pytest.approx(lrs, rel=1e-6)
 
 
 def test_tensorboard_events_read_back(tmp_path):
