@@ -50,3 +50,20 @@ def map_tensors(fn, value):
             object.__setattr__(duplicate, name, new)
         return duplicate
     return tree_map(visit, value)
+
+
+def detach_from_units(units, output):
+    """Copies of the outputs that are views of a stage-3 unit about to be
+    released (a module returning self.weight[:n]): the release frees that
+    storage. The copy keeps the autograd graph."""
+    freed = {(u.full.device, u.full.untyped_storage().data_ptr()) for u in units
+             if u.gathered and not u.persistent and u.active == 0}
+    if not freed:
+        return output
+
+    def copy_if_view(t):
+        if torch.is_tensor(t) and not t.is_meta and \
+                (t.device, t.untyped_storage().data_ptr()) in freed:
+            return t.clone()
+        return t
+    return map_tensors(copy_if_view, output)

@@ -44,11 +44,11 @@ from torch import nn
 from torch.autograd.graph import register_multi_grad_hook, saved_tensors_hooks
 
 from zero.sharding._copying import ModuleHook
-from zero.sharding._outputs import map_tensors, tensors_in
+from zero.sharding._outputs import detach_from_units, tensors_in
 from zero.sharding._param_writes import check_released_untouched
 from zero.sharding._saved_parameters import SavedParameters, outer_saved_tensors_hooks
 from zero.sharding._step_agreement import agree_on_call
-from zero.sharding._units import storage_key
+from zero.sharding._units import GatherPool, storage_key
 
 
 _HASH_MOD = (1 << 61) - 1
@@ -69,6 +69,8 @@ class Stage3Schedule(SavedParameters):
         self.max_live = int(config.stage3_max_live_parameters)
         self.live = 0        # elements of non-persistent units gathered or in flight
         self.peak_live = 0
+        # [Note: gather pool] in _units.py (the CPU's allocator keeps no freed blocks)
+        self.pool = GatherPool() if comm.device.type == "cpu" else None
         self.counts = {"prefetched": 0, "on_demand": 0}  # gathers since the last step
         self.phase = None
         self.recorded = {"forward": None, "backward": None}
@@ -200,12 +202,14 @@ class Stage3Schedule(SavedParameters):
         self.pass_hash = (self.pass_hash * 1_000_003 + fg.index * 65_537 + unit.index + 1) \
             % _HASH_MOD
         check_released_untouched(fg, unit)
-        unit.reserve()
+        self._keyed_anew(unit, unit.reserve(self.pool))
         work = self.comm.all_gather_into(unit.full, fg.gather_source(unit.shard_slice),
                                          async_op=async_op)
         if not unit.persistent:
             self.live += unit.total
             self.peak_live = max(self.peak_live, self.live)
+            if self.pool is not None:  # gathered + pooled within the peak
+                self.pool.trim((self.peak_live - self.live) * unit.full.element_size())
         if work is None:
             self._gathered(fg, unit)
         else:
@@ -236,11 +240,17 @@ class Stage3Schedule(SavedParameters):
             unit.work = None
             self._gathered(self.place[id(unit.params[0])][0], unit)
         if unit.gathered:
-            old_key = storage_key(unit.full)
-            if unit.release():  # a new storage: see [Note: released parameters]
-                entry = self.unit_by_storage.pop(old_key)
-                self.unit_by_storage[storage_key(unit.full)] = entry
             self.live -= unit.total
+            # pooled only while gathered + pooled stays within the peak gathered
+            room = (self.peak_live - self.live) * unit.full.element_size()
+            pool = self.pool if self.pool is not None and self.pool.fits(room, unit) else None
+            self._keyed_anew(unit, unit.release(pool))
+
+    def _keyed_anew(self, unit, old_key):
+        """unit_by_storage after `unit.full` changed storage (old_key: the
+        one it had; None: it did not change)."""
+        if old_key is not None:
+            self.unit_by_storage[storage_key(unit.full)] = self.unit_by_storage.pop(old_key)
 
     def release_all(self):
         for fg in self.groups:
@@ -376,7 +386,7 @@ class Stage3Schedule(SavedParameters):
             if not self.in_backward:
                 leaving = [u for fg in self.groups for u in fg.units] if outermost else \
                     [u for _fg, u in self.units_of[module]]
-                output = self._detach_from(leaving, output)
+                output = detach_from_units(leaving, output)
                 for unit in leaving:
                     self.release(unit)
             if torch.is_grad_enabled():
@@ -433,23 +443,6 @@ class Stage3Schedule(SavedParameters):
             # it would run before this release: it runs the release itself
             # (_hook_pre_backward), and the two units are never held at once
             self.release_with.setdefault(_node_key(inputs[0]), []).extend(frozen)
-
-    @staticmethod
-    def _detach_from(units, output):
-        """Copies of the outputs that are views of a unit about to be
-        released (a module returning self.weight[:n]): the release frees
-        that storage. The copy keeps the autograd graph."""
-        freed = {(u.full.device, u.full.untyped_storage().data_ptr()) for u in units
-                 if u.gathered and not u.persistent and u.active == 0}
-        if not freed:
-            return output
-
-        def copy_if_view(t):
-            if torch.is_tensor(t) and not t.is_meta and \
-                    (t.device, t.untyped_storage().data_ptr()) in freed:
-                return t.clone()
-            return t
-        return map_tensors(copy_if_view, output)
 
     def _hook_state_dict(self, units):
         def warn_if_released(_module, _state, _prefix, _metadata):

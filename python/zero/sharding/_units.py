@@ -67,16 +67,19 @@ class Unit:
         for p, off, n, shape in zip(self.params, self.offsets, self.numels, self.shapes):
             p.data = self.full[off:off + n].view(shape)
 
-    def release(self) -> bool:
-        """Free the gathered values (see [Note: released parameters]).
-        True when `full` got a new storage (another holder kept the old).
-        Tensors made here must be ordinary ones even when the release
-        comes at the end of an eval under torch.inference_mode(): an
-        inference tensor could not be gathered into by a training step."""
+    def release(self, pool=None):
+        """Free the gathered values (see [Note: released parameters]), or
+        hand them to `pool` ([Note: gather pool]). Returns the storage key
+        `full` had when it got a new storage (another holder kept the old,
+        or the pool took it), else None. Tensors made here must be
+        ordinary ones even when the release comes at the end of an eval
+        under torch.inference_mode(): an inference tensor could not be
+        gathered into by a training step."""
         with torch.inference_mode(False):
-            return self._release()
+            old_key = storage_key(self.full)
+            return old_key if self._release(pool) else None
 
-    def _release(self) -> bool:
+    def _release(self, pool) -> bool:
         if self._placeholder is None:
             self._placeholder = torch.empty(0, dtype=self.full.dtype,
                                             device=self.full.device)
@@ -85,18 +88,69 @@ class Unit:
         self.gathered = False
         storage = self.full.untyped_storage()
         # holders: `full` and `storage` here; any more is somebody's view
-        if torch._C._storage_Use_Count(storage._cdata) > 2:
+        if torch._C._storage_Use_Count(storage._cdata) > 2 or \
+                (pool is not None and pool.give(self.full)):
             self.full = torch.empty(self.total, dtype=self.full.dtype, device=self.full.device)
             self.full.untyped_storage().resize_(0)
             return True
         storage.resize_(0)
         return False
 
-    def reserve(self):
-        """Storage for a gather into `full` (the same storage object)."""
+    def reserve(self, pool=None):
+        """Storage for a gather into `full`: the same storage object grown
+        again, or a pooled buffer of this size ([Note: gather pool]), whose
+        storage then replaces it: returns the key `full` had, else None."""
         nbytes = self.total * self.full.element_size()
-        if self.full.untyped_storage().nbytes() != nbytes:
+        if self.full.untyped_storage().nbytes() == nbytes:
+            return None
+        taken = pool.take(self.total, self.full.dtype) if pool is not None else None
+        if taken is None:
             self.full.untyped_storage().resize_(nbytes)
+            return None
+        old_key = storage_key(self.full)
+        self.full = taken
+        return old_key
+
+
+class GatherPool:
+    """[Note: gather pool] On the CPU, a released unit's buffer freed back
+    to the allocator returns to the kernel (glibc unmaps large blocks), and
+    the next gather's buffer is faulted in page by page: measured, most of
+    a stage-3 generation's time unit by unit (docs/performance.md,
+    "ZeRO-Inference"). So Stage3Schedule keeps released buffers here and a
+    gather of the same size takes one back. It holds a buffer only while
+    the gathered units and the pool together stay within the peak gathered
+    so far (`fits` at a release, `trim` after a gather), so
+    memory_summary's gathered_peak still bounds what gathering holds. A buffer some other tensor still views is
+    never pooled ([Note: released parameters]). On a GPU torch's caching
+    allocator already reuses blocks: no pool."""
+
+    def __init__(self):
+        self.free = {}   # (elements, dtype) -> [tensor]
+        self.nbytes = 0
+
+    def fits(self, room: int, unit) -> bool:
+        return self.nbytes + unit.total * unit.full.element_size() <= room
+
+    def give(self, t) -> bool:
+        self.free.setdefault((t.numel(), t.dtype), []).append(t)
+        self.nbytes += t.nbytes
+        return True
+
+    def trim(self, room: int):
+        """Free pooled buffers (the largest first) until they fit in `room` bytes."""
+        while self.nbytes > room:
+            key = max((k for k, kept in self.free.items() if kept),
+                      key=lambda k: k[0] * k[1].itemsize)
+            self.nbytes -= self.free[key].pop().nbytes
+
+    def take(self, numel, dtype):
+        kept = self.free.get((numel, dtype))
+        if not kept:
+            return None
+        t = kept.pop()
+        self.nbytes -= t.nbytes
+        return t
 
 
 def lay_out(params, unit_sizes, num_partitions) -> list:

@@ -1,0 +1,83 @@
+"""Stage 3's gather pool on the CPU ([Note: gather pool] in
+sharding/_units.py): released unit buffers are taken back by the next
+gathers of the same size; training is bit for bit what it is without the
+pool; the gathered units and the pool together never hold more than the
+peak gathered (memory_summary's gathered_peak); a buffer that a tensor
+still views is never reused under it."""
+import copy
+
+import pytest
+import torch
+
+import zero
+from engine_cases import no_launcher
+
+transformers = pytest.importorskip("transformers")
+
+
+@pytest.fixture(autouse=True)
+def _no_launcher(monkeypatch):
+    no_launcher(monkeypatch)
+
+
+def tiny_gpt2():
+    cfg = transformers.GPT2Config(n_layer=4, n_embd=32, n_head=4, vocab_size=64,
+                                  n_positions=32, resid_pdrop=0.0, embd_pdrop=0.0,
+                                  attn_pdrop=0.0)
+    torch.manual_seed(0)
+    return transformers.GPT2LMHeadModel(cfg)
+
+
+def train(model, pooled, steps=3, watch=None):
+    engine = zero.initialize(model, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-2),
+                             stage=3, stage3_param_persistence_threshold=0)
+    schedule = engine._schedule
+    if not pooled:
+        schedule.pool = None
+    taken, held = [0], []
+    if pooled:
+        take = schedule.pool.take
+
+        def counted(numel, dtype):
+            t = take(numel, dtype)
+            taken[0] += t is not None
+            held.append((schedule.live, schedule.pool.nbytes, schedule.peak_live))
+            return t
+        schedule.pool.take = counted
+    g = torch.Generator().manual_seed(3)
+    for _ in range(steps):
+        ids = torch.randint(0, 64, (2, 16), generator=g)
+        engine.backward(engine(input_ids=ids, labels=ids).loss)
+        engine.step()
+    state = engine.full_state_dict()
+    engine.close()
+    return state, taken[0], held
+
+
+def test_the_pool_reuses_buffers_and_changes_no_number():
+    pooled, taken, held = train(tiny_gpt2(), pooled=True)
+    plain, _, _ = train(tiny_gpt2(), pooled=False)
+    assert taken > 10  # blocks of one size take each other's buffers
+    for name, value in plain.items():
+        assert torch.equal(pooled[name], value), name
+    for live, pooled_bytes, peak in held:  # fp32: 4 bytes an element
+        assert live * 4 + pooled_bytes <= peak * 4
+
+
+def test_a_buffer_still_viewed_is_not_reused():
+    """A forward hook that keeps a view of a block's weight (a logging
+    hook): the release leaves that storage to it, so later gathers of
+    other blocks into pooled buffers never overwrite what it sees."""
+    model = tiny_gpt2()
+    kept = []
+    model.transformer.h[0].attn.c_attn.register_forward_hook(
+        lambda m, i, o: kept.append((m.weight.detach(), m.weight.detach().clone())))
+    engine = zero.initialize(model, optimizer=torch.optim.SGD(model.parameters(), lr=0.0),
+                             stage=3, stage3_param_persistence_threshold=0)
+    ids = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        for _ in range(3):
+            engine(input_ids=ids)
+    for view, copied in kept:
+        assert torch.equal(view, copied)
+    engine.close()
