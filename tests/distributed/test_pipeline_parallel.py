@@ -9,6 +9,8 @@ pipeline_schedule, on
 - pp=2 x tp=2 at stages 1 and 3 (each stage split by parallelize_gpt);
 - a tiny HuggingFace Llama with a tied head, split by split_llama, pp=2 x
   dp=2 at stage 2;
+- optimizer states in files (offload_optimizer nvme) at stage 2, and
+  parameters and states in files at stage 3;
 
 each against one process of plain torch on the same global batch: the
 losses and every stage's parameters (the last stage's copy of the tied head
@@ -18,6 +20,8 @@ into the whole model (the tied head once), loads on 4 plain data-parallel
 ranks, on pp=4 at stage 3 and on pp=2 x tp=2 at stage 0; one saved by the
 plain ranks loads back on pp=2 x dp=2. Each holds exactly the saved values.
 All three at once (pp x tp x dp on 8 ranks): test_three_dimensions.py."""
+import os
+
 import pytest
 import torch
 
@@ -136,6 +140,11 @@ def _worker(rank, world, directory):
     for stage in (1, 3):
         out[("pp2 x tp2", stage)] = train(pp_tp, stage)
     out["llama tied"] = train(pp_dp, 2, kind="llama tied")
+    # offload to files (on a CPU model, "cpu" is where the states already are)
+    files = {"device": "nvme", "nvme_path": os.path.join(directory, f"nvme{rank}")}
+    os.makedirs(files["nvme_path"])
+    out["offload"] = train(pp_dp, 2, offload_optimizer=files)
+    out["offload params"] = train(pp_dp, 3, offload_optimizer=files, offload_param=files)
     out["checkpoints"] = checkpoints(directory)
     dist.destroy_process_group()
     return out
@@ -203,6 +212,12 @@ def test_hf_llama_with_a_tied_head(results):
     # the last stage's head is a copy of the first stage's embedding
     assert "lm_head.weight" in results[3]["llama tied"][2]
     assert "model.embed_tokens.weight" in results[0]["llama tied"][2]
+
+
+def test_offload_to_files_under_pp(results):
+    for rank_out in results:
+        check_run(rank_out["offload"])
+        check_run(rank_out["offload params"])
 
 
 def test_checkpoints_load_under_other_layouts(results):
