@@ -56,10 +56,6 @@ class StandIn:
         else:
             self.state = state
 
-    @classmethod
-    def kind(cls) -> str:
-        return f"{cls.__module__}.{cls.__qualname__}"
-
 
 def _stand_in(module: str, name: str) -> type:
     return type(name, (StandIn,), {"__module__": module, "__qualname__": name})

@@ -26,24 +26,10 @@ saves (read from its files; tests/data/deepspeed_checkpoints):
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
 
 import torch
 
 from zero.checkpoint._deepspeed_files import StandIn
-
-
-@dataclass
-class Whole:
-    """What the converter writes: DeepSpeed's checkpoint in whole tensors."""
-    stage: int
-    world: int
-    params: dict                 # name -> (shape, trainable), in the module's order
-    state_entries: list          # (state-dict key, "param" | "buffer", parameter name | None)
-    buffers: dict                # key -> tensor
-    groups: list                 # {"names", "hyper", "step"}
-    values: dict = field(default_factory=dict)   # name -> flat fp32 (master, or frozen values)
-    states: dict = field(default_factory=dict)   # name -> {state name: flat fp32}
 
 
 def fail(path, why) -> ValueError:
