@@ -208,8 +208,8 @@ class Stage3Schedule(SavedParameters):
         if not unit.persistent:
             self.live += unit.total
             self.peak_live = max(self.peak_live, self.live)
-            if self.pool is not None:  # gathered + pooled within the peak
-                self.pool.trim((self.peak_live - self.live) * unit.full.element_size())
+            if self.pool is not None:
+                self.pool.trim(self._pool_room(unit))
         if work is None:
             self._gathered(fg, unit)
         else:
@@ -241,10 +241,14 @@ class Stage3Schedule(SavedParameters):
             self._gathered(self.place[id(unit.params[0])][0], unit)
         if unit.gathered:
             self.live -= unit.total
-            # pooled only while gathered + pooled stays within the peak gathered
-            room = (self.peak_live - self.live) * unit.full.element_size()
-            pool = self.pool if self.pool is not None and self.pool.fits(room, unit) else None
+            pool = self.pool if self.pool is not None and \
+                self.pool.fits(self._pool_room(unit), unit) else None
             self._keyed_anew(unit, unit.release(pool))
+
+    def _pool_room(self, unit) -> int:
+        """Bytes the gather pool may hold: gathered + pooled stays within
+        the peak gathered ([Note: gather pool])."""
+        return (self.peak_live - self.live) * unit.full.element_size()
 
     def _keyed_anew(self, unit, old_key):
         """unit_by_storage after `unit.full` changed storage (old_key: the

@@ -88,8 +88,10 @@ class Unit:
         self.gathered = False
         storage = self.full.untyped_storage()
         # holders: `full` and `storage` here; any more is somebody's view
-        if torch._C._storage_Use_Count(storage._cdata) > 2 or \
-                (pool is not None and pool.give(self.full)):
+        viewed = torch._C._storage_Use_Count(storage._cdata) > 2
+        if viewed or pool is not None:  # the old storage is left to them, or pooled
+            if not viewed:
+                pool.give(self.full)
             self.full = torch.empty(self.total, dtype=self.full.dtype, device=self.full.device)
             self.full.untyped_storage().resize_(0)
             return True
@@ -121,9 +123,10 @@ class GatherPool:
     gather of the same size takes one back. It holds a buffer only while
     the gathered units and the pool together stay within the peak gathered
     so far (`fits` at a release, `trim` after a gather), so
-    memory_summary's gathered_peak still bounds what gathering holds. A buffer some other tensor still views is
-    never pooled ([Note: released parameters]). On a GPU torch's caching
-    allocator already reuses blocks: no pool."""
+    memory_summary's gathered_peak still bounds what gathering holds. A
+    buffer some other tensor still views is never pooled ([Note: released
+    parameters]). On a GPU torch's caching allocator already reuses
+    blocks: no pool."""
 
     def __init__(self):
         self.free = {}   # (elements, dtype) -> [tensor]
@@ -132,10 +135,9 @@ class GatherPool:
     def fits(self, room: int, unit) -> bool:
         return self.nbytes + unit.total * unit.full.element_size() <= room
 
-    def give(self, t) -> bool:
+    def give(self, t):
         self.free.setdefault((t.numel(), t.dtype), []).append(t)
         self.nbytes += t.nbytes
-        return True
 
     def trim(self, room: int):
         """Free pooled buffers (the largest first) until they fit in `room` bytes."""
