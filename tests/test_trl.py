@@ -84,7 +84,7 @@ def reward(completions, **_kwargs):
             for c in completions]
 
 
-def grpo(tmp, stage=None, calls=None):
+def grpo(tmp, stage=None, calls=None, trainers=None):
     g = torch.Generator().manual_seed(0)
     prompts = Dataset.from_list([{"prompt": words(g, 3)} for _ in range(32)])
     model = policy()
@@ -95,6 +95,8 @@ def grpo(tmp, stage=None, calls=None):
     if stage is None:
         return finish(trl.GRPOTrainer(**kwargs), model.state_dict)
     trainer = ZeroGRPOTrainer(**kwargs, zero_options={"stage": stage})
+    if trainers is not None:
+        trainers.append(trainer)
     if calls is not None:
         trainer.create_optimizer()
         generate = trainer.engine.generate
@@ -125,7 +127,16 @@ def test_dpo_on_zero_is_trls(tmp_path, stage):
 
 @pytest.mark.parametrize("stage", [2, 3])
 def test_grpo_on_zero_is_trls(tmp_path, stage):
-    calls = []
-    same(grpo(tmp_path / "zero", stage, calls), grpo(tmp_path / "trl"))
+    calls, trainers = [], []
+    same(grpo(tmp_path / "zero", stage, calls, trainers), grpo(tmp_path / "trl"))
     # stage 3 generates through the engine (gathered once), 2 through the module
     assert (len(calls) > 0) == (stage == 3)
+    module = trainers[0].engine.module
+    assert "generate" not in module.__dict__  # the class's generate again
+
+    def own(*args, **kwargs):  # one a wrapper set on the instance is given back
+        return None
+    module.generate = own
+    with trainers[0]._generation_through_engine():
+        assert (module.generate is not own) == (stage == 3)
+    assert module.generate is own

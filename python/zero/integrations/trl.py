@@ -58,11 +58,15 @@ class ZeroGRPOTrainer(ZeroTrainerMixin, GRPOTrainer):
             yield
             return
         original = module.generate
+        own = module.__dict__.get("generate")  # one set on the instance (a wrapper's), kept
         module.generate = lambda *a, **k: engine.generate(*a, generate_fn=_call(original), **k)
         try:
             yield
         finally:
-            del module.generate  # the class's method again
+            if own is None:
+                del module.generate  # the class's method again
+            else:
+                module.generate = own
 
 
 def _call(generate):
