@@ -28,6 +28,10 @@ test-c: $(EMULATED_CUDA)
 	$(CC) -std=c11 -O1 -g -Wall -Wextra -Werror -Iinclude $(SANITIZE) -o tests/c/build/test_core \
 		tests/c/test_core.c $(CORE_SOURCES) -lm -lpthread -ldl
 	ASAN_OPTIONS=detect_leaks=1 UBSAN_OPTIONS=print_stacktrace=1 tests/c/build/test_core
+	# the gradient bucket plan and the accumulate kernel
+	$(CC) -std=c11 -O1 -g -Wall -Wextra -Werror -Iinclude $(SANITIZE) -o tests/c/build/test_buckets \
+		tests/c/test_buckets.c $(CORE_SOURCES) -lm -lpthread -ldl
+	ASAN_OPTIONS=detect_leaks=1 UBSAN_OPTIONS=print_stacktrace=1 tests/c/build/test_buckets
 	$(CC) -std=c11 -O1 -g -Wall -Wextra -Werror -Iinclude $(SANITIZE) -o tests/c/build/test_cuda \
 		tests/c/test_cuda.c $(CORE_SOURCES) -lm -lpthread -ldl
 	ASAN_OPTIONS=detect_leaks=1 UBSAN_OPTIONS=print_stacktrace=1 tests/c/build/test_cuda $(EMULATED_CUDA)

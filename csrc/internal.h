@@ -41,6 +41,9 @@ typedef struct {
                     zero_dtype src_dtype, int64_t begin, int64_t end);
     void (*triad)(float *a, const float *b, const float *c, float s,
                   int64_t begin, int64_t end);
+    /* dst[i] += src[i], both of dtype; narrow sums round to nearest even */
+    void (*accumulate)(void *dst, const void *src, zero_dtype dtype,
+                       int64_t begin, int64_t end);
 } isa_kernels;
 
 extern const isa_kernels scalar_kernels;

@@ -244,7 +244,8 @@ static PyMethodDef zero_C_methods[] = {
 static int zero_C_exec(PyObject *module)
 {
     if (add_buffer_type(module) != 0 || add_optim_functions(module) != 0 ||
-        add_aio(module) != 0 || add_cuda_functions(module) != 0) {
+        add_aio(module) != 0 || add_buckets(module) != 0 ||
+        add_cuda_functions(module) != 0) {
         return -1;
     }
     const char *bad_env = zero_isa_env_error();
@@ -263,12 +264,14 @@ static int zero_C_exec(PyObject *module)
 static int zero_C_traverse(PyObject *module, visitproc visit, void *arg)
 {
     Py_VISIT(get_state(module)->buffer_type);
+    Py_VISIT(get_state(module)->bucket_hook_type);
     return 0;
 }
 
 static int zero_C_clear(PyObject *module)
 {
     Py_CLEAR(get_state(module)->buffer_type);
+    Py_CLEAR(get_state(module)->bucket_hook_type);
     return 0;
 }
 

@@ -6,7 +6,8 @@
  * the table-driven keyword parsing every function uses, module_cuda_args.c
  * the CUDA functions' tensor arguments; module.c binds the CPU core and
  * holds the module, module_optim.c the CPU optimizers, module_cuda.c the
- * CUDA kernels. Functions that can fail
+ * CUDA kernels, module_buckets.c and module_grad_buckets.c the gradient
+ * buckets' hook and type. Functions that can fail
  * return 0 / a new reference on success and -1 / NULL with a Python
  * exception set.
  */
@@ -24,6 +25,7 @@
 
 typedef struct {
     PyTypeObject *buffer_type;
+    PyTypeObject *bucket_hook_type; /* module_buckets.c */
 } module_state;
 
 static inline module_state *get_state(PyObject *module)
@@ -259,6 +261,8 @@ int check_args_no_overlap(const arg_set *set);
  * (module_cuda.c). */
 int add_optim_functions(PyObject *module);
 int add_aio(PyObject *module);
+/* zero._C.GradBuckets and its hook type (module_buckets.c). */
+int add_buckets(PyObject *module);
 int add_cuda_functions(PyObject *module);
 
 #endif /* ZERO_MODULE_H */

@@ -133,6 +133,16 @@ static void triad_scalar(float *a, const float *b, const float *c, float s,
     }
 }
 
+/* dst += src in one dtype, each sum rounded once (to nearest even) */
+static void accumulate_scalar(void *dst, const void *src, zero_dtype dtype,
+                              int64_t begin, int64_t end)
+{
+    for (int64_t i = begin; i < end; i++) {
+        store_from_f32(dst, dtype, i,
+                       load_as_f32(dst, dtype, i) + load_as_f32(src, dtype, i));
+    }
+}
+
 const isa_kernels scalar_kernels = {
     .adam = adam_scalar,
     .sgd = sgd_scalar,
@@ -142,4 +152,5 @@ const isa_kernels scalar_kernels = {
     .all_finite = all_finite_scalar,
     .convert = convert_scalar,
     .triad = triad_scalar,
+    .accumulate = accumulate_scalar,
 };

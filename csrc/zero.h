@@ -234,6 +234,83 @@ zero_status zero_convert(void *dst, zero_dtype dst_dtype, const void *src,
 zero_status zero_stream_triad(float *a, const float *b, const float *c,
                               float scalar, int64_t n);
 
+/* ---- gradient buckets (buckets.c) ------------------------------------ */
+
+/* [Note: the bucket plan] A flat group's parameters lie in units (stage 3's
+ * gather units; one unit at stages 0-2), each at an offset of its unit's
+ * flat span. Buckets are fixed ranges of a unit's span of at most
+ * bucket_elements, numbered from the last unit's end: the order backward
+ * produces gradients. A parameter's gradient lands in each bucket it
+ * overlaps, as one piece per bucket, in bucket order. Bucket b may leave
+ * once every parameter expected to get a gradient has added its piece and
+ * every bucket before it has left; a piece for a bucket that has left
+ * goes to that bucket's late buffer, reduced at the end of the backward.
+ * The caller owns the buffers and the collectives; the plan says where
+ * each piece goes and when each bucket leaves. */
+typedef struct zero_buckets zero_buckets;
+
+typedef struct {
+    int64_t bucket;       /* the bucket's index */
+    int64_t bucket_start; /* where the piece starts in the bucket */
+    int64_t grad_start;   /* where it starts in the flat gradient */
+    int64_t count;        /* elements */
+} zero_bucket_piece;
+
+/* Parameter i lies in unit param_unit[i] at param_offset[i], param_numel[i]
+ * elements; units are [0, n_units) with spans unit_span[]. Every parameter
+ * must lie inside its unit. All parameters start expected. */
+zero_status zero_buckets_create(zero_buckets **out, int64_t n_params,
+                                const int64_t *param_unit,
+                                const int64_t *param_offset,
+                                const int64_t *param_numel, int64_t n_units,
+                                const int64_t *unit_span,
+                                int64_t bucket_elements);
+void zero_buckets_destroy(zero_buckets *plan);
+
+int64_t zero_buckets_count(const zero_buckets *plan);
+/* Bucket b's unit and its range [start, end) of the unit's span. */
+zero_status zero_buckets_range(const zero_buckets *plan, int64_t b,
+                               int64_t *unit, int64_t *start, int64_t *end);
+/* Parameter i's pieces, in bucket order; returns their number. */
+int64_t zero_buckets_pieces(const zero_buckets *plan, int64_t param,
+                            const zero_bucket_piece **pieces);
+
+/* A new backward: nothing arrived, no bucket left. expected[i] (n_params
+ * bytes) says which parameters the buckets wait for; NULL keeps the last. A
+ * unit whose parameters are not all expected is never reported done (it
+ * waits for the end of the backward). */
+zero_status zero_buckets_reset(zero_buckets *plan, const uint8_t *expected);
+
+/* Flags of zero_buckets_arrive. */
+enum {
+    ZERO_ARRIVE_FIRST = 1,    /* the parameter's first gradient this backward */
+    ZERO_ARRIVE_COUNTED = 2,  /* ... and it was expected: its pieces count */
+    ZERO_ARRIVE_BACKWARD = 4  /* the backward's first gradient of all */
+};
+/* Parameter i's gradient arrived; returns ZERO_ARRIVE_* flags, or -1 for
+ * an index out of range. */
+int zero_buckets_arrive(zero_buckets *plan, int64_t param);
+/* 1 when bucket b has left (a piece for it goes to its late buffer). */
+int zero_buckets_left(const zero_buckets *plan, int64_t b);
+/* A counted piece was added into bucket b. */
+void zero_buckets_piece_added(zero_buckets *plan, int64_t b);
+/* The bucket to send next, marked as left, or -1 when the next in order
+ * still waits for a piece; force sends it regardless. */
+int64_t zero_buckets_next(zero_buckets *plan, int force);
+/* After the pieces of a FIRST arrival: the unit of parameter i when that
+ * was the last of its parameters to arrive, else -1. */
+int64_t zero_buckets_unit_arrived(zero_buckets *plan, int64_t param);
+/* Which parameters got a gradient this backward ([n_params], 0 or 1). */
+const uint8_t *zero_buckets_arrived(const zero_buckets *plan);
+/* Buckets that have left; 1 when any gradient arrived this backward. */
+int64_t zero_buckets_sent(const zero_buckets *plan);
+int zero_buckets_started(const zero_buckets *plan);
+
+/* dst[i] += src[i] for n elements of one dtype, the sum rounded to nearest
+ * even for bfloat16 and float16 (what torch's add_ does). */
+zero_status zero_accumulate(void *dst, const void *src, zero_dtype dtype,
+                            int64_t n);
+
 #ifdef __cplusplus
 }
 #endif

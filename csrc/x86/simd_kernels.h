@@ -352,6 +352,35 @@ static ISA_TARGET void triad_simd(float *a, const float *b, const float *c,
     scalar_kernels.triad(a, b, c, s, i, end);
 }
 
+static ISA_TARGET ALWAYS_INLINE void accumulate_body(void *dst,
+                                                     const void *src,
+                                                     zero_dtype dtype,
+                                                     int64_t begin, int64_t end)
+{
+    int64_t i = begin;
+    for (; i + W <= end; i += W) {
+        store_vec(dst, dtype, i, vadd(load_vec(dst, dtype, i), load_vec(src, dtype, i)));
+    }
+    scalar_kernels.accumulate(dst, src, dtype, i, end);
+}
+
+static ISA_TARGET void accumulate_simd(void *dst, const void *src,
+                                       zero_dtype dtype, int64_t begin,
+                                       int64_t end)
+{
+    switch (dtype) {
+    case ZERO_BF16:
+        accumulate_body(dst, src, ZERO_BF16, begin, end);
+        break;
+    case ZERO_F16:
+        accumulate_body(dst, src, ZERO_F16, begin, end);
+        break;
+    default:
+        accumulate_body(dst, src, ZERO_F32, begin, end);
+        break;
+    }
+}
+
 const isa_kernels ISA_TABLE = {
     .adam = adam_simd,
     .sgd = sgd_simd,
@@ -361,4 +390,5 @@ const isa_kernels ISA_TABLE = {
     .all_finite = all_finite_simd,
     .convert = convert_simd,
     .triad = triad_simd,
+    .accumulate = accumulate_simd,
 };

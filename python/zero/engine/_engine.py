@@ -233,7 +233,11 @@ class Engine(DeepSpeedQueries, BatchCalls, CheckpointCalls, EngineReports, nn.Mo
                     on_each_grad(self, fg, _accumulate_grad)
         else:
             for fg in self.groups:
-                on_each_grad(self, fg, _grad_ready)
+                # the hooks are C ([Note: the hook in C]); they hold the
+                # reducer weakly, and do nothing once it is detached
+                fg.reducer.on_backward_began = self._backward.begin
+                for i, p in enumerate(fg.params):
+                    self._hooks.append(p.register_post_accumulate_grad_hook(fg.reducer.hook(i)))
             if self._schedule is None:
                 self._hook_root_for_backward()
         take_in_optimizer_states(optimizer, self.groups, resumed)
@@ -557,8 +561,3 @@ class Engine(DeepSpeedQueries, BatchCalls, CheckpointCalls, EngineReports, nn.Mo
 
 def _accumulate_grad(_engine, fg, i):
     fg.accumulate_grad(i)
-
-
-def _grad_ready(engine, fg, i):
-    engine._backward.begin()  # a backward that reached no module output
-    fg.reducer.on_grad_ready(i)

@@ -14,6 +14,9 @@ def hand_back(engine):
     for h in engine._hooks:
         h.remove()
     engine._hooks = []
+    for fg in engine.groups:
+        if fg.reducer is not None:
+            fg.reducer.detach()
     if engine._schedule is not None:
         engine._schedule.remove()
         restore_params(engine)

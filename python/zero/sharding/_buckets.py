@@ -31,6 +31,8 @@ import time
 
 import torch
 
+from zero._C import GradBuckets as _GradBuckets
+
 # Buckets whose reduction may still be running while backward fills the
 # next: two let communication overlap computation without holding more.
 MAX_IN_FLIGHT = 2
@@ -44,24 +46,30 @@ class BucketReducer:
     """The gradient buckets of one flat group (stages 2-3): filled from the
     post-accumulate-grad hooks as backward produces gradients, reduced to
     their owners as they fill, and collected into the group's gradient
-    partition (fg.grad_part)."""
+    partition (fg.grad_part).
+
+    The plan (which piece of which gradient lands where), the counts and
+    the hook itself are C ([Note: the hook in C] in csrc/module_buckets.c;
+    [Note: the bucket plan] in csrc/zero.h); this class makes the buffers,
+    launches the reductions and collects them."""
 
     def __init__(self, fg, bucket_elements):
         self.fg = fg
-        self.buckets = []  # (unit, start, end) in unit coordinates; 0 = last
-        for unit in reversed(self.fg.units):
-            end = unit.span
-            while end > 0:
-                start = max(0, end - bucket_elements)
-                self.buckets.append((unit, start, end))
-                end = start
-        # which buckets each parameter touches
-        self.param_buckets = [[] for _ in self.fg.params]
-        for b, (unit, bs, be) in enumerate(self.buckets):
-            for j, i in enumerate(unit.members):
-                lo = unit.offsets[j]
-                if lo < be and bs < lo + unit.numels[j]:
-                    self.param_buckets[i].append(b)
+        units, offsets, numels = [], [], []
+        for i in range(len(fg.params)):
+            unit = fg.unit_of[i]
+            j = i - unit.members.start
+            units.append(unit.index)
+            offsets.append(unit.offsets[j])
+            numels.append(unit.numels[j])
+        self.core = _GradBuckets(units, offsets, numels, [u.span for u in fg.units],
+                                   bucket_elements, owner=self, dtype=fg.compute_dtype,
+                                   tensor_type=torch.Tensor, strided=torch.strided)
+        # (unit, start, end) in unit coordinates; 0 = the last unit's end
+        self.buckets = []
+        for b in range(self.core.count):
+            u, start, end = self.core.bucket(b)
+            self.buckets.append((fg.units[u], start, end))
         self.on_unit_grads_done = None  # stage 3 releases the unit then
         # [Note: expected gradients] A bucket leaves once every parameter
         # *expected* to get a gradient has one. At first all are expected;
@@ -69,11 +77,26 @@ class BucketReducer:
         # small all-reduce, so every rank expects the same). A parameter
         # unused on a step (a pooler under masked-LM training) then does
         # not hold back every bucket after it until the end of backward.
+        # A unit waits for the end of the backward when one of its
+        # parameters is not expected: autograd may still read that
+        # parameter after the others' gradients are in, and not every read
+        # goes through stage 3's saved-tensor hook (activation
+        # checkpointing keeps its own).
         self.expected = bytearray(b"\x01" * len(self.fg.params))
         self.never_expected = ()  # see never_expect
         self.in_flight = []
+        self.live_elements = 0  # the buckets filling and in flight
+        self.on_backward_began = None  # the engine's backward lifecycle
         self.reset_buckets()
         self.peak_bucket_bytes = 0
+
+    def hook(self, i):
+        """Parameter i's post-accumulate-grad hook (a C callable)."""
+        return self.core.hook(i)
+
+    def detach(self):
+        """The hooks do nothing from now on (the engine closed)."""
+        self.core.detach()
 
     def never_expect(self, indices):
         """Parameters whose gradients come or not depending on the rank's
@@ -87,96 +110,47 @@ class BucketReducer:
         self.reset_buckets()
 
     def reset_buckets(self):
-        self.pending = [0] * len(self.buckets)
-        for i, buckets in enumerate(self.param_buckets):
-            if self.expected[i]:
-                for b in buckets:
-                    self.pending[b] += 1
-        # A unit goes once all its parameters have their gradients. One with
-        # a parameter that got none last time (not expected) waits for the
-        # end of the backward instead: autograd may still read that
-        # parameter after the others' gradients are in, and not every read
-        # goes through stage 3's saved-tensor hook (activation
-        # checkpointing keeps its own).
-        self.unit_pending = [len(u.members) if all(self.expected[i] for i in u.members)
-                             else None for u in self.fg.units]
-        self.staging = [None] * len(self.buckets)
+        self.core.reset(bytes(self.expected))
         # what is still in flight (none but after an abandoned backward)
         self.live_elements = sum(f[1].numel() for f in self.in_flight)
-        self.next_bucket = 0
-        self.fired = bytearray(len(self.fg.params))  # got a gradient this backward
-        self.late = {}  # bucket -> gradients that came after it was launched
         self.stalled = False  # see _wait_a_while
 
-    def _staging(self, b):
-        if self.staging[b] is None:
-            _unit, bs, be = self.buckets[b]
-            self.staging[b] = self._bucket_buffer(be - bs)
+    # ---- called by the C hook ------------------------------------------------
+
+    def _new_bucket(self, b, late):
+        _unit, bs, be = self.buckets[b]
+        if not late:
             # the buckets filling and in flight (a running count: summing
             # them at each new bucket cost a walk of all of them)
             self.live_elements += be - bs
             self.peak_bucket_bytes = max(self.peak_bucket_bytes,
                                          self.live_elements * self.fg.compute_dtype.itemsize)
-        return self.staging[b]
+        return self._bucket_buffer(be - bs)
 
     def _bucket_buffer(self, n):
         # in the compute dtype, whatever the partition accumulates in:
         # what travels is what backward produced
         return torch.zeros(n, dtype=self.fg.compute_dtype, device=self.fg.device)
 
-    def on_grad_ready(self, i):
-        """Post-accumulate-grad hook body for parameter i (stages 2-3): run
-        once per parameter and backward, so kept to few lookups."""
-        fg = self.fg
-        p = fg.params[i]
-        g = p.grad.reshape(-1)
-        end = g.numel()
-        unit = fg.unit_of[i]
-        lo = unit.offsets[i - unit.members.start]
-        end += lo
-        # A parameter's gradient can be accumulated more than once in one
-        # backward (reentrant activation checkpointing runs a nested backward
-        # per checkpointed call): later parts add into the bucket, or, once
-        # the bucket has left, into a late bucket reduced at the end.
-        first = not self.fired[i]
-        self.fired[i] = 1
-        counted = first and self.expected[i]
-        pending = self.pending
-        for b in self.param_buckets[i]:
-            _unit, bs, be = self.buckets[b]
-            s = lo if lo > bs else bs
-            e = end if end < be else be
-            if b < self.next_bucket:
-                target = self.late.get(b)
-                if target is None:
-                    target = self.late[b] = self._bucket_buffer(be - bs)
-            else:
-                target = self.staging[b]
-                if target is None:
-                    target = self._staging(b)
-            target[s - bs:e - bs].add_(g[s - lo:e - lo])
-            if counted:
-                pending[b] -= 1
-                # launch as soon as a bucket fills, so a parameter spanning
-                # many buckets never holds them all at once (only the next
-                # bucket in order can leave)
-                if pending[b] == 0 and b == self.next_bucket:
-                    self._launch_ready(force=False)
-        p.grad = None
-        if first and self.unit_pending[unit.index] is not None:
-            self.unit_pending[unit.index] -= 1
-            if self.unit_pending[unit.index] == 0 and self.on_unit_grads_done is not None:
-                self.on_unit_grads_done(unit)
+    def _send_bucket(self, b, staging):
+        self._launch(b, staging)
 
-    def _launch_ready(self, force):
-        while self.next_bucket < len(self.buckets) and \
-                (force or self.pending[self.next_bucket] == 0):
-            self._launch(self.next_bucket)
-            self.next_bucket += 1
+    def _add_piece(self, grad, bucket, bucket_start, grad_start, count):
+        """A piece the C hook does not add itself (a GPU tensor, another
+        dtype, a non-contiguous gradient): one add_."""
+        bucket[bucket_start:bucket_start + count].add_(
+            grad.reshape(-1)[grad_start:grad_start + count])
 
-    def _launch(self, b, late=None):
+    def _unit_arrived(self, unit_index):
+        if self.on_unit_grads_done is not None:
+            self.on_unit_grads_done(self.fg.units[unit_index])
+
+    def _backward_began(self):
+        if self.on_backward_began is not None:
+            self.on_backward_began()
+
+    def _launch(self, b, staging, late=False):
         unit, bs, be = self.buckets[b]
-        staging = self._staging(b) if late is None else late
         works, mine = [], None
         r = bs // unit.part
         while r * unit.part < be:
@@ -186,10 +160,8 @@ class BucketReducer:
             if r == self.fg.comm.rank:
                 mine = (portion, unit.shard_offset + lo - r * unit.part)
             r += 1
-        if late is None:
-            self.staging[b] = None
-        else:
-            self.live_elements += late.numel()
+        if late:
+            self.live_elements += staging.numel()
         self.in_flight.append((works, staging, mine))
         self._retire(wait=False)
 
@@ -236,8 +208,9 @@ class BucketReducer:
         other ranks on which parameters got gradients and which buckets got
         late gradients; reduce the late buckets (zeros where this rank has
         none), in order; collect."""
-        self._launch_ready(force=True)
-        flags = list(self.fired) + [int(b in self.late) for b in range(len(self.buckets))]
+        self.core.send_rest()
+        late = set(self.core.late_buckets())
+        flags = list(self.core.arrived()) + [int(b in late) for b in range(len(self.buckets))]
         if self.fg.comm.world > 1:
             # host numbers: on the CPU (gloo) where the group allows, so
             # reading them back does not wait for the GPU
@@ -246,11 +219,11 @@ class BucketReducer:
             flags = flags.tolist()
         for b in range(len(self.buckets)):
             if flags[len(self.fg.params) + b]:
-                late = self.late.get(b)
-                if late is None:
+                buffer = self.core.take_late(b)
+                if buffer is None:
                     _unit, bs, be = self.buckets[b]
-                    late = self._bucket_buffer(be - bs)
-                self._launch(b, late)
+                    buffer = self._bucket_buffer(be - bs)
+                self._launch(b, buffer, late=True)
         self._retire(wait=True)
         counts = flags[:len(self.fg.params)]
         world = self.fg.comm.world
@@ -271,7 +244,7 @@ class BucketReducer:
 
     @property
     def backward_started(self):
-        return self.next_bucket > 0 or any(self.fired)
+        return self.core.started
 
     # ---- after the step ------------------------------------------------------
 

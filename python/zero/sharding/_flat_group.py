@@ -20,7 +20,7 @@ data-parallel ranks: the single sharding mechanism of every stage.
   accumulation boundary; stages 2-3 keep only the owned chunks (`grad_part`)
   and reduce fixed buckets from post-accumulate-grad hooks while backward
   runs.
-  The buckets: _buckets.py.
+  The buckets: _buckets.py (the plan and the hooks in C: csrc/buckets.c).
 """
 from __future__ import annotations
 

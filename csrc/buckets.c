@@ -1,0 +1,367 @@
+/* buckets.c: the gradient bucket plan of a flat group and its per-backward
+ * counts ([Note: the bucket plan] in zero.h), and the accumulate kernel a
+ * gradient lands in its bucket with. The Python binding (module_buckets.c)
+ * drives it from the post-accumulate-grad hooks; the counts follow what
+ * sharding/_buckets.py documents ([Note: expected gradients]).
+ */
+#include <stdlib.h>
+#include <string.h>
+
+#include "internal.h"
+
+struct zero_buckets {
+    int64_t n_params, n_units, n_buckets;
+    int64_t *param_unit;     /* [n_params] */
+    int64_t *first_piece;    /* [n_params + 1]: pieces of i are [first[i], first[i+1]) */
+    zero_bucket_piece *pieces;
+    int64_t *bucket_unit, *bucket_start, *bucket_end; /* [n_buckets] */
+    int64_t *unit_members;   /* [n_units] parameters in each unit */
+    /* per backward */
+    int64_t *pending;        /* [n_buckets] expected pieces still to come */
+    int64_t *unit_pending;   /* [n_units] parameters still to come; -1: never reported */
+    uint8_t *expected;       /* [n_params] */
+    uint8_t *arrived;        /* [n_params] */
+    int64_t arrivals;        /* parameters arrived this backward */
+    int64_t next_bucket;     /* buckets [0, next_bucket) have left */
+};
+
+void zero_buckets_destroy(zero_buckets *plan)
+{
+    if (!plan) {
+        return;
+    }
+    free(plan->param_unit);
+    free(plan->first_piece);
+    free(plan->pieces);
+    free(plan->bucket_unit);
+    free(plan->bucket_start);
+    free(plan->bucket_end);
+    free(plan->unit_members);
+    free(plan->pending);
+    free(plan->unit_pending);
+    free(plan->expected);
+    free(plan->arrived);
+    free(plan);
+}
+
+static void *zeroed(int64_t count, size_t size)
+{
+    /* one element at least, so that an empty array is not NULL */
+    return calloc((size_t)(count > 0 ? count : 1), size);
+}
+
+static int plan_arguments_valid(int64_t n_params, const int64_t *param_unit,
+                                const int64_t *param_offset,
+                                const int64_t *param_numel, int64_t n_units,
+                                const int64_t *unit_span,
+                                int64_t bucket_elements)
+{
+    if (n_params < 0 || n_units < 0 || bucket_elements <= 0 ||
+        (n_params > 0 && (!param_unit || !param_offset || !param_numel)) ||
+        (n_units > 0 && !unit_span)) {
+        return 0;
+    }
+    for (int64_t u = 0; u < n_units; u++) {
+        if (unit_span[u] < 0) {
+            return 0;
+        }
+    }
+    for (int64_t i = 0; i < n_params; i++) {
+        int64_t u = param_unit[i];
+        if (u < 0 || u >= n_units || param_offset[i] < 0 ||
+            param_numel[i] < 0 ||
+            param_offset[i] > unit_span[u] - param_numel[i]) {
+            return 0;
+        }
+    }
+    return 1;
+}
+
+/* Buckets from the last unit's end backwards; returns their number, and
+ * fills the ranges when the arrays are given. */
+static int64_t lay_buckets(const zero_buckets *plan, const int64_t *unit_span,
+                           int64_t bucket_elements, int64_t *unit_of,
+                           int64_t *start_of, int64_t *end_of)
+{
+    int64_t b = 0;
+    for (int64_t u = plan->n_units - 1; u >= 0; u--) {
+        for (int64_t end = unit_span[u]; end > 0;) {
+            int64_t start = end > bucket_elements ? end - bucket_elements : 0;
+            if (unit_of) {
+                unit_of[b] = u;
+                start_of[b] = start;
+                end_of[b] = end;
+            }
+            b++;
+            end = start;
+        }
+    }
+    return b;
+}
+
+/* The pieces of every parameter: the buckets of its unit it overlaps. Each
+ * parameter's pieces come out in bucket order. fill 0 counts them only. */
+static int64_t lay_pieces(zero_buckets *plan, const int64_t *param_offset,
+                          const int64_t *param_numel, int fill)
+{
+    int64_t total = 0;
+    /* a unit's buckets are consecutive: the first of each unit */
+    int64_t *unit_first = zeroed(plan->n_units + 1, sizeof *unit_first);
+    int64_t *unit_count = zeroed(plan->n_units, sizeof *unit_count);
+    if (!unit_first || !unit_count) {
+        free(unit_first);
+        free(unit_count);
+        return -1;
+    }
+    for (int64_t b = plan->n_buckets - 1; b >= 0; b--) {
+        unit_first[plan->bucket_unit[b]] = b;
+        unit_count[plan->bucket_unit[b]]++;
+    }
+    for (int64_t i = 0; i < plan->n_params; i++) {
+        int64_t u = plan->param_unit[i];
+        int64_t lo = param_offset[i], hi = lo + param_numel[i];
+        if (fill) {
+            plan->first_piece[i] = total;
+        }
+        for (int64_t k = 0; k < unit_count[u]; k++) {
+            int64_t b = unit_first[u] + k;
+            int64_t bs = plan->bucket_start[b], be = plan->bucket_end[b];
+            if (lo < hi && lo < be && bs < hi) { /* an empty parameter has none */
+                if (fill) {
+                    int64_t s = lo > bs ? lo : bs, e = hi < be ? hi : be;
+                    zero_bucket_piece piece = {b, s - bs, s - lo, e - s};
+                    plan->pieces[total] = piece;
+                }
+                total++;
+            }
+        }
+    }
+    if (fill) {
+        plan->first_piece[plan->n_params] = total;
+    }
+    free(unit_first);
+    free(unit_count);
+    return total;
+}
+
+zero_status zero_buckets_create(zero_buckets **out, int64_t n_params,
+                                const int64_t *param_unit,
+                                const int64_t *param_offset,
+                                const int64_t *param_numel, int64_t n_units,
+                                const int64_t *unit_span,
+                                int64_t bucket_elements)
+{
+    if (!out) {
+        return ZERO_ERR_INVALID_ARGUMENT;
+    }
+    *out = NULL;
+    if (!plan_arguments_valid(n_params, param_unit, param_offset, param_numel,
+                              n_units, unit_span, bucket_elements)) {
+        return ZERO_ERR_INVALID_ARGUMENT;
+    }
+    zero_buckets *plan = calloc(1, sizeof *plan);
+    if (!plan) {
+        return ZERO_ERR_OUT_OF_MEMORY;
+    }
+    plan->n_params = n_params;
+    plan->n_units = n_units;
+    plan->n_buckets = lay_buckets(plan, unit_span, bucket_elements, NULL, NULL,
+                                  NULL);
+    int64_t nb = plan->n_buckets;
+    plan->param_unit = zeroed(n_params, sizeof *plan->param_unit);
+    plan->first_piece = zeroed(n_params + 1, sizeof *plan->first_piece);
+    plan->bucket_unit = zeroed(nb, sizeof *plan->bucket_unit);
+    plan->bucket_start = zeroed(nb, sizeof *plan->bucket_start);
+    plan->bucket_end = zeroed(nb, sizeof *plan->bucket_end);
+    plan->unit_members = zeroed(n_units, sizeof *plan->unit_members);
+    plan->pending = zeroed(nb, sizeof *plan->pending);
+    plan->unit_pending = zeroed(n_units, sizeof *plan->unit_pending);
+    plan->expected = zeroed(n_params, 1);
+    plan->arrived = zeroed(n_params, 1);
+    if (!plan->param_unit || !plan->first_piece || !plan->bucket_unit ||
+        !plan->bucket_start || !plan->bucket_end || !plan->unit_members ||
+        !plan->pending || !plan->unit_pending || !plan->expected ||
+        !plan->arrived) {
+        zero_buckets_destroy(plan);
+        return ZERO_ERR_OUT_OF_MEMORY;
+    }
+    lay_buckets(plan, unit_span, bucket_elements, plan->bucket_unit,
+                plan->bucket_start, plan->bucket_end);
+    for (int64_t i = 0; i < n_params; i++) {
+        plan->param_unit[i] = param_unit[i];
+        plan->unit_members[param_unit[i]]++;
+        plan->expected[i] = 1;
+    }
+    int64_t total = lay_pieces(plan, param_offset, param_numel, 0);
+    plan->pieces = total >= 0 ? zeroed(total, sizeof *plan->pieces) : NULL;
+    if (!plan->pieces ||
+        lay_pieces(plan, param_offset, param_numel, 1) != total) {
+        zero_buckets_destroy(plan);
+        return ZERO_ERR_OUT_OF_MEMORY;
+    }
+    zero_buckets_reset(plan, NULL);
+    *out = plan;
+    return ZERO_OK;
+}
+
+int64_t zero_buckets_count(const zero_buckets *plan)
+{
+    return plan ? plan->n_buckets : 0;
+}
+
+zero_status zero_buckets_range(const zero_buckets *plan, int64_t b,
+                               int64_t *unit, int64_t *start, int64_t *end)
+{
+    if (!plan || b < 0 || b >= plan->n_buckets || !unit || !start || !end) {
+        return ZERO_ERR_INVALID_ARGUMENT;
+    }
+    *unit = plan->bucket_unit[b];
+    *start = plan->bucket_start[b];
+    *end = plan->bucket_end[b];
+    return ZERO_OK;
+}
+
+int64_t zero_buckets_pieces(const zero_buckets *plan, int64_t param,
+                            const zero_bucket_piece **pieces)
+{
+    if (!plan || param < 0 || param >= plan->n_params || !pieces) {
+        return 0;
+    }
+    *pieces = plan->pieces + plan->first_piece[param];
+    return plan->first_piece[param + 1] - plan->first_piece[param];
+}
+
+zero_status zero_buckets_reset(zero_buckets *plan, const uint8_t *expected)
+{
+    if (!plan) {
+        return ZERO_ERR_INVALID_ARGUMENT;
+    }
+    if (expected) {
+        for (int64_t i = 0; i < plan->n_params; i++) {
+            plan->expected[i] = expected[i] != 0;
+        }
+    }
+    memset(plan->pending, 0, (size_t)plan->n_buckets * sizeof *plan->pending);
+    for (int64_t u = 0; u < plan->n_units; u++) {
+        plan->unit_pending[u] = plan->unit_members[u];
+    }
+    for (int64_t i = 0; i < plan->n_params; i++) {
+        if (plan->expected[i]) {
+            for (int64_t k = plan->first_piece[i]; k < plan->first_piece[i + 1];
+                 k++) {
+                plan->pending[plan->pieces[k].bucket]++;
+            }
+        } else {
+            /* autograd may still read it after the unit's other gradients
+             * are in: the unit waits for the end of the backward */
+            plan->unit_pending[plan->param_unit[i]] = -1;
+        }
+    }
+    if (plan->n_params > 0) {
+        memset(plan->arrived, 0, (size_t)plan->n_params);
+    }
+    plan->arrivals = 0;
+    plan->next_bucket = 0;
+    return ZERO_OK;
+}
+
+int zero_buckets_arrive(zero_buckets *plan, int64_t param)
+{
+    if (!plan || param < 0 || param >= plan->n_params) {
+        return -1;
+    }
+    if (plan->arrived[param]) {
+        return 0; /* a second part (reentrant checkpointing): adds, counts nothing */
+    }
+    plan->arrived[param] = 1;
+    int flags = ZERO_ARRIVE_FIRST;
+    if (plan->arrivals++ == 0) {
+        flags |= ZERO_ARRIVE_BACKWARD;
+    }
+    if (plan->expected[param]) {
+        flags |= ZERO_ARRIVE_COUNTED;
+    }
+    return flags;
+}
+
+int zero_buckets_left(const zero_buckets *plan, int64_t b)
+{
+    return plan && b < plan->next_bucket;
+}
+
+void zero_buckets_piece_added(zero_buckets *plan, int64_t b)
+{
+    if (plan && b >= 0 && b < plan->n_buckets && plan->pending[b] > 0) {
+        plan->pending[b]--;
+    }
+}
+
+int64_t zero_buckets_next(zero_buckets *plan, int force)
+{
+    if (!plan || plan->next_bucket >= plan->n_buckets ||
+        (!force && plan->pending[plan->next_bucket] != 0)) {
+        return -1;
+    }
+    return plan->next_bucket++;
+}
+
+int64_t zero_buckets_unit_arrived(zero_buckets *plan, int64_t param)
+{
+    if (!plan || param < 0 || param >= plan->n_params) {
+        return -1;
+    }
+    int64_t u = plan->param_unit[param];
+    if (plan->unit_pending[u] > 0 && --plan->unit_pending[u] == 0) {
+        return u;
+    }
+    return -1;
+}
+
+const uint8_t *zero_buckets_arrived(const zero_buckets *plan)
+{
+    return plan ? plan->arrived : NULL;
+}
+
+int64_t zero_buckets_sent(const zero_buckets *plan)
+{
+    return plan ? plan->next_bucket : 0;
+}
+
+int zero_buckets_started(const zero_buckets *plan)
+{
+    return plan && (plan->next_bucket > 0 || plan->arrivals > 0);
+}
+
+/* ---- accumulate ------------------------------------------------------ */
+
+#define ACCUMULATE_GRAIN 4096
+
+typedef struct {
+    const isa_kernels *kernels;
+    void *dst;
+    const void *src;
+    zero_dtype dtype;
+} accumulate_job;
+
+static void accumulate_range(void *ctx, int64_t begin, int64_t end)
+{
+    const accumulate_job *job = ctx;
+    job->kernels->accumulate(job->dst, job->src, job->dtype, begin, end);
+}
+
+zero_status zero_accumulate(void *dst, const void *src, zero_dtype dtype,
+                            int64_t n)
+{
+    if (n < 0 || (n > 0 && (!dst || !src))) {
+        return ZERO_ERR_INVALID_ARGUMENT;
+    }
+    if (!dtype_valid(dtype)) {
+        return ZERO_ERR_UNSUPPORTED_DTYPE;
+    }
+    accumulate_job job = {active_kernels(), dst, src, dtype};
+    if (n < 8 * ACCUMULATE_GRAIN) {
+        accumulate_range(&job, 0, n);
+        return ZERO_OK;
+    }
+    return parallel_for(n, ACCUMULATE_GRAIN, accumulate_range, &job);
+}

@@ -1,0 +1,211 @@
+"""zero._C.GradBuckets, the C bucket plan and hook, through its Python face:
+the pieces it adds land where a plain torch computation of the same plan
+puts them, bit for bit, on the C path (dense CPU tensors of the bucket's
+dtype) and on the owner's path (anything else); buckets leave in order,
+each once; a dead or detached owner makes the hooks inert; bad arguments
+are refused by name. The engine-level parity of stages 2-3 is in the
+engine and distributed tests."""
+from __future__ import annotations
+
+import gc
+import weakref
+
+import pytest
+import torch
+
+from zero._C import GradBuckets
+
+
+class Owner:
+    """What the engine's BucketReducer does, recorded."""
+
+    def __init__(self, dtype):
+        self.dtype = dtype
+        self.sent, self.units, self.began = [], [], 0
+        self.slow = set()  # shapes of the gradients added by _add_piece
+        self.sizes = {}
+
+    def _new_bucket(self, b, late):
+        return torch.zeros(self.sizes[b], dtype=self.dtype)
+
+    def _send_bucket(self, b, tensor):
+        self.sent.append((b, tensor.clone()))
+
+    def _unit_arrived(self, unit):
+        self.units.append(unit)
+
+    def _backward_began(self):
+        self.began += 1
+
+    def _add_piece(self, grad, bucket, bucket_start, grad_start, count):
+        self.slow.add(tuple(grad.shape))
+        bucket[bucket_start:bucket_start + count].add_(
+            grad.reshape(-1)[grad_start:grad_start + count])
+
+
+def make(dtype, units, offsets, numels, spans, bucket_elements):
+    owner = Owner(dtype)
+    core = GradBuckets(units, offsets, numels, spans, bucket_elements, owner=owner,
+                       dtype=dtype, tensor_type=torch.Tensor, strided=torch.strided)
+    for b in range(core.count):
+        _u, start, end = core.bucket(b)
+        owner.sizes[b] = end - start
+    return owner, core
+
+
+def reference_buckets(core, units, offsets, grads, spans):
+    """Each unit's flat gradient laid out as the plan says, cut into the
+    buckets: what the buckets must hold when every gradient came once."""
+    flats = [torch.zeros(s, dtype=grads[0].dtype) for s in spans]
+    for i, g in enumerate(grads):
+        flats[units[i]][offsets[i]:offsets[i] + g.numel()].add_(g.reshape(-1))
+    out = []
+    for b in range(core.count):
+        u, start, end = core.bucket(b)
+        out.append(flats[u][start:end])
+    return out
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("layout", ["contiguous", "transposed"])
+def test_pieces_land_where_the_plan_says(dtype, layout):
+    torch.manual_seed(0)
+    shapes = [(3, 5), (7,), (4, 4), (2, 9), (6,)]
+    units, offsets, spans, at, u = [], [], [], 0, 0
+    for k, shape in enumerate(shapes):
+        if k == 3:  # two units: the second starts at parameter 3
+            spans.append(at + 2)  # with padding
+            at, u = 0, 1
+        units.append(u)
+        offsets.append(at)
+        at += torch.Size(shape).numel()
+    spans.append(at)
+    numels = [torch.Size(s).numel() for s in shapes]
+    owner, core = make(dtype, units, offsets, numels, spans, bucket_elements=6)
+    params = [torch.nn.Parameter(torch.zeros(s, dtype=dtype)) for s in shapes]
+    grads = [torch.randn(s).to(dtype) for s in shapes]
+    for i in reversed(range(len(params))):  # backward's order
+        g = grads[i]
+        if layout == "transposed" and g.dim() == 2:
+            g = g.t().contiguous().t()  # same values, not contiguous
+        params[i].grad = g
+        core.hook(i)(params[i])
+        assert params[i].grad is None
+    assert owner.began == 1
+    assert [b for b, _ in owner.sent] == list(range(core.count))
+    want = reference_buckets(core, units, offsets, grads, spans)
+    for (b, got), expect in zip(owner.sent, want):
+        assert torch.equal(got, expect), b
+    assert sorted(owner.units) == [0, 1]
+    # the C path took the dense ones; the owner the strided ones
+    assert len(owner.slow) == (0 if layout == "contiguous" else 3)
+    assert core.arrived() == b"\x01" * len(shapes)
+
+
+def test_sums_round_like_torch():
+    """Two parts of one gradient (reentrant checkpointing) add in the
+    bucket with torch's rounding; the second part, after the bucket left,
+    goes to the late buffer."""
+    torch.manual_seed(1)
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):
+        owner, core = make(dtype, [0], [0], [1000], [1000], bucket_elements=1000)
+        p = torch.nn.Parameter(torch.zeros(1000, dtype=dtype))
+        a, b = torch.randn(1000).to(dtype), torch.randn(1000).to(dtype)
+        p.grad = a.clone()
+        core.hook(0)(p)
+        assert len(owner.sent) == 1 and torch.equal(owner.sent[0][1], a)
+        p.grad = b.clone()
+        core.hook(0)(p)
+        assert core.late_buckets() == [0]
+        late = core.take_late(0)
+        assert torch.equal(late, b) and core.take_late(0) is None
+    # and a sum of two parts before the bucket leaves, against add_
+    for dtype in (torch.bfloat16, torch.float16):
+        owner, core = make(dtype, [0, 0], [0, 0], [500, 500], [500], bucket_elements=500)
+        core.reset(b"\x01\x00")  # parameter 1 is not waited for
+        ps = [torch.nn.Parameter(torch.zeros(500, dtype=dtype)) for _ in range(2)]
+        g0, g1 = torch.randn(500).to(dtype), torch.randn(500).to(dtype)
+        ps[1].grad = g1.clone()
+        core.hook(1)(ps[1])
+        assert owner.sent == []
+        ps[0].grad = g0.clone()
+        core.hook(0)(ps[0])
+        assert torch.equal(owner.sent[0][1], g1.clone().add_(g0))
+
+
+def test_buckets_leave_in_order_once_complete():
+    owner, core = make(torch.float32, [0, 0, 0], [0, 4, 8], [4, 4, 4], [12],
+                       bucket_elements=4)
+    ps = [torch.nn.Parameter(torch.zeros(4)) for _ in range(3)]
+    # bucket 0 is parameter 2's; parameter 0 first: nothing leaves
+    ps[0].grad = torch.ones(4)
+    core.hook(0)(ps[0])
+    assert owner.sent == [] and core.started and core.sent == 0
+    ps[2].grad = torch.ones(4)
+    core.hook(2)(ps[2])
+    assert [b for b, _ in owner.sent] == [0]
+    ps[1].grad = torch.ones(4)
+    core.hook(1)(ps[1])
+    assert [b for b, _ in owner.sent] == [0, 1, 2]
+    core.reset(None)
+    assert not core.started and core.arrived() == b"\x00\x00\x00"
+    core.send_rest()  # nothing arrived: zeros, in order
+    assert [b for b, _ in owner.sent] == [0, 1, 2, 0, 1, 2]
+    assert all(float(t.abs().sum()) == 0 for _, t in owner.sent[3:])
+
+
+def test_owner_held_weakly_and_detach():
+    owner, core = make(torch.float32, [0], [0], [4], [4], bucket_elements=4)
+    hook = core.hook(0)
+    ref = weakref.ref(owner)
+    del owner
+    gc.collect()
+    assert ref() is None
+    p = torch.nn.Parameter(torch.zeros(4))
+    p.grad = torch.ones(4)
+    hook(p)  # inert: the owner is gone
+    assert p.grad is not None and not core.started
+    owner2, core2 = make(torch.float32, [0], [0], [4], [4], bucket_elements=4)
+    core2.detach()
+    core2.hook(0)(p)
+    assert owner2.sent == [] and p.grad is not None
+
+
+def test_owner_errors_propagate():
+    class Failing(Owner):
+        def _send_bucket(self, b, tensor):
+            raise RuntimeError("collective failed")
+
+    owner = Failing(torch.float32)
+    owner.sizes = {0: 4}
+    core = GradBuckets([0], [0], [4], [4], 4, owner=owner, dtype=torch.float32,
+                       tensor_type=torch.Tensor, strided=torch.strided)
+    p = torch.nn.Parameter(torch.zeros(4))
+    p.grad = torch.ones(4)
+    with pytest.raises(RuntimeError, match="collective failed"):
+        core.hook(0)(p)
+
+
+def test_bad_arguments_are_named():
+    owner = Owner(torch.float32)
+    kw = dict(owner=owner, dtype=torch.float32, tensor_type=torch.Tensor,
+              strided=torch.strided)
+    with pytest.raises(ValueError, match="inside its unit"):
+        GradBuckets([0], [2], [4], [5], 4, **kw)  # [2, 6) past a span of 5
+    with pytest.raises(ValueError, match="bucket_elements"):
+        GradBuckets([0], [0], [4], [4], 0, **kw)
+    with pytest.raises(ValueError, match="one length"):
+        GradBuckets([0, 0], [0], [4], [4], 4, **kw)
+    with pytest.raises(TypeError, match="param_offsets"):
+        GradBuckets([0], ["a"], [4], [4], 4, **kw)
+    with pytest.raises(ValueError, match="dtype must be"):
+        GradBuckets([0], [0], [4], [4], 4, **{**kw, "dtype": torch.int64})
+    core = GradBuckets([0], [0], [4], [4], 4, **kw)
+    with pytest.raises(ValueError, match="one byte per parameter"):
+        core.reset(b"\x01\x01")
+    with pytest.raises(IndexError):
+        core.hook(1)
+    with pytest.raises(IndexError):
+        core.bucket(1)
+    with pytest.raises(TypeError):
+        core.hook(0)()  # a hook takes the parameter
