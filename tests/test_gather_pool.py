@@ -81,3 +81,33 @@ def test_a_buffer_still_viewed_is_not_reused():
     for view, copied in kept:
         assert torch.equal(view, copied)
     engine.close()
+
+
+def test_parameter_views_are_made_once_per_buffer(monkeypatch):
+    """[Note: parameter views]: a unit's parameter views are made when a
+    buffer first serves that layout, then travel with the buffer through
+    the pool: after the first step no gather makes them again, and the
+    pool still takes buffers back (the views count as the buffer's own
+    holders, not as somebody's view)."""
+    from zero.sharding._units import Unit
+    made = []
+    point = Unit.point_params
+
+    def counted(unit):
+        made.append(unit._views is None)
+        point(unit)
+    monkeypatch.setattr(Unit, "point_params", counted)
+    model = tiny_gpt2()
+    engine = zero.initialize(model, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-2),
+                             stage=3, stage3_param_persistence_threshold=0)
+    g = torch.Generator().manual_seed(3)
+    per_step = []
+    for _ in range(3):
+        made.clear()
+        ids = torch.randint(0, 64, (2, 16), generator=g)
+        engine.backward(engine(input_ids=ids, labels=ids).loss)
+        engine.step()
+        per_step.append((sum(made), len(made)))
+    engine.close()
+    assert all(gathers > 0 for _, gathers in per_step)
+    assert per_step[-1][0] == 0, per_step  # every gather found its views made
