@@ -19,6 +19,11 @@
 
 #include <string.h>
 
+/* Pieces of at least this many elements are added with the GIL released
+ * (other threads run meanwhile); a smaller one is over before releasing and
+ * taking the GIL back would pay for itself. */
+#define GIL_FREE_ELEMENTS 65536
+
 /* attribute and method names, interned once */
 static PyObject *str_grad, *str_dtype, *str_is_cpu, *str_layout,
     *str_is_contiguous, *str_numel, *str_data_ptr, *str_new_bucket,
@@ -175,13 +180,16 @@ static int add_piece(GradBuckets *self, PyObject *owner,
         return -1;
     }
     if (grad_data && buffer->data) {
+        char *dst = buffer->data + (size_t)piece->bucket_start * self->itemsize;
+        const char *src = grad_data + (size_t)piece->grad_start * self->itemsize;
         zero_status status;
-        Py_BEGIN_ALLOW_THREADS
-        status = zero_accumulate(
-            buffer->data + (size_t)piece->bucket_start * self->itemsize,
-            grad_data + (size_t)piece->grad_start * self->itemsize,
-            self->zdtype, piece->count);
-        Py_END_ALLOW_THREADS
+        if (piece->count < GIL_FREE_ELEMENTS) {
+            status = zero_accumulate(dst, src, self->zdtype, piece->count);
+        } else {
+            Py_BEGIN_ALLOW_THREADS
+            status = zero_accumulate(dst, src, self->zdtype, piece->count);
+            Py_END_ALLOW_THREADS
+        }
         return status == ZERO_OK ? 0 : (raise_status(status, "accumulate"), -1);
     }
     PyObject *result = PyObject_CallMethod(
