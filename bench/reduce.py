@@ -25,7 +25,7 @@ import harness  # noqa: E402  the tests' launcher of real gloo processes
 
 from _results import write_json
 
-SIZES = [1 << 18, 1 << 22, 1 << 24]  # elements of a bucket
+SIZES = [1 << 18, 1 << 22, 1 << 24, 25_000_000]  # elements of a bucket (the last: the default size)
 DTYPES = [torch.bfloat16, torch.float32]
 
 
