@@ -1,13 +1,13 @@
-"""TRL 1.16's DPO and GRPO trainers on zero (zero.integrations.trl) against
+"""TRL 1.16's DPO, KTO, GRPO and RLOO trainers on zero (zero.integrations.trl) against
 TRL's own run of the same trainer, seed and data, in one process: a tiny
 GPT-2 built from a config, a word-level tokenizer built in the test,
-preference pairs (DPO) and prompts with a reward function (GRPO) made
-here. The logged losses (and GRPO's rewards, which depend on every
+preference pairs (DPO), labelled completions (KTO) and prompts with a
+reward function (GRPO, RLOO) made here. The logged losses (and GRPO's rewards, which depend on every
 sampled token) agree within 1e-5 and every weight within 1e-5 (measured:
 the same logs, weights within 5e-7: the engine's C AdamW rounds
 differently from torch's). At stage 3 the DPO reference runs under
-zero.inference and GRPO's generations go through the engine's generate
-(gathered once per generation)."""
+zero.inference (KTO's too) and GRPO's and RLOO's generations go through
+the engine's generate (gathered once per generation)."""
 import copy
 
 import pytest
@@ -18,7 +18,8 @@ from engine_cases import no_launcher
 
 trl = pytest.importorskip("trl")
 from datasets import Dataset  # noqa: E402  (trl's dependency)
-from zero.integrations.trl import ZeroDPOTrainer, ZeroGRPOTrainer  # noqa: E402
+from zero.integrations.trl import (ZeroDPOTrainer, ZeroGRPOTrainer,  # noqa: E402
+                                   ZeroKTOTrainer, ZeroRLOOTrainer)
 
 
 @pytest.fixture(autouse=True)
@@ -57,7 +58,7 @@ def common(tmp):
 
 def finish(trainer, engine_state):
     trainer.train()
-    logs = [{k: h[k] for k in ("loss", "reward") if k in h}
+    logs = [{k: h[k] for k in ("loss", "reward", "kl") if k in h}
             for h in trainer.state.log_history if "loss" in h]
     return logs, {k: v.detach().clone() for k, v in engine_state().items()}
 
@@ -79,22 +80,49 @@ def dpo(tmp, stage=None):
     return finish(trainer, lambda: trainer.engine.full_state_dict())
 
 
+def kto(tmp, stage=None):
+    g = torch.Generator().manual_seed(0)
+    rows = Dataset.from_list([{"prompt": words(g, 3), "completion": " " + words(g, 2),
+                               "label": bool(i % 2)} for i in range(32)])
+    model = policy()
+    args = trl.KTOConfig(per_device_train_batch_size=4, max_steps=5, **common(tmp))
+    kwargs = dict(model=model, ref_model=copy.deepcopy(model), args=args, train_dataset=rows,
+                  processing_class=tokenizer())
+    if stage is None:
+        return finish(trl.KTOTrainer(**kwargs), model.state_dict)
+    trainer = ZeroKTOTrainer(**kwargs, zero_options={"stage": stage})
+    if stage == 3:
+        assert isinstance(trainer.ref_model, zero.Engine) and trainer.ref_model.inference_only
+    return finish(trainer, lambda: trainer.engine.full_state_dict())
+
+
 def reward(completions, **_kwargs):
     return [float(sum(w in ("t0", "t1", "t2", "t3", "t4", "t5", "t6") for w in c.split()))
             for c in completions]
 
 
-def grpo(tmp, stage=None, calls=None, trainers=None):
+SAMPLERS = {"grpo": (trl.GRPOConfig, trl.GRPOTrainer, ZeroGRPOTrainer),
+            "rloo": (trl.RLOOConfig, trl.RLOOTrainer, ZeroRLOOTrainer)}
+
+
+def grpo(tmp, stage=None, calls=None, trainers=None, kind="grpo", beta=0.0):
+    config, theirs, ours = SAMPLERS[kind]
     g = torch.Generator().manual_seed(0)
     prompts = Dataset.from_list([{"prompt": words(g, 3)} for _ in range(32)])
     model = policy()
-    args = trl.GRPOConfig(per_device_train_batch_size=8, num_generations=4,
-                          max_completion_length=4, max_steps=3, **common(tmp))
+    if beta:  # TRL loads the reference (and then the policy) from a path
+        model.save_pretrained(tmp / "policy")
+        model = str(tmp / "policy")
+    args = config(per_device_train_batch_size=8, num_generations=4, beta=beta,
+                  max_completion_length=4, max_steps=3, **common(tmp))
     kwargs = dict(model=model, reward_funcs=reward, args=args, train_dataset=prompts,
                   processing_class=tokenizer())
     if stage is None:
-        return finish(trl.GRPOTrainer(**kwargs), model.state_dict)
-    trainer = ZeroGRPOTrainer(**kwargs, zero_options={"stage": stage})
+        trainer = theirs(**kwargs)
+        return finish(trainer, trainer.model.state_dict)
+    trainer = ours(**kwargs, zero_options={"stage": stage})
+    if beta and stage == 3:  # the reference partitioned like the policy, frozen
+        assert isinstance(trainer.ref_model, zero.Engine) and trainer.ref_model.inference_only
     if trainers is not None:
         trainers.append(trainer)
     if calls is not None:
@@ -126,9 +154,15 @@ def test_dpo_on_zero_is_trls(tmp_path, stage):
 
 
 @pytest.mark.parametrize("stage", [2, 3])
-def test_grpo_on_zero_is_trls(tmp_path, stage):
+def test_kto_on_zero_is_trls(tmp_path, stage):
+    same(kto(tmp_path / "zero", stage), kto(tmp_path / "trl"))
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+@pytest.mark.parametrize("kind", ["grpo", "rloo"])
+def test_sampling_trainers_on_zero_are_trls(tmp_path, stage, kind):
     calls, trainers = [], []
-    same(grpo(tmp_path / "zero", stage, calls, trainers), grpo(tmp_path / "trl"))
+    same(grpo(tmp_path / "zero", stage, calls, trainers, kind), grpo(tmp_path / "trl", kind=kind))
     # stage 3 generates through the engine (gathered once), 2 through the module
     assert (len(calls) > 0) == (stage == 3)
     module = trainers[0].engine.module
@@ -140,3 +174,12 @@ def test_grpo_on_zero_is_trls(tmp_path, stage):
     with trainers[0]._generation_through_engine():
         assert (module.generate is not own) == (stage == 3)
     assert module.generate is own
+
+
+@pytest.mark.parametrize("kind", ["grpo", "rloo"])
+def test_sampling_trainers_with_a_kl_term_on_zero_are_trls(tmp_path, kind):
+    """beta > 0: a reference model, under zero.inference at stage 3."""
+    ours, theirs = (grpo(tmp_path / "zero", 3, kind=kind, beta=0.1),
+                    grpo(tmp_path / "trl", kind=kind, beta=0.1))
+    same(ours, theirs)
+    assert any(log.get("kl", 0) > 0 for log in theirs[0])  # the term is there

@@ -1,5 +1,6 @@
-"""TRL's trainers trained by zero: ZeroDPOTrainer and ZeroGRPOTrainer are
-TRL's DPOTrainer and GRPOTrainer with ZeroTrainerMixin first (the same
+"""TRL's trainers trained by zero: ZeroDPOTrainer, ZeroKTOTrainer,
+ZeroGRPOTrainer and ZeroRLOOTrainer are TRL's trainers of those names with
+ZeroTrainerMixin first (the same
 mechanism as ZeroTrainer: the engine owns the parameters, gradients,
 optimizer states, reduction, precision, clipping and the step; the
 Trainer keeps the data, accumulation, schedule and logging).
@@ -10,12 +11,14 @@ Trainer keeps the data, accumulation, schedule and logging).
                              zero_options={"stage": 3})
 
 What each adds (docs/hf-trainer.md, "TRL"):
-- DPO: a reference model (ref_model=) runs frozen under zero.inference at
-  stage 3 (partitioned like the policy) when zero_options' stage is 3,
-  and as TRL prepares it otherwise.
-- GRPO: generation samples from the policy's module; at stage 3 through
-  the engine's generate (its parameters gathered once per generation, the
-  hybrid engine), not per module and token.
+- DPO and KTO (ref_model=), GRPO and RLOO with a KL term (beta > 0; TRL
+  loads the reference from the policy's path): the reference model runs
+  frozen under zero.inference at stage 3 (partitioned like the policy)
+  when zero_options' stage is 3, and as TRL prepares it otherwise.
+- GRPO and RLOO: generation samples from the policy's module; at stage 3
+  through the engine's generate (its parameters gathered once per
+  generation, the hybrid engine), not per module and token.
+TRL 1.16 has no PPOTrainer (zero.rlhf has a PPO of its own).
 
 Importing this module imports trl (pip install trl).
 """
@@ -23,14 +26,16 @@ from __future__ import annotations
 
 import contextlib
 
-from trl import DPOTrainer, GRPOTrainer
+from trl import DPOTrainer, GRPOTrainer, KTOTrainer, RLOOTrainer
 
 from zero.engine._initialize import inference
 from zero.integrations.hf import ZeroTrainerMixin
 
 
-class ZeroDPOTrainer(ZeroTrainerMixin, DPOTrainer):
-    """TRL's DPOTrainer trained by zero (see the module's docstring)."""
+class _ReferenceUnderInference:
+    """A trainer with a frozen reference model (DPO and KTO; GRPO and RLOO
+    with a KL term, beta > 0): at stage 3 the reference is partitioned like
+    the policy under zero.inference."""
 
     def __init__(self, *args, zero_options: dict | None = None, **kwargs):
         super().__init__(*args, zero_options=zero_options, **kwargs)
@@ -41,8 +46,9 @@ class ZeroDPOTrainer(ZeroTrainerMixin, DPOTrainer):
             self.ref_model = inference(self.ref_model, stage=3, **options)
 
 
-class ZeroGRPOTrainer(ZeroTrainerMixin, GRPOTrainer):
-    """TRL's GRPOTrainer trained by zero (see the module's docstring)."""
+class _GenerationThroughEngine:
+    """A trainer that samples from the policy (GRPO, RLOO): at stage 3 the
+    samples come from the engine's generate."""
 
     def _generate_single_turn(self, *args, **kwargs):
         with self._generation_through_engine():
@@ -67,6 +73,24 @@ class ZeroGRPOTrainer(ZeroTrainerMixin, GRPOTrainer):
                 del module.generate  # the class's method again
             else:
                 module.generate = own
+
+
+class ZeroDPOTrainer(_ReferenceUnderInference, ZeroTrainerMixin, DPOTrainer):
+    """TRL's DPOTrainer trained by zero (see the module's docstring)."""
+
+
+class ZeroKTOTrainer(_ReferenceUnderInference, ZeroTrainerMixin, KTOTrainer):
+    """TRL's KTOTrainer trained by zero (see the module's docstring)."""
+
+
+class ZeroGRPOTrainer(_GenerationThroughEngine, _ReferenceUnderInference, ZeroTrainerMixin,
+                      GRPOTrainer):
+    """TRL's GRPOTrainer trained by zero (see the module's docstring)."""
+
+
+class ZeroRLOOTrainer(_GenerationThroughEngine, _ReferenceUnderInference, ZeroTrainerMixin,
+                      RLOOTrainer):
+    """TRL's RLOOTrainer trained by zero (see the module's docstring)."""
 
 
 def _call(generate):
