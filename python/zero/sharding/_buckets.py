@@ -63,8 +63,8 @@ class BucketReducer:
             offsets.append(unit.offsets[j])
             numels.append(unit.numels[j])
         self.core = _GradBuckets(units, offsets, numels, [u.span for u in fg.units],
-                                   bucket_elements, owner=self, dtype=fg.compute_dtype,
-                                   tensor_type=torch.Tensor, strided=torch.strided)
+                                 bucket_elements, owner=self, dtype=fg.compute_dtype,
+                                 tensor_type=torch.Tensor, strided=torch.strided)
         # (unit, start, end) in unit coordinates; 0 = the last unit's end
         self.buckets = []
         for b in range(self.core.count):
