@@ -42,6 +42,12 @@ def _all_cases(rank, world):
         out[("nvme offload", stage)] = scenarios.engine_run(rank, world, 8, stage,
                                                             accumulation=2, clip=0.05,
                                                             offload_optimizer=NVME)
+        # stage 2's one unit reduced by reduce_scatters (NCCL's default),
+        # whole in one bucket and in many
+        out[("reduce scatter", stage)] = scenarios.engine_run(
+            rank, world, 8, stage, clip=0.05, bucket_reduction="reduce_scatter")
+        out[("reduce scatter small buckets", stage)] = scenarios.engine_run(
+            rank, world, 6, stage, reduce_bucket_size=50, bucket_reduction="reduce_scatter")
         # the GPU's torch-op step (its norm is summed over ranks as a tensor)
         with scenarios.torch_step():
             out[("torch step", stage)] = scenarios.engine_run(rank, world, 8, stage,
@@ -66,6 +72,8 @@ def references():
         "checkpoint": scenarios.reference_run(6),
         "torch step": scenarios.reference_run(8, accumulation=2, clip=0.05),
         "nvme offload": scenarios.reference_run(8, accumulation=2, clip=0.05),
+        "reduce scatter": scenarios.reference_run(8, clip=0.05),
+        "reduce scatter small buckets": scenarios.reference_run(6),
     }
 
 
@@ -78,7 +86,8 @@ def check(case, losses, state, reference):
 
 
 @pytest.mark.parametrize("case", ["plain", "sgd", "accumulate", "clip", "small buckets",
-                                  "checkpoint", "torch step", "nvme offload"])
+                                  "checkpoint", "torch step", "nvme offload", "reduce scatter",
+                                  "reduce scatter small buckets"])
 @pytest.mark.parametrize("stage", STAGES)
 def test_matches_single_process(runs, references, case, stage):
     world, results = runs

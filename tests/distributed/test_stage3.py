@@ -13,7 +13,7 @@ sizes. The cases add activation checkpointing (both torch.utils.checkpoint
 modes), a no_grad forward before every step, a change made through
 zero.GatheredParameters by rank 0 (the other ranks write garbage that must
 not survive), a loss term taken inside zero.GatheredParameters, and
-bounded prefetch."""
+bounded prefetch, and the buckets reduced by reduce_scatter."""
 import tempfile
 
 import pytest
@@ -52,6 +52,12 @@ CASES = {
                         dict(penalty=True, accumulation=2)),
     "penalty apart": (dict(RELEASED, penalty="apart", accumulation=2),
                       dict(penalty=True, accumulation=2)),
+    # each unit's bucket reduced by one reduce_scatter (what NCCL gets by
+    # default), with late pieces from nested backwards too
+    "reduce_scatter": (dict(RELEASED, clip=0.05, bucket_reduction="reduce_scatter"),
+                       dict(clip=0.05)),
+    "reduce_scatter reentrant all": (dict(RELEASED, checkpointing="reentrant_all",
+                                          bucket_reduction="reduce_scatter"), {}),
 }
 STEPS = 8
 
@@ -99,3 +105,16 @@ def test_released_case_really_released(runs):
     assert released["gathered_peak"] > 0
     persistent = results[0]["persistent"][2]["memory"]
     assert persistent["gathered_peak"] == 0 and persistent["persistent"] > 0
+
+
+def test_reduce_scatter_case_really_scattered(runs):
+    """bucket_reduction="reduce_scatter" issues reduce_scatters, and no
+    reduce, on several ranks; the default on gloo issues reduces."""
+    world, results = runs
+    if world == 1:
+        return  # one rank reduces nothing
+    scattered = results[0]["reduce_scatter"][2]["comm"]["ops"]
+    assert scattered.get("reduce_scatter", {}).get("calls", 0) > 0, scattered
+    assert "reduce" not in scattered, scattered
+    reduced = results[0]["released"][2]["comm"]["ops"]
+    assert "reduce_scatter" not in reduced and reduced["reduce"]["calls"] > 0, reduced

@@ -29,9 +29,11 @@ _LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 # it is set (raise_if_timed_out), at the call or at the handle's wait().
 DEFAULT_TIMEOUT = datetime.timedelta(minutes=10)
 _UNCHANGED = object()  # join_process_group's timeout for partitioned_init
-# torch 2.13 renamed all_gather_into_tensor (now deprecated, with a warning
-# on every call) to all_gather_single; older releases have only the former.
+# torch 2.13 renamed all_gather_into_tensor and reduce_scatter_tensor (now
+# deprecated, with a warning on every call) to all_gather_single and
+# reduce_scatter_single; older releases have only the former.
 all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 def gather_by_broadcasts(output, shard, rank, world, group=None, async_op=False,
@@ -512,6 +514,16 @@ class Comm:
         if self.world == 1:
             return None
         return self._issue("reduce", dist.reduce, tensor, dst=self.global_ranks[dst],
+                           op=dist.ReduceOp.SUM, group=self.group, async_op=async_op)
+
+    def reduce_scatter_sum(self, output, tensor, async_op=False):
+        """output (1/world of tensor) := the sum over ranks of this rank's
+        chunk of tensor."""
+        self.log.record("reduce_scatter", tensor)
+        if self.world == 1:
+            output.copy_(tensor)
+            return None
+        return self._issue("reduce_scatter", reduce_scatter_single, output, tensor,
                            op=dist.ReduceOp.SUM, group=self.group, async_op=async_op)
 
     def all_gather_into(self, output, shard, async_op=False):

@@ -187,6 +187,11 @@ class Config:
     gradient_accumulation_steps: Optional[int] = 1
     gradient_clipping: float = 0.0
     reduce_bucket_size: int = DEFAULT_BUCKET_ELEMENTS
+    # how a gradient bucket reaches its owners: "reduce" (one reduce per
+    # rank whose partition it overlaps), "reduce_scatter" (one
+    # reduce_scatter for a bucket that holds a whole unit), or "auto"
+    # (reduce_scatter on NCCL, reduce elsewhere: docs/engine.md, "Buckets")
+    bucket_reduction: str = "auto"
     overlap_comm: bool = True
     contiguous_gradients: bool = True
     stage3_param_persistence_threshold: int = DEFAULT_PERSISTENCE_THRESHOLD
@@ -285,6 +290,9 @@ class Config:
         if not isinstance(self.reduce_bucket_size, int) or self.reduce_bucket_size < 1:
             raise ValueError(f"reduce_bucket_size must be a positive integer, got "
                              f"{self.reduce_bucket_size!r}")
+        if self.bucket_reduction not in ("auto", "reduce", "reduce_scatter"):
+            raise ValueError(f"bucket_reduction must be 'auto', 'reduce' or 'reduce_scatter', "
+                             f"got {self.bucket_reduction!r}")
         if self.grad_accum_dtype not in (None, "fp32", self.precision):
             raise ValueError(f"grad_accum_dtype must be None, 'fp32' or the precision "
                              f"({self.precision!r}), got {self.grad_accum_dtype!r}")

@@ -197,6 +197,7 @@ class Engine(DeepSpeedQueries, BatchCalls, CheckpointCalls, EngineReports, nn.Mo
                            grad_dtype=DTYPES[config.grad_accum_dtype or config.precision],
                            offload=offload(index),
                            staged=self._staged, reduce_comm=reduce_comm,
+                           bucket_reduction=config.bucket_reduction,
                            param_files=shard_files(index), copier=self._copier,
                            delayed=self._delayed)
             for name, fill in fresh_states(optimizer, self._spec,

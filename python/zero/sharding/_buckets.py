@@ -32,6 +32,7 @@ import time
 import torch
 
 from zero._C import GradBuckets as _GradBuckets
+from zero.comm._comm import group_backend
 
 # Buckets whose reduction may still be running while backward fills the
 # next: two let communication overlap computation without holding more.
@@ -53,8 +54,9 @@ class BucketReducer:
     [Note: the bucket plan] in csrc/zero.h); this class makes the buffers,
     launches the reductions and collects them."""
 
-    def __init__(self, fg, bucket_elements):
+    def __init__(self, fg, bucket_elements, reduction="reduce"):
         self.fg = fg
+        self.scatter = _scatters(fg, reduction)
         units, offsets, numels = [], [], []
         for i in range(len(fg.params)):
             unit = fg.unit_of[i]
@@ -62,7 +64,13 @@ class BucketReducer:
             units.append(unit.index)
             offsets.append(unit.offsets[j])
             numels.append(unit.numels[j])
-        self.core = _GradBuckets(units, offsets, numels, [u.span for u in fg.units],
+        # [Note: bucket reduction] a unit that fits in a bucket is one
+        # bucket over its whole padded layout (total, not span) when
+        # reducing by reduce_scatter: the bucket is then the world's chunks
+        # of equal size, and one reduce_scatter gives each rank its own
+        spans = [u.total if self.scatter and u.total <= bucket_elements else u.span
+                 for u in fg.units]
+        self.core = _GradBuckets(units, offsets, numels, spans,
                                  bucket_elements, owner=self, dtype=fg.compute_dtype,
                                  tensor_type=torch.Tensor, strided=torch.strided)
         # (unit, start, end) in unit coordinates; 0 = the last unit's end
@@ -151,6 +159,14 @@ class BucketReducer:
 
     def _launch(self, b, staging, late=False):
         unit, bs, be = self.buckets[b]
+        if self.scatter and bs == 0 and be == unit.total and self.fg.comm.world > 1:
+            mine = staging.new_empty(unit.part)
+            work = self.fg.reduce_comm.reduce_scatter_sum(mine, staging, async_op=True)
+            if late:
+                self.live_elements += staging.numel()
+            self.in_flight.append(([work], staging, (mine, unit.shard_offset)))
+            self._retire(wait=False)
+            return
         works, mine = [], None
         r = bs // unit.part
         while r * unit.part < be:
@@ -251,3 +267,16 @@ class BucketReducer:
 
 def _complete(works) -> bool:
     return all(w is None or w.is_completed() for w in works)
+
+
+def _scatters(fg, reduction) -> bool:
+    """Whether the group's buckets go by reduce_scatter ([Note: bucket
+    reduction]): asked for, or "auto" on NCCL. On gloo a reduce per
+    destination measured faster (docs/performance.md, "The bucket
+    reduction on gloo"): gloo's reduce_scatter is an all-reduce inside."""
+    if reduction != "auto":
+        return reduction == "reduce_scatter"
+    comm = fg.reduce_comm
+    if comm is None or comm.world == 1 or fg.device.type != "cuda":
+        return False
+    return "nccl" in group_backend(comm.group)

@@ -51,7 +51,7 @@ class FlatGroup:
     def __init__(self, index, params, names, compute_dtype, comm, policy, bucket_elements,
                  units=None, trainable=True, device=torch.device("cpu"), grad_dtype=None,
                  offload=None, staged=False, reduce_comm=None, param_files=None,
-                 copier=None, delayed=None):
+                 copier=None, delayed=None, bucket_reduction="reduce"):
         """policy: the stage's StagePolicy (_policy.py).
         units: lists of indices into params, one list per unit (stage 3);
         None makes the whole group one unit. The params are reordered unit
@@ -69,6 +69,8 @@ class FlatGroup:
         (stages 2-3; [Note: reduction channels] in _comm.py); default comm.
         param_files: a _nvme.NvmeFiles that holds stage 3's shard of the
         parameters (offload_param "nvme"): see [Note: shard on a disk].
+        bucket_reduction: "reduce", "reduce_scatter" or "auto" (the
+            config's; [Note: bucket reduction] in _buckets.py).
         copier: a _param_staging.ShardCopier when stage 3's shard lives
         in host memory or files apart from the model's device (a GPU
         model under offload_param): see [Note: parameters off the device]
@@ -137,7 +139,7 @@ class FlatGroup:
                 self.grad_part = host_buffer(self.part_size, grad_dtype, device).zero_()
             else:
                 self.grad_part = torch.zeros(self.part_size, dtype=grad_dtype, device=device)
-            self.reducer = BucketReducer(self, bucket_elements)
+            self.reducer = BucketReducer(self, bucket_elements, bucket_reduction)
         self.tensors["grad"] = self.grad_part
         self._register("grad", self.grad_part)
         if self.delayed is not None:
