@@ -86,6 +86,9 @@ static void drop_buffer(bucket_buffer *buffer)
 
 void drop_buffers(GradBuckets *self)
 {
+    if (!self->staging || !self->late) {
+        return; /* a construction that failed half way */
+    }
     int64_t n = zero_buckets_count(self->plan);
     for (int64_t b = 0; b < n; b++) {
         drop_buffer(&self->staging[b]);
