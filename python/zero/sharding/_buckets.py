@@ -160,22 +160,19 @@ class BucketReducer:
     def _launch(self, b, staging, late=False):
         unit, bs, be = self.buckets[b]
         if self.scatter and bs == 0 and be == unit.total and self.fg.comm.world > 1:
-            mine = staging.new_empty(unit.part)
-            work = self.fg.reduce_comm.reduce_scatter_sum(mine, staging, async_op=True)
-            if late:
-                self.live_elements += staging.numel()
-            self.in_flight.append(([work], staging, (mine, unit.shard_offset)))
-            self._retire(wait=False)
-            return
-        works, mine = [], None
-        r = bs // unit.part
-        while r * unit.part < be:
-            lo, hi = max(bs, r * unit.part), min(be, (r + 1) * unit.part)
-            portion = staging[lo - bs:hi - bs]
-            works.append(self.fg.reduce_comm.reduce_sum(portion, dst=r, async_op=True))
-            if r == self.fg.comm.rank:
-                mine = (portion, unit.shard_offset + lo - r * unit.part)
-            r += 1
+            portion = staging.new_empty(unit.part)
+            works = [self.fg.reduce_comm.reduce_scatter_sum(portion, staging, async_op=True)]
+            mine = (portion, unit.shard_offset)
+        else:
+            works, mine = [], None
+            r = bs // unit.part
+            while r * unit.part < be:
+                lo, hi = max(bs, r * unit.part), min(be, (r + 1) * unit.part)
+                portion = staging[lo - bs:hi - bs]
+                works.append(self.fg.reduce_comm.reduce_sum(portion, dst=r, async_op=True))
+                if r == self.fg.comm.rank:
+                    mine = (portion, unit.shard_offset + lo - r * unit.part)
+                r += 1
         if late:
             self.live_elements += staging.numel()
         self.in_flight.append((works, staging, mine))
