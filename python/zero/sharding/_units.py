@@ -37,7 +37,6 @@ class Unit:
         self.members = members            # range of param indices in the group
         self.params = list(params)
         self.shapes = [p.shape for p in self.params]
-        self._strides = [torch.empty(shape, device="meta").stride() for shape in self.shapes]
         self.numels = [p.numel() for p in self.params]
         self.offsets = []
         start = 0
@@ -92,8 +91,8 @@ class Unit:
         if views is None:
             full = self._full
             views = self._views = self._attached.setdefault(self._layout, [
-                full.as_strided(shape, stride, off) for off, shape, stride in
-                zip(self.offsets, self.shapes, self._strides)])
+                full[off:off + n].view(shape) for off, n, shape in
+                zip(self.offsets, self.numels, self.shapes)])
         for p, view in zip(self.params, views):
             p.data = view
 
