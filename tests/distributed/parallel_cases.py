@@ -103,6 +103,26 @@ def reference(accumulation=1, clip=None, opt="sgd", kind="gpt"):
     return losses, norms, {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
+def watch_layouts(model, names) -> dict:
+    """Forward hooks on the named modules (those the model has) that record
+    their output's layout: (placements, local shape) of a DTensor, ("plain",
+    shape) of a tensor. Sequence and vocabulary splits are checked on it."""
+    seen = {}
+    modules = dict(model.named_modules())
+
+    def hook(module, args, output, name):
+        out = output[0] if isinstance(output, tuple) else output
+        if hasattr(out, "placements"):
+            seen[name] = (tuple(str(p) for p in out.placements), tuple(out.to_local().shape))
+        else:
+            seen[name] = ("plain", tuple(out.shape))
+    for name in names:
+        if name in modules:
+            modules[name].register_forward_hook(
+                lambda m, a, o, name=name: hook(m, a, o, name))
+    return seen
+
+
 def mesh_of(shape, names):
     from torch.distributed.device_mesh import init_device_mesh
     return init_device_mesh("cpu", shape, mesh_dim_names=names)

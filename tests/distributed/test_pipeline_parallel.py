@@ -27,20 +27,30 @@ import torch
 
 import harness
 from conftest import max_rel_error
-from parallel_cases import (ADAM_TOL, STEPS, TOL, batch, dp_place, make_model, make_optimizer,
-                            mesh_of, reference)
+from parallel_cases import (ADAM_TOL, BATCH, CFG, STEPS, TOL, batch, dp_place, make_model,
+                            make_optimizer, mesh_of, reference, watch_layouts)
 
 
-def stage_engine(mesh, stage, kind="gpt", opt="sgd", **options):
+def stage_engine(mesh, stage, kind="gpt", opt="sgd", tp_options=None, watch=None,
+                 **options):
     """This rank's stage of make_model(kind), split over mesh["pp"] (and
-    mesh["tp"] where the mesh has it), in an engine over the rest."""
+    mesh["tp"] where the mesh has it, with the plan's `tp_options`), in an
+    engine over the rest. watch: a dict that gets the output layouts of the
+    stage's first block and its head (parallel_cases.watch_layouts)."""
     import zero
     model = make_model(kind)
     llama = kind.startswith("llama")
     part = (zero.parallel.split_llama if llama else zero.parallel.split_gpt)(model, mesh["pp"])
     if "tp" in mesh.mesh_dim_names:
         (zero.parallel.parallelize_llama if llama else zero.parallel.parallelize_gpt)(
-            part, mesh["tp"])
+            part, mesh["tp"], **(tp_options or {}))
+    if watch is not None:
+        first = next(name for name, _ in part.named_modules()
+                     if name.count(".") == 1 and name.split(".")[0] in ("blocks", "layers")
+                     or name.startswith("model.layers.") and name.count(".") == 2)
+        watch.update(first=first)
+        seen = watch_layouts(part, (first, "head", "lm_head"))
+        watch["seen"] = seen
     return zero.initialize(part, optimizer=make_optimizer(opt, part), stage=stage, mesh=mesh,
                            **options)
 
@@ -77,8 +87,9 @@ def run_batches(engine, mesh, kind, steps, schedule="1f1b", clip=None, micro_bat
 
 
 def train(mesh, stage, kind="gpt", schedule="1f1b", clip=None, opt="sgd", precision="fp32",
-          **options):
-    engine = stage_engine(mesh, stage, kind, opt, precision=precision, **options)
+          tp_options=None, watch=None, **options):
+    engine = stage_engine(mesh, stage, kind, opt, tp_options, watch, precision=precision,
+                          **options)
     losses, norms = run_batches(engine, mesh, kind, STEPS, schedule, clip)
     state = engine.full_state_dict()  # this stage's entries
     engine.close()
@@ -122,6 +133,21 @@ def checkpoints(directory):
     return out
 
 
+def odd_sequence_refused(mesh):
+    """What a first stage split by sequence says to a sequence length tp
+    does not divide (None on the other stages)."""
+    import zero
+    part = zero.parallel.split_gpt(make_model(), mesh["pp"])
+    zero.parallel.parallelize_gpt(part, mesh["tp"], sequence_parallel=True)
+    if mesh["pp"].get_local_rank() != 0:
+        return None
+    try:
+        part(torch.zeros(2, CFG.seq - 1, dtype=torch.long))
+    except ValueError as e:
+        return str(e)
+    return "accepted"
+
+
 def _worker(rank, world, directory):
     import torch.distributed as dist
     dist.init_process_group("gloo")
@@ -140,6 +166,11 @@ def _worker(rank, world, directory):
     for stage in (1, 3):
         out[("pp2 x tp2", stage)] = train(pp_tp, stage)
     out["llama tied"] = train(pp_dp, 2, kind="llama tied")
+    both = {"sequence_parallel": True, "loss_parallel": True}
+    watch = out["sequence + loss parallel layouts"] = {}
+    out["sequence + loss parallel"] = train(pp_tp, 2, tp_options=both, watch=watch)
+    out["llama sequence + loss parallel"] = train(pp_tp, 3, kind="llama tied", tp_options=both)
+    out["odd sequence"] = odd_sequence_refused(pp_tp)
     # offload to files (on a CPU model, "cpu" is where the states already are)
     files = {"device": "nvme", "nvme_path": os.path.join(directory, f"nvme{rank}")}
     os.makedirs(files["nvme_path"])
@@ -212,6 +243,26 @@ def test_hf_llama_with_a_tied_head(results):
     # the last stage's head is a copy of the first stage's embedding
     assert "lm_head.weight" in results[3]["llama tied"][2]
     assert "model.embed_tokens.weight" in results[0]["llama tied"][2]
+
+
+def test_sequence_and_loss_parallel_under_pp(results):
+    """pp2 x tp2 with the plan's sequence parallelism (the stages send
+    sequence shards) and its vocabulary-parallel loss (the schedule's loss
+    runs under torch's loss_parallel()): one process's losses and
+    parameters; the layouts are the split ones."""
+    for rank_out in results:
+        check_run(rank_out["sequence + loss parallel"])
+        check_run(rank_out["llama sequence + loss parallel"], kind="llama tied")
+    micro = BATCH // 2  # two micro-batches, no data parallelism
+    for rank in (0, 1, 2, 3):  # pp index rank // 2
+        watch = results[rank]["sequence + loss parallel layouts"]
+        assert watch["seen"][watch["first"]] == (("S(1)",), (micro, CFG.seq // 2, CFG.dim))
+    for rank in (2, 3):
+        seen = results[rank]["sequence + loss parallel layouts"]["seen"]
+        assert seen["head"] == (("S(2)",), (micro, CFG.seq, CFG.vocab // 2))
+    for rank in (0, 1):
+        assert "sequence length 7 is not divisible by the tp size (2)" in \
+            results[rank]["odd sequence"]
 
 
 def test_offload_to_files_under_pp(results):

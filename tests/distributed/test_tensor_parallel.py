@@ -35,12 +35,12 @@ import torch
 
 import harness
 from conftest import max_rel_error
-from parallel_cases import (ADAM_TOL, CFG, STEPS, TOL, batch, dp_place, loss_of, make_model,
-                            make_optimizer, mesh_of, reference)
+from parallel_cases import (ADAM_TOL, BATCH, CFG, STEPS, TOL, batch, dp_place, loss_of,
+                            make_model, make_optimizer, mesh_of, reference, watch_layouts)
 from test_estimate import check as check_estimate
 
 
-def parallelized(kind, mesh, loss_parallel=False):
+def parallelized(kind, mesh, loss_parallel=False, sequence_parallel=False):
     """make_model(kind), split over the mesh's tp dimension by zero's plan."""
     import zero
     model = make_model(kind)
@@ -48,27 +48,39 @@ def parallelized(kind, mesh, loss_parallel=False):
         parallelize = {"llama": zero.parallel.parallelize_llama,
                        "gpt2": zero.parallel.parallelize_gpt2}.get(kind,
                                                                    zero.parallel.parallelize_gpt)
-        parallelize(model, mesh["tp"], loss_parallel=loss_parallel)
+        extra = {"sequence_parallel": True} if sequence_parallel else {}
+        parallelize(model, mesh["tp"], loss_parallel=loss_parallel, **extra)
     return model
 
 
-def _engine(mesh, stage, opt="sgd", kind="gpt", loss_parallel=False, **options):
+def _engine(mesh, stage, opt="sgd", kind="gpt", **options):
     import zero
-    model = parallelized(kind, mesh, loss_parallel)
+    model = parallelized(kind, mesh)
     return zero.initialize(model, optimizer=make_optimizer(opt, model), stage=stage,
                            mesh=mesh, **options)
 
 
+# the residual stream after the first block, and the logits
+WATCHED = ("blocks.0", "model.layers.0", "head", "lm_head")
+
+
 def train(mesh, stage, accumulation=1, clip=None, precision="fp32", opt="sgd", kind="gpt",
-          loss_parallel=False, **options):
-    """(losses, clip norms, full_state_dict, the model's DTensor check).
+          loss_parallel=False, sequence_parallel=False, **options):
+    """(losses, clip norms, full_state_dict, the model's DTensor check,
+    (memory_summary, estimate_memory), the WATCHED modules' output layouts).
     loss_parallel: the head's logits stay split by vocabulary, and each
-    micro-batch's loss and backward run inside torch's loss_parallel()."""
+    micro-batch's loss and backward run inside torch's loss_parallel().
+    sequence_parallel: the plan's sequence parallelism."""
     import contextlib
 
     import torch.distributed as dist
-    engine = _engine(mesh, stage, opt, kind, loss_parallel,
-                     gradient_accumulation_steps=accumulation, precision=precision, **options)
+
+    import zero
+    model = parallelized(kind, mesh, loss_parallel, sequence_parallel)
+    seen = watch_layouts(model, WATCHED)
+    engine = zero.initialize(model, optimizer=make_optimizer(opt, model), stage=stage,
+                             mesh=mesh, gradient_accumulation_steps=accumulation,
+                             precision=precision, **options)
     if loss_parallel:
         from torch.distributed.tensor.parallel import loss_parallel as context
     else:
@@ -105,7 +117,7 @@ def train(mesh, stage, accumulation=1, clip=None, precision="fp32", opt="sgd", k
             p.full_tensor().float(), state[name].to(p.dtype).float())
         if kind == "gpt":
             handed = handed and model.head.weight is model.embed.weight
-    return losses, norms, state, handed, memory
+    return losses, norms, state, handed, memory, seen
 
 
 def _memory_pair(engine, mesh, stage, opt, kind, precision, options):
@@ -182,6 +194,10 @@ def _worker(rank, world, directory):
     out["gpt2"] = train(tp2_dp2, 3, kind="gpt2")
     out["loss parallel"] = train(tp2_dp2, 2, loss_parallel=True)
     out["llama loss parallel"] = train(tp2_dp2, 1, kind="llama", loss_parallel=True)
+    out["sequence parallel"] = train(tp2_dp2, 2, sequence_parallel=True)
+    out["sequence + loss parallel"] = train(tp2_dp2, 3, opt="adamw", sequence_parallel=True,
+                                            loss_parallel=True, accumulation=2, clip=0.5)
+    out["llama sequence parallel"] = train(tp2_dp2, 1, kind="llama", sequence_parallel=True)
     # on a CPU model, "cpu" is where the states already are: files are the real offload
     files = {"device": "nvme", "nvme_path": os.path.join(directory, f"nvme{rank}")}
     os.makedirs(files["nvme_path"])
@@ -200,7 +216,7 @@ def results(tmp_path_factory):
 
 
 def _check_run(run, accumulation=1, clip=None, tol=TOL, opt="sgd", kind="gpt"):
-    losses, norms, state, handed, (measured, estimated) = run
+    losses, norms, state, handed, (measured, estimated), _seen = run
     check_estimate(estimated, measured)
     ref_losses, ref_norms, ref_state = reference(accumulation, clip, opt, kind)
     assert max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses)) < tol
@@ -229,7 +245,7 @@ def test_clipping_and_accumulation(results):
 
 
 def test_bf16_tracks_fp32(results):
-    losses, _norms, _state, handed, (measured, estimated) = results[0]["bf16"]
+    losses, _norms, _state, handed, (measured, estimated), _seen = results[0]["bf16"]
     check_estimate(estimated, measured)
     ref_losses = reference()[0]
     # bf16 keeps 8 bits of mantissa: the loss within a few of its ulps
@@ -259,6 +275,29 @@ def test_loss_parallel(results):
     """The logits never gathered: torch's vocabulary-parallel cross entropy."""
     _check_run(results[0]["loss parallel"])
     _check_run(results[1]["llama loss parallel"], kind="llama")
+
+
+def test_sequence_parallel(results):
+    """Megatron's sequence parallelism: the residual stream between blocks
+    is split by sequence over tp (each tp rank holds T/2 of the tokens, a
+    DTensor of the whole shape), with the losses and parameters of one
+    process; with the vocabulary-parallel loss the logits stay split."""
+    half_batch = BATCH // 2  # dp_shard=2
+    _check_run(results[0]["sequence parallel"])
+    _check_run(results[1]["sequence + loss parallel"], accumulation=2, clip=0.5, tol=ADAM_TOL,
+               opt="adamw")
+    _check_run(results[2]["llama sequence parallel"], kind="llama")
+    split = (("S(1)",), (half_batch, CFG.seq // 2, CFG.dim))
+    assert results[0]["sequence parallel"][5]["blocks.0"] == split
+    assert results[0]["sequence parallel"][5]["head"] == ("plain", (half_batch, CFG.seq,
+                                                                    CFG.vocab))
+    assert results[2]["llama sequence parallel"][5]["model.layers.0"] == split
+    seen = results[1]["sequence + loss parallel"][5]
+    assert seen["blocks.0"] == (("S(1)",), (half_batch // 2, CFG.seq // 2, CFG.dim))
+    assert seen["head"] == (("S(2)",), (half_batch // 2, CFG.seq, CFG.vocab // 2))
+    # the plain plan keeps the residual stream whole on every tp rank
+    assert results[0][("tp2 x dp2", 2)][5]["blocks.0"] == ("plain", (half_batch, CFG.seq,
+                                                                     CFG.dim))
 
 
 def test_offload_to_files_under_tp(results):

@@ -5,7 +5,8 @@ and each stage's local pieces partitioned by ZeRO over dp; torch's 1F1B
 schedule streams the micro-batches. At ZeRO stages 0-3 (stage 2 with
 gradient clipping) against one process of plain torch on the same global
 batch: losses and every rank's parameters within 1e-5 (parallel_cases),
-the clip norm within 1e-6. A checkpoint saved on the 3D mesh consolidates
+the clip norm within 1e-6; the same at stage 2 with the plan's sequence
+parallelism and vocabulary-parallel loss. A checkpoint saved on the 3D mesh consolidates
 into the whole model and loads on 8 plain data-parallel ranks and on
 tp=2 x dp=4, holding exactly the saved values."""
 import pytest
@@ -20,9 +21,9 @@ from test_tensor_parallel import parallelized
 LAYOUT = ((2, 2, 2), ("pp", "dp_shard", "tp"))
 
 
-def train(stage, clip=None):
+def train(stage, clip=None, tp_options=None):
     mesh = mesh_of(*LAYOUT)
-    engine = stage_engine(mesh, stage)
+    engine = stage_engine(mesh, stage, tp_options=tp_options)
     losses, norms = run_batches(engine, mesh, "gpt", 4, clip=clip)
     state = engine.full_state_dict()
     engine.close()
@@ -46,6 +47,8 @@ def _worker(rank, world, directory):
     dist.init_process_group("gloo")
     out = {stage: train(stage) for stage in (0, 1, 3)}
     out["clip"] = train(2, clip=0.5)
+    out["sequence + loss parallel"] = train(
+        2, clip=0.5, tp_options={"sequence_parallel": True, "loss_parallel": True})
     out["checkpoints"] = checkpoints(directory)
     dist.destroy_process_group()
     return out
@@ -78,6 +81,11 @@ def test_pp_tp_dp_matches_one_process(results, stage):
 def test_clipping(results):
     for rank_out in results:
         _check(rank_out["clip"], clip=0.5)
+
+
+def test_sequence_and_loss_parallel(results):
+    for rank_out in results:
+        _check(rank_out["sequence + loss parallel"], clip=0.5)
 
 
 def test_checkpoint_loads_plain_and_on_another_layout(results):

@@ -23,7 +23,11 @@ through the stages.
   both take the same update, as Megatron-LM does with its shared
   embedding; the last stage's copy is not written into checkpoints (it is
   the first stage's parameter under another name);
-- the global gradient norm sums the stages (a tied copy counted once).
+- the global gradient norm sums the stages (a tied copy counted once);
+- under sequence parallelism ([Note: sequence parallelism]) a stage sends
+  its tp rank's sequence shard of the hidden states (a plain tensor, to
+  the same tp rank of the next stage) and turns the shard it receives
+  back into the residual stream's DTensor.
 """
 from __future__ import annotations
 
@@ -59,6 +63,35 @@ def layer_range(layers: int, index: int, count: int) -> range:
     per, extra = divmod(layers, count)
     start = index * per + min(index, extra)
     return range(start, start + per + (index < extra))
+
+
+def _sequence_shards_in(stage, x):
+    """The hidden states a stage receives, as its blocks take them: under
+    sequence parallelism, this tp rank's sequence shard made the residual
+    stream's DTensor (Shard(1), even shards: the first stage checked)."""
+    mesh = getattr(stage, "_zero_sequence_parallel", None)
+    if mesh is None:
+        return x
+    from torch.distributed.tensor import DTensor, Shard
+    return DTensor.from_local(x, mesh, [Shard(1)], run_check=False)
+
+
+def _check_sequence(stage, ids):
+    """The first stage's check that tp divides the sequence length when the
+    stages exchange sequence shards: uneven shards would be taken for
+    even ones on the next stage."""
+    mesh = getattr(stage, "_zero_sequence_parallel", None)
+    if mesh is not None and not stage.last and ids.shape[1] % mesh.size():
+        raise ValueError(f"sequence length {ids.shape[1]} is not divisible by the tp size "
+                         f"({mesh.size()}): under sequence parallelism the pipeline stages "
+                         "exchange even sequence shards")
+
+
+def _local_tensor(x):
+    """x's local tensor when it is a DTensor, else x: what a stage sends
+    (under sequence parallelism its shard of the hidden states), and the
+    losses handed back (under loss_parallel, replicated DTensors)."""
+    return x.to_local() if hasattr(x, "to_local") else x
 
 
 def _is_tied(first: nn.Module, first_name, last: nn.Module, last_name, count) -> bool:
@@ -101,10 +134,13 @@ class GPTStage(nn.Module):
 
     def forward(self, x):
         if self.first:
+            _check_sequence(self, x)
             x = self.embed(x) + self.pos(torch.arange(x.shape[1], device=x.device))
+        else:
+            x = _sequence_shards_in(self, x)
         for block in self.blocks.values():
             x = block(x)
-        return self.head(self.ln(x)) if self.last else x
+        return self.head(self.ln(x)) if self.last else _local_tensor(x)
 
 
 def split_gpt(model: nn.Module, pp_mesh) -> GPTStage:
@@ -156,7 +192,9 @@ class LlamaStage(nn.Module):
             index, count, tied, "lm_head.weight", canonical), (canonical,) if tied else ())
 
     def forward(self, x):
-        h = self.model.embed_tokens(x) if self.first else x
+        if self.first:
+            _check_sequence(self, x)
+        h = self.model.embed_tokens(x) if self.first else _sequence_shards_in(self, x)
         t = h.shape[1]
         positions = torch.arange(t, device=h.device).unsqueeze(0)
         rotary = self.model.rotary_emb(h, positions)
@@ -166,7 +204,7 @@ class LlamaStage(nn.Module):
             out = layer(h, attention_mask=mask, position_ids=positions,
                         position_embeddings=rotary)
             h = out[0] if isinstance(out, tuple) else out
-        return self.lm_head(self.model.norm(h)) if self.last else h
+        return self.lm_head(self.model.norm(h)) if self.last else _local_tensor(h)
 
 
 def split_llama(model: nn.Module, pp_mesh) -> LlamaStage:
@@ -199,17 +237,29 @@ class _PerMicroBatch:
 class _ScaledSteps:
     """The schedule's step, telling the engine its backwards were scaled
     (fp16: step() divides by the loss scale, which it refuses to do for a
-    backward it did not scale), and giving the losses back unscaled."""
+    backward it did not scale), and giving the losses back unscaled. A
+    stage whose logits stay split by vocabulary (parallelized with
+    loss_parallel=True) runs the step under torch's loss_parallel(), where
+    the schedule computes each micro-batch's loss and its backward; its
+    losses come back as plain tensors."""
 
-    def __init__(self, engine, step):
-        self.engine, self.step = engine, step
+    def __init__(self, engine, step, loss_parallel: bool):
+        self.engine, self.step, self.loss_parallel = engine, step, loss_parallel
 
     def __call__(self, *args, losses=None, **kwargs):
+        import contextlib
         scale = self.engine.loss_scale
-        out = self.step(*args, losses=losses, **kwargs)
+        if self.loss_parallel:
+            from torch.distributed.tensor.parallel import loss_parallel
+            context = loss_parallel()
+        else:
+            context = contextlib.nullcontext()
+        with context:
+            out = self.step(*args, losses=losses, **kwargs)
         self.engine._scaled_backward = True
-        if losses is not None and scale != 1.0:
-            losses[:] = [loss / scale for loss in losses]
+        if losses is not None:
+            losses[:] = [_local_tensor(loss) / scale if scale != 1.0 else
+                         _local_tensor(loss) for loss in losses]
         return out
 
 
@@ -241,7 +291,8 @@ def pipeline_schedule(engine, pp_mesh, n_microbatches: int, loss_fn, schedule="1
                           group=pp_mesh.get_group())
     built = schedule(stage, n_microbatches,
                      loss_fn=_PerMicroBatch(loss_fn, n_microbatches, engine), scale_grads=False)
-    built.step = _ScaledSteps(engine, built.step)
+    built.step = _ScaledSteps(engine, built.step,
+                              getattr(engine.module, "_zero_loss_parallel", False))
     return built
 
 

@@ -15,6 +15,22 @@ loss_parallel() cross entropy, which never gathers them). LayerNorms and the
 position embedding stay whole on every tp rank. A tied head keeps its tie:
 parallelize_module gives each module a DTensor of its own, so the plan
 ties them again (both are split by vocabulary rows, Shard(0)).
+
+[Note: sequence parallelism] sequence_parallel=True adds Megatron-LM's
+sequence parallelism (Korthikanti et al. 2022) to the GPT and Llama plans:
+between the tensor-parallel regions the residual stream, the norms and
+their activations are split by sequence over tp instead of repeated on
+every tp rank, so those activations take 1/tp of the memory. The
+embedding's partial lookups are reduce-scattered by sequence (not
+all-reduced), each norm runs on its sequence shard (SequenceParallel: its
+weights replicated DTensors), the norm's output is all-gathered once for
+the projections that share it, and each row-parallel output is
+reduce-scattered back to sequence shards: a reduce-scatter plus an
+all-gather where the plain plan has one all-reduce, the same bytes. The
+residual stream is a DTensor (Shard(1), its global shape), so the model's
+own code (x.shape, its position ids and masks) sees the whole sequence;
+a pipeline stage sends and receives its local shard. The sequence length
+must divide by tp.
 """
 from __future__ import annotations
 
@@ -29,60 +45,113 @@ def _styles():
     return Replicate, ColwiseParallel, RowwiseParallel
 
 
-def _head_style(loss_parallel: bool):
+def _head_style(loss_parallel: bool, sequence_parallel: bool = False):
     """The output head, column-wise over the vocabulary: its logits
     gathered whole (Replicate), or kept split (Shard(-1), a DTensor) for a
-    cross entropy computed under torch's loss_parallel() context."""
+    cross entropy computed under torch's loss_parallel() context. Under
+    sequence parallelism its input (the final norm's) is gathered first."""
     from torch.distributed.tensor import Shard
     Replicate, Colwise, _ = _styles()
+    inputs = {"input_layouts": Shard(1)} if sequence_parallel else {}
     if loss_parallel:
-        return Colwise(output_layouts=Shard(-1), use_local_output=False)
-    return Colwise(output_layouts=Replicate())
+        return Colwise(output_layouts=Shard(-1), use_local_output=False, **inputs)
+    return Colwise(output_layouts=Replicate(), **inputs)
 
 
-def gpt_plan(loss_parallel: bool = False) -> dict:
-    """The plan for examples/gpt.py's GPT (module names to parallel styles).
-    The first LayerNorm's output becomes one replicated DTensor that q, k
-    and v share: its gradient is then summed over tp once, as Megatron's
-    f operator does, instead of once per projection (measured by
-    bench/parallel.py: two all-reduces a layer fewer)."""
-    from torch.distributed.tensor.parallel import PrepareModuleOutput
-    Replicate, Colwise, Rowwise = _styles()
-    plan = {"embed": Rowwise(input_layouts=Replicate(), output_layouts=Replicate()),
-            "head": _head_style(loss_parallel),
-            "blocks.*.ln1": PrepareModuleOutput(output_layouts=Replicate(),
-                                                desired_output_layouts=Replicate(),
-                                                use_local_output=False)}
-    for name in ("q", "k", "v", "up"):
+def _shared_replicated(sequence_parallel: bool):
+    """A norm whose output the next projections share, as one replicated
+    DTensor (its gradient summed over tp once). Under sequence parallelism
+    the norm first runs on its sequence shard, and its output is gathered
+    (a tuple: the styles applied in order, [Note: sequence parallelism])."""
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor.parallel import PrepareModuleOutput, SequenceParallel
+    Replicate = _styles()[0]
+    if not sequence_parallel:
+        return PrepareModuleOutput(output_layouts=Replicate(), desired_output_layouts=Replicate(),
+                                   use_local_output=False)
+    return (SequenceParallel(),
+            PrepareModuleOutput(output_layouts=Shard(1), desired_output_layouts=Replicate(),
+                                use_local_output=False))
+
+
+def _embedding_style(sequence_parallel: bool):
+    """The vocabulary-parallel embedding: its partial lookups all-reduced,
+    or reduce-scattered into sequence shards (a DTensor of the whole
+    shape, the residual stream of [Note: sequence parallelism])."""
+    from torch.distributed.tensor import Shard
+    Replicate, _, Rowwise = _styles()
+    if sequence_parallel:
+        return Rowwise(input_layouts=Replicate(), output_layouts=Shard(1), use_local_output=False)
+    return Rowwise(input_layouts=Replicate(), output_layouts=Replicate())
+
+
+def _row_style(sequence_parallel: bool):
+    """A row-parallel output projection: its partial sums all-reduced, or
+    reduce-scattered into the residual stream's sequence shards."""
+    from torch.distributed.tensor import Shard
+    _, _, Rowwise = _styles()
+    if sequence_parallel:
+        return Rowwise(output_layouts=Shard(1), use_local_output=False)
+    return Rowwise()
+
+
+def gpt_plan(loss_parallel: bool = False, sequence_parallel: bool = False) -> dict:
+    """The plan for examples/gpt.py's GPT (module names to parallel styles,
+    or tuples of styles applied in order). The first LayerNorm's output
+    becomes one replicated DTensor that q, k and v share: its gradient is
+    then summed over tp once, as Megatron's f operator does, instead of
+    once per projection (measured by bench/parallel.py: two all-reduces a
+    layer fewer). sequence_parallel: [Note: sequence parallelism]; the
+    position embedding's output is then split by sequence too, to add to
+    the embedding's."""
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor.parallel import PrepareModuleOutput, SequenceParallel
+    Replicate, Colwise, _ = _styles()
+    plan = {"embed": _embedding_style(sequence_parallel),
+            "head": _head_style(loss_parallel, sequence_parallel),
+            "blocks.*.ln1": _shared_replicated(sequence_parallel)}
+    if sequence_parallel:
+        # pos(arange(t)) is (t, dim): its sequence is dimension 0
+        plan["pos"] = PrepareModuleOutput(output_layouts=Replicate(),
+                                          desired_output_layouts=Shard(0),
+                                          use_local_output=False)
+        plan["blocks.*.ln2"] = SequenceParallel()
+        plan["ln"] = SequenceParallel()
+        # the MLP's input gathered once from the sequence shards
+        plan["blocks.*.up"] = Colwise(input_layouts=Shard(1))
+    else:
+        plan["blocks.*.up"] = Colwise()
+    for name in ("q", "k", "v"):
         plan[f"blocks.*.{name}"] = Colwise()
     for name in ("proj", "down"):
-        plan[f"blocks.*.{name}"] = Rowwise()
+        plan[f"blocks.*.{name}"] = _row_style(sequence_parallel)
     return plan
 
 
-def llama_plan(model: nn.Module, loss_parallel: bool = False) -> dict:
+def llama_plan(model: nn.Module, loss_parallel: bool = False,
+               sequence_parallel: bool = False) -> dict:
     """The plan for a HuggingFace LlamaForCausalLM (and decoders laid out as
     it is: Mistral, Qwen2): model.embed_tokens, model.layers.*.self_attn
-    .{q,k,v,o}_proj, model.layers.*.mlp.{gate,up,down}_proj, lm_head."""
-    Replicate, Colwise, Rowwise = _styles()
+    .{q,k,v,o}_proj, model.layers.*.mlp.{gate,up,down}_proj, lm_head.
+    sequence_parallel: [Note: sequence parallelism]."""
+    from torch.distributed.tensor.parallel import SequenceParallel
+    _, Colwise, _ = _styles()
     base = _base_name(model)
-    plan = {f"{base}embed_tokens": Rowwise(input_layouts=Replicate(),
-                                           output_layouts=Replicate())}
+    plan = {f"{base}embed_tokens": _embedding_style(sequence_parallel)}
     if getattr(model, "lm_head", None) is not None:
-        plan["lm_head"] = _head_style(loss_parallel)
+        plan["lm_head"] = _head_style(loss_parallel, sequence_parallel)
+    if sequence_parallel:
+        plan[f"{base}norm"] = SequenceParallel()
     layers = f"{base}layers.*."
     # each norm's output one replicated DTensor that its projections share
     # (q, k, v; gate, up): one all-reduce of its gradient, as in gpt_plan
-    from torch.distributed.tensor.parallel import PrepareModuleOutput
     for name in ("input_layernorm", "post_attention_layernorm"):
-        plan[layers + name] = PrepareModuleOutput(output_layouts=Replicate(),
-                                                  desired_output_layouts=Replicate(),
-                                                  use_local_output=False)
+        plan[layers + name] = _shared_replicated(sequence_parallel)
     for name in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj",
                  "mlp.gate_proj", "mlp.up_proj"):
         plan[layers + name] = Colwise()
     for name in ("self_attn.o_proj", "mlp.down_proj"):
-        plan[layers + name] = Rowwise()
+        plan[layers + name] = _row_style(sequence_parallel)
     return plan
 
 
@@ -98,43 +167,68 @@ def _check_divides(what, size, tp):
 
 def _apply(model, tp_mesh, plan, ties):
     """parallelize_module with the plan's entries that name modules the
-    model has (a pipeline stage holds some of them), then each (owner,
-    name) in `ties` tied again to the first's parameter."""
+    model has (a pipeline stage holds some of them), a tuple of styles
+    applied in order, then each (owner, name) in `ties` tied again to the
+    first's parameter."""
     from torch.distributed.tensor.parallel import parallelize_module
     names = [name for name, _ in model.named_modules()]
-    plan = {key: style for key, style in plan.items()
+    plan = {key: style if isinstance(style, tuple) else (style,)
+            for key, style in plan.items()
             if any(fnmatch.fnmatchcase(name, key) for name in names)}
     tied = [(a, an, b, bn) for a, an, b, bn in ties
             if getattr(a, an, None) is not None and getattr(a, an) is getattr(b, bn, None)]
-    parallelize_module(model, tp_mesh, plan)
+    for k in range(max((len(styles) for styles in plan.values()), default=0)):
+        parallelize_module(model, tp_mesh, {key: styles[k] for key, styles in plan.items()
+                                            if k < len(styles)})
     for a, an, b, bn in tied:
         setattr(b, bn, getattr(a, an))
     return model
 
 
-def parallelize_gpt(model: nn.Module, tp_mesh, loss_parallel: bool = False) -> nn.Module:
+def _mark(model, tp_mesh, loss_parallel, sequence_parallel):
+    """Record on the model what a pipeline stage of it needs to know
+    ([Note: pipeline stages]): whether its residual stream is split by
+    sequence over tp_mesh (a stage then turns the local shard it receives
+    into the DTensor its blocks take), and whether its logits stay split
+    by vocabulary (pipeline_schedule then runs the loss under torch's
+    loss_parallel())."""
+    if sequence_parallel:
+        model._zero_sequence_parallel = tp_mesh
+    if loss_parallel:
+        model._zero_loss_parallel = True
+
+
+def parallelize_gpt(model: nn.Module, tp_mesh, loss_parallel: bool = False,
+                    sequence_parallel: bool = False) -> nn.Module:
     """Split examples/gpt.py's GPT, or a pipeline stage of it (split_gpt),
     over `tp_mesh` (mesh["tp"]) in place and return it; heads, the MLP
     width and the vocabulary must divide by tp. loss_parallel=True leaves
     the head's logits split by vocabulary (a DTensor): compute the loss and
     call backward inside torch.distributed.tensor.parallel.loss_parallel()
-    (docs/parallel.md)."""
+    (docs/parallel.md). sequence_parallel=True splits the residual stream
+    and the norms by sequence between the tensor-parallel regions ([Note:
+    sequence parallelism]); the sequence length must then divide by tp."""
     tp = tp_mesh.size()
     cfg = model.cfg
     _check_divides("heads", cfg.heads, tp)
     _check_divides("the vocabulary", cfg.vocab, tp)
     ties = [(model.embed, "weight", model.head, "weight")] \
         if hasattr(model, "embed") and hasattr(model, "head") else []
-    return _apply(model, tp_mesh, gpt_plan(loss_parallel), ties)
+    _mark(model, tp_mesh, loss_parallel, sequence_parallel)
+    return _apply(model, tp_mesh, gpt_plan(loss_parallel, sequence_parallel), ties)
 
 
-def parallelize_llama(model: nn.Module, tp_mesh, loss_parallel: bool = False) -> nn.Module:
+def parallelize_llama(model: nn.Module, tp_mesh, loss_parallel: bool = False,
+                      sequence_parallel: bool = False) -> nn.Module:
     """Split a HuggingFace Llama-family causal LM, or a pipeline stage of
     it (split_llama), over `tp_mesh` in place and return it; the attention
     and key/value heads, the intermediate size and the vocabulary must
     divide by tp. loss_parallel=True leaves the head's logits split by
     vocabulary (a DTensor): compute the loss and call backward inside
-    torch.distributed.tensor.parallel.loss_parallel() (docs/parallel.md)."""
+    torch.distributed.tensor.parallel.loss_parallel() (docs/parallel.md).
+    sequence_parallel=True splits the residual stream and the norms by
+    sequence between the tensor-parallel regions ([Note: sequence
+    parallelism]); the sequence length must then divide by tp."""
     tp = tp_mesh.size()
     cfg = model.config
     _check_divides("num_attention_heads", cfg.num_attention_heads, tp)
@@ -145,7 +239,8 @@ def parallelize_llama(model: nn.Module, tp_mesh, loss_parallel: bool = False) ->
     ties = []
     if getattr(model, "lm_head", None) is not None and hasattr(base, "embed_tokens"):
         ties.append((base.embed_tokens, "weight", model.lm_head, "weight"))
-    return _apply(model, tp_mesh, llama_plan(model, loss_parallel), ties)
+    _mark(model, tp_mesh, loss_parallel, sequence_parallel)
+    return _apply(model, tp_mesh, llama_plan(model, loss_parallel, sequence_parallel), ties)
 
 
 def gpt2_plan(model: nn.Module, loss_parallel: bool = False) -> dict:
