@@ -16,17 +16,26 @@ formulas:
   all-reduce (2Th); with the vocabulary-parallel loss (tp2xdp2-lp:
   parallelize_gpt(loss_parallel=True) and torch's loss_parallel()), no
   logits gathered, but three all-reduces of one number a token (the
-  maximum, the sum of exponentials, the target's logit: 6T);
+  maximum, the sum of exponentials, the target's logit: 6T); with
+  Megatron's sequence parallelism (tp2xdp2-sp: parallelize_gpt(
+  sequence_parallel=True)) each all-reduce becomes a reduce-scatter and
+  an all-gather of the same T x h (Th each: the same 2Th), the head's
+  input is all-gathered (Th) and its gradient reduce-scattered (Th), and
+  the norms' weight gradients are all-reduced (two norms of 2h a layer
+  and the final one: 2 x (4h x layers + 2h)), and the position
+  embedding's gradient is all-gathered from sequence shards (T_seq x h);
 - pipeline (torch's point-to-point sends, counted by wrapping them): each
   micro-batch's activations forward and their gradients backward, T x h
-  per stage boundary.
+  per stage boundary; with two stages a rank (pp2xdp2-v2: split_gpt(
+  stages_per_rank=2), torch's interleaved 1F1B) a rank sends forward from
+  each stage but the last and backward from each but the first.
 
 What two cores can show: the 4 processes share 2 cores, so step times
 measure overheads and the work each layout adds, not the speed-up that
 more devices would give.
 
 Usage: python bench/parallel.py [--steps 5] [--warmup 2] [--json out.json]
-       [--layouts dp4,tp2xdp2,tp2xdp2-lp,pp2xdp2,pp2xtp2]
+       [--layouts dp4,tp2xdp2,tp2xdp2-lp,tp2xdp2-sp,pp2xdp2,pp2xdp2-v2,pp2xtp2]
 """
 from __future__ import annotations
 
@@ -53,7 +62,9 @@ GLOBAL_BATCH = 16  # sequences per step, split over the data-parallel ranks
 MICRO_BATCHES = 4
 LAYOUTS = {"dp4": ((4,), ("dp_shard",)), "tp2xdp2": ((2, 2), ("dp_shard", "tp")),
            "tp2xdp2-lp": ((2, 2), ("dp_shard", "tp")),
-           "pp2xdp2": ((2, 2), ("pp", "dp_shard")), "pp2xtp2": ((2, 2), ("pp", "tp"))}
+           "tp2xdp2-sp": ((2, 2), ("dp_shard", "tp")),
+           "pp2xdp2": ((2, 2), ("pp", "dp_shard")), "pp2xdp2-v2": ((2, 2), ("pp", "dp_shard")),
+           "pp2xtp2": ((2, 2), ("pp", "tp"))}
 COLLECTIVE_WEIGHT = {"all_reduce": 2}  # ZeRO's accounting: an all-reduce of n moves 2n
 COLLECTIVES = ("all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor",
                "all_to_all_single")
@@ -107,11 +118,13 @@ def worker(rank, world, layout, warmup, steps):
     mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
     torch.manual_seed(0)
     model = GPT(CFG)
+    per_rank = 2 if layout.endswith("-v2") else 1
     if "pp" in names:
-        model = zero.parallel.split_gpt(model, mesh["pp"])
+        model = zero.parallel.split_gpt(model, mesh["pp"], stages_per_rank=per_rank)
     loss_parallel = layout.endswith("-lp")
     if "tp" in names:
-        zero.parallel.parallelize_gpt(model, mesh["tp"], loss_parallel=loss_parallel)
+        zero.parallel.parallelize_gpt(model, mesh["tp"], loss_parallel=loss_parallel,
+                                      sequence_parallel=layout.endswith("-sp"))
     engine = zero.initialize(model, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3),
                              stage=1, mesh=mesh)
     dp = mesh["dp_shard"] if "dp_shard" in names else None
@@ -122,7 +135,7 @@ def worker(rank, world, layout, warmup, steps):
     if "pp" in names:
         count_sends(counts)
         pipe = zero.parallel.pipeline_schedule(engine, mesh["pp"], MICRO_BATCHES,
-                                               zero.parallel.gpt_loss)
+                                               zero.parallel.gpt_loss)  # 1F1B, interleaved
         stage, stages = mesh["pp"].get_local_rank(), mesh["pp"].size()
 
         def step(ids, labels):
@@ -163,7 +176,8 @@ def worker(rank, world, layout, warmup, steps):
     out = dict(median_s=statistics.median(times[warmup:]), psi=psi,
                dp_moved=engine.comm_summary()["moved_elements"],
                tp_moved=sum(counter.counts.values()), tp_ops=dict(counter.counts),
-               p2p_sent=counts["p2p send"], dp_size=dp_size, batch=batch)
+               p2p_sent=counts["p2p send"], dp_size=dp_size, batch=batch,
+               pp_rank=mesh["pp"].get_local_rank() if "pp" in names else 0)
     engine.close()
     dist.destroy_process_group()
     return out
@@ -190,7 +204,14 @@ def formulas(layout, row):
         head = 6 * tokens if layout.endswith("-lp") else tokens * v
         megatron += 2 * tokens * h + head + 2 * tokens * h if pp == 1 else \
             max(2 * tokens * h, head + 2 * tokens * h)
-    p2p = tokens * h if pp > 1 else 0
+    if layout.endswith("-sp"):  # all-reduces split in two; the norms' and positions' gradients
+        megatron += 2 * (4 * h * layers + 2 * h) + CFG.seq * h
+    p2p = 0
+    if pp > 1:  # forward from each stage but the last, backward from each but the first
+        per_rank = 2 if layout.endswith("-v2") else 1
+        held = [row["pp_rank"] + k * pp for k in range(per_rank)]
+        count = pp * per_rank
+        p2p = tokens * h * sum((i < count - 1) + (i > 0) for i in held)
     return dp, megatron, p2p
 
 
@@ -211,7 +232,8 @@ def main(argv=None):
     print(f"\nGPT of {n / 1e6:.2f}M parameters ({CFG.layers} layers, width {CFG.dim}, "
           f"vocabulary {CFG.vocab}, {CFG.seq} tokens), {WORLD} ranks (gloo) on this machine's "
           f"cores, fp32, zero stage 1, {GLOBAL_BATCH} sequences a step "
-          f"(pp: {MICRO_BATCHES} micro-batches, 1F1B); median of {args.steps} steps.")
+          f"(pp: {MICRO_BATCHES} micro-batches, 1F1B; -v2: two stages a rank, interleaved "
+          f"1F1B); median of {args.steps} steps.")
     print("Elements each rank moves in a step (max over ranks), measured / formula.")
     header = f"{'layout':<10} {'step s':>7} {'dp (zero)':>20} {'tp (DTensor)':>22} " \
              f"{'pp sends':>20}"

@@ -5,6 +5,8 @@
     torchrun --nproc_per_node 2 examples/train_gpt.py --stage 3 --partitioned-init
     torchrun --nproc_per_node 8 examples/train_gpt.py --device cuda  # a GPU per rank
     torchrun --nproc_per_node 8 examples/train_gpt.py --tp 2 --pp 2   # 3D: pp x dp x tp
+    torchrun --nproc_per_node 4 examples/train_gpt.py --tp 2 --pp 2 --sequence-parallel \
+        --stages-per-rank 2   # Megatron's sequence parallelism, interleaved 1F1B
 
 Each rank trains on its own batches of a synthetic Markov language; the
 script prints the loss as it falls and, at the end, each rank's memory
@@ -47,6 +49,10 @@ def main():
                     help="pipeline parallelism: blocks cut into PP stages (1F1B schedule)")
     ap.add_argument("--micro-batches", type=int, default=4,
                     help="with --pp: micro-batches each batch is streamed in")
+    ap.add_argument("--stages-per-rank", type=int, default=1,
+                    help="with --pp: stages each rank holds (more than 1: interleaved 1F1B)")
+    ap.add_argument("--sequence-parallel", action="store_true",
+                    help="with --tp: the residual stream and norms split by sequence too")
     args = ap.parse_args()
     device = torch.device("cpu")
     if args.device == "cuda":
@@ -124,15 +130,17 @@ def model_parallel(args, model, device):
     mesh = init_device_mesh(device.type, (args.pp, world // (args.tp * args.pp), args.tp),
                             mesh_dim_names=("pp", "dp_shard", "tp"))
     if args.pp > 1:
-        model = zero.parallel.split_gpt(model, mesh["pp"])
+        model = zero.parallel.split_gpt(model, mesh["pp"], stages_per_rank=args.stages_per_rank)
     if args.tp > 1:
-        zero.parallel.parallelize_gpt(model, mesh["tp"])
+        zero.parallel.parallelize_gpt(model, mesh["tp"],
+                                      sequence_parallel=args.sequence_parallel)
     return mesh, model
 
 
 def pipelined(engine, mesh, args):
-    """One batch through the pipeline (1F1B): its mean loss on the last
-    stage, None on the others."""
+    """One batch through the pipeline (1F1B, or interleaved 1F1B with
+    several stages a rank): its mean loss on the last stage, None on the
+    others."""
     schedule = zero.parallel.pipeline_schedule(engine, mesh["pp"], args.micro_batches,
                                                zero.parallel.gpt_loss)
     stage, stages = mesh["pp"].get_local_rank(), mesh["pp"].size()

@@ -1,7 +1,9 @@
 """Pipeline parallelism in one process: how split_gpt shares the layers
 among stages, a one-stage pipeline (pp of size 1) trained through torch's
-schedule as plain torch trains the model, and the refusals (a stage without
-a pp mesh, on another stage than the mesh says, bad schedule arguments).
+schedule as plain torch trains the model, a rank's several stages held by
+one StageChunks (the model's names, each chunk the stage it is), and the
+refusals (a stage without a pp mesh, on another stage than the mesh says,
+bad schedule arguments, several stages a rank without a pp dimension).
 Several stages: tests/distributed/test_pipeline_parallel.py."""
 import os
 import sys
@@ -13,6 +15,7 @@ import zero
 from conftest import max_rel_error
 from engine_cases import user_group_of_one
 from zero.parallel._pipeline import GPTStage, layer_range
+from zero.parallel._virtual_stages import StageChunks
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                                 "examples"))
@@ -46,6 +49,27 @@ def test_stages_keep_the_names_and_copy_a_tied_head():
     assert torch.equal(last.head.weight, first.embed.weight)
     one = GPTStage(model(), 0, 1)  # one stage: the tie itself, no copy
     assert one.head.weight is one.embed.weight and one._zero_pipeline.ties == {}
+
+
+def test_stage_chunks_hold_their_stages_under_the_models_names():
+    """pp=2 with two stages a rank: rank 1 holds stages 1 and 3 of 4 (GPT of
+    4 layers: blocks 1 and 3, and the last stage's norm and tied head)."""
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab=32, dim=16, layers=4, heads=2, seq=8))
+    whole = dict(model.named_parameters())
+    stages = [GPTStage(model, 1, 4), GPTStage(model, 3, 4)]
+    chunks = StageChunks(stages, 1, 2)
+    names = set(dict(chunks.named_parameters()))
+    assert names == {n for n in whole if n.startswith(("blocks.1.", "blocks.3.", "ln."))} | \
+        {"head.weight"}
+    assert chunks._zero_pipeline.ties == {"head.weight": "embed.weight"}
+    assert (chunks._zero_pipeline.index, chunks._zero_pipeline.count) == (1, 2)
+    assert chunks._zero_stage_indices == (1, 3)
+    x = torch.randn(2, CFG.seq, CFG.dim)
+    assert torch.equal(chunks(x, chunk=0), model.blocks[1](x))
+    assert torch.equal(chunks(x, chunk=1), stages[1].head(stages[1].ln(model.blocks[3](x))))
+    # each stage keeps its own blocks
+    assert list(stages[0].blocks) == ["1"] and list(stages[1].blocks) == ["3"]
 
 
 @pytest.fixture
@@ -103,4 +127,16 @@ def test_refusals(one_process_group):
         zero.parallel.pipeline_schedule(engine, mesh["pp"], 2, zero.parallel.gpt_loss)
     with pytest.raises(ValueError, match="schedule must be one of"):
         zero.parallel.pipeline_schedule(engine, mesh["pp"], 2, zero.parallel.gpt_loss, "zb")
+    with pytest.raises(ValueError, match="those take a model split with stages_per_rank > 1"):
+        zero.parallel.pipeline_schedule(engine, mesh["pp"], 2, zero.parallel.gpt_loss,
+                                        "interleaved-1f1b")
+    from torch.distributed.pipelining import ScheduleInterleaved1F1B
+    with pytest.raises(ValueError, match="not a PipelineScheduleSingle subclass"):
+        zero.parallel.pipeline_schedule(engine, mesh["pp"], 2, zero.parallel.gpt_loss,
+                                        ScheduleInterleaved1F1B)
     engine.close()
+    with pytest.raises(ValueError, match="needs a pp dimension of at least 2 ranks"):
+        zero.parallel.split_gpt(GPT(CFG), mesh["pp"], stages_per_rank=2)
+    for bad in (0, 1.5, True):
+        with pytest.raises(ValueError, match="stages_per_rank must be a positive integer"):
+            zero.parallel.split_gpt(GPT(CFG), mesh["pp"], stages_per_rank=bad)

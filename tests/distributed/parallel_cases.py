@@ -33,8 +33,9 @@ def make_optimizer(name, model):
 
 def make_model(kind="gpt"):
     torch.manual_seed(0)
-    if kind.startswith("llama"):
-        return _llama(tied=kind == "llama tied")
+    if kind.startswith("llama"):  # "llama", "llama tied", "llama tied, 4 layers"
+        return _llama(tied=kind.startswith("llama tied"),
+                      layers=4 if kind.endswith("4 layers") else 2)
     if kind == "gpt2":
         return _gpt2()
     model = GPT(CFG)
@@ -48,12 +49,12 @@ def make_model(kind="gpt"):
     return model
 
 
-def _llama(tied=False):
+def _llama(tied=False, layers=2):
     """A tiny HuggingFace Llama (grouped-query attention: 4 heads, 2 key/
     value heads); tied: its head tied to the embedding."""
     from transformers import LlamaConfig, LlamaForCausalLM
     config = LlamaConfig(vocab_size=CFG.vocab, hidden_size=32, intermediate_size=64,
-                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                         num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
                          max_position_embeddings=CFG.seq, attn_implementation="eager",
                          tie_word_embeddings=tied)
     return LlamaForCausalLM(config)

@@ -9,6 +9,12 @@ pipeline_schedule, on
 - pp=2 x tp=2 at stages 1 and 3 (each stage split by parallelize_gpt);
 - a tiny HuggingFace Llama with a tied head, split by split_llama, pp=2 x
   dp=2 at stage 2;
+- sequence parallelism and the vocabulary-parallel loss on pp=2 x tp=2
+  (GPT at stage 2, Llama at stage 3), with the split layouts checked;
+- two stages a rank (split_gpt(stages_per_rank=2)) under torch's
+  interleaved 1F1B at stages 0-3, looped BFS with clipping, interleaved
+  with tp, sequence and loss parallelism (GPT, and a 4-layer Llama), and
+  the interleaved zero-bubble schedule at stage 1 (refused at stage 2);
 - optimizer states in files (offload_optimizer nvme) at stage 2, and
   parameters and states in files at stage 3;
 
@@ -18,7 +24,9 @@ too) within 1e-5 (parallel_cases: SGD, and Adam at ADAM_TOL), the clip
 norm within 1e-6. Then checkpoints: one saved on pp=2 x dp=2 consolidates
 into the whole model (the tied head once), loads on 4 plain data-parallel
 ranks, on pp=4 at stage 3 and on pp=2 x tp=2 at stage 0; one saved by the
-plain ranks loads back on pp=2 x dp=2. Each holds exactly the saved values.
+plain ranks loads back on pp=2 x dp=2, and on two stages a rank, which
+saves it again and consolidates to the same. Each holds exactly the saved
+values.
 All three at once (pp x tp x dp on 8 ranks): test_three_dimensions.py."""
 import os
 
@@ -32,15 +40,17 @@ from parallel_cases import (ADAM_TOL, BATCH, CFG, STEPS, TOL, batch, dp_place, m
 
 
 def stage_engine(mesh, stage, kind="gpt", opt="sgd", tp_options=None, watch=None,
-                 **options):
+                 stages_per_rank=1, **options):
     """This rank's stage of make_model(kind), split over mesh["pp"] (and
     mesh["tp"] where the mesh has it, with the plan's `tp_options`), in an
     engine over the rest. watch: a dict that gets the output layouts of the
-    stage's first block and its head (parallel_cases.watch_layouts)."""
+    stage's first block and its head (parallel_cases.watch_layouts).
+    stages_per_rank > 1: the rank's stages for an interleaved schedule."""
     import zero
     model = make_model(kind)
     llama = kind.startswith("llama")
-    part = (zero.parallel.split_llama if llama else zero.parallel.split_gpt)(model, mesh["pp"])
+    part = (zero.parallel.split_llama if llama else zero.parallel.split_gpt)(
+        model, mesh["pp"], stages_per_rank=stages_per_rank)
     if "tp" in mesh.mesh_dim_names:
         (zero.parallel.parallelize_llama if llama else zero.parallel.parallelize_gpt)(
             part, mesh["tp"], **(tp_options or {}))
@@ -87,9 +97,9 @@ def run_batches(engine, mesh, kind, steps, schedule="1f1b", clip=None, micro_bat
 
 
 def train(mesh, stage, kind="gpt", schedule="1f1b", clip=None, opt="sgd", precision="fp32",
-          tp_options=None, watch=None, **options):
-    engine = stage_engine(mesh, stage, kind, opt, tp_options, watch, precision=precision,
-                          **options)
+          tp_options=None, watch=None, stages_per_rank=1, **options):
+    engine = stage_engine(mesh, stage, kind, opt, tp_options, watch, stages_per_rank,
+                          precision=precision, **options)
     losses, norms = run_batches(engine, mesh, kind, STEPS, schedule, clip)
     state = engine.full_state_dict()  # this stage's entries
     engine.close()
@@ -125,11 +135,19 @@ def checkpoints(directory):
     for label, layout, stage, tag in (("pp4 stage3", ((4,), ("pp",)), 3, "pp"),
                                       ("pp2 x tp2 stage0", ((2, 2), ("pp", "tp")), 0, "pp"),
                                       ("plain to pp2 x dp2", ((2, 2), ("pp", "dp_shard")), 1,
-                                       "plain")):
-        engine = stage_engine(mesh_of(*layout), stage)
+                                       "plain"),
+                                      ("interleaved pp2 x dp2", ((2, 2), ("pp", "dp_shard")),
+                                       3, "pp")):
+        engine = stage_engine(mesh_of(*layout), stage,
+                              stages_per_rank=2 if label.startswith("interleaved") else 1)
         engine.load_checkpoint(directory, tag=tag)
         out[label] = engine.full_state_dict()
+        if label.startswith("interleaved"):  # saved again from two stages a rank
+            engine.save_checkpoint(directory, tag="interleaved")
         engine.close()
+    import zero
+    out["interleaved consolidated"] = zero.checkpoint.consolidate(directory,
+                                                                  tag="interleaved")["model"]
     return out
 
 
@@ -146,6 +164,23 @@ def odd_sequence_refused(mesh):
     except ValueError as e:
         return str(e)
     return "accepted"
+
+
+def zero_bubble(mesh):
+    """torch's interleaved zero-bubble schedule: trained at ZeRO stage 1;
+    refused at stage 2, which reduces gradients as a backward ends, before
+    its weight part."""
+    from torch.distributed.pipelining import ScheduleInterleavedZeroBubble
+    out = {"stage 1": train(mesh, 1, schedule=ScheduleInterleavedZeroBubble,
+                            stages_per_rank=2)}
+    engine = stage_engine(mesh, 2, stages_per_rank=2)
+    try:
+        run_batches(engine, mesh, "gpt", 1, ScheduleInterleavedZeroBubble)
+        out["stage 2"] = "accepted"
+    except ValueError as e:
+        out["stage 2"] = str(e)
+    engine.close()
+    return out
 
 
 def _worker(rank, world, directory):
@@ -171,6 +206,16 @@ def _worker(rank, world, directory):
     out["sequence + loss parallel"] = train(pp_tp, 2, tp_options=both, watch=watch)
     out["llama sequence + loss parallel"] = train(pp_tp, 3, kind="llama tied", tp_options=both)
     out["odd sequence"] = odd_sequence_refused(pp_tp)
+    for stage in (0, 1, 2, 3):  # two stages a rank, one block each
+        out[("interleaved", stage)] = train(pp_dp, stage, schedule="interleaved-1f1b",
+                                            stages_per_rank=2)
+    out["looped bfs"] = train(pp_dp, 2, schedule="looped-bfs", stages_per_rank=2, clip=0.5)
+    out["interleaved pp2 x tp2"] = train(pp_tp, 3, schedule="interleaved-1f1b",
+                                         stages_per_rank=2, tp_options=both)
+    out["interleaved llama pp2 x tp2"] = train(pp_tp, 2, kind="llama tied, 4 layers",
+                                               schedule="interleaved-1f1b", stages_per_rank=2,
+                                               tp_options=both)
+    out["zero bubble"] = zero_bubble(pp_dp)
     # offload to files (on a CPU model, "cpu" is where the states already are)
     files = {"device": "nvme", "nvme_path": os.path.join(directory, f"nvme{rank}")}
     os.makedirs(files["nvme_path"])
@@ -265,6 +310,30 @@ def test_sequence_and_loss_parallel_under_pp(results):
             results[rank]["odd sequence"]
 
 
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_interleaved_1f1b(results, stage):
+    """Two stages a rank (stages r and r + 2 of 4, one block each), torch's
+    interleaved 1F1B: one process's losses and parameters."""
+    for rank_out in results:
+        check_run(rank_out[("interleaved", stage)])
+        assert sum(name.endswith("q.weight") for name in rank_out[("interleaved", stage)][2]) \
+            == 2
+
+
+def test_looped_bfs_and_interleaved_3d_pieces(results):
+    for rank_out in results:
+        check_run(rank_out["looped bfs"], clip=0.5)
+        check_run(rank_out["interleaved pp2 x tp2"])
+        check_run(rank_out["interleaved llama pp2 x tp2"], kind="llama tied, 4 layers")
+
+
+def test_zero_bubble_composes_at_stage_1_only(results):
+    for rank_out in results:
+        check_run(rank_out["zero bubble"]["stage 1"])
+        assert "ZeRO stage 2 reduces the gradients as a backward ends" in \
+            rank_out["zero bubble"]["stage 2"]
+
+
 def test_offload_to_files_under_pp(results):
     for rank_out in results:
         check_run(rank_out["offload"])
@@ -278,7 +347,11 @@ def test_checkpoints_load_under_other_layouts(results):
     for rank_out in results:
         out = rank_out["checkpoints"]
         assert torch.equal(out["consolidated"]["blocks.3.q.weight"], whole["blocks.3.q.weight"])
-        for label in ("stage", "plain", "pp4 stage3", "pp2 x tp2 stage0", "plain to pp2 x dp2"):
+        for label in ("stage", "plain", "pp4 stage3", "pp2 x tp2 stage0", "plain to pp2 x dp2",
+                      "interleaved pp2 x dp2"):
             for name, value in out[label].items():
                 assert torch.equal(value, whole[name]), (label, name)
         assert set(out["plain"]) == set(whole)
+        assert set(out["interleaved consolidated"]) == set(whole)
+        for name, value in out["interleaved consolidated"].items():
+            assert torch.equal(value, whole[name]), name

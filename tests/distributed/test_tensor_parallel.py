@@ -9,6 +9,10 @@ parallel embedding and tied head), trained by zero.initialize(mesh=...) on
   replicas), and tp=4 alone at stage 1;
 - a tiny HuggingFace Llama (grouped-query attention) split by
   zero.parallel.parallelize_llama, tp=2 x dp=2 at stage 2;
+- Megatron's sequence parallelism (parallelize_gpt/_llama(sequence_
+  parallel=True)): GPT at stage 2, GPT with the vocabulary-parallel loss,
+  AdamW, accumulation and clipping at stage 3, Llama at stage 1, with the
+  residual stream checked to be split by sequence;
 - a tiny HuggingFace GPT-2 (Conv1D layers, q, k and v packed in c_attn,
   a tied head) split by zero.parallel.parallelize_gpt2, tp=2 x dp=2 at
   stage 3, and its checkpoint loaded by 4 plain data-parallel ranks

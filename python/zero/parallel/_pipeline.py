@@ -36,6 +36,9 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from zero.parallel._virtual_stages import (MULTI_STAGE_SCHEDULES, is_chunked,
+                                           multi_stage_schedule, split_into_chunks)
+
 
 @dataclass
 class StageInfo:
@@ -143,9 +146,13 @@ class GPTStage(nn.Module):
         return self.head(self.ln(x)) if self.last else _local_tensor(x)
 
 
-def split_gpt(model: nn.Module, pp_mesh) -> GPTStage:
+def split_gpt(model: nn.Module, pp_mesh, stages_per_rank: int = 1) -> nn.Module:
     """This rank's stage of examples/gpt.py's GPT over `pp_mesh`
-    (mesh["pp"]), by blocks; parameter names kept."""
+    (mesh["pp"]), by blocks; parameter names kept. stages_per_rank > 1:
+    the model cut into pp x stages_per_rank stages, this rank's held by one
+    module, for the interleaved schedules ([Note: stage chunks])."""
+    if type(stages_per_rank) is not int or stages_per_rank != 1:  # split_into_chunks checks
+        return split_into_chunks(GPTStage, model, pp_mesh, stages_per_rank)
     index, count = _stage_of(pp_mesh)
     return GPTStage(model, index, count)
 
@@ -160,6 +167,7 @@ def gpt_loss(logits, labels):
 class _LlamaBody(nn.Module):
     """The `model` of a LlamaForCausalLM stage: its share of the layers,
     under their own indices, and the rotary embedding every stage needs."""
+    _zero_layer_holder = True  # a rank's stages merge theirs ([Note: stage chunks])
 
 
 class LlamaStage(nn.Module):
@@ -207,9 +215,12 @@ class LlamaStage(nn.Module):
         return self.lm_head(self.model.norm(h)) if self.last else _local_tensor(h)
 
 
-def split_llama(model: nn.Module, pp_mesh) -> LlamaStage:
+def split_llama(model: nn.Module, pp_mesh, stages_per_rank: int = 1) -> nn.Module:
     """This rank's stage of a HuggingFace LlamaForCausalLM over `pp_mesh`,
-    by decoder layers; parameter names kept."""
+    by decoder layers; parameter names kept. stages_per_rank: as in
+    split_gpt."""
+    if type(stages_per_rank) is not int or stages_per_rank != 1:  # split_into_chunks checks
+        return split_into_chunks(LlamaStage, model, pp_mesh, stages_per_rank)
     index, count = _stage_of(pp_mesh)
     return LlamaStage(model, index, count)
 
@@ -266,19 +277,40 @@ class _ScaledSteps:
 SCHEDULES = ("gpipe", "1f1b")
 
 
-def pipeline_schedule(engine, pp_mesh, n_microbatches: int, loss_fn, schedule="1f1b"):
-    """torch's pipeline schedule over the engine's stage: `schedule` is
-    "gpipe", "1f1b", or a torch.distributed.pipelining schedule class
-    that takes a single stage. Call schedule.step(ids) on the first stage,
-    schedule.step(target=labels, losses=out) on the last (out: each
-    micro-batch's loss divided by n_microbatches; their sum is the batch's
-    mean loss), schedule.step() on the others; then engine.step()."""
-    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+def _check_schedule_class(schedule, chunked: bool):
+    """A schedule class that takes as many stages as the rank holds."""
     if isinstance(schedule, str):
-        if schedule not in SCHEDULES:
-            raise ValueError(f"schedule must be one of {SCHEDULES} or a schedule class, got "
-                             f"{schedule!r}")
-        schedule = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[schedule]
+        return
+    from torch.distributed.pipelining.schedules import (PipelineScheduleMulti,
+                                                        PipelineScheduleSingle)
+    want = PipelineScheduleMulti if chunked else PipelineScheduleSingle
+    if not (isinstance(schedule, type) and issubclass(schedule, want)):
+        held = "several stages a rank (split with stages_per_rank > 1)" if chunked else \
+            "one stage a rank"
+        raise ValueError(f"schedule {schedule!r} is not a {want.__name__} subclass, and the "
+                         f"engine's model holds {held}")
+
+
+def pipeline_schedule(engine, pp_mesh, n_microbatches: int, loss_fn, schedule=None):
+    """torch's pipeline schedule over the engine's stage: `schedule` is
+    "gpipe", "1f1b" (the default), or a torch.distributed.pipelining
+    schedule class that takes a single stage; for a model split with
+    stages_per_rank > 1, "interleaved-1f1b" (the default), "looped-bfs" or
+    a multi-stage schedule class. Call schedule.step(ids) on the first
+    stage's ranks, schedule.step(target=labels, losses=out) on the last's
+    (out: each micro-batch's loss divided by n_microbatches; their sum is
+    the batch's mean loss), schedule.step() on the others; then
+    engine.step()."""
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+    chunked = is_chunked(engine.module)
+    if schedule is None:
+        schedule = "interleaved-1f1b" if chunked else "1f1b"
+    if isinstance(schedule, str) and not chunked and schedule not in SCHEDULES:
+        hint = " (those take a model split with stages_per_rank > 1)" \
+            if schedule in MULTI_STAGE_SCHEDULES else ""
+        raise ValueError(f"schedule must be one of {SCHEDULES} or a schedule class, got "
+                         f"{schedule!r}{hint}")
+    _check_schedule_class(schedule, chunked)
     if not isinstance(n_microbatches, int) or n_microbatches < 1:
         raise ValueError(f"n_microbatches must be a positive integer, got {n_microbatches!r}")
     if engine.config.gradient_accumulation_steps != 1:
@@ -286,11 +318,16 @@ def pipeline_schedule(engine, pp_mesh, n_microbatches: int, loss_fn, schedule="1
                          "with gradient_accumulation_steps=1 (it is "
                          f"{engine.config.gradient_accumulation_steps}) and call "
                          "engine.step() once per schedule.step()")
-    index, count = _stage_of(pp_mesh)
-    stage = PipelineStage(engine.module, index, count, engine.device,
-                          group=pp_mesh.get_group())
-    built = schedule(stage, n_microbatches,
-                     loss_fn=_PerMicroBatch(loss_fn, n_microbatches, engine), scale_grads=False)
+    per_micro_batch = _PerMicroBatch(loss_fn, n_microbatches, engine)
+    if chunked:
+        built = multi_stage_schedule(engine, pp_mesh, n_microbatches, per_micro_batch, schedule)
+    else:
+        if isinstance(schedule, str):
+            schedule = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[schedule]
+        index, count = _stage_of(pp_mesh)
+        stage = PipelineStage(engine.module, index, count, engine.device,
+                              group=pp_mesh.get_group())
+        built = schedule(stage, n_microbatches, loss_fn=per_micro_batch, scale_grads=False)
     built.step = _ScaledSteps(engine, built.step,
                               getattr(engine.module, "_zero_loss_parallel", False))
     return built

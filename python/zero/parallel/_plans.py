@@ -192,10 +192,12 @@ def _mark(model, tp_mesh, loss_parallel, sequence_parallel):
     into the DTensor its blocks take), and whether its logits stay split
     by vocabulary (pipeline_schedule then runs the loss under torch's
     loss_parallel())."""
-    if sequence_parallel:
-        model._zero_sequence_parallel = tp_mesh
-    if loss_parallel:
-        model._zero_loss_parallel = True
+    # a rank's several stages (split with stages_per_rank > 1) each read it
+    for target in (model, *getattr(model, "stages", ())):
+        if sequence_parallel:
+            target._zero_sequence_parallel = tp_mesh
+        if loss_parallel:
+            target._zero_loss_parallel = True
 
 
 def parallelize_gpt(model: nn.Module, tp_mesh, loss_parallel: bool = False,
