@@ -27,6 +27,9 @@ Accelerator object choose (no torch or transformers global is replaced):
   optimizer part of a checkpoint folder is a zero checkpoint (any world
   size and stage resumes from it) plus the scheduler; the best model is
   loaded from the best folder's zero checkpoint.
+- With zero_options["mesh"] and a tensor-parallel model, the data loaders
+  are sharded over the data-parallel ranks only, and a vocabulary-parallel
+  loss runs under torch's loss_parallel() (_hf_model_parallel.py).
 """
 from __future__ import annotations
 
@@ -43,6 +46,10 @@ from zero.engine._initialize import initialize
 from zero.step._registry import SPECS
 from zero.config._schedulers import SCHEDULER_TYPES, scheduler_from_config
 from zero.config._deepspeed_config import read_deepspeed
+from zero.integrations._hf_model_parallel import (gather_once_per_data_parallel_place, plain,
+                                                  refuse_pipeline,
+                                                  shard_data_over_data_parallel_ranks,
+                                                  vocabulary_parallel)
 
 ZERO_CHECKPOINT_DIR = "zero_checkpoint"
 SCHEDULER_FILE = "scheduler.pt"  # the Trainer's own name for it
@@ -179,6 +186,20 @@ class ZeroTrainerMixin:
             raise ValueError("the config's scheduler block and optimizers=(..., scheduler) "
                              "both give a schedule; keep one")
         self._route_accelerator_to_engine()
+        if options.get("mesh") is not None:
+            refuse_pipeline(self.model, options["mesh"])
+            if shard_data_over_data_parallel_ranks(self.accelerator, options["mesh"]):
+                self.gather_function = gather_once_per_data_parallel_place(self.accelerator,
+                                                                           options["mesh"])
+
+    def training_step(self, *args, **kwargs):
+        with vocabulary_parallel(self.model):
+            loss = super().training_step(*args, **kwargs)
+        return plain(loss)
+
+    def prediction_step(self, *args, **kwargs):
+        with vocabulary_parallel(self.model):
+            return plain(super().prediction_step(*args, **kwargs))
 
     def _config_for_trainer(self, config):
         """A DeepSpeed config given in zero_options, less what the Trainer

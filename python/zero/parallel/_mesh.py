@@ -137,6 +137,28 @@ def _data_parallel(mesh, names) -> MeshGroups:
     return MeshGroups(_default(shard), replicate, group_of_ranks(ranks))
 
 
+def data_parallel_place(mesh) -> tuple:
+    """(this rank's index among the data-parallel ranks, their number) on
+    `mesh` (None: the world, a group, or a mesh of named dimensions): the
+    shard of the data this rank reads. Ranks that differ only in tp or pp
+    read the same batches."""
+    if not dist.is_initialized():
+        return 0, 1
+    if mesh is None:
+        return dist.get_rank(), dist.get_world_size()
+    if isinstance(mesh, dist.ProcessGroup):
+        return dist.get_rank(mesh), dist.get_world_size(mesh)
+    names = tuple(getattr(mesh, "mesh_dim_names", None) or ())
+    if mesh.ndim == 1 and names not in (("tp",), ("pp",)):
+        return mesh.get_local_rank(), mesh.size()
+    index, size = 0, 1
+    for name in DATA_PARALLEL:
+        if name in names:
+            index = index * mesh[name].size() + mesh[name].get_local_rank()
+            size *= mesh[name].size()
+    return index, size
+
+
 def _check_initialized():
     if not dist.is_initialized():
         raise RuntimeError("mesh: the default process group is not initialized; a mesh or "
