@@ -71,7 +71,8 @@ test-py:
 # pins 4.57.6), in a venv that sees everything else installed here.
 HF5_VENV = build/venv-transformers5
 HF5_TESTS = tests/test_hf_trainer.py tests/test_hf_llama.py tests/test_peft_stage3.py \
-	tests/distributed/test_hf_trainer_ranks.py tests/distributed/test_generation.py
+	tests/distributed/test_hf_trainer_ranks.py tests/distributed/test_hf_trainer_tp.py \
+	tests/distributed/test_generation.py
 test-hf5: install
 	$(PYTHON) -m venv --system-site-packages $(HF5_VENV)
 	$(HF5_VENV)/bin/python -m pip install -q "transformers==5.18.0" "setuptools>=77"
