@@ -152,18 +152,28 @@ def checkpoints(directory):
 
 
 def odd_sequence_refused(mesh):
-    """What a first stage split by sequence says to a sequence length tp
-    does not divide (None on the other stages)."""
+    """What every stage's schedule says when the first stage is given a
+    sequence length tp does not divide under sequence parallelism (no
+    stage left waiting), and what the first stage says called alone."""
     import zero
-    part = zero.parallel.split_gpt(make_model(), mesh["pp"])
-    zero.parallel.parallelize_gpt(part, mesh["tp"], sequence_parallel=True)
-    if mesh["pp"].get_local_rank() != 0:
-        return None
+    engine = stage_engine(mesh, 1, tp_options={"sequence_parallel": True})
+    pipe = zero.parallel.pipeline_schedule(engine, mesh["pp"], 2, zero.parallel.gpt_loss)
+    first = mesh["pp"].get_local_rank() == 0
+    ids = torch.zeros(4, CFG.seq - 1, dtype=torch.long)
+    out = {}
     try:
-        part(torch.zeros(2, CFG.seq - 1, dtype=torch.long))
+        pipe.step(ids) if first else pipe.step(target=ids, losses=[])
+        out["schedule"] = "accepted"
     except ValueError as e:
-        return str(e)
-    return "accepted"
+        out["schedule"] = str(e)
+    if first:
+        try:
+            engine.module(ids)
+            out["alone"] = "accepted"
+        except ValueError as e:
+            out["alone"] = str(e)
+    engine.close()
+    return out
 
 
 def zero_bubble(mesh):
@@ -305,9 +315,11 @@ def test_sequence_and_loss_parallel_under_pp(results):
     for rank in (2, 3):
         seen = results[rank]["sequence + loss parallel layouts"]["seen"]
         assert seen["head"] == (("S(2)",), (micro, CFG.seq, CFG.vocab // 2))
+    message = "sequence length 7 is not divisible by the tp size (2)"
+    for rank in (0, 1, 2, 3):
+        assert message in results[rank]["odd sequence"]["schedule"]
     for rank in (0, 1):
-        assert "sequence length 7 is not divisible by the tp size (2)" in \
-            results[rank]["odd sequence"]
+        assert message in results[rank]["odd sequence"]["alone"]
 
 
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])

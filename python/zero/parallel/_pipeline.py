@@ -252,13 +252,31 @@ class _ScaledSteps:
     stage whose logits stay split by vocabulary (parallelized with
     loss_parallel=True) runs the step under torch's loss_parallel(), where
     the schedule computes each micro-batch's loss and its backward; its
-    losses come back as plain tensors."""
+    losses come back as plain tensors. Under sequence parallelism the
+    stages first agree that tp divides the sequence length (a refusal on
+    the first stage alone would leave the others waiting for its sends)."""
 
-    def __init__(self, engine, step, loss_parallel: bool):
+    def __init__(self, engine, step, loss_parallel: bool, pp_mesh):
         self.engine, self.step, self.loss_parallel = engine, step, loss_parallel
+        self.pp_mesh = pp_mesh
+
+    def _agree_on_sequence(self, args):
+        tp_mesh = getattr(self.engine.module, "_zero_sequence_parallel", None)
+        if tp_mesh is None or self.pp_mesh.size() == 1:
+            return
+        import torch.distributed as dist
+        ids = args[0] if args and torch.is_tensor(args[0]) and args[0].dim() >= 2 else None
+        odd = ids.shape[1] if ids is not None and ids.shape[1] % tp_mesh.size() else 0
+        flag = torch.tensor([odd], dtype=torch.int64, device=self.engine.device)
+        dist.all_reduce(flag, dist.ReduceOp.MAX, group=self.pp_mesh.get_group())
+        if flag.item():
+            raise ValueError(f"sequence length {flag.item()} is not divisible by the tp size "
+                             f"({tp_mesh.size()}): under sequence parallelism the pipeline "
+                             "stages exchange even sequence shards")
 
     def __call__(self, *args, losses=None, **kwargs):
         import contextlib
+        self._agree_on_sequence(args)
         scale = self.engine.loss_scale
         if self.loss_parallel:
             from torch.distributed.tensor.parallel import loss_parallel
@@ -329,7 +347,7 @@ def pipeline_schedule(engine, pp_mesh, n_microbatches: int, loss_fn, schedule=No
                               group=pp_mesh.get_group())
         built = schedule(stage, n_microbatches, loss_fn=per_micro_batch, scale_grads=False)
     built.step = _ScaledSteps(engine, built.step,
-                              getattr(engine.module, "_zero_loss_parallel", False))
+                              getattr(engine.module, "_zero_loss_parallel", False), pp_mesh)
     return built
 
 
