@@ -11,8 +11,9 @@ parallel embedding and tied head), trained by zero.initialize(mesh=...) on
   zero.parallel.parallelize_llama, tp=2 x dp=2 at stage 2;
 - Megatron's sequence parallelism (parallelize_gpt/_llama(sequence_
   parallel=True)): GPT at stage 2, GPT with the vocabulary-parallel loss,
-  AdamW, accumulation and clipping at stage 3, Llama at stage 1, with the
-  residual stream checked to be split by sequence;
+  AdamW, accumulation and clipping at stage 3, Llama at stage 1, GPT-2
+  with the vocabulary-parallel loss at stage 3, with the residual stream
+  checked to be split by sequence;
 - a tiny HuggingFace GPT-2 (Conv1D layers, q, k and v packed in c_attn,
   a tied head) split by zero.parallel.parallelize_gpt2, tp=2 x dp=2 at
   stage 3, and its checkpoint loaded by 4 plain data-parallel ranks
@@ -65,7 +66,7 @@ def _engine(mesh, stage, opt="sgd", kind="gpt", **options):
 
 
 # the residual stream after the first block, and the logits
-WATCHED = ("blocks.0", "model.layers.0", "head", "lm_head")
+WATCHED = ("blocks.0", "model.layers.0", "transformer.h.0", "head", "lm_head")
 
 
 def train(mesh, stage, accumulation=1, clip=None, precision="fp32", opt="sgd", kind="gpt",
@@ -202,6 +203,8 @@ def _worker(rank, world, directory):
     out["sequence + loss parallel"] = train(tp2_dp2, 3, opt="adamw", sequence_parallel=True,
                                             loss_parallel=True, accumulation=2, clip=0.5)
     out["llama sequence parallel"] = train(tp2_dp2, 1, kind="llama", sequence_parallel=True)
+    out["gpt2 sequence + loss parallel"] = train(tp2_dp2, 3, kind="gpt2",
+                                                 sequence_parallel=True, loss_parallel=True)
     # on a CPU model, "cpu" is where the states already are: files are the real offload
     files = {"device": "nvme", "nvme_path": os.path.join(directory, f"nvme{rank}")}
     os.makedirs(files["nvme_path"])
@@ -296,6 +299,10 @@ def test_sequence_parallel(results):
     assert results[0]["sequence parallel"][5]["head"] == ("plain", (half_batch, CFG.seq,
                                                                     CFG.vocab))
     assert results[2]["llama sequence parallel"][5]["model.layers.0"] == split
+    gpt2 = results[3]["gpt2 sequence + loss parallel"]
+    _check_run(gpt2, kind="gpt2")
+    assert gpt2[5]["transformer.h.0"] == split
+    assert gpt2[5]["lm_head"] == (("S(2)",), (half_batch, CFG.seq, CFG.vocab // 2))
     seen = results[1]["sequence + loss parallel"][5]
     assert seen["blocks.0"] == (("S(1)",), (half_batch // 2, CFG.seq // 2, CFG.dim))
     assert seen["head"] == (("S(2)",), (half_batch // 2, CFG.seq, CFG.vocab // 2))

@@ -245,27 +245,42 @@ def parallelize_llama(model: nn.Module, tp_mesh, loss_parallel: bool = False,
     return _apply(model, tp_mesh, llama_plan(model, loss_parallel, sequence_parallel), ties)
 
 
-def gpt2_plan(model: nn.Module, loss_parallel: bool = False) -> dict:
+def gpt2_plan(model: nn.Module, loss_parallel: bool = False,
+              sequence_parallel: bool = False) -> dict:
     """The plan for a HuggingFace GPT2LMHeadModel (or GPT2Model):
     transformer.wte vocabulary-parallel, h.*.attn.c_attn column-wise with
     q, k and v each split by heads, h.*.attn.c_proj row-wise, h.*.mlp.c_fc
     column-wise, h.*.mlp.c_proj row-wise, lm_head column-wise (logits
-    gathered). wpe and the LayerNorms stay whole."""
+    gathered). wpe and the LayerNorms stay whole. sequence_parallel: [Note:
+    sequence parallelism]; wpe's output is then split by sequence too, to
+    add to wte's, and each block's norms run on their sequence shards."""
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor.parallel import PrepareModuleOutput, SequenceParallel
     from zero.parallel._conv1d_styles import conv1d_styles
-    Replicate, Colwise, Rowwise = _styles()
+    Replicate = _styles()[0]
     ColwiseConv1D, RowwiseConv1D = conv1d_styles()
+    row = {"output_layouts": Shard(1), "use_local_output": False} if sequence_parallel else {}
     base = "transformer." if hasattr(model, "transformer") else ""
-    plan = {f"{base}wte": Rowwise(input_layouts=Replicate(), output_layouts=Replicate()),
+    plan = {f"{base}wte": _embedding_style(sequence_parallel),
             f"{base}h.*.attn.c_attn": ColwiseConv1D(packed=3),
-            f"{base}h.*.attn.c_proj": RowwiseConv1D(),
+            f"{base}h.*.attn.c_proj": RowwiseConv1D(**row),
             f"{base}h.*.mlp.c_fc": ColwiseConv1D(),
-            f"{base}h.*.mlp.c_proj": RowwiseConv1D()}
+            f"{base}h.*.mlp.c_proj": RowwiseConv1D(**row)}
+    if sequence_parallel:
+        # wpe(position_ids) is (batch or 1, t, width): its sequence is dimension 1
+        plan[f"{base}wpe"] = PrepareModuleOutput(output_layouts=Replicate(),
+                                                 desired_output_layouts=Shard(1),
+                                                 use_local_output=False)
+        for name in ("ln_1", "ln_2"):
+            plan[f"{base}h.*.{name}"] = _shared_replicated(True)
+        plan[f"{base}ln_f"] = SequenceParallel()
     if getattr(model, "lm_head", None) is not None:
-        plan["lm_head"] = _head_style(loss_parallel)
+        plan["lm_head"] = _head_style(loss_parallel, sequence_parallel)
     return plan
 
 
-def parallelize_gpt2(model: nn.Module, tp_mesh, loss_parallel: bool = False) -> nn.Module:
+def parallelize_gpt2(model: nn.Module, tp_mesh, loss_parallel: bool = False,
+                     sequence_parallel: bool = False) -> nn.Module:
     """Split a HuggingFace GPT-2 over `tp_mesh` in place and return it. The
     heads, the MLP width and the vocabulary must divide by tp; each
     attention module then splits its c_attn output at its own heads' width
@@ -273,7 +288,7 @@ def parallelize_gpt2(model: nn.Module, tp_mesh, loss_parallel: bool = False) -> 
     attention) is refused. loss_parallel=True leaves the head's logits
     split by vocabulary (a DTensor): compute the loss and call backward
     inside torch.distributed.tensor.parallel.loss_parallel()
-    (docs/parallel.md)."""
+    (docs/parallel.md). sequence_parallel=True: as in parallelize_gpt."""
     tp = tp_mesh.size()
     cfg = model.config
     if getattr(cfg, "add_cross_attention", False):
@@ -286,7 +301,8 @@ def parallelize_gpt2(model: nn.Module, tp_mesh, loss_parallel: bool = False) -> 
     ties = []
     if getattr(model, "lm_head", None) is not None:
         ties.append((base.wte, "weight", model.lm_head, "weight"))
-    _apply(model, tp_mesh, gpt2_plan(model, loss_parallel), ties)
+    _mark(model, tp_mesh, loss_parallel, sequence_parallel)
+    _apply(model, tp_mesh, gpt2_plan(model, loss_parallel, sequence_parallel), ties)
     for block in base.h:
         # c_attn's output is this rank's [q | k | v] heads: split at their width
         block.attn.split_size = cfg.n_embd // tp
