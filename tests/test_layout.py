@@ -145,4 +145,5 @@ def test_only_comm_and_the_mesh_import_torch_distributed():
     assert sorted(set(found)) == ["zero.comm._comm", "zero.comm._world",
                                   "zero.parallel._mesh"], found
     assert sorted(set(dtensor)) == ["zero.parallel._conv1d_styles", "zero.parallel._pipeline",
-                                    "zero.parallel._plans", "zero.parallel._tensor_parallel"]
+                                    "zero.parallel._plans", "zero.parallel._tensor_parallel",
+                                    "zero.parallel._virtual_stages"]

@@ -22,9 +22,7 @@ parallelize_module): what the Trainer must do differently.
 """
 from __future__ import annotations
 
-import contextlib
-
-from zero.parallel._mesh import data_parallel_place
+from zero.parallel._mesh import data_parallel_place, data_parallel_representatives
 
 
 def refuse_pipeline(model, mesh):
@@ -68,35 +66,13 @@ def shard_data_over_data_parallel_ranks(accelerator, mesh):
     return True
 
 
-def _representatives(mesh) -> list:
-    """The world ranks that stand for each data-parallel place (tp and pp
-    index 0), in data-parallel order."""
-    import itertools
-
-    import torch.distributed as dist
-    if isinstance(mesh, dist.ProcessGroup):
-        return dist.get_process_group_ranks(mesh)
-    names = tuple(getattr(mesh, "mesh_dim_names", None) or ())
-    if mesh.ndim == 1 and names not in (("tp",), ("pp",)):
-        return mesh.mesh.tolist()
-    sizes = dict(zip(names, mesh.mesh.shape))
-    reps = {}
-    for where in itertools.product(*(range(n) for n in mesh.mesh.shape)):
-        at = dict(zip(names, where))
-        if all(at.get(name, 0) == 0 for name in ("tp", "pp")):
-            index = at.get("dp_replicate", 0) * sizes.get("dp_shard", 1) + at.get("dp_shard", 0)
-            reps[index] = int(mesh.mesh[where])
-    return [reps[i] for i in sorted(reps)]
-
-
 def gather_once_per_data_parallel_place(accelerator, mesh):
     """The Trainer's gather_function for evaluation: accelerate's
     gather_for_metrics, its gather keeping the representatives' rows only
     (see the module's comment)."""
     import torch
-    import torch.distributed as dist
-    reps = _representatives(mesh)
-    world = dist.get_world_size()
+    reps = data_parallel_representatives(mesh)
+    world = accelerator.num_processes
 
     def keep(gathered):
         if torch.is_tensor(gathered) and gathered.dim() > 0:
@@ -119,16 +95,6 @@ def gather_once_per_data_parallel_place(accelerator, mesh):
         finally:
             del accelerator.gather  # the class's own again
     return gather_for_metrics
-
-
-def vocabulary_parallel(model):
-    """torch's loss_parallel() context when the model's logits stay split by
-    vocabulary (a plan's loss_parallel=True), else a context that does
-    nothing."""
-    if not getattr(model, "_zero_loss_parallel", False):
-        return contextlib.nullcontext()
-    from torch.distributed.tensor.parallel import loss_parallel
-    return loss_parallel()
 
 
 def plain(value):

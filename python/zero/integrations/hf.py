@@ -48,8 +48,8 @@ from zero.config._schedulers import SCHEDULER_TYPES, scheduler_from_config
 from zero.config._deepspeed_config import read_deepspeed
 from zero.integrations._hf_model_parallel import (gather_once_per_data_parallel_place, plain,
                                                   refuse_pipeline,
-                                                  shard_data_over_data_parallel_ranks,
-                                                  vocabulary_parallel)
+                                                  shard_data_over_data_parallel_ranks)
+from zero.parallel._tensor_parallel import vocabulary_parallel
 
 ZERO_CHECKPOINT_DIR = "zero_checkpoint"
 SCHEDULER_FILE = "scheduler.pt"  # the Trainer's own name for it

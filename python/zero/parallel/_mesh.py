@@ -159,6 +159,27 @@ def data_parallel_place(mesh) -> tuple:
     return index, size
 
 
+def data_parallel_representatives(mesh) -> list:
+    """The global ranks that stand for each data-parallel place of `mesh`
+    (tp and pp index 0), in data-parallel order (data_parallel_place's)."""
+    import itertools
+    if mesh is None:
+        return list(range(dist.get_world_size()))
+    if isinstance(mesh, dist.ProcessGroup):
+        return dist.get_process_group_ranks(mesh)
+    names = tuple(getattr(mesh, "mesh_dim_names", None) or ())
+    if mesh.ndim == 1 and names not in (("tp",), ("pp",)):
+        return mesh.mesh.tolist()
+    sizes = dict(zip(names, mesh.mesh.shape))
+    reps = {}
+    for where in itertools.product(*(range(n) for n in mesh.mesh.shape)):
+        at = dict(zip(names, where))
+        if all(at.get(name, 0) == 0 for name in MODEL_PARALLEL):
+            index = at.get("dp_replicate", 0) * sizes.get("dp_shard", 1) + at.get("dp_shard", 0)
+            reps[index] = int(mesh.mesh[where])
+    return [reps[i] for i in sorted(reps)]
+
+
 def _check_initialized():
     if not dist.is_initialized():
         raise RuntimeError("mesh: the default process group is not initialized; a mesh or "

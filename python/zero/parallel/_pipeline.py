@@ -31,26 +31,13 @@ through the stages.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import torch
 from torch import nn
 
+from zero.parallel._stage_info import StageInfo
+from zero.parallel._tensor_parallel import vocabulary_parallel
 from zero.parallel._virtual_stages import (MULTI_STAGE_SCHEDULES, is_chunked,
                                            multi_stage_schedule, split_into_chunks)
-
-
-@dataclass
-class StageInfo:
-    """What a stage module made by split_gpt / split_llama tells the
-    engine: its place, its tied copies (its parameter name -> the name of
-    the parameter it copies, which the first stage holds), and the names
-    of the model's parameters tied across stages (the same on every
-    stage, so all take part in their sums)."""
-    index: int
-    count: int
-    ties: dict = field(default_factory=dict)
-    tied: tuple = ()
 
 
 def _stage_of(pp_mesh):
@@ -256,34 +243,25 @@ class _ScaledSteps:
     stages first agree that tp divides the sequence length (a refusal on
     the first stage alone would leave the others waiting for its sends)."""
 
-    def __init__(self, engine, step, loss_parallel: bool, pp_mesh):
-        self.engine, self.step, self.loss_parallel = engine, step, loss_parallel
-        self.pp_mesh = pp_mesh
+    def __init__(self, engine, step, pp_mesh):
+        self.engine, self.step, self.pp_mesh = engine, step, pp_mesh
 
     def _agree_on_sequence(self, args):
         tp_mesh = getattr(self.engine.module, "_zero_sequence_parallel", None)
         if tp_mesh is None or self.pp_mesh.size() == 1:
             return
-        import torch.distributed as dist
         ids = args[0] if args and torch.is_tensor(args[0]) and args[0].dim() >= 2 else None
         odd = ids.shape[1] if ids is not None and ids.shape[1] % tp_mesh.size() else 0
-        flag = torch.tensor([odd], dtype=torch.int64, device=self.engine.device)
-        dist.all_reduce(flag, dist.ReduceOp.MAX, group=self.pp_mesh.get_group())
-        if flag.item():
-            raise ValueError(f"sequence length {flag.item()} is not divisible by the tp size "
+        odd = max(self.engine._pipeline.comm.gather_scalars(odd))
+        if odd:
+            raise ValueError(f"sequence length {odd} is not divisible by the tp size "
                              f"({tp_mesh.size()}): under sequence parallelism the pipeline "
                              "stages exchange even sequence shards")
 
     def __call__(self, *args, losses=None, **kwargs):
-        import contextlib
         self._agree_on_sequence(args)
         scale = self.engine.loss_scale
-        if self.loss_parallel:
-            from torch.distributed.tensor.parallel import loss_parallel
-            context = loss_parallel()
-        else:
-            context = contextlib.nullcontext()
-        with context:
+        with vocabulary_parallel(self.engine.module):
             out = self.step(*args, losses=losses, **kwargs)
         self.engine._scaled_backward = True
         if losses is not None:
@@ -346,8 +324,7 @@ def pipeline_schedule(engine, pp_mesh, n_microbatches: int, loss_fn, schedule=No
         stage = PipelineStage(engine.module, index, count, engine.device,
                               group=pp_mesh.get_group())
         built = schedule(stage, n_microbatches, loss_fn=per_micro_batch, scale_grads=False)
-    built.step = _ScaledSteps(engine, built.step,
-                              getattr(engine.module, "_zero_loss_parallel", False), pp_mesh)
+    built.step = _ScaledSteps(engine, built.step, pp_mesh)
     return built
 
 

@@ -259,6 +259,18 @@ class TensorParallelLayout:
                     for k, v in state.items()}
 
 
+def vocabulary_parallel(model: nn.Module):
+    """torch's loss_parallel() context when the model's logits stay split
+    by vocabulary (a plan's loss_parallel=True), else one that does
+    nothing: where a pipeline schedule or the HuggingFace Trainer computes
+    the loss and its backward."""
+    import contextlib
+    if not getattr(model, "_zero_loss_parallel", False):
+        return contextlib.nullcontext()
+    from torch.distributed.tensor.parallel import loss_parallel
+    return loss_parallel()
+
+
 def tensor_parallel_mesh(model: nn.Module):
     """The mesh of the model's first DTensor parameter (None: it has none)."""
     return next((p.device_mesh for p in model.parameters() if is_dtensor(p)), None)

@@ -20,6 +20,8 @@ from __future__ import annotations
 
 from torch import nn
 
+from zero.parallel._stage_info import StageInfo
+
 # torch's schedules that take several stages a rank placed by loop
 MULTI_STAGE_SCHEDULES = ("interleaved-1f1b", "looped-bfs")
 
@@ -62,7 +64,6 @@ class StageChunks(nn.Module):
 
     def __init__(self, stages: list, rank: int, pp: int):
         super().__init__()
-        from zero.parallel._pipeline import StageInfo
         if not stages:
             raise ValueError("no stages to hold")
         for stage in stages:
