@@ -151,12 +151,18 @@ def data_parallel_place(mesh) -> tuple:
     names = tuple(getattr(mesh, "mesh_dim_names", None) or ())
     if mesh.ndim == 1 and names not in (("tp",), ("pp",)):
         return mesh.get_local_rank(), mesh.size()
-    index, size = 0, 1
-    for name in DATA_PARALLEL:
-        if name in names:
-            index = index * mesh[name].size() + mesh[name].get_local_rank()
-            size *= mesh[name].size()
-    return index, size
+    sizes = dict(zip(names, mesh.mesh.shape))
+    at = {name: mesh[name].get_local_rank() for name in DATA_PARALLEL if name in names}
+    size = 1
+    for name in at:
+        size *= sizes[name]
+    return _data_parallel_index(at, sizes), size
+
+
+def _data_parallel_index(at: dict, sizes: dict) -> int:
+    """The data-parallel index of the mesh coordinates `at` (dimension name
+    -> index; sizes: dimension name -> size): replicas major, shards minor."""
+    return at.get("dp_replicate", 0) * sizes.get("dp_shard", 1) + at.get("dp_shard", 0)
 
 
 def data_parallel_representatives(mesh) -> list:
@@ -175,8 +181,7 @@ def data_parallel_representatives(mesh) -> list:
     for where in itertools.product(*(range(n) for n in mesh.mesh.shape)):
         at = dict(zip(names, where))
         if all(at.get(name, 0) == 0 for name in MODEL_PARALLEL):
-            index = at.get("dp_replicate", 0) * sizes.get("dp_shard", 1) + at.get("dp_shard", 0)
-            reps[index] = int(mesh.mesh[where])
+            reps[_data_parallel_index(at, sizes)] = int(mesh.mesh[where])
     return [reps[i] for i in sorted(reps)]
 
 

@@ -72,9 +72,13 @@ def _check_sequence(stage, ids):
     even ones on the next stage."""
     mesh = getattr(stage, "_zero_sequence_parallel", None)
     if mesh is not None and not stage.last and ids.shape[1] % mesh.size():
-        raise ValueError(f"sequence length {ids.shape[1]} is not divisible by the tp size "
-                         f"({mesh.size()}): under sequence parallelism the pipeline stages "
-                         "exchange even sequence shards")
+        raise _uneven_sequence(ids.shape[1], mesh.size())
+
+
+def _uneven_sequence(length: int, tp: int) -> ValueError:
+    return ValueError(f"sequence length {length} is not divisible by the tp size ({tp}): "
+                      "under sequence parallelism the pipeline stages exchange even sequence "
+                      "shards")
 
 
 def _local_tensor(x):
@@ -254,9 +258,7 @@ class _ScaledSteps:
         odd = ids.shape[1] if ids is not None and ids.shape[1] % tp_mesh.size() else 0
         odd = max(self.engine._pipeline.comm.gather_scalars(odd))
         if odd:
-            raise ValueError(f"sequence length {odd} is not divisible by the tp size "
-                             f"({tp_mesh.size()}): under sequence parallelism the pipeline "
-                             "stages exchange even sequence shards")
+            raise _uneven_sequence(odd, tp_mesh.size())
 
     def __call__(self, *args, losses=None, **kwargs):
         self._agree_on_sequence(args)
@@ -265,8 +267,9 @@ class _ScaledSteps:
             out = self.step(*args, losses=losses, **kwargs)
         self.engine._scaled_backward = True
         if losses is not None:
-            losses[:] = [_local_tensor(loss) / scale if scale != 1.0 else
-                         _local_tensor(loss) for loss in losses]
+            losses[:] = [_local_tensor(loss) for loss in losses]
+            if scale != 1.0:
+                losses[:] = [loss / scale for loss in losses]
         return out
 
 

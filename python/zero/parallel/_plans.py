@@ -17,7 +17,8 @@ parallelize_module gives each module a DTensor of its own, so the plan
 ties them again (both are split by vocabulary rows, Shard(0)).
 
 [Note: sequence parallelism] sequence_parallel=True adds Megatron-LM's
-sequence parallelism (Korthikanti et al. 2022) to the GPT and Llama plans:
+sequence parallelism (Korthikanti et al. 2022) to the GPT, Llama and GPT-2
+plans:
 between the tensor-parallel regions the residual stream, the norms and
 their activations are split by sequence over tp instead of repeated on
 every tp rank, so those activations take 1/tp of the memory. The
@@ -85,14 +86,24 @@ def _embedding_style(sequence_parallel: bool):
     return Rowwise(input_layouts=Replicate(), output_layouts=Replicate())
 
 
-def _row_style(sequence_parallel: bool):
-    """A row-parallel output projection: its partial sums all-reduced, or
+def _row_style(sequence_parallel: bool, style=None):
+    """A row-parallel output projection (torch's RowwiseParallel, or
+    `style`, its Conv1D twin): its partial sums all-reduced, or
     reduce-scattered into the residual stream's sequence shards."""
     from torch.distributed.tensor import Shard
-    _, _, Rowwise = _styles()
+    style = style or _styles()[2]
     if sequence_parallel:
-        return Rowwise(output_layouts=Shard(1), use_local_output=False)
-    return Rowwise()
+        return style(output_layouts=Shard(1), use_local_output=False)
+    return style()
+
+
+def _positions_by_sequence(dim: int):
+    """A position embedding's output (whole on every tp rank) split by
+    sequence along `dim`, to add to the embedding's sequence shards."""
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor.parallel import PrepareModuleOutput
+    return PrepareModuleOutput(output_layouts=_styles()[0](), desired_output_layouts=Shard(dim),
+                               use_local_output=False)
 
 
 def gpt_plan(loss_parallel: bool = False, sequence_parallel: bool = False) -> dict:
@@ -105,16 +116,13 @@ def gpt_plan(loss_parallel: bool = False, sequence_parallel: bool = False) -> di
     position embedding's output is then split by sequence too, to add to
     the embedding's."""
     from torch.distributed.tensor import Shard
-    from torch.distributed.tensor.parallel import PrepareModuleOutput, SequenceParallel
-    Replicate, Colwise, _ = _styles()
+    from torch.distributed.tensor.parallel import SequenceParallel
+    _, Colwise, _ = _styles()
     plan = {"embed": _embedding_style(sequence_parallel),
             "head": _head_style(loss_parallel, sequence_parallel),
             "blocks.*.ln1": _shared_replicated(sequence_parallel)}
     if sequence_parallel:
-        # pos(arange(t)) is (t, dim): its sequence is dimension 0
-        plan["pos"] = PrepareModuleOutput(output_layouts=Replicate(),
-                                          desired_output_layouts=Shard(0),
-                                          use_local_output=False)
+        plan["pos"] = _positions_by_sequence(0)  # pos(arange(t)) is (t, dim)
         plan["blocks.*.ln2"] = SequenceParallel()
         plan["ln"] = SequenceParallel()
         # the MLP's input gathered once from the sequence shards
@@ -254,23 +262,18 @@ def gpt2_plan(model: nn.Module, loss_parallel: bool = False,
     gathered). wpe and the LayerNorms stay whole. sequence_parallel: [Note:
     sequence parallelism]; wpe's output is then split by sequence too, to
     add to wte's, and each block's norms run on their sequence shards."""
-    from torch.distributed.tensor import Shard
-    from torch.distributed.tensor.parallel import PrepareModuleOutput, SequenceParallel
+    from torch.distributed.tensor.parallel import SequenceParallel
     from zero.parallel._conv1d_styles import conv1d_styles
-    Replicate = _styles()[0]
     ColwiseConv1D, RowwiseConv1D = conv1d_styles()
-    row = {"output_layouts": Shard(1), "use_local_output": False} if sequence_parallel else {}
     base = "transformer." if hasattr(model, "transformer") else ""
     plan = {f"{base}wte": _embedding_style(sequence_parallel),
             f"{base}h.*.attn.c_attn": ColwiseConv1D(packed=3),
-            f"{base}h.*.attn.c_proj": RowwiseConv1D(**row),
+            f"{base}h.*.attn.c_proj": _row_style(sequence_parallel, RowwiseConv1D),
             f"{base}h.*.mlp.c_fc": ColwiseConv1D(),
-            f"{base}h.*.mlp.c_proj": RowwiseConv1D(**row)}
+            f"{base}h.*.mlp.c_proj": _row_style(sequence_parallel, RowwiseConv1D)}
     if sequence_parallel:
-        # wpe(position_ids) is (batch or 1, t, width): its sequence is dimension 1
-        plan[f"{base}wpe"] = PrepareModuleOutput(output_layouts=Replicate(),
-                                                 desired_output_layouts=Shard(1),
-                                                 use_local_output=False)
+        # wpe(position_ids) is (batch or 1, t, width)
+        plan[f"{base}wpe"] = _positions_by_sequence(1)
         for name in ("ln_1", "ln_2"):
             plan[f"{base}h.*.{name}"] = _shared_replicated(True)
         plan[f"{base}ln_f"] = SequenceParallel()

@@ -53,16 +53,14 @@ class SavedParameters:
         kind = type(packed)  # the common case first: a tensor saved as it is
         if kind is _SavedByOuter:
             return packed.unpack(packed.packed)
-        if kind is _SavedAsIs:
-            self._refuse_if_removed()
-            self.begin_backward()
-            if packed.tensor._version != packed.version:
-                _modified_in_place(packed.tensor, packed.version)
-            return packed.tensor
-        if kind is not _SavedInUnit and kind is not _SavedView:
+        if kind is not _SavedInUnit and kind is not _SavedView and kind is not _SavedAsIs:
             return packed
         self._refuse_if_removed()
         self.begin_backward()
+        if kind is _SavedAsIs:
+            if packed.tensor._version != packed.version:
+                _modified_in_place(packed.tensor, packed.version)
+            return packed.tensor
         self.ensure(packed.fg, packed.unit)
         if kind is _SavedView:
             return packed.tensor
