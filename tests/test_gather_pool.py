@@ -111,3 +111,25 @@ def test_parameter_views_are_made_once_per_buffer(monkeypatch):
     engine.close()
     assert all(gathers > 0 for _, gathers in per_step)
     assert per_step[-1][0] == 0, per_step  # every gather found its views made
+
+
+def test_a_pooled_release_reuses_its_spare_buffer():
+    """A release into the pool leaves the unit a `full` without bytes;
+    that tensor is kept and handed back at the next such release (no
+    allocation a release once the pool serves the gathers), and never
+    holds bytes while a unit is released."""
+    model = tiny_gpt2()
+    engine = zero.initialize(model, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-2),
+                             stage=3, stage3_param_persistence_threshold=0)
+    units = [u for fg in engine.all_groups for u in fg.units if not u.persistent]
+    g = torch.Generator().manual_seed(3)
+    spares = []
+    for _ in range(4):
+        ids = torch.randint(0, 64, (2, 16), generator=g)
+        engine.backward(engine(input_ids=ids, labels=ids).loss)
+        engine.step()
+        for u in units:
+            assert not u.gathered and u.full.untyped_storage().nbytes() == 0
+        spares.append([id(u._spare) for u in units])
+    assert spares[-1] == spares[-2]
+    engine.close()

@@ -293,6 +293,32 @@ def test_parameter_changed_in_place_before_backward_is_caught(persistent):
     engine.close()
 
 
+@pytest.mark.parametrize("changed_by", ["step", "gathered block"])
+def test_a_released_parameter_saved_itself_is_version_checked(changed_by):
+    """x * scale saves the parameter itself, not a view of it (the saved
+    tensor kept as the parameter, [Note: saved parameters]): a change made
+    where stage 3 keeps it (the step; a GatheredParameters block with
+    modifier_rank) between the forward and the backward is refused, as
+    torch refuses it without stage 3."""
+    model, _ref = pair(GatedNet, "mul")
+    engine = zero.initialize(model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                             stage=3, **RELEASED)
+    engine.backward(engine(torch.randn(5, 8), True).square().mean())  # grads for the step
+    loss = engine(torch.randn(5, 8), True).square().mean()
+    if changed_by == "step":
+        engine.step()
+    else:
+        with zero.GatheredParameters([model.inner.scale], modifier_rank=0):
+            with torch.no_grad():
+                model.inner.scale.mul_(2)
+    # the step changes every parameter (the head's weight is read first)
+    shape = "" if changed_by == "step" else ": a parameter of shape \\(8,\\)"
+    with pytest.raises(RuntimeError, match="modified by an inplace operation" + shape):
+        engine.backward(loss)
+    engine.zero_grad()
+    engine.close()
+
+
 @pytest.mark.parametrize("stage", [0, 1, 2])
 def test_gradient_penalty_below_stage_3(stage):
     """Stages 0-2 keep every parameter, so a double backward (the gradient

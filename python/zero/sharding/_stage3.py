@@ -47,6 +47,7 @@ from torch.autograd.graph import register_multi_grad_hook, saved_tensors_hooks
 from zero.sharding._copying import ModuleHook
 from zero.sharding._outputs import detach_from_units, tensors_in
 from zero.sharding._param_writes import check_released_untouched
+from zero.sharding._pass_order import PassOrder
 from zero.sharding._saved_parameters import SavedParameters, outer_saved_tensors_hooks
 from zero.sharding._step_agreement import agree_on_call
 from zero.sharding._units import GatherPool, storage_key
@@ -55,7 +56,7 @@ from zero.sharding._units import GatherPool, storage_key
 _HASH_MOD = (1 << 61) - 1
 
 
-class Stage3Schedule(SavedParameters):
+class Stage3Schedule(SavedParameters, PassOrder):
     def __init__(self, root, groups, comm, config, backward, roots):
         """roots: the _unit_roots.UnitRoots the units were made from."""
         self.comm = comm
@@ -75,6 +76,7 @@ class Stage3Schedule(SavedParameters):
         self.counts = {"prefetched": 0, "on_demand": 0}  # gathers since the last step
         self.phase = None
         self.recorded = {"forward": None, "backward": None}
+        self._in_order = {}  # id(a recorded order) -> _released_in_order's answer
         self.current, self.pos, self.diverged = [], 0, True
         self.pass_hash = 0
         self.hooks = []
@@ -190,6 +192,7 @@ class Stage3Schedule(SavedParameters):
         if not any(m is module for m in self.root.modules()):
             raise ValueError(f"{type(module).__name__} is not a module of the wrapped model")
         entry = self.place[id(param)]
+        self._in_order = {}
         if module not in self.units_of:
             self._hook_module(module, [entry])
         elif all(u is not entry[1] for _fg, u in self.units_of[module]):
@@ -267,16 +270,7 @@ class Stage3Schedule(SavedParameters):
     def _grads_done(self, unit):
         self.release(unit)
 
-    # ---- order recording and prefetch ------------------------------------------
-
-    def _start_pass(self, phase):
-        if phase == "forward":
-            self.release_with = {}  # a forward without a backward leaves entries
-        self.pass_hash = 0
-        self.phase = phase
-        self.current = []
-        self.pos = 0
-        self.diverged = self.recorded[phase] is None
+    # ---- agreement between ranks ------------------------------------------------
 
     def _agree_on_forward(self):
         """The forward's gathers are collectives: a rank that is in another
@@ -299,49 +293,6 @@ class Stage3Schedule(SavedParameters):
                 "model). Each module's gather is a collective: every rank must run the same "
                 "modules in the same order (a mixture of experts: name its block in "
                 "stage3_leaf_modules). The values of this pass are not to be trusted.")
-
-    def _end_pass(self):
-        if self.recorded[self.phase] != self.current:
-            self.recorded[self.phase] = self.current
-        self.phase = None
-
-    def _advance(self, index):
-        if self.phase is None:
-            return
-        self.current.append(index)
-        recorded = self.recorded[self.phase]
-        if self.diverged:
-            return
-        if self.pos < len(recorded) and recorded[self.pos] == index:
-            self.pos += 1
-            self._prefetch(recorded)
-        else:
-            self.diverged = True
-
-    def _prefetch(self, recorded):
-        """Issue the gathers of the modules that come next, while the
-        elements gathered ahead of use fit in max_prefetch and all live
-        elements in max_live."""
-        ahead = 0
-        for j in range(self.pos, len(recorded)):
-            for fg, unit in self.units_of[self.modules[recorded[j]]]:
-                if unit.persistent:
-                    continue
-                if unit.gathered or unit.work is not None:
-                    if unit.work is not None and fg.param_files is not None and \
-                            unit.work.is_completed():
-                        # a shard on a disk: its chunk unmapped once the
-                        # gather is done, not at the unit's first use
-                        self.ensure(fg, unit)
-                    if unit.active == 0:
-                        ahead += unit.total
-                    continue
-                if ahead + unit.total > self.max_prefetch or \
-                        self.live + unit.total > self.max_live:
-                    return
-                self.counts["prefetched"] += 1
-                self._gather(fg, unit, async_op=True)
-                ahead += unit.total
 
     # ---- hooks ------------------------------------------------------------------
 
@@ -470,7 +421,11 @@ class Stage3Schedule(SavedParameters):
         return warn_if_released
 
     def _hook_before_accumulate(self, fg, unit):
+        lifecycle = self.backward
+
         def before_accumulate(_grad):
+            if unit.gathered and lifecycle.running:
+                return  # the usual case, once per parameter a backward: kept lean
             self.begin_backward()
             # torch's accumulation lays the gradient out like the parameter,
             # which must then be the gathered one, not the placeholder

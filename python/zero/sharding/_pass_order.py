@@ -1,0 +1,77 @@
+"""Stage 3's pass order: each forward and backward records the modules it
+runs, and the next pass of the same kind prefetches along that record
+([Note: stage 3 hooks] in _stage3.py: the collective order). Mixed into
+Stage3Schedule, which holds the state these methods read."""
+from __future__ import annotations
+
+
+class PassOrder:
+    """Mixed into Stage3Schedule: recording a pass and prefetching along
+    the last one recorded."""
+
+    def _start_pass(self, phase):
+        if phase == "forward":
+            self.release_with = {}  # a forward without a backward leaves entries
+        self.pass_hash = 0
+        self.phase = phase
+        self.current = []
+        self.pos = 0
+        self.diverged = self.recorded[phase] is None
+
+    def _end_pass(self):
+        if self.recorded[self.phase] != self.current:
+            self.recorded[self.phase] = self.current
+            self._in_order = {}
+        self.phase = None
+
+    def _advance(self, index):
+        if self.phase is None:
+            return
+        self.current.append(index)
+        recorded = self.recorded[self.phase]
+        if self.diverged:
+            return
+        if self.pos < len(recorded) and recorded[self.pos] == index:
+            self.pos += 1
+            self._prefetch(recorded)
+        else:
+            self.diverged = True
+
+    def _prefetch(self, recorded):
+        """Issue the gathers of the modules that come next, while the
+        elements gathered ahead of use fit in max_prefetch and all live
+        elements in max_live."""
+        entries, starts = self._released_in_order(recorded)
+        ahead = 0
+        for k in range(starts[self.pos], len(entries)):
+            fg, unit = entries[k]
+            if unit.gathered or unit.work is not None:
+                if unit.work is not None and fg.param_files is not None and \
+                        unit.work.is_completed():
+                    # a shard on a disk: its chunk unmapped once the
+                    # gather is done, not at the unit's first use
+                    self.ensure(fg, unit)
+                if unit.active == 0:
+                    ahead += unit.total
+                continue
+            if ahead + unit.total > self.max_prefetch or \
+                    self.live + unit.total > self.max_live:
+                return
+            self.counts["prefetched"] += 1
+            self._gather(fg, unit, async_op=True)
+            ahead += unit.total
+
+    def _released_in_order(self, recorded):
+        """The units a recorded pass gathers and releases (persistent ones
+        left out), in its order, and where each of its modules' start:
+        made once per recorded order, as _prefetch runs at every module."""
+        made = self._in_order.get(id(recorded))
+        if made is None or made[0] is not recorded:
+            entries, starts = [], []
+            for index in recorded:
+                starts.append(len(entries))
+                entries.extend((fg, unit) for fg, unit in self.units_of[self.modules[index]]
+                               if not unit.persistent)
+            starts.append(len(entries))
+            made = self._in_order[id(recorded)] = (recorded, entries, starts)
+        return made[1], made[2]
