@@ -119,6 +119,7 @@ class BucketReducer:
 
     def reset_buckets(self):
         self.core.reset(bytes(self.expected))
+        self.spare = None  # [Note: a spare bucket]: within one backward only
         # what is still in flight (none but after an abandoned backward)
         self.live_elements = sum(f[1].numel() for f in self.in_flight)
         self.stalled = False  # see _wait_a_while
@@ -138,7 +139,23 @@ class BucketReducer:
     def _bucket_buffer(self, n):
         # in the compute dtype, whatever the partition accumulates in:
         # what travels is what backward produced
+        spare, self.spare = self.spare, None
+        if spare is not None and spare.numel() == n:
+            return spare.zero_()
         return torch.zeros(n, dtype=self.fg.compute_dtype, device=self.fg.device)
+
+    # [Note: a spare bucket] On the CPU a freed bucket goes back to the
+    # kernel (glibc maps blocks over 32 MiB, and smaller ones under a
+    # pinned MALLOC_MMAP_THRESHOLD_) and the next is faulted in page by
+    # page: 2.5 ms a 6 MiB bucket in bench/train.py's stage 3, a tenth of
+    # its backward's overhead. So the last bucket retired is kept for the
+    # next of the same size within a backward. Never more held than
+    # without it: a bucket of another size drops it before allocating, and
+    # the end of the backward drops it. (A GPU's caching allocator already
+    # reuses blocks.)
+    def _keep_spare(self, staging):
+        if staging.device.type == "cpu":
+            self.spare = staging
 
     def _send_bucket(self, b, staging):
         self._launch(b, staging)
@@ -185,12 +202,12 @@ class BucketReducer:
         `wait`; else the complete ones, waiting (a while: [Note: rank-local
         gradients]) only while more than MAX_IN_FLIGHT are left."""
         while self.in_flight:
-            works, _staging, mine = self.in_flight[0]
+            works, staging, mine = self.in_flight[0]
             if not wait and not _complete(works) and \
                     (len(self.in_flight) <= MAX_IN_FLIGHT or not self._wait_a_while(works)):
                 return
             self.in_flight.pop(0)
-            self.live_elements -= _staging.numel()
+            self.live_elements -= staging.numel()
             for w in works:
                 if w is not None:
                     w.wait()
@@ -200,6 +217,7 @@ class BucketReducer:
                 # a partition on the host ([Note: parameters off the
                 # device] in _param_staging.py): the portion goes there first
                 part[off:off + portion.numel()].add_(portion.to(part.device))
+            self._keep_spare(staging)
 
     def _wait_a_while(self, works) -> bool:
         """True once `works` are complete; False after STALL_SECONDS, and
