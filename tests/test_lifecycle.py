@@ -323,6 +323,56 @@ def test_a_refused_step_changes_nothing(stage):
 
 
 @pytest.mark.parametrize("stage", STAGES)
+def test_changes_after_steps_still_reach_the_whole_check(stage, monkeypatch):
+    """[Note: the unchanged check]: once a step has passed, the next
+    compare a snapshot instead of walking the model; each change that the
+    walk refuses still reaches it, even one torch has no hook for (a
+    write into _modules or _parameters)."""
+    from zero.engine import _unchanged
+    walks = [0]
+    walk = _unchanged._check_every_parameter
+
+    def counted(engine):
+        walks[0] += 1
+        walk(engine)
+    monkeypatch.setattr(_unchanged, "_check_every_parameter", counted)
+    model = _model()
+    engine = _engine(model, stage)
+    x, y = _batch(0)
+
+    def one_step():
+        engine.backward(_loss(engine(x), y))
+        engine.step()
+    for _ in range(3):
+        one_step()
+    assert walks[0] == 1  # the first step walks; the others compare
+
+    model[2].weight.requires_grad_(False)
+    with pytest.raises(RuntimeError, match=r"'2.weight' was set to requires_grad=False"):
+        one_step()
+    model[2].weight.requires_grad_(True)
+    engine.zero_grad()
+    one_step()
+
+    model[0]._modules["side"] = nn.Linear(2, 2)  # no registration hook runs
+    with pytest.raises(RuntimeError, match=r"'0.side.weight' requires grad, but was frozen"):
+        one_step()
+    del model[0]._modules["side"]
+    engine.zero_grad()
+    one_step()
+
+    bias = model[4]._parameters["bias"]
+    model[4]._parameters["bias"] = nn.Parameter(torch.zeros(3))
+    with pytest.raises(RuntimeError, match=r"'4.bias' requires grad, but was frozen"):
+        one_step()
+    model[4]._parameters["bias"] = bias
+    engine.zero_grad()
+    one_step()
+    assert walks[0] == 4  # and one for each refusal; undone, the snapshot holds again
+    engine.close()
+
+
+@pytest.mark.parametrize("stage", STAGES)
 def test_changes_to_what_trains_are_refused(stage):
     model = _model()
     model[0].requires_grad_(False)

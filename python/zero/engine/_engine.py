@@ -35,8 +35,8 @@ from zero.engine._construction import (apply_aio, broadcast_buffer, cast_module,
                                        param_files, units_of)
 from zero.engine._handback import hand_back
 from zero.engine._reports import EngineReports
-from zero.engine._routes import (call_alive, check_optimizer_unchanged, guard_optimizer,
-                                 on_each_grad)
+from zero.engine._routes import call_alive, guard_optimizer, on_each_grad
+from zero.engine._unchanged import check_optimizer_unchanged
 from zero.sharding._copying import ModuleHook
 from zero.sharding._flat_group import FlatGroup
 from zero.offload import _param_staging

@@ -126,42 +126,6 @@ def guard_optimizer(engine):
             sub.zero_grad = types.MethodType(submodule_zero_grad, sub)
             engine._hooks.append(AttributeRemoval(sub, "zero_grad"))
 
-def check_optimizer_unchanged(engine):
-    """The engine laid out its partitions and states for the optimizer's
-    groups and the trainable parameters as they were at initialize: a
-    change since would be ignored silently, so it is refused."""
-    groups = engine.optimizer.param_groups
-    if len(groups) != engine._param_groups_seen:
-        raise RuntimeError(
-            f"the optimizer has {len(groups)} param groups, but had "
-            f"{engine._param_groups_seen} at zero.initialize (add_param_group after "
-            "initialize): the engine partitions only the groups it was given. Call "
-            "zero.initialize again with the optimizer as it is now")
-    for fg in engine.groups:
-        missing = set(engine._spec.states(groups[fg.index])) - set(fg.states)
-        if missing:
-            raise ValueError(
-                f"param group {fg.index} now needs optimizer state {sorted(missing)} "
-                "(amsgrad or momentum turned on after zero.initialize), which the engine "
-                "did not allocate: set it before initialize, or call zero.initialize again")
-    for name, p in engine.module.named_parameters():
-        place = getattr(p, "_zero_place", None)
-        trained = place is not None and place.engine() is engine and place.fg.trainable
-        if p.requires_grad and not trained and p.is_floating_point():
-            raise RuntimeError(
-                f"parameter '{name}' requires grad, but was frozen (or not in the model) at "
-                "zero.initialize, so the engine does not train it. Call zero.initialize "
-                "again after changing which parameters train (DeepSpeed too builds its "
-                "partitions once, at initialize, and does not follow a later change; zero "
-                "refuses rather than train other parameters than you set)")
-        if trained and not p.requires_grad:
-            raise RuntimeError(
-                f"parameter '{name}' was set to requires_grad=False after zero.initialize; "
-                "the engine would still update it. Call zero.initialize again after "
-                "changing which parameters train (DeepSpeed too builds its partitions once, "
-                "at initialize, and does not follow a later change; zero refuses rather "
-                "than train other parameters than you set)")
-
 
 def on_each_grad(engine, fg, body):
     """body(engine, fg, i) once parameter i of fg has its gradient
