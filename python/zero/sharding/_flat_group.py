@@ -32,6 +32,7 @@ import zero._C as _C
 from zero.sharding._partitioned_init import take_values
 from zero.offload._mapped import release_freed_memory
 from zero.offload._param_staging import host_buffer
+from zero.comm._gather_together import gather_small_together, gathers_together
 from zero.sharding._buckets import BucketReducer
 from zero.sharding._units import Unit, lay_out
 
@@ -445,7 +446,12 @@ class FlatGroup:
         the whole group; stage 3: the persistent units)."""
         if self.num_partitions == 1 and not self.policy.partitions_params:
             return
-        for unit in self.units:
+        units = [u for u in self.units if u.gathered]
+        if self.policy.partitions_params and gathers_together(self.comm) and \
+                self.copier is None and self.param_files is None:
+            # stage 3's persistent units are small: one collective for many
+            units = gather_small_together(self.comm, units, lambda u: self.shard[u.shard_slice])
+        for unit in units:
             if unit.gathered:
                 mine = self.gather_source(unit.shard_slice)
                 if not self.policy.partitions_params and mine.device.type != "cpu":

@@ -4,6 +4,8 @@ runs, and the next pass of the same kind prefetches along that record
 Stage3Schedule, which holds the state these methods read."""
 from __future__ import annotations
 
+from zero.comm._gather_together import TOGETHER
+
 
 class PassOrder:
     """Mixed into Stage3Schedule: recording a pass and prefetching along
@@ -43,23 +45,39 @@ class PassOrder:
         elements in max_live."""
         entries, starts = self._released_in_order(recorded)
         ahead = 0
-        for k in range(starts[self.pos], len(entries)):
-            fg, unit = entries[k]
-            if unit.gathered or unit.work is not None:
-                if unit.work is not None and fg.param_files is not None and \
-                        unit.work.is_completed():
-                    # a shard on a disk: its chunk unmapped once the
-                    # gather is done, not at the unit's first use
-                    self.ensure(fg, unit)
-                if unit.active == 0:
-                    ahead += unit.total
-                continue
-            if ahead + unit.total > self.max_prefetch or \
-                    self.live + unit.total > self.max_live:
-                return
-            self.counts["prefetched"] += 1
-            self._gather(fg, unit, async_op=True)
-            ahead += unit.total
+        together, sending = [], 0  # small units to gather in one collective
+        try:
+            for k in range(starts[self.pos], len(entries)):
+                fg, unit = entries[k]
+                if unit.gathered or unit.work is not None or \
+                        any(unit is u for _fg, u in together):
+                    if unit.work is not None and fg.param_files is not None and \
+                            unit.work.is_completed():
+                        # a shard on a disk: its chunk unmapped once the
+                        # gather is done, not at the unit's first use
+                        self.ensure(fg, unit)
+                    if unit.active == 0:
+                        ahead += unit.total
+                    continue
+                if ahead + unit.total > self.max_prefetch or \
+                        self.live + unit.total > self.max_live:
+                    break
+                self.counts["prefetched"] += 1
+                ahead += unit.total
+                alone = not self.together(fg, unit)
+                if together and (alone or sending + unit.part > TOGETHER or
+                                 together[0][1].full.dtype != unit.full.dtype):
+                    self._gather_together(together)  # in order: the earlier units first
+                    together, sending = [], 0
+                if alone:
+                    self._gather(fg, unit, async_op=True)
+                    continue
+                self._before_gather(fg, unit)  # counted live now, gathered with the next
+                together.append((fg, unit))
+                sending += unit.part
+        finally:  # also when a check refused a unit: those before it were readied
+            if together:
+                self._gather_together(together)
 
     def _released_in_order(self, recorded):
         """The units a recorded pass gathers and releases (persistent ones

@@ -44,6 +44,7 @@ import torch
 from torch import nn
 from torch.autograd.graph import register_multi_grad_hook, saved_tensors_hooks
 
+from zero.comm._gather_together import SMALL_UNIT, gather_together, gathers_together
 from zero.sharding._copying import ModuleHook
 from zero.sharding._outputs import detach_from_units, tensors_in
 from zero.sharding._param_writes import check_released_untouched
@@ -73,6 +74,7 @@ class Stage3Schedule(SavedParameters, PassOrder):
         self.peak_live = 0
         # [Note: gather pool] in _units.py (the CPU's allocator keeps no freed blocks)
         self.pool = GatherPool() if comm.device.type == "cpu" else None
+        self.gathers_together = gathers_together(comm)
         self.counts = {"prefetched": 0, "on_demand": 0}  # gathers since the last step
         self.phase = None
         self.recorded = {"forward": None, "backward": None}
@@ -201,6 +203,36 @@ class Stage3Schedule(SavedParameters, PassOrder):
     # ---- gathering and releasing -------------------------------------------------
 
     def _gather(self, fg, unit, async_op):
+        self._before_gather(fg, unit)
+        self._issue_gather(fg, unit, async_op)
+
+    def _issue_gather(self, fg, unit, async_op):
+        work = self.comm.all_gather_into(unit.full, fg.gather_source(unit.shard_slice),
+                                         async_op=async_op)
+        if work is None:
+            self._gathered(fg, unit)
+        else:
+            unit.work = work
+
+    def _gather_together(self, entries):
+        """Prefetch the small units `entries`, each through _before_gather
+        already, in one collective ([Note: small units gathered together]
+        in comm/_gather_together.py)."""
+        if len(entries) == 1:
+            self._issue_gather(*entries[0], async_op=True)
+            return
+        work = gather_together(self.comm, [unit.full for _fg, unit in entries],
+                               [fg.gather_source(unit.shard_slice) for fg, unit in entries])
+        for _fg, unit in entries:
+            unit.work = work
+
+    def together(self, fg, unit) -> bool:
+        """Whether unit may be prefetched with others in one collective."""
+        return self.gathers_together and unit.total <= SMALL_UNIT and \
+            fg.copier is None and fg.param_files is None
+
+    def _before_gather(self, fg, unit):
+        """A gather's bookkeeping and storage, before its collective."""
         # [Note: matched gathers] ranks running different modules would pair
         # one unit's all-gather with another's; when the sizes match, gloo
         # and NCCL mix them silently. Each pass hashes the units it gathers,
@@ -209,17 +241,11 @@ class Stage3Schedule(SavedParameters, PassOrder):
             % _HASH_MOD
         check_released_untouched(fg, unit)
         self._keyed_anew(unit, unit.reserve(self.pool))
-        work = self.comm.all_gather_into(unit.full, fg.gather_source(unit.shard_slice),
-                                         async_op=async_op)
         if not unit.persistent:
             self.live += unit.total
             self.peak_live = max(self.peak_live, self.live)
             if self.pool is not None:
                 self.pool.trim(self._pool_room(unit))
-        if work is None:
-            self._gathered(fg, unit)
-        else:
-            unit.work = work
 
     @staticmethod
     def _gathered(fg, unit):
