@@ -42,8 +42,9 @@ def make_stepper(stage, cfg, data, released=False, rank=0, apart=False):
     options = {"stage3_param_persistence_threshold": 0} if released and stage == 3 else {}
     engine = zero.initialize(model, optimizer=torch.optim.AdamW(model.parameters(), lr=3e-4),
                              stage=stage, precision="bf16", gradient_clipping=1.0, **options)
-    if apart:
-        engine._schedule.gathers_together = False
+    if apart:  # [Note: small units gathered together] off: a collective per unit
+        for fg in engine.all_groups:
+            fg.gathers_together = False
 
     def step(i):
         ids, labels = data.batch(4, i, rank)

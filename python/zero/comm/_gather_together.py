@@ -36,7 +36,10 @@ def gathers_together(comm) -> bool:
 def gather_together(comm, outputs, shards):
     """All-gather each shards[k] (this rank's chunk) into outputs[k] (the
     world's chunks back to back), as one collective: returns the handle,
-    whose wait() finishes every output."""
+    whose wait() finishes every output. One output is gathered straight
+    into its buffer."""
+    if len(outputs) == 1:
+        return comm.all_gather_into(outputs[0], shards[0], async_op=True)
     sizes = [s.numel() for s in shards]
     mine = torch.cat([s.reshape(-1) for s in shards])
     every = torch.empty(comm.world * mine.numel(), dtype=mine.dtype, device=mine.device)
@@ -58,11 +61,7 @@ def gather_small_together(comm, units, source) -> list:
             rest.append(unit)
             continue
         if batch and (unit is None or sending + unit.part > TOGETHER):
-            if len(batch) == 1:
-                comm.all_gather_into(batch[0].full, source(batch[0]))
-            else:
-                gather_together(comm, [u.full for u in batch],
-                                [source(u) for u in batch]).wait()
+            gather_together(comm, [u.full for u in batch], [source(u) for u in batch]).wait()
             batch, sending = [], 0
         if unit is not None:
             batch.append(unit)

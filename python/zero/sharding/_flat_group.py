@@ -95,6 +95,10 @@ class FlatGroup:
         self.offload = offload if trainable else None
         self.param_files = param_files
         self.copier = copier
+        # stage 3's small units gathered several at a time: gloo, and the
+        # shard read where it lies ([Note: small units gathered together])
+        self.gathers_together = gathers_together(comm) and copier is None and \
+            param_files is None
         self.shard_on_host = copier is not None
         # with the staged step, the gradient partition joins the shard and
         # the states on the host
@@ -447,8 +451,7 @@ class FlatGroup:
         if self.num_partitions == 1 and not self.policy.partitions_params:
             return
         units = [u for u in self.units if u.gathered]
-        if self.policy.partitions_params and gathers_together(self.comm) and \
-                self.copier is None and self.param_files is None:
+        if self.policy.partitions_params and self.gathers_together:
             # stage 3's persistent units are small: one collective for many
             units = gather_small_together(self.comm, units, lambda u: self.shard[u.shard_slice])
         for unit in units:

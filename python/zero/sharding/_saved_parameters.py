@@ -21,14 +21,11 @@ class SavedParameters:
     def _pack(self, tensor):
         # called for every tensor the forward saves (237 a step in
         # stage3_overhead.py): the common case, an activation under no
-        # outer hooks, inline; storage_key's body, without its call
-        try:
-            key = tensor.untyped_storage()._cdata
-        except (RuntimeError, NotImplementedError):
-            key = None
-        if key not in self.unit_by_storage and self._outer is None:
+        # outer hooks, returns at once
+        entry = self.unit_by_storage.get(storage_key(tensor))  # None: no storage
+        if entry is None and self._outer is None:
             return tensor
-        return self._pack_with(tensor, self._outer)
+        return self._pack_entry(tensor, entry, self._outer)
 
     def saving_outside_forward(self):
         """The saved-tensor hooks for a block that computes with gathered
@@ -40,10 +37,13 @@ class SavedParameters:
         return saved_tensors_hooks(lambda tensor: self._pack_with(tensor, outer), self._unpack)
 
     def _pack_with(self, tensor, outer):
-        """[Note: saved parameters]: a saved tensor in a unit's storage is
-        kept as where it lies in its unit, to be gathered again if released
-        by then (not as a view: see [Note: released parameters])."""
-        entry = self.unit_by_storage.get(storage_key(tensor))  # None: no storage
+        return self._pack_entry(tensor, self.unit_by_storage.get(storage_key(tensor)), outer)
+
+    def _pack_entry(self, tensor, entry, outer):
+        """[Note: saved parameters]: a saved tensor in a unit's storage
+        (entry: its (group, unit), else None) is kept as where it lies in
+        its unit, to be gathered again if released by then (not as a view:
+        see [Note: released parameters])."""
         if entry is not None and self.removed:
             entry = None  # hooks left on under someone else's (see remove): as they are
         if entry is not None:

@@ -44,7 +44,7 @@ import torch
 from torch import nn
 from torch.autograd.graph import register_multi_grad_hook, saved_tensors_hooks
 
-from zero.comm._gather_together import SMALL_UNIT, gather_together, gathers_together
+from zero.comm._gather_together import SMALL_UNIT, gather_together
 from zero.sharding._copying import ModuleHook
 from zero.sharding._outputs import detach_from_units, tensors_in
 from zero.sharding._param_writes import check_released_untouched
@@ -74,7 +74,6 @@ class Stage3Schedule(SavedParameters, PassOrder):
         self.peak_live = 0
         # [Note: gather pool] in _units.py (the CPU's allocator keeps no freed blocks)
         self.pool = GatherPool() if comm.device.type == "cpu" else None
-        self.gathers_together = gathers_together(comm)
         self.counts = {"prefetched": 0, "on_demand": 0}  # gathers since the last step
         self.phase = None
         self.recorded = {"forward": None, "backward": None}
@@ -204,9 +203,6 @@ class Stage3Schedule(SavedParameters, PassOrder):
 
     def _gather(self, fg, unit, async_op):
         self._before_gather(fg, unit)
-        self._issue_gather(fg, unit, async_op)
-
-    def _issue_gather(self, fg, unit, async_op):
         work = self.comm.all_gather_into(unit.full, fg.gather_source(unit.shard_slice),
                                          async_op=async_op)
         if work is None:
@@ -218,18 +214,15 @@ class Stage3Schedule(SavedParameters, PassOrder):
         """Prefetch the small units `entries`, each through _before_gather
         already, in one collective ([Note: small units gathered together]
         in comm/_gather_together.py)."""
-        if len(entries) == 1:
-            self._issue_gather(*entries[0], async_op=True)
-            return
         work = gather_together(self.comm, [unit.full for _fg, unit in entries],
                                [fg.gather_source(unit.shard_slice) for fg, unit in entries])
         for _fg, unit in entries:
             unit.work = work
 
-    def together(self, fg, unit) -> bool:
+    @staticmethod
+    def together(fg, unit) -> bool:
         """Whether unit may be prefetched with others in one collective."""
-        return self.gathers_together and unit.total <= SMALL_UNIT and \
-            fg.copier is None and fg.param_files is None
+        return fg.gathers_together and unit.total <= SMALL_UNIT
 
     def _before_gather(self, fg, unit):
         """A gather's bookkeeping and storage, before its collective."""
