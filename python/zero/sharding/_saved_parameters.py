@@ -21,8 +21,14 @@ class SavedParameters:
     def _pack(self, tensor):
         # called for every tensor the forward saves (237 a step in
         # stage3_overhead.py): the common case, an activation under no
-        # outer hooks, returns at once
-        entry = self.unit_by_storage.get(storage_key(tensor))  # None: no storage
+        # outer hooks, returns at once. storage_key's body inline: its
+        # call measured 0.1 ms a step (3.11-3.18 against 3.20-3.35 ms of
+        # overhead in three alternating pairs of --released runs)
+        try:
+            key = tensor.untyped_storage()._cdata
+        except (RuntimeError, NotImplementedError):
+            key = None
+        entry = self.unit_by_storage.get(key)
         if entry is None and self._outer is None:
             return tensor
         return self._pack_entry(tensor, entry, self._outer)
