@@ -16,7 +16,12 @@ struct zero_buckets {
     zero_bucket_piece *pieces;
     int64_t *bucket_unit, *bucket_start, *bucket_end; /* [n_buckets] */
     int64_t *unit_members;   /* [n_units] parameters in each unit */
+    int64_t n_pieces;
+    int64_t *bucket_first;   /* [n_buckets + 1]: bucket b's pieces are */
+    int64_t *by_bucket;      /* by_bucket[bucket_first[b] .. bucket_first[b + 1]),
+                              * piece indices by their start in the bucket */
     /* per backward */
+    uint8_t *written;        /* [n_pieces] WRITTEN_STAGING | WRITTEN_LATE */
     int64_t *pending;        /* [n_buckets] expected pieces still to come */
     int64_t *unit_pending;   /* [n_units] parameters still to come; -1: never reported */
     uint8_t *expected;       /* [n_params] */
@@ -37,6 +42,9 @@ void zero_buckets_destroy(zero_buckets *plan)
     free(plan->bucket_start);
     free(plan->bucket_end);
     free(plan->unit_members);
+    free(plan->bucket_first);
+    free(plan->by_bucket);
+    free(plan->written);
     free(plan->pending);
     free(plan->unit_pending);
     free(plan->expected);
@@ -144,6 +152,73 @@ static int64_t lay_pieces(zero_buckets *plan, const int64_t *param_offset,
     return total;
 }
 
+/* [Note: no zero-fill] A bucket's buffer is made empty: the first piece
+ * written into its staging (or late) buffer in a backward copies, a later
+ * one (reentrant checkpointing's second part) adds, and at the send the
+ * ranges no piece wrote (padding, parameters without a gradient) are
+ * zeroed. A gradient then lands in its bucket in one pass, and no pass
+ * zeroes what the gradients overwrite. Each piece has a written bit per
+ * buffer; the pieces of a bucket are kept sorted by start so the unwritten
+ * ranges come out in one walk. */
+enum { WRITTEN_STAGING = 1, WRITTEN_LATE = 2 };
+
+typedef struct {
+    int64_t start, index;
+} piece_at;
+
+static int by_start(const void *a, const void *b)
+{
+    int64_t sa = ((const piece_at *)a)->start, sb = ((const piece_at *)b)->start;
+    return (sa > sb) - (sa < sb);
+}
+
+/* bucket_first and by_bucket from the pieces: a counting sort by bucket,
+ * then each bucket's by start. -1 out of memory; -2 when two pieces of a
+ * bucket overlap (parameters sharing elements: a first write would then
+ * overwrite another's gradient). */
+static int index_pieces_by_bucket(zero_buckets *plan)
+{
+    int64_t nb = plan->n_buckets, np = plan->n_pieces;
+    plan->bucket_first = zeroed(nb + 1, sizeof *plan->bucket_first);
+    plan->by_bucket = zeroed(np, sizeof *plan->by_bucket);
+    plan->written = zeroed(np, 1);
+    int64_t *fill = zeroed(nb, sizeof *fill);
+    piece_at *sorting = zeroed(np, sizeof *sorting);
+    if (!plan->bucket_first || !plan->by_bucket || !plan->written || !fill ||
+        !sorting) {
+        free(fill);
+        free(sorting);
+        return -1;
+    }
+    for (int64_t k = 0; k < np; k++) {
+        plan->bucket_first[plan->pieces[k].bucket + 1]++;
+    }
+    for (int64_t b = 0; b < nb; b++) {
+        plan->bucket_first[b + 1] += plan->bucket_first[b];
+    }
+    for (int64_t k = 0; k < np; k++) {
+        int64_t b = plan->pieces[k].bucket;
+        piece_at at = {plan->pieces[k].bucket_start, k};
+        sorting[plan->bucket_first[b] + fill[b]++] = at;
+    }
+    for (int64_t b = 0; b < nb; b++) {
+        int64_t lo = plan->bucket_first[b], n = plan->bucket_first[b + 1] - lo;
+        qsort(sorting + lo, (size_t)n, sizeof *sorting, by_start);
+    }
+    int overlap = 0;
+    for (int64_t k = 0; k < np; k++) {
+        plan->by_bucket[k] = sorting[k].index;
+        const zero_bucket_piece *piece = &plan->pieces[sorting[k].index];
+        if (k + 1 < np && plan->pieces[sorting[k + 1].index].bucket == piece->bucket &&
+            sorting[k + 1].start < piece->bucket_start + piece->count) {
+            overlap = 1; /* two parameters share elements of their unit */
+        }
+    }
+    free(fill);
+    free(sorting);
+    return overlap ? -2 : 0;
+}
+
 zero_status zero_buckets_create(zero_buckets **out, int64_t n_params,
                                 const int64_t *param_unit,
                                 const int64_t *param_offset,
@@ -198,6 +273,12 @@ zero_status zero_buckets_create(zero_buckets **out, int64_t n_params,
         lay_pieces(plan, param_offset, param_numel, 1) != total) {
         zero_buckets_destroy(plan);
         return ZERO_ERR_OUT_OF_MEMORY;
+    }
+    plan->n_pieces = total;
+    int indexed = index_pieces_by_bucket(plan);
+    if (indexed != 0) {
+        zero_buckets_destroy(plan);
+        return indexed == -2 ? ZERO_ERR_INVALID_ARGUMENT : ZERO_ERR_OUT_OF_MEMORY;
     }
     zero_buckets_reset(plan, NULL);
     *out = plan;
@@ -260,6 +341,9 @@ zero_status zero_buckets_reset(zero_buckets *plan, const uint8_t *expected)
     if (plan->n_params > 0) {
         memset(plan->arrived, 0, (size_t)plan->n_params);
     }
+    if (plan->n_pieces > 0) {
+        memset(plan->written, 0, (size_t)plan->n_pieces);
+    }
     plan->arrivals = 0;
     plan->next_bucket = 0;
     return ZERO_OK;
@@ -282,6 +366,45 @@ int zero_buckets_arrive(zero_buckets *plan, int64_t param)
         flags |= ZERO_ARRIVE_COUNTED;
     }
     return flags;
+}
+
+int zero_buckets_claim(zero_buckets *plan, int64_t param, int64_t k, int late)
+{
+    if (!plan || param < 0 || param >= plan->n_params || k < 0 ||
+        k >= plan->first_piece[param + 1] - plan->first_piece[param]) {
+        return -1;
+    }
+    uint8_t bit = late ? WRITTEN_LATE : WRITTEN_STAGING;
+    uint8_t *written = &plan->written[plan->first_piece[param] + k];
+    int first = !(*written & bit);
+    *written |= bit;
+    return first;
+}
+
+int zero_buckets_each_gap(const zero_buckets *plan, int64_t b, int late,
+                          zero_gap_fn fn, void *ctx)
+{
+    if (!plan || b < 0 || b >= plan->n_buckets || !fn) {
+        return -1;
+    }
+    uint8_t bit = late ? WRITTEN_LATE : WRITTEN_STAGING;
+    int64_t size = plan->bucket_end[b] - plan->bucket_start[b], at = 0;
+    for (int64_t k = plan->bucket_first[b]; k < plan->bucket_first[b + 1]; k++) {
+        int64_t index = plan->by_bucket[k];
+        if (!(plan->written[index] & bit)) {
+            continue;
+        }
+        const zero_bucket_piece *piece = &plan->pieces[index];
+        if (piece->bucket_start > at) {
+            int error = fn(ctx, at, piece->bucket_start - at);
+            if (error) {
+                return error;
+            }
+        }
+        int64_t end = piece->bucket_start + piece->count;
+        at = end > at ? end : at;
+    }
+    return size > at ? fn(ctx, at, size - at) : 0;
 }
 
 int zero_buckets_left(const zero_buckets *plan, int64_t b)
@@ -332,25 +455,22 @@ int zero_buckets_started(const zero_buckets *plan)
     return plan && (plan->next_bucket > 0 || plan->arrivals > 0);
 }
 
-/* ---- accumulate ------------------------------------------------------ */
+/* ---- accumulate and copy --------------------------------------------- */
 
 #define ACCUMULATE_GRAIN 4096
 
+/* What the accumulate and the copy share: one job over [0, n) of one
+ * dtype, on the calling thread when small, else split over the pool. */
 typedef struct {
     const isa_kernels *kernels;
-    void *dst;
-    const void *src;
+    char *dst;
+    const char *src;
     zero_dtype dtype;
-} accumulate_job;
+    size_t itemsize;
+} elementwise_job;
 
-static void accumulate_range(void *ctx, int64_t begin, int64_t end)
-{
-    const accumulate_job *job = ctx;
-    job->kernels->accumulate(job->dst, job->src, job->dtype, begin, end);
-}
-
-zero_status zero_accumulate(void *dst, const void *src, zero_dtype dtype,
-                            int64_t n)
+static zero_status run_elementwise(void *dst, const void *src, zero_dtype dtype,
+                                   int64_t n, range_fn fn)
 {
     if (n < 0 || (n > 0 && (!dst || !src))) {
         return ZERO_ERR_INVALID_ARGUMENT;
@@ -358,10 +478,39 @@ zero_status zero_accumulate(void *dst, const void *src, zero_dtype dtype,
     if (!dtype_valid(dtype)) {
         return ZERO_ERR_UNSUPPORTED_DTYPE;
     }
-    accumulate_job job = {active_kernels(), dst, src, dtype};
+    if (n == 0) {
+        return ZERO_OK; /* memcpy must not see NULL, even for 0 bytes */
+    }
+    elementwise_job job = {active_kernels(), dst, src, dtype,
+                           dtype == ZERO_F32 ? 4 : 2};
     if (n < 8 * ACCUMULATE_GRAIN) {
-        accumulate_range(&job, 0, n);
+        fn(&job, 0, n);
         return ZERO_OK;
     }
-    return parallel_for(n, ACCUMULATE_GRAIN, accumulate_range, &job);
+    return parallel_for(n, ACCUMULATE_GRAIN, fn, &job);
+}
+
+static void accumulate_range(void *ctx, int64_t begin, int64_t end)
+{
+    const elementwise_job *job = ctx;
+    job->kernels->accumulate(job->dst, job->src, job->dtype, begin, end);
+}
+
+zero_status zero_accumulate(void *dst, const void *src, zero_dtype dtype,
+                            int64_t n)
+{
+    return run_elementwise(dst, src, dtype, n, accumulate_range);
+}
+
+static void copy_range(void *ctx, int64_t begin, int64_t end)
+{
+    const elementwise_job *job = ctx;
+    memcpy(job->dst + (size_t)begin * job->itemsize,
+           job->src + (size_t)begin * job->itemsize,
+           (size_t)(end - begin) * job->itemsize);
+}
+
+zero_status zero_copy(void *dst, const void *src, zero_dtype dtype, int64_t n)
+{
+    return run_elementwise(dst, src, dtype, n, copy_range);
 }

@@ -5,9 +5,10 @@
  * [Note: the hook in C] A flat group's backward calls its gradient hook once
  * per parameter; in Python that hook cost more than the rest of stage 3
  * together (bench/stage3_overhead.py). The hook is now a C callable: it
- * counts the arrival, adds the gradient's pieces into their buckets (the
- * core's accumulate for a dense CPU tensor of the bucket's dtype, else one
- * call of the owner's _add_piece), sends each bucket that completes, in
+ * counts the arrival, writes the gradient's pieces into their buckets (the
+ * core's copy or accumulate for a dense CPU tensor of the bucket's dtype,
+ * else one call of the owner's _add_piece; [Note: no zero-fill] in
+ * buckets.c), sends each bucket that completes, in
  * order, and drops the parameter's .grad. It calls back into Python only
  * per bucket (_new_bucket, _send_bucket), per unit (_unit_arrived) and once
  * per backward (_backward_began), on an owner it holds weakly: torch keeps
@@ -148,6 +149,40 @@ static bucket_buffer *buffer_of(GradBuckets *self, PyObject *owner, int64_t b,
     return buffer;
 }
 
+typedef struct {
+    GradBuckets *self;
+    PyObject *owner;
+    bucket_buffer *buffer;
+} gap_filling;
+
+static int zero_gap(void *ctx, int64_t start, int64_t count)
+{
+    gap_filling *filling = ctx;
+    if (filling->buffer->data) {
+        size_t itemsize = filling->self->itemsize;
+        memset(filling->buffer->data + (size_t)start * itemsize, 0,
+               (size_t)count * itemsize);
+        return 0;
+    }
+    if (!filling->owner) {
+        PyErr_SetString(PyExc_RuntimeError,
+                        "a bucket's unwritten ranges need its owner, which is gone");
+        return -1;
+    }
+    PyObject *result = PyObject_CallMethod(filling->owner, "_zero_range", "OLL",
+                                           filling->buffer->tensor,
+                                           (long long)start, (long long)count);
+    Py_XDECREF(result);
+    return result ? 0 : -1;
+}
+
+int fill_gaps(GradBuckets *self, PyObject *owner, int64_t b, int late)
+{
+    bucket_buffer *buffer = late ? &self->late[b] : &self->staging[b];
+    gap_filling filling = {self, owner, buffer};
+    return zero_buckets_each_gap(self->plan, b, late, zero_gap, &filling) ? -1 : 0;
+}
+
 /* Send the buckets that are complete, in order (all that are left when
  * force): the owner's _send_bucket(b, tensor) launches the reduction. */
 int send_ready(GradBuckets *self, PyObject *owner, int force)
@@ -156,7 +191,7 @@ int send_ready(GradBuckets *self, PyObject *owner, int force)
     while ((b = zero_buckets_next(self->plan, force)) >= 0) {
         /* a bucket no expected gradient reached still travels (zeros) */
         bucket_buffer *buffer = buffer_of(self, owner, b, 0);
-        if (!buffer) {
+        if (!buffer || fill_gaps(self, owner, b, 0) != 0) {
             return -1;
         }
         PyObject *tensor = buffer->tensor;
@@ -172,8 +207,9 @@ int send_ready(GradBuckets *self, PyObject *owner, int force)
     return 0;
 }
 
-/* Add piece k of the gradient into its bucket. */
-static int add_piece(GradBuckets *self, PyObject *owner,
+/* Write piece k of parameter i's gradient into its bucket: a copy when it
+ * is the first there this backward, else an add ([Note: no zero-fill]). */
+static int add_piece(GradBuckets *self, PyObject *owner, int64_t i, int64_t k,
                      const zero_bucket_piece *piece, PyObject *grad,
                      const char *grad_data)
 {
@@ -182,23 +218,26 @@ static int add_piece(GradBuckets *self, PyObject *owner,
     if (!buffer) {
         return -1;
     }
+    int first = zero_buckets_claim(self->plan, i, k, late);
     if (grad_data && buffer->data) {
         char *dst = buffer->data + (size_t)piece->bucket_start * self->itemsize;
         const char *src = grad_data + (size_t)piece->grad_start * self->itemsize;
         zero_status status;
         if (piece->count < GIL_FREE_ELEMENTS) {
-            status = zero_accumulate(dst, src, self->zdtype, piece->count);
+            status = first ? zero_copy(dst, src, self->zdtype, piece->count)
+                           : zero_accumulate(dst, src, self->zdtype, piece->count);
         } else {
             Py_BEGIN_ALLOW_THREADS
-            status = zero_accumulate(dst, src, self->zdtype, piece->count);
+            status = first ? zero_copy(dst, src, self->zdtype, piece->count)
+                           : zero_accumulate(dst, src, self->zdtype, piece->count);
             Py_END_ALLOW_THREADS
         }
         return status == ZERO_OK ? 0 : (raise_status(status, "accumulate"), -1);
     }
     PyObject *result = PyObject_CallMethod(
-        owner, "_add_piece", "OOLLL", grad, buffer->tensor,
+        owner, "_add_piece", "OOLLLO", grad, buffer->tensor,
         (long long)piece->bucket_start, (long long)piece->grad_start,
-        (long long)piece->count);
+        (long long)piece->count, first ? Py_True : Py_False);
     Py_XDECREF(result);
     return result ? 0 : -1;
 }
@@ -238,7 +277,7 @@ static int grad_arrived(GradBuckets *self, PyObject *owner, int64_t i,
     const zero_bucket_piece *pieces;
     int64_t count = zero_buckets_pieces(self->plan, i, &pieces);
     for (int64_t k = 0; k < count && !error; k++) {
-        error = add_piece(self, owner, &pieces[k], grad, data);
+        error = add_piece(self, owner, i, k, &pieces[k], grad, data);
         if (!error && (flags & ZERO_ARRIVE_COUNTED)) {
             zero_buckets_piece_added(self->plan, pieces[k].bucket);
             /* send as soon as a bucket completes, so a parameter spanning

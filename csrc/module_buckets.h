@@ -44,6 +44,11 @@ void drop_buffers(GradBuckets *self);
 /* Send the buckets that are complete, in order (all that are left when
  * force), through the owner's _send_bucket. 0, or -1 with an exception. */
 int send_ready(GradBuckets *self, PyObject *owner, int force);
+/* Zero the ranges of bucket b's staging (late 0) or late buffer that no
+ * piece wrote this backward ([Note: no zero-fill]): memset where the fast
+ * path may write the buffer, else the owner's _zero_range. 0, or -1 with
+ * an exception. */
+int fill_gaps(GradBuckets *self, PyObject *owner, int64_t b, int late);
 /* The hook's object (module_buckets.c) and the names both files use,
  * interned once; 0, or -1 with an exception. */
 PyObject *make_bucket_hook_type(PyObject *module);

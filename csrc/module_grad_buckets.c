@@ -127,7 +127,8 @@ static PyObject *GradBuckets_new(PyTypeObject *type, PyObject *args,
             PyErr_SetString(PyExc_ValueError,
                             "every parameter must lie inside its unit (unit in "
                             "range, offset and numel >= 0, offset + numel <= "
-                            "the unit's span) and bucket_elements must be > 0");
+                            "the unit's span), no two may share an element, "
+                            "and bucket_elements must be > 0");
         } else if (status != ZERO_OK) {
             raise_status(status, "GradBuckets");
         } else {
@@ -255,6 +256,14 @@ static PyObject *GradBuckets_take_late(GradBuckets *self, PyObject *arg)
         return NULL;
     }
     PyObject *tensor = self->late[b].tensor;
+    if (tensor) {
+        PyObject *owner = live_owner(self); /* NULL: memset only */
+        int error = fill_gaps(self, owner, (int64_t)b, 1);
+        Py_XDECREF(owner);
+        if (error) {
+            return NULL;
+        }
+    }
     self->late[b].tensor = NULL;
     self->late[b].data = NULL;
     return tensor ? tensor : Py_NewRef(Py_None);
@@ -324,7 +333,7 @@ static PyMethodDef GradBuckets_methods[] = {
      "late_buckets() -> list\n--\n\nBuckets holding late pieces."},
     {"take_late", (PyCFunction)GradBuckets_take_late, METH_O,
      "take_late(b) -> tensor or None\n--\n\nBucket b's late buffer, handed "
-     "over."},
+     "over, the ranges no piece wrote zeroed."},
     {"arrived", (PyCFunction)GradBuckets_arrived, METH_NOARGS,
      "arrived() -> bytes\n--\n\nOne byte per parameter: 1 when its gradient "
      "arrived this backward."},

@@ -258,7 +258,8 @@ typedef struct {
 
 /* Parameter i lies in unit param_unit[i] at param_offset[i], param_numel[i]
  * elements; units are [0, n_units) with spans unit_span[]. Every parameter
- * must lie inside its unit. All parameters start expected. */
+ * must lie inside its unit, and no two may share an element. All
+ * parameters start expected. */
 zero_status zero_buckets_create(zero_buckets **out, int64_t n_params,
                                 const int64_t *param_unit,
                                 const int64_t *param_offset,
@@ -290,6 +291,18 @@ enum {
 /* Parameter i's gradient arrived; returns ZERO_ARRIVE_* flags, or -1 for
  * an index out of range. */
 int zero_buckets_arrive(zero_buckets *plan, int64_t param);
+/* [Note: no zero-fill] in buckets.c. Piece k of parameter i is about to be
+ * written into its bucket's staging (late 0) or late buffer: 1 when it is
+ * the first write there this backward (copy), 0 when not (add); marks it
+ * written. -1 for an index out of range. */
+int zero_buckets_claim(zero_buckets *plan, int64_t param, int64_t k, int late);
+/* fn(ctx, start, count) for each range of bucket b's staging (late 0) or
+ * late buffer that no piece wrote this backward, in order, adjacent ones
+ * as one; stops at and returns the first nonzero fn returns. 0 when done,
+ * -1 for bad arguments. */
+typedef int (*zero_gap_fn)(void *ctx, int64_t start, int64_t count);
+int zero_buckets_each_gap(const zero_buckets *plan, int64_t b, int late,
+                          zero_gap_fn fn, void *ctx);
 /* 1 when bucket b has left (a piece for it goes to its late buffer). */
 int zero_buckets_left(const zero_buckets *plan, int64_t b);
 /* A counted piece was added into bucket b. */
@@ -310,6 +323,8 @@ int zero_buckets_started(const zero_buckets *plan);
  * even for bfloat16 and float16 (what torch's add_ does). */
 zero_status zero_accumulate(void *dst, const void *src, zero_dtype dtype,
                             int64_t n);
+/* dst[i] = src[i] for n elements of one dtype (threads for large n). */
+zero_status zero_copy(void *dst, const void *src, zero_dtype dtype, int64_t n);
 
 #ifdef __cplusplus
 }

@@ -17,16 +17,24 @@ from zero._C import GradBuckets
 
 
 class Owner:
-    """What the engine's BucketReducer does, recorded."""
+    """What the engine's BucketReducer does, recorded. Its buckets start as
+    garbage (NaN), as the engine's are not zeroed ([Note: no zero-fill]):
+    what no piece wrote must come back zero. With `strided_buckets` they
+    are not contiguous, so the core writes and zeroes them through the
+    owner."""
 
-    def __init__(self, dtype):
+    def __init__(self, dtype, strided_buckets=False):
         self.dtype = dtype
         self.sent, self.units, self.began = [], [], 0
         self.slow = set()  # shapes of the gradients added by _add_piece
+        self.zeroed = []  # ranges zeroed by _zero_range
         self.sizes = {}
+        self.strided_buckets = strided_buckets
 
     def _new_bucket(self, b, late):
-        return torch.zeros(self.sizes[b], dtype=self.dtype)
+        if self.strided_buckets:
+            return torch.full((2 * self.sizes[b],), float("nan"), dtype=self.dtype)[::2]
+        return torch.full((self.sizes[b],), float("nan"), dtype=self.dtype)
 
     def _send_bucket(self, b, tensor):
         self.sent.append((b, tensor.clone()))
@@ -37,14 +45,19 @@ class Owner:
     def _backward_began(self):
         self.began += 1
 
-    def _add_piece(self, grad, bucket, bucket_start, grad_start, count):
+    def _add_piece(self, grad, bucket, bucket_start, grad_start, count, first):
         self.slow.add(tuple(grad.shape))
-        bucket[bucket_start:bucket_start + count].add_(
-            grad.reshape(-1)[grad_start:grad_start + count])
+        piece = grad.reshape(-1)[grad_start:grad_start + count]
+        target = bucket[bucket_start:bucket_start + count]
+        target.copy_(piece) if first else target.add_(piece)
+
+    def _zero_range(self, bucket, start, count):
+        self.zeroed.append((start, count))
+        bucket[start:start + count].zero_()
 
 
-def make(dtype, units, offsets, numels, spans, bucket_elements):
-    owner = Owner(dtype)
+def make(dtype, units, offsets, numels, spans, bucket_elements, strided_buckets=False):
+    owner = Owner(dtype, strided_buckets)
     core = GradBuckets(units, offsets, numels, spans, bucket_elements, owner=owner,
                        dtype=dtype, tensor_type=torch.Tensor, strided=torch.strided)
     for b in range(core.count):
@@ -67,7 +80,7 @@ def reference_buckets(core, units, offsets, grads, spans):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("layout", ["contiguous", "transposed"])
+@pytest.mark.parametrize("layout", ["contiguous", "transposed", "strided buckets"])
 def test_pieces_land_where_the_plan_says(dtype, layout):
     torch.manual_seed(0)
     shapes = [(3, 5), (7,), (4, 4), (2, 9), (6,)]
@@ -81,7 +94,8 @@ def test_pieces_land_where_the_plan_says(dtype, layout):
         at += torch.Size(shape).numel()
     spans.append(at)
     numels = [torch.Size(s).numel() for s in shapes]
-    owner, core = make(dtype, units, offsets, numels, spans, bucket_elements=6)
+    owner, core = make(dtype, units, offsets, numels, spans, bucket_elements=6,
+                       strided_buckets=layout == "strided buckets")
     params = [torch.nn.Parameter(torch.zeros(s, dtype=dtype)) for s in shapes]
     grads = [torch.randn(s).to(dtype) for s in shapes]
     for i in reversed(range(len(params))):  # backward's order
@@ -97,8 +111,13 @@ def test_pieces_land_where_the_plan_says(dtype, layout):
     for (b, got), expect in zip(owner.sent, want):
         assert torch.equal(got, expect), b
     assert sorted(owner.units) == [0, 1]
-    # the C path took the dense ones; the owner the strided ones
-    assert len(owner.slow) == (0 if layout == "contiguous" else 3)
+    # the C path took the dense ones; the owner the strided ones, and every
+    # piece into a bucket it cannot write itself
+    assert len(owner.slow) == {"contiguous": 0, "transposed": 3,
+                               "strided buckets": len(shapes)}[layout]
+    # the padding at the first unit's end (its [38, 40): [4, 6) of bucket
+    # [34, 40)), zeroed through the owner where the core cannot reach it
+    assert owner.zeroed == ([] if layout != "strided buckets" else [(4, 2)])
     assert core.arrived() == b"\x01" * len(shapes)
 
 
@@ -119,18 +138,53 @@ def test_sums_round_like_torch():
         assert core.late_buckets() == [0]
         late = core.take_late(0)
         assert torch.equal(late, b) and core.take_late(0) is None
-    # and a sum of two parts before the bucket leaves, against add_
+    # and a sum of two parts before the bucket leaves, against add_: the
+    # first part is copied in, the second added
     for dtype in (torch.bfloat16, torch.float16):
-        owner, core = make(dtype, [0, 0], [0, 0], [500, 500], [500], bucket_elements=500)
-        core.reset(b"\x01\x00")  # parameter 1 is not waited for
-        ps = [torch.nn.Parameter(torch.zeros(500, dtype=dtype)) for _ in range(2)]
-        g0, g1 = torch.randn(500).to(dtype), torch.randn(500).to(dtype)
+        for strided in (False, True):
+            owner, core = make(dtype, [0, 0], [0, 500], [500, 500], [1000],
+                               bucket_elements=1000, strided_buckets=strided)
+            core.reset(b"\x01\x00")  # parameter 1 is not waited for
+            ps = [torch.nn.Parameter(torch.zeros(500, dtype=dtype)) for _ in range(2)]
+            g0, g1a, g1b = (torch.randn(500).to(dtype) for _ in range(3))
+            ps[1].grad = g1a.clone()
+            core.hook(1)(ps[1])
+            ps[1].grad = g1b.clone()
+            core.hook(1)(ps[1])
+            assert owner.sent == []
+            ps[0].grad = g0.clone()
+            core.hook(0)(ps[0])
+            assert torch.equal(owner.sent[0][1], torch.cat([g0, g1a.clone().add_(g1b)]))
+
+
+def test_unwritten_ranges_come_back_zero():
+    """Buckets start as garbage: what no gradient reached (padding, a
+    parameter without a gradient, a bucket nobody wrote, a late buffer's
+    other pieces) travels as zeros, on the core's path and the owner's."""
+    torch.manual_seed(2)
+    for strided in (False, True):
+        # unit 0: p0 [1, 4), p1 [6, 9), span 12; buckets of 5 from the end:
+        # b0 [7, 12), b1 [2, 7), b2 [0, 2)
+        owner, core = make(torch.float32, [0, 0], [1, 6], [3, 3], [12],
+                           bucket_elements=5, strided_buckets=strided)
+        core.reset(b"\x00\x01")  # p0 is not waited for: every bucket leaves with p1
+        ps = [torch.nn.Parameter(torch.zeros(3)) for _ in range(2)]
+        g0, g1 = torch.randn(3), torch.randn(3)
         ps[1].grad = g1.clone()
         core.hook(1)(ps[1])
-        assert owner.sent == []
-        ps[0].grad = g0.clone()
+        assert [b for b, _ in owner.sent] == [0, 1, 2]
+        flat = torch.zeros(12)
+        flat[6:9] = g1
+        for b, (start, end) in enumerate([(7, 12), (2, 7), (0, 2)]):
+            assert torch.equal(owner.sent[b][1], flat[start:end])  # b2: no piece
+        ps[0].grad = g0.clone()  # after its buckets left: both pieces late
         core.hook(0)(ps[0])
-        assert torch.equal(owner.sent[0][1], g1.clone().add_(g0))
+        late = torch.zeros(12)
+        late[1:4] = g0
+        assert core.late_buckets() == [1, 2]
+        assert torch.equal(core.take_late(1), late[2:7])
+        assert torch.equal(core.take_late(2), late[0:2])
+        assert strided == bool(owner.zeroed)
 
 
 def test_buckets_leave_in_order_once_complete():
@@ -194,6 +248,8 @@ def test_bad_arguments_are_named():
         GradBuckets([0], [2], [4], [5], 4, **kw)  # [2, 6) past a span of 5
     with pytest.raises(ValueError, match="bucket_elements"):
         GradBuckets([0], [0], [4], [4], 0, **kw)
+    with pytest.raises(ValueError, match="share an element"):
+        GradBuckets([0, 0], [0, 2], [4, 4], [8], 4, **kw)  # [0, 4) and [2, 6)
     with pytest.raises(ValueError, match="one length"):
         GradBuckets([0, 0], [0], [4], [4], 4, **kw)
     with pytest.raises(TypeError, match="param_offsets"):

@@ -138,11 +138,13 @@ class BucketReducer:
 
     def _bucket_buffer(self, n):
         # in the compute dtype, whatever the partition accumulates in:
-        # what travels is what backward produced
+        # what travels is what backward produced. Not zeroed: the core
+        # copies each first piece and zeroes the rest at the send
+        # ([Note: no zero-fill] in csrc/buckets.c)
         spare, self.spare = self.spare, None
         if spare is not None and spare.numel() == n:
-            return spare.zero_()
-        return torch.zeros(n, dtype=self.fg.compute_dtype, device=self.fg.device)
+            return spare
+        return torch.empty(n, dtype=self.fg.compute_dtype, device=self.fg.device)
 
     # [Note: a spare bucket] On the CPU a freed bucket goes back to the
     # kernel (glibc maps blocks over 32 MiB, and smaller ones under a
@@ -160,11 +162,20 @@ class BucketReducer:
     def _send_bucket(self, b, staging):
         self._launch(b, staging)
 
-    def _add_piece(self, grad, bucket, bucket_start, grad_start, count):
-        """A piece the C hook does not add itself (a GPU tensor, another
-        dtype, a non-contiguous gradient): one add_."""
-        bucket[bucket_start:bucket_start + count].add_(
-            grad.reshape(-1)[grad_start:grad_start + count])
+    def _add_piece(self, grad, bucket, bucket_start, grad_start, count, first):
+        """A piece the C hook does not write itself (a GPU tensor, another
+        dtype, a non-contiguous gradient): one copy_ when it is the first
+        there this backward, else one add_."""
+        piece = grad.reshape(-1)[grad_start:grad_start + count]
+        target = bucket[bucket_start:bucket_start + count]
+        if first:
+            target.copy_(piece)
+        else:
+            target.add_(piece)
+
+    def _zero_range(self, bucket, start, count):
+        """A range of a bucket no piece wrote, the C hook cannot reach."""
+        bucket[start:start + count].zero_()
 
     def _unit_arrived(self, unit_index):
         if self.on_unit_grads_done is not None:
@@ -251,9 +262,9 @@ class BucketReducer:
         for b in range(len(self.buckets)):
             if flags[len(self.fg.params) + b]:
                 buffer = self.core.take_late(b)
-                if buffer is None:
+                if buffer is None:  # late elsewhere only: zeros from here
                     _unit, bs, be = self.buckets[b]
-                    buffer = self._bucket_buffer(be - bs)
+                    buffer = self._bucket_buffer(be - bs).zero_()
                 self._launch(b, buffer, late=True)
         self._retire(wait=True)
         counts = flags[:len(self.fg.params)]
