@@ -11,6 +11,7 @@ from torch import nn
 import harness
 import zero
 from conftest import max_rel_error
+from zero.comm._gather_together import TOGETHER
 from zero.sharding import _flat_group
 
 
@@ -54,8 +55,9 @@ def _train(rank, world, together, threshold):
         engine.step()
         gathers.append(engine.comm_summary()["ops"]["all_gather"])  # this step's
     state = engine.full_state_dict()
+    peak = engine.memory_summary()["gathered_peak"]
     engine.close()
-    return state, gathers
+    return state, gathers, peak
 
 
 @pytest.mark.parametrize("world, threshold", [(2, 0), (3, 0), (2, 10**5)])
@@ -64,7 +66,11 @@ def test_small_units_go_together_and_change_no_number(world, threshold):
     unit persistent, refreshed together after each step."""
     together = harness.run(world, _train, True, threshold)
     apart = harness.run(world, _train, False, threshold)
-    for (state, gathers), (state_apart, gathers_apart) in zip(together, apart):
+    for (state, gathers, peak), (state_apart, gathers_apart, peak_apart) in zip(together, apart):
+        if threshold == 0:
+            # the batches' shared buffers count as gathered memory; a
+            # batch sends at most TOGETHER elements a rank (fp32 here)
+            assert peak_apart < peak <= peak_apart + (world + 1) * TOGETHER * 4
         for name in state:
             assert torch.equal(state[name], state_apart[name]), name
         for step, (joined, alone) in enumerate(zip(gathers, gathers_apart)):

@@ -10,8 +10,11 @@ gather: this rank's chunks laid end to end, one broadcast per rank of them
 all into a buffer of world x that, and at the first wait() each unit's
 chunks copied into its own buffer, rank by rank. The buffer lives only
 while the gather is in flight, and a batch sends at most TOGETHER elements
-a rank, so it holds at most world x TOGETHER elements beside the units
-(4M on 2 ranks: 8 MiB in bf16). comm_summary counts the same elements as
+a rank, so it holds at most (world + 1) x TOGETHER elements beside the units
+(6M on 2 ranks: 12 MiB in bf16). A prefetch's batch counts in
+memory_summary's gathered_peak until its first wait(); the refresh after a
+step, of persistent units, is not counted anywhere (it is over before the
+step returns). comm_summary counts the same elements as
 the separate gathers, in one call. The order of the collectives depends
 only on the recorded order and the units' sizes, as before, so every rank
 issues the same ones. NCCL keeps one all_gather_into_tensor per unit (its
@@ -75,6 +78,7 @@ class _GatheredTogether:
 
     def __init__(self, work, every, outputs, sizes):
         self.work, self.every, self.outputs, self.sizes = work, every, outputs, sizes
+        self.on_copied = None  # called once the shared buffer is gone
 
     def wait(self):
         if self.every is not None:
@@ -84,6 +88,8 @@ class _GatheredTogether:
                 out.view(self.every.shape[0], n).copy_(self.every[:, at:at + n])
                 at += n
             self.every = self.outputs = None  # the buffer goes now
+            if self.on_copied is not None:
+                self.on_copied()
         return True
 
     def is_completed(self) -> bool:
