@@ -174,7 +174,12 @@ class BucketReducer:
             target.add_(piece)
 
     def _zero_range(self, bucket, start, count):
-        """A range of a bucket no piece wrote, the C hook cannot reach."""
+        """A range of a bucket no piece wrote, where the C hook cannot reach
+        the bucket (a GPU's). One zero_ a range: parameters start at
+        multiples of 64 elements (PARAM_ALIGN) and models' widths mostly
+        are such multiples, so the ranges are mostly a unit's padding at
+        its end, about one a bucket: as many launches as the torch.zeros a
+        bucket took before ([Note: no zero-fill] in csrc/buckets.c)."""
         bucket[start:start + count].zero_()
 
     def _unit_arrived(self, unit_index):
