@@ -222,14 +222,14 @@ static int add_piece(GradBuckets *self, PyObject *owner, int64_t i, int64_t k,
     if (grad_data && buffer->data) {
         char *dst = buffer->data + (size_t)piece->bucket_start * self->itemsize;
         const char *src = grad_data + (size_t)piece->grad_start * self->itemsize;
+        zero_status (*land)(void *, const void *, zero_dtype, int64_t) =
+            first ? zero_copy : zero_accumulate;
         zero_status status;
         if (piece->count < GIL_FREE_ELEMENTS) {
-            status = first ? zero_copy(dst, src, self->zdtype, piece->count)
-                           : zero_accumulate(dst, src, self->zdtype, piece->count);
+            status = land(dst, src, self->zdtype, piece->count);
         } else {
             Py_BEGIN_ALLOW_THREADS
-            status = first ? zero_copy(dst, src, self->zdtype, piece->count)
-                           : zero_accumulate(dst, src, self->zdtype, piece->count);
+            status = land(dst, src, self->zdtype, piece->count);
             Py_END_ALLOW_THREADS
         }
         return status == ZERO_OK ? 0 : (raise_status(status, "accumulate"), -1);

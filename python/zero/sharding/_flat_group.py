@@ -453,15 +453,15 @@ class FlatGroup:
         units = [u for u in self.units if u.gathered]
         if self.policy.partitions_params and self.gathers_together:
             # stage 3's persistent units are small: one collective for many
-            units = gather_small_together(self.comm, units, lambda u: self.shard[u.shard_slice])
+            units = gather_small_together(self.comm, units,
+                                          lambda u: self.gather_source(u.shard_slice))
         for unit in units:
-            if unit.gathered:
-                mine = self.gather_source(unit.shard_slice)
-                if not self.policy.partitions_params and mine.device.type != "cpu":
-                    # it aliases unit.full, which NCCL's all-gather may not
-                    # read from; gloo's broadcasts leave it in place
-                    mine = mine.clone()
-                self.comm.all_gather_into(unit.full, mine)
+            mine = self.gather_source(unit.shard_slice)
+            if not self.policy.partitions_params and mine.device.type != "cpu":
+                # it aliases unit.full, which NCCL's all-gather may not
+                # read from; gloo's broadcasts leave it in place
+                mine = mine.clone()
+            self.comm.all_gather_into(unit.full, mine)
         self.drop_param_pages()  # the chunks just read ([Note: shard on a disk])
 
     def zero_grads(self):

@@ -222,7 +222,10 @@ class Stage3Schedule(SavedParameters, PassOrder):
             extra = (self.comm.world + 1) * sum(unit.part for _fg, unit in entries)
             self.live += extra
             self.peak_live = max(self.peak_live, self.live)
-            work.on_copied = lambda: setattr(self, "live", self.live - extra)
+
+            def copied():
+                self.live -= extra
+            work.on_copied = copied
         for _fg, unit in entries:
             unit.work = work
 
