@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import pickle
+import random
 import socket
 import tempfile
 import time
@@ -12,9 +13,31 @@ import traceback
 
 import torch.multiprocessing as mp
 
+# launches whose rendezvous port was taken before rank 0 listened on it
+PORT_ATTEMPTS = 3
+
 
 def free_port() -> int:
-    with socket.socket() as s:
+    """A port free now for a rendezvous, outside the kernel's ephemeral
+    range. One the kernel handed out (bind to 0) goes back to that range
+    when closed, where any outgoing connection may take it before rank 0
+    listens (gloo opens many: a run beside another CI run failed with
+    EADDRINUSE that way)."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            ephemeral_low = int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        ephemeral_low = 32768  # Linux's default
+    pick = random.SystemRandom()
+    for _ in range(100):
+        port = pick.randrange(10000, max(10001, ephemeral_low))
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    with socket.socket() as s:  # nothing free below the range: the kernel's pick
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
@@ -48,7 +71,18 @@ def _join_all(ctx, timeout):
 def run(world: int, fn, *args, timeout: float = 300):
     """[rank0 result, rank1 result, ...]; raises with the worker's traceback,
     or when the workers are not done within `timeout` seconds (a hang must
-    fail the test, not stall the suite)."""
+    fail the test, not stall the suite). A launch whose rendezvous port was
+    taken by another process before rank 0 listened on it (the workers ran
+    nothing yet) is made again on another port."""
+    for attempt in range(PORT_ATTEMPTS):
+        try:
+            return _run_once(world, fn, args, timeout)
+        except RuntimeError as error:
+            if "EADDRINUSE" not in str(error) or attempt == PORT_ATTEMPTS - 1:
+                raise
+
+
+def _run_once(world, fn, args, timeout):
     with tempfile.TemporaryDirectory() as out_dir:
         ctx = mp.start_processes(_entry, args=(world, free_port(), out_dir, fn, args),
                                  nprocs=world, join=False, start_method="spawn")

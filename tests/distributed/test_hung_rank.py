@@ -10,12 +10,13 @@ harness.run, whose join would wait on the stopped rank), both killed at
 the end whatever happened."""
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
 
 import pytest
+
+import harness
 
 TIMEOUT = 3.0  # seconds
 STOP_AT_STEP = 3
@@ -51,12 +52,6 @@ def _worker(made_by: str):
     print("finished", flush=True)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _state(pid: int) -> str:
     """The process's state letter from /proc ("T": stopped)."""
     with open(f"/proc/{pid}/stat") as f:
@@ -66,7 +61,7 @@ def _state(pid: int) -> str:
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
 @pytest.mark.parametrize("made_by", ["zero", "user"])
 def test_a_stopped_rank_ends_its_peer_within_the_timeout(made_by, tmp_path):
-    port = _free_port()
+    port = harness.free_port()
     procs, logs = [], []
     try:
         for rank in range(2):

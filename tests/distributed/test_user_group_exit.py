@@ -18,12 +18,13 @@ finalization whatever their priority.
 Real processes, started here from this file (torchrun would add seconds
 per run), killed at the end whatever happened."""
 import os
-import socket
 import subprocess
 import sys
 import threading
 
 import pytest
+
+import harness
 
 RUNS = 2
 
@@ -51,14 +52,8 @@ def _worker(stage: int):
     # and nothing else: the script ends right after the last step's gather
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _start(stage: int) -> list:
-    port = _free_port()
+    port = harness.free_port()
     return [subprocess.Popen([sys.executable, os.path.abspath(__file__), str(stage)],
                              env=dict(os.environ, RANK=str(rank), WORLD_SIZE="2",
                                       LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
