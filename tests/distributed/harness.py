@@ -52,8 +52,13 @@ def _entry(rank, world, port, out_dir, fn, args):
         error = None
     except BaseException:
         result, error = None, traceback.format_exc()
-    with open(os.path.join(out_dir, f"rank{rank}.pkl"), "wb") as f:
+    # whole or not at all: when a peer fails, spawn ends this rank with
+    # SIGTERM, maybe in the middle of the dump, and a half-written file
+    # read as this rank's answer raised EOFError instead of the peer's error
+    path = os.path.join(out_dir, f"rank{rank}.pkl")
+    with open(path + ".part", "wb") as f:
         pickle.dump((result, error), f)
+    os.replace(path + ".part", path)
     if error:
         raise SystemExit(1)
 
