@@ -97,19 +97,50 @@ def test_models_zero_cannot_place_are_refused(torch_step):
 
 
 def test_a_group_that_cannot_reduce_the_model_tensors_is_refused(torch_step, monkeypatch):
-    from zero.comm._comm import check_backend
+    from zero.comm import _comm, _host_staging
     made = not dist.is_initialized()
     if made:
         dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
-        check_backend(torch.device("cpu"))
-        check_backend(torch.device("cuda"))  # one rank: no model tensor is ever sent
+        _comm.check_backend(torch.device("cpu"))
+        _comm.check_backend(torch.device("cuda"))  # one rank: no model tensor is ever sent
         monkeypatch.setattr(dist, "get_world_size", lambda *a, **k: 2)
-        with pytest.raises(RuntimeError, match="cuda tensors.*nccl"):
-            check_backend(torch.device("cuda"))
+        # the user's gloo group: a GPU model's collectives go through host
+        # memory ([Note: host-staged collectives]), said once a process
+        monkeypatch.setattr(_comm, "_holds_current_group", lambda: False)
+        monkeypatch.setitem(_host_staging._warned, "staged", False)
+        with pytest.warns(RuntimeWarning, match="host memory and runs on gloo"):
+            _comm.check_backend(torch.device("cuda"))
+        # one zero made for a CPU engine still open: closing it gives NCCL
+        monkeypatch.setattr(_comm, "_holds_current_group", lambda: True)
+        with pytest.raises(RuntimeError, match="cuda tensors need nccl: close"):
+            _comm.check_backend(torch.device("cuda"))
+        # ...unless the ranks share a GPU, where NCCL cannot run
+        monkeypatch.setattr(_comm, "ranks_share_a_gpu", lambda: True)
+        _comm.check_backend(torch.device("cuda"))
+        monkeypatch.setattr(_comm, "group_backend", lambda group=None: "nccl")
+        monkeypatch.setattr(_comm, "_holds_current_group", lambda: False)
+        with pytest.raises(RuntimeError, match="cannot reduce the model's cpu tensors"):
+            _comm.check_backend(torch.device("cpu"))
     finally:
         if made:
             dist.destroy_process_group()
+
+
+def test_ranks_sharing_a_gpu_take_gloo_and_stage_through_host(monkeypatch):
+    from zero.comm import _comm, _host_staging
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    cuda = torch.device("cuda")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
+    assert not _host_staging.ranks_share_a_gpu()
+    assert _comm.backend_for(cuda, 2) == "cpu:gloo,cuda:nccl"
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    assert _host_staging.ranks_share_a_gpu()
+    assert _comm.backend_for(cuda, 2) == "gloo"
+    assert _comm.backend_for(torch.device("cpu"), 2) == "gloo"
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "two")  # not torchrun's: no guess
+    assert not _host_staging.ranks_share_a_gpu()
 
 
 def test_device_argument_is_checked_by_name(torch_step):

@@ -162,7 +162,8 @@ def engine_run(rank, world, steps, stage, precision="fp32", accumulation=1, clip
     for step in range(first_step, first_step + steps):
         if with_eval:
             with torch.no_grad():
-                losses.append(engine(eval_batch(step), use_branch=True).float().sum().item())
+                out = engine(eval_batch(step).to(engine.device), use_branch=True)
+                losses.append(out.float().sum().item())
         if step == modify_at:
             with zero.GatheredParameters([model.embed.weight], modifier_rank=0):
                 with torch.no_grad():
@@ -170,6 +171,7 @@ def engine_run(rank, world, steps, stage, precision="fp32", accumulation=1, clip
                     model.embed.weight[0].mul_(0.5 if rank == 0 else 7.0)
         ids, labels = batch(step)
         ids, labels = shard(ids, rank, world), shard(labels, rank, world)
+        ids, labels = ids.to(engine.device), labels.to(engine.device)
         total = 0.0
         for ids_m, labels_m in zip(ids.chunk(accumulation), labels.chunk(accumulation)):
             loss = F.cross_entropy(engine(ids_m, use_branch=step % 2 == 0).float(), labels_m)
@@ -192,7 +194,7 @@ def engine_run(rank, world, steps, stage, precision="fp32", accumulation=1, clip
         engine.save_checkpoint(save_dir)
     state = engine.full_state_dict()
     with zero.GatheredParameters(list(model.block.parameters())):
-        gathered = {"block." + n: p.detach().float().clone()
+        gathered = {"block." + n: p.detach().float().cpu().clone()
                     for n, p in model.block.named_parameters()}
     facts = dict(memory=dict(engine.memory_summary()), comm=engine.comm_summary(),
                  skipped=skipped, gathered=gathered, loaded=loaded)

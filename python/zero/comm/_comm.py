@@ -15,6 +15,8 @@ import warnings
 import torch
 import torch.distributed as dist
 
+from zero.comm._handles import AllOf, Watched
+from zero.comm._host_staging import ranks_share_a_gpu, run_staged, warn_host_staged
 from zero.comm._log import CommLog
 
 _LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
@@ -57,42 +59,7 @@ def gather_by_broadcasts(output, shard, rank, world, group=None, async_op=False,
     sources = sources or range(world)
     works = [dist.broadcast(slices[r], src=sources[r], group=group, async_op=async_op)
              for r in range(world)]
-    return _AllOf(works) if async_op else None
-
-
-class _Watched:
-    """An async collective's handle whose wait() names a timeout
-    (raise_if_timed_out); torch's own handle raises gloo's bare message."""
-
-    __slots__ = ("work", "op", "group")
-
-    def __init__(self, work, op, group):
-        self.work, self.op, self.group = work, op, group
-
-    def wait(self):
-        try:
-            return self.work.wait()
-        except RuntimeError as error:
-            raise_if_timed_out(error, self.op, self.group)
-            raise
-
-    def is_completed(self) -> bool:
-        return self.work.is_completed()
-
-
-class _AllOf:
-    """The handle of several collectives: done when all are."""
-
-    def __init__(self, works):
-        self.works = works
-
-    def wait(self):
-        for w in self.works:
-            w.wait()
-        return True
-
-    def is_completed(self) -> bool:
-        return all(w.is_completed() for w in self.works)
+    return AllOf(works) if async_op else None
 
 
 # The in-memory group this module made (`group`: the default group object
@@ -128,8 +95,20 @@ def backend_for(device: torch.device, world: int) -> str:
     NCCL for CUDA tensors, with gloo beside it for the few CPU tensors
     (checks, scalars) a caller may pass. A world of one rank never sends a
     model tensor (Comm skips every collective), so it takes gloo even on a
-    GPU: no NCCL communicator to set up in a notebook."""
-    return "gloo" if device.type == "cpu" or world == 1 else "cpu:gloo,cuda:nccl"
+    GPU: no NCCL communicator to set up in a notebook. Ranks that share a
+    GPU take gloo too: NCCL refuses two ranks on one device, and their
+    collectives are staged through host memory ([Note: host-staged
+    collectives])."""
+    if device.type == "cpu" or world == 1 or ranks_share_a_gpu():
+        return "gloo"
+    return "cpu:gloo,cuda:nccl"
+
+
+def stages_through_host(device: torch.device, group=None) -> bool:
+    """Whether a Comm over `group` stages its collectives through host
+    memory: a model on a GPU, and a group without NCCL for its tensors."""
+    return device.type != "cpu" and dist.get_world_size(group) > 1 and \
+        "nccl" not in group_backend(group)
 
 
 def group_backend(group=None) -> str:
@@ -146,6 +125,10 @@ def check_backend(device: torch.device):
     needs = "gloo" if device.type == "cpu" else "nccl"
     if needs in backend or (device.type == "cpu" and "mpi" in backend) or \
             (device.type != "cpu" and dist.get_world_size() == 1):  # see backend_for
+        return
+    if device.type != "cpu" and "gloo" in backend and \
+            (ranks_share_a_gpu() or not _holds_current_group()):
+        warn_host_staged(backend)  # staged through host memory: correct, slower
         return
     if _holds_current_group():
         raise RuntimeError(
@@ -190,6 +173,9 @@ def join_process_group(device: torch.device, backend: str | None = None,
     backend = backend or backend_for(device, int(os.environ["WORLD_SIZE"]) if launched else 1)
     # bound to the model's device, so NCCL never guesses from the current one
     bind = {"device_id": device} if "nccl" in backend and device.type == "cuda" else {}
+    if device.type != "cpu" and "nccl" not in backend and launched and \
+            int(os.environ["WORLD_SIZE"]) > 1:
+        warn_host_staged(backend)
     if timeout is _UNCHANGED:
         timeout = None
     wait = DEFAULT_TIMEOUT if timeout is None else datetime.timedelta(seconds=timeout)
@@ -294,7 +280,7 @@ def issue(what: str, on, collective, *args, **kwargs):
     except RuntimeError as error:
         raise_if_timed_out(error, what, on)
         raise
-    return _Watched(work, what, on) if kwargs.get("async_op") else work
+    return Watched(work, raise_if_timed_out, what, on) if kwargs.get("async_op") else work
 
 
 def raise_if_timed_out(error: RuntimeError, op: str, group=None):
@@ -418,6 +404,8 @@ class Comm:
         host_ok = device.type == "cpu" or "gloo" in group_backend(group)
         self.scalar_device = torch.device("cpu") if host_ok else device
         self.group = group  # None: the default group
+        # [Note: host-staged collectives] in _host_staging.py
+        self.staged = stages_through_host(device, group)
         self.rank = dist.get_rank(group)
         self.world = dist.get_world_size(group)
         self.global_rank = dist.get_rank()
@@ -506,15 +494,16 @@ class Comm:
         self.log.record("all_reduce", tensor)
         if self.world == 1:
             return None
-        return self._issue("all_reduce", dist.all_reduce, tensor,
-                           op=dist.ReduceOp.SUM, group=self.group, async_op=async_op)
+        return self._issue("all_reduce", dist.all_reduce, tensor, op=dist.ReduceOp.SUM,
+                           group=self.group, async_op=async_op, reads=(0,), writes=(0,))
 
     def reduce_sum(self, tensor, dst: int, async_op=False):
         self.log.record("reduce", tensor)
         if self.world == 1:
             return None
         return self._issue("reduce", dist.reduce, tensor, dst=self.global_ranks[dst],
-                           op=dist.ReduceOp.SUM, group=self.group, async_op=async_op)
+                           op=dist.ReduceOp.SUM, group=self.group, async_op=async_op,
+                           reads=(0,), writes=(0,) if dst == self.rank else ())
 
     def reduce_scatter_sum(self, output, tensor, async_op=False):
         """output (1/world of tensor) := the sum over ranks of this rank's
@@ -524,7 +513,8 @@ class Comm:
             output.copy_(tensor)
             return None
         return self._issue("reduce_scatter", reduce_scatter_single, output, tensor,
-                           op=dist.ReduceOp.SUM, group=self.group, async_op=async_op)
+                           op=dist.ReduceOp.SUM, group=self.group, async_op=async_op,
+                           reads=(1,), writes=(0,))
 
     def all_gather_into(self, output, shard, async_op=False):
         self.log.record("all_gather", output)
@@ -532,19 +522,26 @@ class Comm:
             if output.data_ptr() != shard.data_ptr():
                 output.copy_(shard)
             return None
-        if output.device.type == "cpu":  # [Note: gathers on gloo]
+        if output.device.type == "cpu" or self.staged:  # [Note: gathers on gloo]
             return self._issue("all_gather", gather_by_broadcasts, output, shard, self.rank,
                                self.world, self.group, async_op=async_op,
-                               sources=self.global_ranks)
+                               sources=self.global_ranks, reads=(1,), writes=(0,))
         return self._issue("all_gather", all_gather_single, output, shard, group=self.group,
                            async_op=async_op)
 
     def broadcast(self, tensor, src=0):
         if self.world > 1:
+            mine = src == self.rank
             self._issue("broadcast", dist.broadcast, tensor, src=self.global_ranks[src],
-                        group=self.group)
+                        group=self.group, reads=(0,) if mine else (),
+                        writes=() if mine else (0,))
 
-    def _issue(self, what, collective, *args, **kwargs):
+    def _issue(self, what, collective, *args, reads=(), writes=(), **kwargs):
+        """issue() on this Comm's group; on a host-staged one the tensors at
+        positions `reads` and `writes` of args go through host copies
+        (run_staged)."""
+        if self.staged and (reads or writes):
+            return run_staged(self, what, collective, args, reads, writes, **kwargs)
         return issue(what, self.group, collective, *args, **kwargs)
 
     def gather_scalars(self, value: int) -> list:
@@ -576,7 +573,7 @@ class Comm:
         place; not logged, like sum_scalar."""
         if self.world > 1:
             self._issue("all_reduce", dist.all_reduce, tensor, op=dist.ReduceOp.SUM,
-                        group=self.group)
+                        group=self.group, reads=(0,), writes=(0,))
 
     def sum_scalar(self, value: float) -> float:
         if self.world == 1:

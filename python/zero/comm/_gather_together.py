@@ -25,15 +25,17 @@ from __future__ import annotations
 import torch
 
 from zero.comm._comm import gather_by_broadcasts
+from zero.comm._host_staging import host_copy
 
 SMALL_UNIT = 1 << 20  # elements of a unit gathered with others
 TOGETHER = 1 << 21    # elements a rank sends in one gather of several units
 
 
 def gathers_together(comm) -> bool:
-    """Whether this Comm's gathers of small units go together: gloo
-    (CPU tensors) with more than one rank."""
-    return comm.world > 1 and comm.device.type == "cpu"
+    """Whether this Comm's gathers of small units go together: gloo (CPU
+    tensors, or a GPU's staged through host memory) with more than one
+    rank."""
+    return comm.world > 1 and (comm.device.type == "cpu" or comm.staged)
 
 
 def gather_together(comm, outputs, shards):
@@ -45,6 +47,9 @@ def gather_together(comm, outputs, shards):
         return comm.all_gather_into(outputs[0], shards[0], async_op=True)
     sizes = [s.numel() for s in shards]
     mine = torch.cat([s.reshape(-1) for s in shards])
+    if comm.staged:  # gathered on the host, copied out to each unit's buffer
+        mine = host_copy(mine)
+        comm.log.record_staged(mine.numel() * mine.element_size() * (comm.world + 1))
     every = torch.empty(comm.world * mine.numel(), dtype=mine.dtype, device=mine.device)
     comm.log.record("all_gather", every)
     work = comm._issue("all_gather", gather_by_broadcasts, every, mine, comm.rank, comm.world,

@@ -7,6 +7,7 @@ import datetime
 
 import torch
 
+from zero.comm._host_staging import ranks_share_a_gpu
 from zero.comm._world import init_world_group, world_group_exists
 
 
@@ -16,7 +17,8 @@ def init_distributed(dist_backend=None, auto_mpi_discovery=True, distributed_por
     """Make torch.distributed's default group, as DeepSpeed's call does:
     nothing when one exists (unless dist_init_required=True, which it
     refuses then, as torch would); the backend NCCL where CUDA is
-    available, else gloo. Rank and world size come from rank=/world_size=
+    available, else gloo, and gloo where ranks share a GPU (which NCCL
+    refuses; zero stages their collectives through host memory). Rank and world size come from rank=/world_size=
     or the launcher's RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT. MPI
     discovery (auto_mpi_discovery under mpirun) is not done: launch with
     torchrun or deepspeed's launcher, which set those variables."""
@@ -27,7 +29,8 @@ def init_distributed(dist_backend=None, auto_mpi_discovery=True, distributed_por
         return
     if dist_init_required is False:
         return
-    backend = dist_backend or ("nccl" if torch.cuda.is_available() else "gloo")
+    gpus = torch.cuda.is_available() and not ranks_share_a_gpu()
+    backend = dist_backend or ("nccl" if gpus else "gloo")
     if isinstance(timeout, (int, float)):
         timeout = datetime.timedelta(seconds=timeout)
     init_world_group(backend, rank=rank, world_size=world_size, init_method=init_method,
