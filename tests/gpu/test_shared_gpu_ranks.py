@@ -48,8 +48,7 @@ CASES = {
 
 
 def _ranks(rank, world):
-    os.environ["CUDA_VISIBLE_DEVICES"] = "0"  # the one GPU, however many are here
-    os.environ["LOCAL_WORLD_SIZE"] = str(world)
+    os.environ["LOCAL_WORLD_SIZE"] = str(world)  # as torchrun sets it
     out = {}
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -63,7 +62,16 @@ def _ranks(rank, world):
 
 @pytest.fixture(scope="module")
 def runs():
-    return harness.run(2, _ranks, timeout=600)
+    # the ranks see one GPU, however many this machine has: they share it
+    before = os.environ.get("CUDA_VISIBLE_DEVICES")
+    os.environ["CUDA_VISIBLE_DEVICES"] = before.split(",")[0] if before else "0"
+    try:
+        return harness.run(2, _ranks, timeout=600)
+    finally:
+        if before is None:
+            del os.environ["CUDA_VISIBLE_DEVICES"]
+        else:
+            os.environ["CUDA_VISIBLE_DEVICES"] = before
 
 
 @pytest.mark.parametrize("case", list(CASES))
