@@ -331,3 +331,22 @@ def test_dataloader_drop_last(one_process):
         engine.close()
     with pytest.raises(ValueError, match="dataloader_drop_last must be true or false"):
         zero.Config.from_deepspeed({"dataloader_drop_last": "yes"})
+
+
+def test_init_distributed_takes_deepspeeds_timeout_from_the_environment(one_process,
+                                                                        monkeypatch):
+    import datetime
+    import torch.distributed as dist
+    from zero.comm._comm import group_timeout
+    monkeypatch.setenv("DEEPSPEED_TIMEOUT", "7")
+    deepspeed.init_distributed(dist_backend="gloo")
+    assert group_timeout() == datetime.timedelta(minutes=7)
+    dist.destroy_process_group()
+    deepspeed.init_distributed(dist_backend="gloo", timeout=datetime.timedelta(seconds=90))
+    assert group_timeout() == datetime.timedelta(seconds=90)  # given: the environment's unread
+    dist.destroy_process_group()
+    for bad in ("ten", "0"):
+        monkeypatch.setenv("DEEPSPEED_TIMEOUT", bad)
+        with pytest.raises(ValueError, match=f"DEEPSPEED_TIMEOUT .*{bad!r}"):
+            deepspeed.init_distributed(dist_backend="gloo")
+    assert not dist.is_initialized()

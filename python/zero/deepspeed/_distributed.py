@@ -4,6 +4,7 @@ a one-process group when there is none (a plain `python train.py`)."""
 from __future__ import annotations
 
 import datetime
+import os
 
 import torch
 
@@ -12,14 +13,16 @@ from zero.comm._world import init_world_group, world_group_exists
 
 
 def init_distributed(dist_backend=None, auto_mpi_discovery=True, distributed_port=29500,
-                     verbose=True, timeout=datetime.timedelta(minutes=30), init_method=None,
+                     verbose=True, timeout=None, init_method=None,
                      dist_init_required=None, config=None, rank=-1, world_size=-1):
     """Make torch.distributed's default group, as DeepSpeed's call does:
     nothing when one exists (unless dist_init_required=True, which it
     refuses then, as torch would); the backend NCCL where CUDA is
     available, else gloo, and gloo where ranks share a GPU (which NCCL
-    refuses; zero stages their collectives through host memory). Rank and world size come from rank=/world_size=
-    or the launcher's RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT. MPI
+    refuses; zero stages their collectives through host memory). The
+    timeout, when not given, is DeepSpeed's: DEEPSPEED_TIMEOUT minutes,
+    else 30. Rank and world size come from rank=/world_size= or the
+    launcher's RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT. MPI
     discovery (auto_mpi_discovery under mpirun) is not done: launch with
     torchrun or deepspeed's launcher, which set those variables."""
     if world_group_exists():
@@ -31,7 +34,23 @@ def init_distributed(dist_backend=None, auto_mpi_discovery=True, distributed_por
         return
     gpus = torch.cuda.is_available() and not ranks_share_a_gpu()
     backend = dist_backend or ("nccl" if gpus else "gloo")
-    if isinstance(timeout, (int, float)):
+    if timeout is None:
+        timeout = _deepspeed_timeout()
+    elif isinstance(timeout, (int, float)):
         timeout = datetime.timedelta(seconds=timeout)
     init_world_group(backend, rank=rank, world_size=world_size, init_method=init_method,
                      port=distributed_port, timeout=timeout)
+
+
+def _deepspeed_timeout() -> datetime.timedelta:
+    """DeepSpeed's default process-group timeout: the DEEPSPEED_TIMEOUT
+    environment variable in minutes, 30 when unset."""
+    text = os.environ.get("DEEPSPEED_TIMEOUT", "30")
+    try:
+        minutes = int(text)
+    except ValueError:
+        raise ValueError(f"DEEPSPEED_TIMEOUT must be a whole number of minutes (DeepSpeed "
+                         f"reads it so), got {text!r}") from None
+    if minutes <= 0:
+        raise ValueError(f"DEEPSPEED_TIMEOUT must be a positive number of minutes, got {text!r}")
+    return datetime.timedelta(minutes=minutes)
