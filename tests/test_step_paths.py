@@ -132,6 +132,7 @@ def test_ranks_sharing_a_gpu_take_gloo_and_stage_through_host(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     cuda = torch.device("cuda")
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
     assert not _host_staging.ranks_share_a_gpu()
     assert _comm.backend_for(cuda, 2) == "cpu:gloo,cuda:nccl"
@@ -139,6 +140,12 @@ def test_ranks_sharing_a_gpu_take_gloo_and_stage_through_host(monkeypatch):
     assert _host_staging.ranks_share_a_gpu()
     assert _comm.backend_for(cuda, 2) == "gloo"
     assert _comm.backend_for(torch.device("cpu"), 2) == "gloo"
+    # a launcher that gives each rank one GPU of its own looks the same from
+    # inside a rank: no guess, NCCL
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3")
+    assert not _host_staging.ranks_share_a_gpu()
+    assert _comm.backend_for(cuda, 2) == "cpu:gloo,cuda:nccl"
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "two")  # not torchrun's: no guess
     assert not _host_staging.ranks_share_a_gpu()
 

@@ -36,7 +36,13 @@ _warned = {"staged": False}  # warn_host_staged: once a process
 
 def ranks_share_a_gpu() -> bool:
     """Whether this node runs more ranks (torchrun's LOCAL_WORLD_SIZE) than
-    it has GPUs, so that some ranks share one."""
+    it has GPUs, so that some ranks share one. Not guessed when
+    CUDA_VISIBLE_DEVICES is set: a launcher that gives each rank its own GPU
+    (one visible device each, as SLURM's --gpus-per-task does) would look
+    the same from inside one rank, and those ranks need NCCL. Ranks that
+    share a GPU there make a gloo group themselves (docs/engine.md)."""
+    if "CUDA_VISIBLE_DEVICES" in os.environ:
+        return False
     try:
         local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     except ValueError:
