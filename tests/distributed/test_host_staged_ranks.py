@@ -147,3 +147,14 @@ def test_each_collective_writes_back_what_it_produced_and_nothing_else(runs):
         assert torch.equal(facts["sum_scalars"],
                            torch.tensor([float(sum(range(world))), float(world)]))
         assert facts["staged_bytes"] > 0
+
+
+def test_batches_staged_on_the_host_are_not_counted_as_gathered_memory(runs):
+    """A prefetch of small units together holds (world + 1) x its chunks
+    in its own buffers: on the device they count in gathered_peak, staged
+    they are in host memory and do not."""
+    world, results = runs
+    for rank in range(world):
+        staged = results[rank]["stage 3 released"][2]["memory"]["gathered_peak"]
+        unstaged = results[rank]["unstaged"][2]["memory"]["gathered_peak"]
+        assert 0 < staged < unstaged, (staged, unstaged)

@@ -12,10 +12,12 @@ chunks copied into its own buffer, rank by rank. The buffer lives only
 while the gather is in flight, and a batch sends at most TOGETHER elements
 a rank, so it holds at most (world + 1) x TOGETHER elements beside the units
 (6M on 2 ranks: 12 MiB in bf16). A prefetch's batch counts in
-memory_summary's gathered_peak until its first wait(); the refresh after a
-step, of persistent units, is not counted anywhere (it is over before the
-step returns). comm_summary counts the same elements as
-the separate gathers, in one call. The order of the collectives depends
+memory_summary's gathered_peak until its first wait() (not when staged
+through host memory, [Note: host-staged collectives]: the buffers are
+then on the host); the refresh after a step, of persistent units, is not
+counted anywhere (a transient of the step, like the backend's own
+buffers). comm_summary counts the same elements as the separate gathers,
+in one call. The order of the collectives depends
 only on the recorded order and the units' sizes, as before, so every rank
 issues the same ones. NCCL keeps one all_gather_into_tensor per unit (its
 launches are cheap and it gathers in place), and so does a world of one

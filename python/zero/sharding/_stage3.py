@@ -216,9 +216,10 @@ class Stage3Schedule(SavedParameters, PassOrder):
         in comm/_gather_together.py)."""
         work = gather_together(self.comm, [unit.full for _fg, unit in entries],
                                [fg.gather_source(unit.shard_slice) for fg, unit in entries])
-        if len(entries) > 1:
+        if len(entries) > 1 and not self.comm.staged:
             # its buffers (this rank's chunks end to end, and the world's)
-            # live until the first wait(): gathered memory too
+            # live until the first wait(): gathered memory too (in host
+            # memory when staged: [Note: host-staged collectives])
             extra = (self.comm.world + 1) * sum(unit.part for _fg, unit in entries)
             self.live += extra
             self.peak_live = max(self.peak_live, self.live)
