@@ -3,10 +3,10 @@ each device tensor goes through a copy in host memory (issue 22 item 5).
 
 [Note: host-staged collectives] NCCL refuses two ranks on one GPU, so
 ranks that share a GPU (a one-GPU machine running 2 processes, to test the
-multi-rank path) train over gloo, and gloo runs few collectives on CUDA
-tensors (broadcast and all-reduce, themselves through host copies; not
-reduce, reduce-scatter or the broadcasts of zero's gathers into slices).
-There every collective of a Comm is staged: the tensors it reads are copied
+multi-rank path) train over gloo, and gloo carries CUDA tensors for a few
+collectives only (broadcast and all-reduce, through host copies of its
+own), not for the reduce that zero's buckets use on gloo. There every
+collective of a Comm is staged: the tensors it reads are copied
 to host memory (pinned where CUDA is present, so the copies run at the
 link's speed), the collective runs on the copies with gloo, and what it
 wrote is copied back to the device tensor, at once for a blocking call or at
