@@ -193,3 +193,19 @@ def test_zero_optim_off_the_host_is_driven_by_the_engine_only():
     opt._off_host = "parameter 0 of param group 0 is on cuda:0"
     with pytest.raises(ValueError, match="is on cuda:0; zero.optim optimizers step on the CPU"):
         opt.step()
+
+
+def test_device_cuda_gives_each_local_rank_a_gpu_and_wraps_past_the_last(monkeypatch):
+    """device="cuda" under a launcher is cuda:LOCAL_RANK, made current; ranks
+    beyond the node's GPUs share them (LOCAL_RANK modulo the count)."""
+    from zero.engine._initialize import _engine_device
+    chosen = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "set_device", chosen.append)
+    model = torch.nn.Linear(2, 2)
+    for local, index in (("0", 0), ("1", 1), ("3", 1), ("4", 0)):
+        monkeypatch.setenv("LOCAL_RANK", local)
+        assert _engine_device(model, "cuda") == torch.device("cuda", index)
+    assert chosen == [torch.device("cuda", i) for i in (0, 1, 1, 0)]
+    assert _engine_device(model, "cuda:1") == torch.device("cuda", 1)  # as given
