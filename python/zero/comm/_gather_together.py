@@ -17,9 +17,9 @@ through host memory, [Note: host-staged collectives]: the buffers are
 then on the host); the refresh after a step, of persistent units, is not
 counted anywhere (a transient of the step, like the backend's own
 buffers). comm_summary counts the same elements as the separate gathers,
-in one call. The order of the collectives depends
-only on the recorded order and the units' sizes, as before, so every rank
-issues the same ones. NCCL keeps one all_gather_into_tensor per unit (its
+in one call. The order of the collectives depends only on the recorded
+order and the units' sizes, as before, so every rank issues the same
+ones. NCCL keeps one all_gather_into_tensor per unit (its
 launches are cheap and it gathers in place), and so does a world of one
 rank (a copy)."""
 from __future__ import annotations
