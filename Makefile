@@ -73,7 +73,8 @@ test-py:
 # The HuggingFace tests again under transformers 5 (requirements-test.txt
 # pins 4.57.6), in a venv that sees everything else installed here.
 HF5_VENV = build/venv-transformers5
-HF5_TESTS = tests/test_hf_trainer.py tests/test_hf_llama.py tests/test_peft_stage3.py \
+HF5_TESTS = tests/test_hf_trainer.py tests/test_hf_llama.py tests/test_hf_architectures.py \
+	tests/test_peft_stage3.py \
 	tests/distributed/test_hf_trainer_ranks.py tests/distributed/test_hf_trainer_tp.py \
 	tests/distributed/test_generation.py
 test-hf5: install
