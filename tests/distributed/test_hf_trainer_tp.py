@@ -53,7 +53,27 @@ def _uneven_eval(root):
     trainer = ZeroTrainer(model=model, eval_dataset=token_data(13, seed=1),
                           args=training_args(f"{root}/uneven", batch=2),
                           zero_options={"stage": 1, "mesh": mesh})
-    return trainer.evaluate()["eval_loss"]
+    # twice: the Trainer resets its gather function after each evaluation
+    return [trainer.evaluate()["eval_loss"] for _ in range(2)]
+
+
+def _objects_gathered(root):
+    """The evaluation's gather of objects (eval_use_gather_object, or data
+    accelerate cannot gather as tensors), as the Trainer calls it: each
+    data-parallel place's objects once, in place order."""
+    import zero
+    from zero.integrations.hf import ZeroTrainer
+    from zero.parallel._mesh import data_parallel_place
+    mesh = _mesh((2, 2), ("dp_shard", "tp"))
+    model = zero.parallel.parallelize_llama(llama(), mesh["tp"])
+    trainer = ZeroTrainer(model=model, eval_dataset=token_data(13, seed=1),
+                          args=training_args(f"{root}/objects", batch=2,
+                                             eval_use_gather_object=True),
+                          zero_options={"stage": 1, "mesh": mesh})
+    place, _ = data_parallel_place(mesh)
+    mine = [f"place {place} item {i}" for i in range(2)]
+    gather = trainer._gather_once  # what each evaluation loop installs
+    return dict(asked=gather(mine), strings=gather(mine, use_gather_object=False))
 
 
 def _pp_refused(root):
@@ -77,7 +97,8 @@ def _tp_worker(rank, world, root):
     dist.init_process_group("gloo")
     out = {"stage 2": _trained(root, 2, False),
            "stage 3 loss + sequence parallel": _trained(root, 3, True),
-           "uneven eval": _uneven_eval(root), "pp": _pp_refused(root)}
+           "uneven eval": _uneven_eval(root), "objects": _objects_gathered(root),
+           "pp": _pp_refused(root)}
     dist.destroy_process_group()
     return out
 
@@ -147,7 +168,14 @@ def test_uneven_eval_counts_each_data_parallel_place_once(runs):
     plain = harness.run(2, _plain_eval_worker, root)
     assert plain[0] == plain[1]
     for rank_out in results:
-        assert abs(rank_out["uneven eval"] - plain[0]) <= 1e-6 * plain[0]
+        for loss in rank_out["uneven eval"]:
+            assert abs(loss - plain[0]) <= 1e-6 * plain[0], rank_out["uneven eval"]
+
+
+def test_objects_are_gathered_once_per_data_parallel_place(runs):
+    expected = [f"place {p} item {i}" for p in range(2) for i in range(2)]
+    for rank_out in runs[1]:
+        assert rank_out["objects"] == dict(asked=expected, strings=expected)
 
 
 def test_pipeline_meshes_are_refused(runs):

@@ -66,13 +66,16 @@ def shard_data_over_data_parallel_ranks(accelerator, mesh):
     return True
 
 
-def gather_once_per_data_parallel_place(accelerator, mesh):
+def gather_once_per_data_parallel_place(accelerator, mesh, use_gather_object=False):
     """The Trainer's gather_function for evaluation: accelerate's
     gather_for_metrics, its gather keeping the representatives' rows only
-    (see the module's comment)."""
+    (see the module's comment); objects (eval_use_gather_object, or data
+    that is not all tensors, which accelerate gathers as objects too) are
+    gathered per process and the representatives' kept the same way."""
     import torch
     reps = data_parallel_representatives(mesh)
     world = accelerator.num_processes
+    use_objects = use_gather_object
 
     def keep(gathered):
         if torch.is_tensor(gathered) and gathered.dim() > 0:
@@ -84,10 +87,9 @@ def gather_once_per_data_parallel_place(accelerator, mesh):
             return {k: keep(v) for k, v in gathered.items()}
         return gathered
 
-    def gather_for_metrics(data, use_gather_object=False):
-        if use_gather_object:
-            raise ValueError("eval_use_gather_object gathers objects from every process, the "
-                             "tp ranks' copies too; with a tensor-parallel model leave it False")
+    def gather_for_metrics(data, use_gather_object=use_objects):
+        if use_gather_object or not _all_tensors(data):
+            return _objects_once(accelerator, reps, data)
         world_gather = accelerator.gather
         accelerator.gather = lambda value: keep(world_gather(value))
         try:
@@ -95,6 +97,32 @@ def gather_once_per_data_parallel_place(accelerator, mesh):
         finally:
             del accelerator.gather  # the class's own again
     return gather_for_metrics
+
+
+def _all_tensors(data) -> bool:
+    """Whether accelerate gathers `data` as tensors (else as objects)."""
+    from accelerate.utils import recursively_apply
+    try:
+        recursively_apply(lambda x: x, data, error_on_other_type=True)
+    except TypeError:
+        return False
+    return True
+
+
+def _objects_once(accelerator, reps, data):
+    """accelerate's gather_for_metrics of objects (each process's list
+    joined, the last batch's padding cut to the data set's remainder), with
+    the representatives' lists only: accelerate's gather_object joins them
+    all, so each process's goes in as one item and comes back apart."""
+    from accelerate.utils import gather_object
+    every = gather_object([data])  # one item a process, in process order
+    joined = [item for r in reps for item in every[r]]
+    state = accelerator.gradient_state
+    try:
+        remainder = state.remainder if state.end_of_dataloader else 0
+    except Exception:  # as accelerate: a data set without a length
+        remainder = 0
+    return joined[:remainder] if remainder > 0 else joined
 
 
 def plain(value):

@@ -189,13 +189,20 @@ class ZeroTrainerMixin:
         if options.get("mesh") is not None:
             refuse_pipeline(self.model, options["mesh"])
             if shard_data_over_data_parallel_ranks(self.accelerator, options["mesh"]):
-                self.gather_function = gather_once_per_data_parallel_place(self.accelerator,
-                                                                           options["mesh"])
+                self._gather_once = gather_once_per_data_parallel_place(
+                    self.accelerator, options["mesh"], self.args.eval_use_gather_object)
 
     def training_step(self, *args, **kwargs):
         with vocabulary_parallel(self.model):
             loss = super().training_step(*args, **kwargs)
         return plain(loss)
+
+    def evaluation_loop(self, *args, **kwargs):
+        # the Trainer sets gather_function back to accelerate's at the end
+        # of each loop: a second evaluation counted the tp ranks' copies
+        if getattr(self, "_gather_once", None) is not None:
+            self.gather_function = self._gather_once
+        return super().evaluation_loop(*args, **kwargs)
 
     def prediction_step(self, *args, **kwargs):
         with vocabulary_parallel(self.model):
