@@ -79,13 +79,10 @@ def run_staged(comm, what: str, collective, args: tuple, reads: tuple, writes: t
     is copied back to args[i] for i in `writes`, at once or, with
     async_op=True, at the returned handle's wait()."""
     staged = list(args)
-    moved = 0
     for i in set(reads) | set(writes):
         staged[i] = host_copy(args[i], with_values=i in reads)
-        moved += args[i].numel() * args[i].element_size() if i in reads else 0
     copies = [(args[i], staged[i]) for i in writes]
-    moved += sum(t.numel() * t.element_size() for t, _host in copies)
-    comm.log.record_staged(moved)
+    comm.log.record_staged(sum(args[i].nbytes for i in (*reads, *writes)))
     work = comm._issue(what, collective, *staged, **kwargs)
     if kwargs.get("async_op"):
         return StagedWork(work, copies)

@@ -314,8 +314,8 @@ def _engine_device(model: nn.Module, device) -> torch.device:
                 raise ValueError(f"device={device!r}, but torch.cuda.is_available() is False "
                                  f"here (torch {torch.__version__}); train on device='cpu'")
             if target.index is None:
-                # the rank's own GPU, as torchrun means; ranks beyond the
-                # node's GPUs share them ([Note: host-staged collectives])
+                # ranks beyond the node's GPUs share them ([Note:
+                # host-staged collectives])
                 local = os.environ.get("LOCAL_RANK")
                 target = torch.device("cuda", int(local) % torch.cuda.device_count()
                                       if local is not None else torch.cuda.current_device())

@@ -75,7 +75,6 @@ def gather_once_per_data_parallel_place(accelerator, mesh, use_gather_object=Fal
     import torch
     reps = data_parallel_representatives(mesh)
     world = accelerator.num_processes
-    use_objects = use_gather_object
 
     def keep(gathered):
         if torch.is_tensor(gathered) and gathered.dim() > 0:
@@ -87,7 +86,7 @@ def gather_once_per_data_parallel_place(accelerator, mesh, use_gather_object=Fal
             return {k: keep(v) for k, v in gathered.items()}
         return gathered
 
-    def gather_for_metrics(data, use_gather_object=use_objects):
+    def gather_for_metrics(data, use_gather_object=use_gather_object):
         if use_gather_object or not _all_tensors(data):
             return _objects_once(accelerator, reps, data)
         world_gather = accelerator.gather

@@ -158,6 +158,8 @@ class ZeroTrainerMixin:
         self.zero_options = options
         self.engine = None
         self._config_scheduler = None  # a DeepSpeed config's scheduler block
+        # under tp: the evaluation gather each evaluation loop installs
+        self._gather_once = None
         # before the Trainer's own setup: it acts on these (FSDP wraps the
         # model on the spot) and would fail with its own message, or not at all
         _refuse_other_wrappers(kwargs.get("args", args[1] if len(args) > 1 else None))
@@ -200,7 +202,7 @@ class ZeroTrainerMixin:
     def evaluation_loop(self, *args, **kwargs):
         # the Trainer sets gather_function back to accelerate's at the end
         # of each loop: a second evaluation counted the tp ranks' copies
-        if getattr(self, "_gather_once", None) is not None:
+        if self._gather_once is not None:
             self.gather_function = self._gather_once
         return super().evaluation_loop(*args, **kwargs)
 
