@@ -307,6 +307,23 @@ def test_huggingface_auto_values():
                                                        "params": {"lr": "auto"}}})
 
 
+def test_reuse_distance_is_read():
+    """stage3_max_reuse_distance: DeepSpeed's float spelling read as an
+    integer, "auto" our default (0: released right after use), a bad value
+    named ([Note: reuse distance] in sharding/_pass_order.py)."""
+    def read(value):
+        return zero.Config.from_deepspeed(
+            {"zero_optimization": {"stage": 3, "stage3_max_reuse_distance": value}})
+    assert read(1e9).stage3_max_reuse_distance == 10**9
+    assert read("auto").stage3_max_reuse_distance == 0 == zero.Config().stage3_max_reuse_distance
+    with pytest.raises(ValueError, match="zero_optimization.stage3_max_reuse_distance must be "
+                                         "an integer"):
+        read(2.5)
+    with pytest.raises(ValueError, match=r"stage3_max_reuse_distance must be an integer >= 0 "
+                                         r"\(elements\), got -1"):
+        read(-1)
+
+
 def test_huggingface_zero3_template_is_read():
     """The zero_optimization block of HuggingFace's zero3 template, offload
     blocks included: on a CPU model both "cpu" devices change nothing."""

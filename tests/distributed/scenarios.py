@@ -200,3 +200,34 @@ def engine_run(rank, world, steps, stage, precision="fp32", accumulation=1, clip
                  skipped=skipped, gathered=gathered, loaded=loaded)
     engine.close()
     return losses, state, facts
+
+
+class Blocks(nn.Module):
+    """Five repeated blocks between an embedding and a head: a unit per
+    block at stage 3 ("block" units), and small units besides."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(32, 16)
+        self.blocks = nn.ModuleList(
+            nn.Sequential(nn.LayerNorm(16), nn.Linear(16, 48), nn.GELU(), nn.Linear(48, 16))
+            for _ in range(5))
+        self.head = nn.Linear(16, 32)
+
+    def forward(self, ids):
+        x = self.embed(ids)
+        for block in self.blocks:
+            x = x + block(x)
+        return F.cross_entropy(self.head(x).flatten(0, 1), ids.flatten())
+
+
+def make_blocks():
+    torch.manual_seed(0)
+    return Blocks()
+
+
+def blocks_batches(rank, world, steps=4):
+    """This rank's batches for Blocks, and the whole world's (the reference's)."""
+    g = torch.Generator().manual_seed(7)
+    every = [torch.randint(0, 32, (2 * world, 8), generator=g) for _ in range(steps)]
+    return [b[2 * rank:2 * rank + 2] for b in every], every

@@ -6,50 +6,23 @@ is bit for bit the one with a collective per unit (the same values reach
 the same buffers), which itself matches one process's plain torch run."""
 import pytest
 import torch
-from torch import nn
 
 import harness
 import zero
 from conftest import max_rel_error
+from scenarios import blocks_batches, make_blocks
 from zero.comm._gather_together import TOGETHER
 from zero.sharding import _flat_group
-
-
-class Blocks(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.embed = nn.Embedding(32, 16)
-        self.blocks = nn.ModuleList(
-            nn.Sequential(nn.LayerNorm(16), nn.Linear(16, 48), nn.GELU(), nn.Linear(48, 16))
-            for _ in range(5))
-        self.head = nn.Linear(16, 32)
-
-    def forward(self, ids):
-        x = self.embed(ids)
-        for block in self.blocks:
-            x = x + block(x)
-        return nn.functional.cross_entropy(self.head(x).flatten(0, 1), ids.flatten())
-
-
-def _model():
-    torch.manual_seed(0)
-    return Blocks()
-
-
-def _batches(rank, world, steps=4):
-    g = torch.Generator().manual_seed(7)
-    every = [torch.randint(0, 32, (2 * world, 8), generator=g) for _ in range(steps)]
-    return [b[2 * rank:2 * rank + 2] for b in every], every
 
 
 def _train(rank, world, together, threshold):
     if not together:
         _flat_group.gathers_together = lambda comm: False
-    model = _model()
+    model = make_blocks()
     engine = zero.initialize(model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
                              stage=3, stage3_param_persistence_threshold=threshold)
     gathers = []
-    mine, _ = _batches(rank, world)
+    mine, _ = blocks_batches(rank, world)
     for ids in mine:
         engine.backward(engine(ids))
         engine.step()
@@ -77,9 +50,9 @@ def test_small_units_go_together_and_change_no_number(world, threshold):
             assert joined["elements"] == alone["elements"], step
             if step > 0:  # the first pass records the order: nothing prefetched
                 assert joined["calls"] < alone["calls"] / 2, (step, joined, alone)
-    ref = _model()
+    ref = make_blocks()
     opt = torch.optim.SGD(ref.parameters(), lr=0.1)
-    for every in _batches(0, world)[1]:
+    for every in blocks_batches(0, world)[1]:
         opt.zero_grad()
         ref(every).backward()
         opt.step()

@@ -197,6 +197,11 @@ class Config:
     stage3_param_persistence_threshold: int = DEFAULT_PERSISTENCE_THRESHOLD
     stage3_prefetch_bucket_size: int = DEFAULT_PREFETCH_ELEMENTS
     stage3_max_live_parameters: int = DEFAULT_MAX_LIVE_ELEMENTS
+    # a unit whose next use comes within this many gathered elements is
+    # kept at the end of its forward instead of released (DeepSpeed's key;
+    # its default is 1e9, ours 0: released right after use. [Note: reuse
+    # distance] in sharding/_pass_order.py)
+    stage3_max_reuse_distance: int = 0
     # modules (class names or classes) gathered whole at stage 3: one unit
     # of all the parameters below each, no hooks inside (a mixture-of-
     # experts block, whose experts run or not depending on each rank's data)
@@ -322,7 +327,7 @@ class Config:
                              "fp16.min_loss_scale) must be > 0 with dynamic fp16 loss scaling, "
                              f"got {scaling.min_loss_scale!r}; DeepSpeed's default is 1")
         for name in ("stage3_param_persistence_threshold", "stage3_prefetch_bucket_size",
-                     "stage3_max_live_parameters"):
+                     "stage3_max_live_parameters", "stage3_max_reuse_distance"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ValueError(f"{name} must be an integer >= 0 (elements), got {value!r}")

@@ -42,7 +42,7 @@ def read_deepspeed(config) -> dict:
 # with the reason, as an optimizer or scheduler parameter is.
 _AUTO_MEANS_DEFAULT = {"reduce_bucket_size", "stage3_param_persistence_threshold",
                        "stage3_prefetch_bucket_size", "stage3_max_live_parameters",
-                       "overlap_comm", "contiguous_gradients", "train_batch_size",
+                       "stage3_max_reuse_distance", "overlap_comm", "contiguous_gradients", "train_batch_size",
                        "train_micro_batch_size_per_gpu"}
 
 
@@ -70,10 +70,9 @@ _IGNORED = {
 _ZERO_IGNORED = {
     "allgather_partitions", "allgather_bucket_size", "reduce_scatter", "round_robin_gradients",
     "load_from_fp32_weights", "elastic_checkpoint", "sub_group_size",
-    # stage 3: units are released right after use, so there is no reuse
-    # window to tune; ZeroTrainer.save_model always writes the whole model
-    # (from the fp32 masters), and engine checkpoints are sharded
-    "stage3_max_reuse_distance", "stage3_gather_16bit_weights_on_model_save",
+    # ZeroTrainer.save_model always writes the whole model (from the fp32
+    # masters), and engine checkpoints are sharded
+    "stage3_gather_16bit_weights_on_model_save",
     "stage3_gather_fp16_weights_on_model_save",  # its deprecated name
     # stages 1-2 let unused parameters be; zero finds them by itself
     # ([Note: expected gradients] in sharding/_buckets.py)
@@ -160,6 +159,7 @@ def translate(ds: dict) -> dict:
         "stage3_param_persistence_threshold": "stage3_param_persistence_threshold",
         "stage3_prefetch_bucket_size": "stage3_prefetch_bucket_size",
         "stage3_max_live_parameters": "stage3_max_live_parameters",
+        "stage3_max_reuse_distance": "stage3_max_reuse_distance",
     }, _ZERO_IGNORED)
     # buffer_count/buffer_size/max_in_cpu size DeepSpeed's pinned buffers;
     # the shard here is read unit by unit through its mapping
@@ -177,7 +177,8 @@ def translate(ds: dict) -> dict:
         if block is not None:
             options[key] = block
     for key in ("reduce_bucket_size", "stage3_param_persistence_threshold",
-                "stage3_prefetch_bucket_size", "stage3_max_live_parameters"):
+                "stage3_prefetch_bucket_size", "stage3_max_live_parameters",
+                "stage3_max_reuse_distance"):
         if key in zero_opts:  # DeepSpeed configs often write 5e7
             value = _number(zero_opts[key], f"zero_optimization.{key}")
             if value != int(value):

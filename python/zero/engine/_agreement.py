@@ -22,7 +22,7 @@ import torch
 _SETTINGS = ("stage", "precision", "gradient_accumulation_steps", "gradient_clipping",
              "reduce_bucket_size", "bucket_reduction", "grad_accum_dtype",
              "stage3_param_persistence_threshold", "stage3_prefetch_bucket_size",
-             "stage3_max_live_parameters", "stage3_leaf_modules")
+             "stage3_max_live_parameters", "stage3_max_reuse_distance", "stage3_leaf_modules")
 
 
 def _hash(text: str) -> int:

@@ -118,13 +118,14 @@ def _run_bytes(stage, cfg, numel, largest):
     reduce_bucket_size elements at most, in the compute dtype), and stage
     3's gathered units (stage3_prefetch_bucket_size elements ahead of the
     running unit, the largest module's own parameters, counted as that many
-    more elements, at most stage3_max_live_parameters). numel: the
-    model's parameters."""
+    more elements, plus the units kept within stage3_max_reuse_distance,
+    at most stage3_max_live_parameters). numel: the model's parameters."""
     item = DTYPES[cfg.precision].itemsize
     extra = 0
     if stage >= 2:
         extra += min(numel, (MAX_IN_FLIGHT + 1) * cfg.reduce_bucket_size) * item
     if stage == 3:
         extra += min(numel, cfg.stage3_max_live_parameters,
-                     largest + cfg.stage3_prefetch_bucket_size) * item
+                     largest + cfg.stage3_prefetch_bucket_size +
+                     cfg.stage3_max_reuse_distance) * item
     return extra

@@ -4,6 +4,8 @@ runs, and the next pass of the same kind prefetches along that record
 Stage3Schedule, which holds the state these methods read."""
 from __future__ import annotations
 
+import torch
+
 from zero.comm._gather_together import TOGETHER
 
 
@@ -78,6 +80,47 @@ class PassOrder:
         finally:  # also when a check refused a unit: those before it were readied
             if together:
                 self._gather_together(together)
+
+    # [Note: reuse distance] DeepSpeed's stage3_max_reuse_distance: a unit
+    # whose next use, along the recorded passes, comes before that many
+    # elements of other units are gathered is not released at the end of
+    # its forward. The case it is for is the turn from forward to
+    # backward: the last units of the forward are the first the backward
+    # gathers, so they are kept rather than released and gathered again
+    # at once. Only a forward in the recorded order keeps (the decision
+    # must be the same on every rank, and depends only on the recorded
+    # orders, the unit sizes and whether grad mode is on: without it no
+    # backward follows, so only the rest of the forward counts). A kept
+    # unit is released as any gathered unit is: once its gradients are in,
+    # at the end of the backward, or at the start of the next forward if
+    # no backward came. It counts in the gathered memory all along. Our
+    # default is 0: released right after use (DeepSpeed's is 1e9).
+    def _reused_soon(self, unit) -> bool:
+        if self.max_reuse <= 0 or self.phase != "forward" or self.diverged or \
+                not unit.gathered or unit.persistent or unit.active > 0:
+            return False  # nothing to keep, or not this rule's to decide
+        recorded = self.recorded["forward"]
+        entries, starts = self._released_in_order(recorded)
+        ahead = entries[starts[self.pos]:]
+        backward = self.recorded["backward"]
+        if torch.is_grad_enabled() and backward is not None:
+            ahead = ahead + self._released_in_order(backward)[0]
+        between = 0
+        for _fg, other in ahead:
+            if other is unit:
+                return True
+            between += other.total
+            if between >= self.max_reuse:
+                return False
+        return False
+
+    def _release_kept(self):
+        """Units a forward kept for a backward that never came (see [Note:
+        reuse distance]): released as the next forward starts."""
+        for fg in self.groups:
+            for unit in fg.units:
+                if unit.gathered and unit.work is None:
+                    self.release(unit)
 
     def _released_in_order(self, recorded):
         """The units a recorded pass gathers and releases (persistent ones

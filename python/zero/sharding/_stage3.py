@@ -70,6 +70,7 @@ class Stage3Schedule(SavedParameters, PassOrder):
         self.groups = groups
         self.max_prefetch = int(config.stage3_prefetch_bucket_size)
         self.max_live = int(config.stage3_max_live_parameters)
+        self.max_reuse = int(config.stage3_max_reuse_distance)  # [Note: reuse distance]
         self.live = 0        # elements of non-persistent units gathered or in flight
         self.peak_live = 0
         # [Note: gather pool] in _units.py (the CPU's allocator keeps no freed blocks)
@@ -340,6 +341,8 @@ class Stage3Schedule(SavedParameters, PassOrder):
             if module is self.modules[0] and self.root_depth == 1:  # not a recursive call
                 self.abandon_if_unfinished()
                 if not self.in_backward:
+                    if self.max_reuse > 0:
+                        self._release_kept()
                     self._start_pass("forward")
                 if self._saving is None and self.saves_through_hooks:
                     # hooks pushed around the engine call (torch.utils.checkpoint of
@@ -374,6 +377,8 @@ class Stage3Schedule(SavedParameters, PassOrder):
             if not self.in_backward:
                 leaving = [u for fg in self.groups for u in fg.units] if outermost else \
                     [u for _fg, u in self.units_of[module]]
+                if self.max_reuse > 0:  # [Note: reuse distance] in _pass_order.py
+                    leaving = [u for u in leaving if not self._reused_soon(u)]
                 output = detach_from_units(leaving, output)
                 for unit in leaving:
                     self.release(unit)
