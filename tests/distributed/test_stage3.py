@@ -13,7 +13,8 @@ sizes. The cases add activation checkpointing (both torch.utils.checkpoint
 modes), a no_grad forward before every step, a change made through
 zero.GatheredParameters by rank 0 (the other ranks write garbage that must
 not survive), a loss term taken inside zero.GatheredParameters, and
-bounded prefetch, and the buckets reduced by reduce_scatter."""
+bounded prefetch, the buckets reduced by reduce_scatter, and units kept
+from forward to backward (stage3_max_reuse_distance)."""
 import tempfile
 
 import pytest
@@ -58,6 +59,15 @@ CASES = {
                        dict(clip=0.05)),
     "reduce_scatter reentrant all": (dict(RELEASED, checkpointing="reentrant_all",
                                           bucket_reduction="reduce_scatter"), {}),
+    # units kept from forward to backward ([Note: reuse distance]), with the
+    # branch that changes the recorded order, evaluations, a change by
+    # rank 0, nested backwards and a loss term's late gathers
+    "reuse": (dict(RELEASED, stage3_max_reuse_distance=10**9, with_eval=True, modify_at=3),
+              dict(with_eval=True, modify_at=3)),
+    "reuse reentrant all": (dict(RELEASED, stage3_max_reuse_distance=10**9,
+                                 checkpointing="reentrant_all"), {}),
+    "reuse penalty": (dict(RELEASED, stage3_max_reuse_distance=100, penalty="in loss",
+                           accumulation=2), dict(penalty=True, accumulation=2)),
 }
 STEPS = 8
 
