@@ -143,3 +143,82 @@ def test_states_the_engine_cannot_hold_are_refused():
         zero.initialize(fresh, optimizer=partial, stage=1)
     # refused before the model was touched
     assert [p.data_ptr() for p in m.parameters()] == before
+
+
+def normed_model():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.Tanh(), nn.Linear(16, 4))
+
+
+def bf16_engine_steps(engine, inputs):
+    for x in inputs:
+        engine.backward(engine(x).float().square().mean())
+        engine.step()
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+@pytest.mark.parametrize("name", ["adamw", "zero_lion"])
+def test_close_after_bf16_gives_the_fp32_model_back(stage, name):
+    """A float32 model trained with precision="bf16" ([Note: dtypes given
+    back] in engine/_handback.py): its fp32 masters start as the model's
+    own values (not rounded to bf16); close() gives back float32
+    parameters holding the masters exactly and float32 buffers; a new
+    initialize on them goes on bit for bit as the run that was never
+    closed (it was 2e-3 off, from bf16-rounded weights); torch's own step
+    runs on them (it failed on bf16 parameters with fp32 states)."""
+    options = dict(stage=stage, precision="bf16", stage3_param_persistence_threshold=0)
+    m = normed_model()
+    start = copy.deepcopy(m.state_dict())
+    opt = OPTIMIZERS[name](m.parameters())
+    engine = zero.initialize(m, optimizer=opt, **options)
+    first = engine.full_state_dict()
+    for key, value in dict(m.named_parameters()).items():
+        assert torch.equal(first[key], start[key]), key
+    bf16_engine_steps(engine, data()[:3])
+    masters = engine.full_state_dict()
+    engine.close()
+    for key, p in m.named_parameters():
+        assert p.dtype == torch.float32 and torch.equal(p.detach(), masters[key]), key
+    assert all(b.dtype == start[k].dtype for k, b in m.state_dict().items()), "buffers"
+    again = copy.deepcopy(m)
+    opt_again = OPTIMIZERS[name](again.parameters())
+    opt_again.load_state_dict(opt.state_dict())
+    engine = zero.initialize(m, optimizer=opt, **options)
+    bf16_engine_steps(engine, data()[3:])
+    resumed_state = engine.full_state_dict()
+    engine.close()
+
+    uninterrupted = normed_model()
+    engine = zero.initialize(uninterrupted, optimizer=OPTIMIZERS[name](uninterrupted.parameters()),
+                             **options)
+    bf16_engine_steps(engine, data())
+    for key, value in engine.full_state_dict().items():
+        assert torch.equal(resumed_state[key], value), key
+    engine.close()
+    torch_steps(again, opt_again, data()[3:])  # plain torch goes on from what close() gave
+    assert all(p.dtype == torch.float32 for p in again.parameters())
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+def test_close_gives_each_dtype_back(stage):
+    """A bfloat16 model stays bfloat16 after close(), its torch optimizer's
+    states in its dtype (torch's step needs them so); a float64 layer,
+    trained in the engine's fp32, is float64 again."""
+    m = model()
+    m[0].bfloat16()
+    m[2].double()
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
+    with pytest.warns(RuntimeWarning, match=r"2 float64 parameter\(s\) \('2.weight' the first\) "
+                                            "train in float32"):
+        engine = zero.initialize(m, optimizer=opt, stage=stage)
+    for x in data()[:2]:
+        engine.backward(engine(x).square().mean())
+        engine.step()
+    engine.close()
+    assert [p.dtype for p in m.parameters()] == [torch.bfloat16] * 2 + [torch.float64] * 2
+    for p in m.parameters():
+        assert {t.dtype for k, t in opt.state[p].items() if k != "step"} == {p.dtype}
+    x = data()[2]
+    opt.zero_grad()
+    m[2](m[1](m[0](x.bfloat16())).double()).square().mean().backward()
+    opt.step()

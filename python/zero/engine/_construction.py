@@ -4,6 +4,8 @@ units stage 3 makes of them, the files offload puts them in, and rank 0's
 values of what is not partitioned."""
 from __future__ import annotations
 
+import warnings
+
 import torch
 
 from zero.sharding._partitioned_init import sharded_record, take_values
@@ -130,7 +132,24 @@ def cast_module(module, dtype, device, policy, params_off_device=False):
             if policy.partitions_params or t.requires_grad:
                 return t
             return take_values(t).to(device=device, dtype=dtype)
-        if params_off_device and isinstance(t, torch.nn.Parameter) and t.is_floating_point():
-            return t.to(dtype=dtype)
+        if isinstance(t, torch.nn.Parameter) and t.is_floating_point() and \
+                (t.requires_grad or policy.partitions_params):
+            # a flat group's: it reads the values as they are, so an fp32
+            # model's master weights start exact, not rounded to the
+            # compute dtype ([Note: dtypes given back] in _handback.py)
+            return t
         return t.to(device=device, dtype=dtype if t.is_floating_point() else None)
     module._apply(cast)
+
+
+def warn_if_narrowed(dtypes: dict, compute_dtype):
+    """float64 parameters train in the engine's fp32 masters: say so once
+    (close() gives them back as float64: [Note: dtypes given back] in
+    _handback.py). dtypes: record_dtypes' answer."""
+    wide = [name for (kind, name), dtype in dtypes.items()
+            if kind == "parameter" and dtype == torch.float64]
+    if wide:
+        warnings.warn(
+            f"zero: {len(wide)} float64 parameter(s) ({wide[0]!r} the first) train in "
+            f"float32 master weights and compute in {compute_dtype}: the engine keeps no "
+            "float64 copy. close() gives them back as float64", RuntimeWarning, stacklevel=4)

@@ -32,8 +32,8 @@ from zero.engine._checkpoint_calls import CheckpointCalls
 from zero.engine._deepspeed_queries import DeepSpeedQueries
 from zero.engine._construction import (apply_aio, broadcast_buffer, cast_module,
                                        match_param_groups, offload_files, owners_of,
-                                       param_files, units_of)
-from zero.engine._handback import hand_back
+                                       param_files, units_of, warn_if_narrowed)
+from zero.engine._handback import hand_back, record_dtypes
 from zero.engine._reports import EngineReports
 from zero.engine._routes import call_alive, guard_optimizer, on_each_grad
 from zero.engine._unchanged import check_optimizer_unchanged
@@ -168,6 +168,8 @@ class Engine(DeepSpeedQueries, BatchCalls, CheckpointCalls, EngineReports, nn.Mo
         for params, _names in groups:
             for p in params:
                 p.grad = None
+        self._dtypes_before = record_dtypes(module)  # [Note: dtypes given back]
+        warn_if_narrowed(self._dtypes_before, self.compute_dtype)
         cast_module(module, self.compute_dtype, self.device, self.policy,
                     params_off_device=self._copier is not None)
         for name, buf in module.named_buffers():

@@ -3,6 +3,8 @@ stage 3 every parameter given its full values again), so the model works
 without the engine."""
 from __future__ import annotations
 
+import torch
+
 from zero.offload._mapped import MappedFile, release_freed_memory
 from zero.step._resumed_states import give_back_optimizer_states
 
@@ -20,6 +22,7 @@ def hand_back(engine):
     if engine._schedule is not None:
         engine._schedule.remove()
         restore_params(engine)
+    restore_dtypes(engine)
     give_back_optimizer_states(engine.optimizer, engine.groups, engine._comm.world)
     if engine._tensor_parallel is not None:  # DTensor parameters again
         engine._tensor_parallel.restore(engine.optimizer)
@@ -68,3 +71,62 @@ def restore_params(engine):
             unit.full = None
             if home is not None:
                 release_freed_memory()
+
+
+# [Note: dtypes given back] initialize casts the model (parameters and
+# buffers) to the compute dtype: a float32 model trained with
+# precision="bf16" holds bfloat16 parameters while the engine runs, and
+# its fp32 master weights live in the engine (started from the model's
+# own values, not rounded ones: _construction.cast_module). close() gives
+# each tensor its dtype from before initialize again, with the master's
+# values where this rank holds the whole master (world size 1, or an
+# unpartitioned group): a float32 model comes back with the exact fp32
+# weights the optimizer states go with, so plain torch, or a new
+# initialize (a re-run notebook cell), goes on as an uninterrupted run. A
+# master in an offload file comes back as a view of its mapping, as the
+# states do (nothing read into memory). Elsewhere the values are the
+# compute dtype's, cast; parameters that came back file-backed
+# (offload_param "nvme") without a whole master keep the compute dtype:
+# casting would bring the whole model into memory.
+def record_dtypes(module) -> dict:
+    """The floating dtypes of the module's parameters and buffers before
+    initialize casts them, by name."""
+    dtypes = {}
+    for kind, named in (("parameter", module.named_parameters()),
+                        ("buffer", module.named_buffers())):
+        for name, t in named:
+            if t.is_floating_point():
+                dtypes[kind, name] = t.dtype
+    return dtypes
+
+
+def restore_dtypes(engine):
+    """close(): each parameter and buffer its dtype from before initialize
+    ([Note: dtypes given back])."""
+    dtypes = engine._dtypes_before
+    masters = {}  # id(param) -> (its fp32 master values, whether in a file)
+    for fg in engine.groups:
+        if fg.num_partitions == 1 and fg.master is not None and fg.master is not fg.shard:
+            for i, p in enumerate(fg.params):
+                masters[id(p)] = (fg.view(fg.master, i), fg.offload is not None)
+    filed = {id(p) for fg in engine.all_groups if fg.param_files is not None
+             for p in fg.params}
+    with torch.no_grad():
+        for name, p in engine.module.named_parameters():
+            dtype = dtypes.get(("parameter", name))
+            if dtype is None:
+                continue
+            values, in_file = masters.get(id(p), (None, False))
+            if values is None and (p.dtype == dtype or id(p) in filed):
+                continue
+            if p.grad is not None and p.grad.dtype != dtype:
+                p.grad = None  # the engine's, in the compute dtype
+            if in_file and values.dtype == dtype:
+                p.data = values
+            else:
+                p.data = (p.data if values is None else values).to(
+                    device=p.device, dtype=dtype, copy=True)
+        for name, b in engine.module.named_buffers():
+            dtype = dtypes.get(("buffer", name))
+            if dtype is not None and b.dtype != dtype:
+                b.data = b.data.to(dtype)

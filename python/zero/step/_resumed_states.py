@@ -138,14 +138,26 @@ def give_back_optimizer_states(optimizer, groups, world) -> None:
         _StatesLeftBehind(optimizer)
         return
     counts_steps = not isinstance(optimizer, torch.optim.SGD)  # torch's SGD keeps none
+    # zero.optim's lay the states out anew in their own fp32 buffers; torch's
+    # keep them in the parameter's dtype, which close() gave back ([Note:
+    # dtypes given back] in engine/_handback.py): a bfloat16 model's are cast
+    own_layout = hasattr(optimizer, "_resume_after_engine")
     for fg in stepped:
         # states in files (offload_optimizer "nvme") are given as views of
         # the mapped files: they may not fit in memory, and a view is
         # resident only where it is read ([Note: states given back])
         in_files = fg.offload is not None
         for i, p in enumerate(fg.params):
-            entry = {name: fg.view(t, i) if in_files else fg.view(t, i).clone()
-                     for name, t in fg.states.items()}
+            entry = {}
+            for name, t in fg.states.items():
+                value = fg.view(t, i)
+                if value.dtype != p.dtype and not own_layout:
+                    entry[name] = value.to(p.dtype)
+                else:
+                    entry[name] = value if in_files else value.clone()
+            if own_layout and fg.master is not None and fg.master is not fg.shard and \
+                    p.dtype != fg.master.dtype:
+                entry["master_param"] = fg.view(fg.master, i).clone()
             if counts_steps:
                 entry["step"] = torch.tensor(float(fg.step_count))
             optimizer.state[p] = entry
