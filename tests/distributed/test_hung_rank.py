@@ -26,7 +26,9 @@ def _worker(made_by: str):
     """One rank: train a few steps at stage 2; rank 1 stops itself in the
     middle. made_by "zero": zero makes the group from env://, with
     timeout=TIMEOUT; "user": the script makes it with that timeout and
-    zero's setting is left out, so zero's channels take the group's."""
+    zero's setting is left out, so zero's channels take the group's;
+    "deepspeed": zero.deepspeed.initialize makes it, with the config's
+    comms_timeout."""
     import datetime
 
     import torch
@@ -40,6 +42,14 @@ def _worker(made_by: str):
     if made_by == "user":
         dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=TIMEOUT))
         engine = zero.initialize(model, stage=2)
+    elif made_by == "deepspeed":
+        # DeepSpeed's initialize makes the default group itself: the config's
+        # comms_timeout is its timeout, not DEEPSPEED_TIMEOUT's 30 minutes
+        import zero.deepspeed as deepspeed
+        engine, *_ = deepspeed.initialize(model=model, config={
+            "train_micro_batch_size_per_gpu": 4, "comms_timeout": TIMEOUT,
+            "zero_optimization": {"stage": 2},
+            "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}})
     else:
         engine = zero.initialize(model, stage=2, timeout=TIMEOUT)
     channel = _comm.all_channels()[0]
@@ -59,7 +69,7 @@ def _state(pid: int) -> str:
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
-@pytest.mark.parametrize("made_by", ["zero", "user"])
+@pytest.mark.parametrize("made_by", ["zero", "user", "deepspeed"])
 def test_a_stopped_rank_ends_its_peer_within_the_timeout(made_by, tmp_path):
     port = harness.free_port()
     procs, logs = [], []
@@ -96,6 +106,9 @@ def test_a_stopped_rank_ends_its_peer_within_the_timeout(made_by, tmp_path):
         "group's timeout)" in err, err[-3000:]
     if made_by == "zero":
         assert f"zero's `timeout` setting (set to {TIMEOUT:g} s)" in err
+    elif made_by == "deepspeed":
+        assert "zero.deepspeed's init_distributed made it, the timeout from " \
+            "\"comms_timeout\" in the config" in err, err[-3000:]
     else:  # the user's group, or zero's channels beside it
         assert "dist.init_process_group(timeout=...)" in err or \
             "take the timeout of the default process group your code made" in err

@@ -18,6 +18,7 @@ import torch.distributed as dist
 from zero.comm._handles import AllOf, Watched
 from zero.comm._host_staging import ranks_share_a_gpu, run_staged, warn_host_staged
 from zero.comm._log import CommLog
+from zero.comm._world import deepspeed_group_timeout_source
 
 _LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 # [Note: timeouts] How long a collective on a group zero makes waits for the
@@ -304,6 +305,11 @@ def raise_if_timed_out(error: RuntimeError, op: str, group=None):
                    f"{'set to' if _timeout['source'] == 'setting' else 'left at its default,'} "
                    f"{_duration(wait)}): zero.initialize(timeout=seconds), zero.Config(timeout=), "
                    "or \"comms_timeout\" in a DeepSpeed-style config")
+    elif deepspeed_group_timeout_source(group) is not None:
+        wait = group_timeout(group)
+        where = "the default process group"
+        how = (f"{deepspeed_group_timeout_source(group)}; set it there, or call "
+               "zero.deepspeed.init_distributed(timeout=timedelta) first")
     else:
         wait = group_timeout(group)
         where = "the process group your code made"

@@ -9,16 +9,34 @@ import os
 import torch.distributed as dist
 
 
+# how the default group zero.deepspeed made came by its timeout (for the
+# timeout error: raise_if_timed_out in _comm.py); None for any other group
+_made = {"timeout_from": None}
+
+
 def world_group_exists() -> bool:
     return dist.is_available() and dist.is_initialized()
 
 
+def deepspeed_group_timeout_source(group) -> str | None:
+    """Where the timeout of `group` was set, when it is the default group
+    zero.deepspeed's init_distributed made (else None)."""
+    if _made["timeout_from"] is None or not world_group_exists():
+        return None
+    if group is None or group is dist.group.WORLD:
+        return _made["timeout_from"]
+    return None
+
+
 def init_world_group(backend: str, rank: int = -1, world_size: int = -1, init_method=None,
-                     port: int = 29500, timeout: datetime.timedelta | None = None):
+                     port: int = 29500, timeout: datetime.timedelta | None = None,
+                     timeout_from: str | None = None):
     """torch.distributed's default group: rank and world size given, else
     the launcher's RANK and WORLD_SIZE, else one process in memory (a
     plain script or a notebook). The caller's group then: engines reuse it
-    and never destroy it."""
+    and never destroy it. timeout_from: where `timeout` came from, for the
+    error a timed-out collective raises."""
+    _made["timeout_from"] = timeout_from
     env = os.environ
     if rank < 0 and "RANK" in env:
         rank = int(env["RANK"])

@@ -14,7 +14,8 @@ from zero.comm._world import init_world_group, world_group_exists
 
 def init_distributed(dist_backend=None, auto_mpi_discovery=True, distributed_port=29500,
                      verbose=True, timeout=None, init_method=None,
-                     dist_init_required=None, config=None, rank=-1, world_size=-1):
+                     dist_init_required=None, config=None, rank=-1, world_size=-1,
+                     timeout_from="init_distributed(timeout=...)"):
     """Make torch.distributed's default group, as DeepSpeed's call does:
     nothing when one exists (unless dist_init_required=True, which it
     refuses then, as torch would); the backend NCCL where CUDA is
@@ -22,7 +23,9 @@ def init_distributed(dist_backend=None, auto_mpi_discovery=True, distributed_por
     refuses; zero stages their collectives through host memory). The
     timeout, when not given, is DeepSpeed's: DEEPSPEED_TIMEOUT minutes,
     else 30. Rank and world size come from rank=/world_size= or the
-    launcher's RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT. MPI
+    launcher's RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT (timeout_from,
+    ours: where a given timeout came from, for the error a collective that
+    times out raises). MPI
     discovery (auto_mpi_discovery under mpirun) is not done: launch with
     torchrun or deepspeed's launcher, which set those variables."""
     if world_group_exists():
@@ -36,10 +39,16 @@ def init_distributed(dist_backend=None, auto_mpi_discovery=True, distributed_por
     backend = dist_backend or ("nccl" if gpus else "gloo")
     if timeout is None:
         timeout = _deepspeed_timeout()
-    elif isinstance(timeout, (int, float)):
-        timeout = datetime.timedelta(seconds=timeout)
+        source = ("DEEPSPEED_TIMEOUT (minutes)" if "DEEPSPEED_TIMEOUT" in os.environ else
+                  "DeepSpeed's default, 30 minutes (DEEPSPEED_TIMEOUT changes it)")
+    else:
+        source = timeout_from
+        if isinstance(timeout, (int, float)):
+            timeout = datetime.timedelta(seconds=timeout)
     init_world_group(backend, rank=rank, world_size=world_size, init_method=init_method,
-                     port=distributed_port, timeout=timeout)
+                     port=distributed_port, timeout=timeout,
+                     timeout_from=f"zero.deepspeed's init_distributed made it, the timeout "
+                                  f"from {source}")
 
 
 def _deepspeed_timeout() -> datetime.timedelta:

@@ -44,8 +44,12 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None,
             "mesh=mesh) (docs/parallel.md)")
     cfg = _config(args, config, config_params)
     if dist_init_required is not False:
+        # the group made here is the engine's only: a "comms_timeout" in the
+        # config sets its timeout, as it does for a group zero.initialize
+        # makes (DeepSpeed's DEEPSPEED_TIMEOUT otherwise)
         init_distributed(distributed_port=distributed_port,
-                         dist_init_required=dist_init_required)
+                         dist_init_required=dist_init_required, timeout=cfg.timeout,
+                         timeout_from='"comms_timeout" in the config')
     params = list(model_parameters) if model_parameters is not None else None
     if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer) and \
             callable(optimizer):
