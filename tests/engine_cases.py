@@ -189,12 +189,13 @@ def compare_with_torch(device, stage, optimizer_name="adamw", clip=0.5, toleranc
 def mixed_precision_reference_run(ref, data):
     """What bf16 training under the engine computes, written with torch:
     the model in bf16 (gradients accumulate in bf16 in .grad), an fp32
-    master copy that torch's AdamW updates from the gradients upcast and
-    averaged, and the bf16 parameters copied back from the master.
-    Returns the masters by name."""
+    master copy of the fp32 model's own values (not rounded to bf16 first)
+    that torch's AdamW updates from the gradients upcast and averaged, and
+    the bf16 parameters copied back from the master. Returns the masters
+    by name."""
+    masters = {n: nn.Parameter(p.detach().float().clone()) for n, p in ref.named_parameters()}
     ref.to(torch.bfloat16)
     params = dict(ref.named_parameters())
-    masters = {n: nn.Parameter(p.detach().float()) for n, p in params.items()}
     optimizer = make_optimizer("adamw", masters.values())
     for i, (tokens, targets) in enumerate(data):
         loss_of(ref(tokens), targets).backward()
@@ -223,12 +224,14 @@ def bf16_matches_mixed_precision_torch(device, stage):
         # 1e-4: as fp32 (1e-5), plus a bf16 parameter that rounds the other
         # way after an ulp of difference in its master, a rare event
         assert max_rel_error(full[name], value.detach().cpu()) <= 1e-4, name
-    if stage == 3:
-        engine.close()  # gives every parameter its values back, as plain tensors
-    for name, p in model.named_parameters():
-        assert p.dtype == torch.bfloat16 and p.device == torch.device(device), name
-        assert torch.equal(p.detach().cpu(), full[name].to(torch.bfloat16)), name
+    for name, p in model.named_parameters():  # released ones are placeholders
+        if p.numel():
+            assert p.dtype == torch.bfloat16 and p.device == torch.device(device), name
+            assert torch.equal(p.detach().cpu(), full[name].to(torch.bfloat16)), name
     engine.close()
+    for name, p in model.named_parameters():  # the fp32 model back, with its masters
+        assert p.dtype == torch.float32 and p.device == torch.device(device), name
+        assert torch.equal(p.detach().cpu(), full[name]), name
 
 
 def fp16_overflow_skips(device, stage):
