@@ -376,12 +376,16 @@ def test_batch_sizes_settled_as_deepspeed_does(given, world, settled):
     assert (cfg.train_micro_batch_size_per_gpu, cfg.gradient_accumulation_steps) == settled
 
 
-@pytest.mark.parametrize("given", [(32, 4, 3), (30, 4, None), (6, None, 4)])
-def test_batch_sizes_that_cannot_agree_are_refused(given):
+@pytest.mark.parametrize("given, tail", [
+    ((32, 4, 3), "x world size 2$"),
+    ((30, 4, None), r"x world size 2 \(the accumulation not given, and no whole number fits\)"),
+    ((6, None, 4), r"x world size 2 \(the micro batch not given, and no whole number fits\)")])
+def test_batch_sizes_that_cannot_agree_are_refused(given, tail):
+    """The message says what was derived only when something was."""
     from zero.engine._initialize import settle_batch_sizes
     keys = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
     cfg = zero.Config.from_deepspeed({k: v for k, v in zip(keys, given) if v is not None})
-    with pytest.raises(ValueError, match=f"train_batch_size {given[0]} != micro batch"):
+    with pytest.raises(ValueError, match=f"train_batch_size {given[0]} != micro batch .*{tail}"):
         settle_batch_sizes(cfg, 2)
 
 

@@ -44,7 +44,8 @@ def _save_legs(rank, world, root):
 def _failing_save(rank, root):
     """Rank 1's disk fails while saving: every rank must raise (none may
     wait forever for it), no 'latest' may name the broken checkpoint, and
-    the next save must work."""
+    the next save must work. Then a save into directories that are not
+    one: refused on every rank, nothing published."""
     import zero
     model = scenarios.make_model()
     engine = zero.initialize(model, optimizer=scenarios.make_optimizer("adamw", model, 1e-2),
@@ -63,8 +64,16 @@ def _failing_save(rank, root):
         torch.save = real_save
     latest_after_failure = os.path.exists(f"{root}/failure/latest")
     engine.save_checkpoint(f"{root}/failure", tag="good")
+    # ranks that do not share the directory (each machine's local disk):
+    # rank 1 writes its shard where rank 0 never sees it
+    try:
+        engine.save_checkpoint(f"{root}/failure" if rank == 0 else f"{root}/elsewhere",
+                               tag="apart")
+        apart = None
+    except RuntimeError as e:
+        apart = str(e)
     engine.close()
-    return error, latest_after_failure
+    return error, latest_after_failure, apart
 
 
 def _load_legs(rank, world, root):
@@ -153,8 +162,8 @@ def test_consolidated_checkpoint_continues_in_plain_torch(legs):
 
 def test_a_failed_save_raises_on_every_rank(legs):
     root, saved, _loaded = legs
-    error0, latest0 = saved[0]["failure"]
-    error1, _ = saved[1]["failure"]
+    error0, latest0, apart0 = saved[0]["failure"]
+    error1, _, apart1 = saved[1]["failure"]
     assert error1.startswith("OSError: cannot write checkpoint file") and \
         "no space left on device (test)" in error1
     assert error0 == "RuntimeError: saving the checkpoint failed on 1 other rank(s); " \
@@ -162,3 +171,8 @@ def test_a_failed_save_raises_on_every_rank(legs):
     assert not latest0
     with open(f"{root}/failure/latest") as f:
         assert f.read() == "good"
+    # directories apart: refused on both ranks before anything is published
+    assert "1 of the 2 shard files the ranks wrote are not in" in apart0 and \
+        "a shared filesystem" in apart0, apart0
+    assert apart1 == "saving the checkpoint failed on 1 other rank(s); see their errors"
+    assert not os.path.exists(f"{root}/failure/apart")

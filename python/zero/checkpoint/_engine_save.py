@@ -261,6 +261,7 @@ def _save_agreed(engine, save_dir, tag, save_id, client_state, save_latest, erro
         if whole.rank == 0:
             if stages is not None:
                 meta.update(_merged_stages([part for part in stages if part is not None]))
+            _check_shards_seen(staging, meta["shards"])
             write_file(meta, os.path.join(staging, META_FILE))
             publish(save_dir, tag)
     except Exception as e:
@@ -275,6 +276,21 @@ def _save_agreed(engine, save_dir, tag, save_id, client_state, save_latest, erro
         all_ok(engine, error)
     if whole.rank == 0:
         discard_replaced(save_dir, tag)
+
+
+def _check_shards_seen(staging, shards):
+    """Rank 0, before it publishes: every rank's shard is in the directory
+    it sees. Ranks that save into directories of their own (a path on each
+    machine's local disk) wrote theirs elsewhere; publishing would make
+    `latest` name a checkpoint that cannot load, found only at the load."""
+    missing = [f for f in shards if not os.path.isfile(os.path.join(staging, f))]
+    if missing:
+        raise RuntimeError(
+            f"save_checkpoint: {len(missing)} of the {len(shards)} shard files the ranks wrote "
+            f"are not in {staging} as rank 0 sees it ({', '.join(missing[:3])}"
+            f"{', ...' if len(missing) > 3 else ''}): save_dir must be one directory every "
+            "rank sees (a shared filesystem across machines, not each machine's local disk). "
+            "Nothing was published; `latest` still names the last checkpoint")
 
 
 def _agreed_save_id(whole) -> int:

@@ -235,10 +235,14 @@ def settle_batch_sizes(cfg: Config, world: int) -> Config:
     if micro is None:
         micro = total // (accumulation * world)
     if micro < 1 or accumulation < 1 or micro * accumulation * world != total:
+        derived = [name for name, given in (("micro batch", cfg.train_micro_batch_size_per_gpu),
+                                            ("accumulation", cfg.gradient_accumulation_steps))
+                   if given is None]
         raise ValueError(
             f"train_batch_size {total} != micro batch {cfg.train_micro_batch_size_per_gpu} x "
-            f"accumulation {cfg.gradient_accumulation_steps} x world size {world} (None: "
-            "derived, but no whole number fits)")
+            f"accumulation {cfg.gradient_accumulation_steps} x world size {world}" +
+            (f" (the {' and '.join(derived)} not given, and no whole number fits)"
+             if derived else ""))
     return cfg.replace(train_micro_batch_size_per_gpu=micro,
                        gradient_accumulation_steps=accumulation)
 
