@@ -264,6 +264,29 @@ def test_sparse_embedding_refused():
     assert untouched(m, before)
 
 
+class _FunctionalSparse(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.table = nn.Parameter(torch.randn(10, 4))
+        self.head = nn.Linear(4, 1)
+
+    def forward(self, ids):
+        return self.head(nn.functional.embedding(ids, self.table, sparse=True))
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_a_sparse_gradient_from_a_forward_is_refused_by_name(stage):
+    """F.embedding(sparse=True) inside forward, which initialize cannot see:
+    the gradient's arrival at a bucket names the parameter (it was torch's
+    "reshape is not implemented for sparse tensors")."""
+    torch.manual_seed(0)
+    engine = zero.initialize(_FunctionalSparse(), stage=stage)
+    with pytest.raises(RuntimeError, match="parameter 'table' got a torch.sparse_coo gradient "
+                                           r"\(F.embedding"):
+        engine.backward(engine(torch.tensor([1, 2, 2])).sum())
+    engine.close()
+
+
 @pytest.mark.parametrize("stage", [0, 2, 3])
 def test_a_trainable_complex_parameter_is_refused_by_name(stage):
     """It was copied into the real flat buffers: its imaginary part was

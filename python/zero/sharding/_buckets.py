@@ -166,12 +166,26 @@ class BucketReducer:
         """A piece the C hook does not write itself (a GPU tensor, another
         dtype, a non-contiguous gradient): one copy_ when it is the first
         there this backward, else one add_."""
+        if grad.layout != torch.strided:
+            raise self._sparse_error(grad)
         piece = grad.reshape(-1)[grad_start:grad_start + count]
         target = bucket[bucket_start:bucket_start + count]
         if first:
             target.copy_(piece)
         else:
             target.add_(piece)
+
+    def _sparse_error(self, grad) -> RuntimeError:
+        """A sparse gradient reached a bucket: from F.embedding(...,
+        sparse=True) in a forward, which initialize cannot see (it refuses
+        sparse nn.Embedding modules by name)."""
+        name = next((self.fg.names[i] for i, p in enumerate(self.fg.params)
+                     if p.grad is grad), None)
+        which = f"parameter '{name}'" if name else "a parameter"
+        return RuntimeError(
+            f"zero: {which} got a {grad.layout} gradient (F.embedding or F.embedding_bag "
+            "with sparse=True); stages 2-3 reduce gradients in dense buckets, so pass "
+            "sparse=False, or train at stage 0 or 1")
 
     def _zero_range(self, bucket, start, count):
         """A range of a bucket no piece wrote, where the C hook cannot reach
