@@ -112,14 +112,17 @@ def train(mesh, stage, accumulation=1, clip=None, precision="fp32", opt="sgd", k
     memory = _memory_pair(engine, mesh, stage, opt, kind, precision, options)
     model = engine.module
     engine.close()
-    # close() hands back DTensor parameters holding the trained values
+    # close() hands back DTensor parameters holding the trained values (in
+    # the compute dtype's rounding, in the model's own dtype: [Note: dtypes
+    # given back] in engine/_handback.py)
     handed = True
     if "tp" in mesh.mesh_dim_names:
         from torch.distributed.tensor import DTensor
         name, p = next((n, p) for n, p in model.named_parameters() if n.endswith("q.weight") or
                        n.endswith("q_proj.weight") or n.endswith("c_attn.weight"))
-        handed = isinstance(p, DTensor) and torch.equal(
-            p.full_tensor().float(), state[name].to(p.dtype).float())
+        rounded = state[name].to(torch.bfloat16 if precision == "bf16" else torch.float32)
+        handed = isinstance(p, DTensor) and p.dtype == torch.float32 and torch.equal(
+            p.full_tensor(), rounded.float())
         if kind == "gpt":
             handed = handed and model.head.weight is model.embed.weight
     return losses, norms, state, handed, memory, seen

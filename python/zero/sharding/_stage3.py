@@ -50,6 +50,7 @@ from zero.sharding._outputs import detach_from_units, tensors_in
 from zero.sharding._param_writes import check_released_untouched
 from zero.sharding._pass_order import PassOrder
 from zero.sharding._saved_parameters import SavedParameters, outer_saved_tensors_hooks
+from zero.sharding._state_loads import hook_state_loads
 from zero.sharding._step_agreement import agree_on_call
 from zero.sharding._units import GatherPool, storage_key
 
@@ -139,6 +140,7 @@ class Stage3Schedule(SavedParameters, PassOrder):
             if units:
                 self.hooks.append(module.register_state_dict_post_hook(
                     ModuleHook(self._hook_state_dict(units))))
+                self.hooks += hook_state_loads(module, units)  # [Note: state dict loads]
         for module in root.modules():
             if isinstance(module, nn.MultiheadAttention) and roots.root(module) is None:
                 # its forward reads out_proj's weights without calling out_proj
