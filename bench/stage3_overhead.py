@@ -13,9 +13,11 @@ With --world N (N > 1) every rank runs the same loop on gloo and rank 0
 prints; the table then has a third engine, "stage 3 apart", whose small
 units are each gathered by a collective of their own instead of together
 ([Note: small units gathered together] in comm/_gather_together.py).
+With --reuse D a "stage 3 reuse" engine keeps units whose next use comes
+within D elements ([Note: reuse distance] in sharding/_pass_order.py).
 
 Usage: python bench/stage3_overhead.py [--steps 30] [--rounds 3] [--layers 8]
-       [--released] [--world 1]
+       [--released] [--world 1] [--reuse 1e9]
 """
 from __future__ import annotations
 
@@ -36,10 +38,12 @@ import zero  # noqa: E402
 from gpt import GPT, GPTConfig, MarkovText  # noqa: E402
 
 
-def make_stepper(stage, cfg, data, released=False, rank=0, apart=False):
+def make_stepper(stage, cfg, data, released=False, rank=0, apart=False, reuse=0):
     torch.manual_seed(0)
     model = GPT(cfg)
     options = {"stage3_param_persistence_threshold": 0} if released and stage == 3 else {}
+    if reuse:
+        options["stage3_max_reuse_distance"] = reuse
     engine = zero.initialize(model, optimizer=torch.optim.AdamW(model.parameters(), lr=3e-4),
                              stage=stage, precision="bf16", gradient_clipping=1.0, **options)
     if apart:  # [Note: small units gathered together] off: a collective per unit
@@ -64,6 +68,9 @@ def measure(rank, world, args):
                "stage 3": make_stepper(3, cfg, data, args.released, rank)}
     if world > 1:
         runners["stage 3 apart"] = make_stepper(3, cfg, data, args.released, rank, apart=True)
+    if args.reuse:
+        runners["stage 3 reuse"] = make_stepper(3, cfg, data, args.released, rank,
+                                                reuse=int(args.reuse))
     for _engine, step in runners.values():
         for i in range(3):  # warm-up: stage 3 records its order on the first pass
             step(i)
@@ -93,6 +100,9 @@ def main():
     ap.add_argument("--released", action="store_true",
                     help="persistence threshold 0: every unit released after use")
     ap.add_argument("--world", type=int, default=1, help="gloo ranks")
+    ap.add_argument("--reuse", type=float, default=0,
+                    help="add a stage 3 engine with this stage3_max_reuse_distance "
+                         "(DeepSpeed's default is 1e9)")
     args = ap.parse_args()
     if args.world > 1:
         import harness
