@@ -63,6 +63,15 @@ def finish(trainer, engine_state):
     return logs, {k: v.detach().clone() for k, v in engine_state().items()}
 
 
+def zero_options(stage) -> dict:
+    """"3r": stage 3 with every unit released, the LM head too (with TRL's
+    fused head it is read outside its module: [Note: TRL's fused head] in
+    zero/integrations/_trl_gather.py)."""
+    if stage == "3r":
+        return {"stage": 3, "stage3_param_persistence_threshold": 0}
+    return {"stage": stage}
+
+
 def dpo(tmp, stage=None):
     g = torch.Generator().manual_seed(0)
     pairs = Dataset.from_list([{"prompt": words(g, 3), "chosen": " " + words(g, 2) + " t0",
@@ -74,8 +83,8 @@ def dpo(tmp, stage=None):
     if stage is None:
         trainer = trl.DPOTrainer(**kwargs)
         return finish(trainer, model.state_dict)
-    trainer = ZeroDPOTrainer(**kwargs, zero_options={"stage": stage})
-    if stage == 3:  # the reference partitioned like the policy, frozen
+    trainer = ZeroDPOTrainer(**kwargs, zero_options=zero_options(stage))
+    if stage in (3, "3r"):  # the reference partitioned like the policy, frozen
         assert isinstance(trainer.ref_model, zero.Engine) and trainer.ref_model.inference_only
     return finish(trainer, lambda: trainer.engine.full_state_dict())
 
@@ -90,8 +99,8 @@ def kto(tmp, stage=None):
                   processing_class=tokenizer())
     if stage is None:
         return finish(trl.KTOTrainer(**kwargs), model.state_dict)
-    trainer = ZeroKTOTrainer(**kwargs, zero_options={"stage": stage})
-    if stage == 3:
+    trainer = ZeroKTOTrainer(**kwargs, zero_options=zero_options(stage))
+    if stage in (3, "3r"):
         assert isinstance(trainer.ref_model, zero.Engine) and trainer.ref_model.inference_only
     return finish(trainer, lambda: trainer.engine.full_state_dict())
 
@@ -120,8 +129,8 @@ def grpo(tmp, stage=None, calls=None, trainers=None, kind="grpo", beta=0.0):
     if stage is None:
         trainer = theirs(**kwargs)
         return finish(trainer, trainer.model.state_dict)
-    trainer = ours(**kwargs, zero_options={"stage": stage})
-    if beta and stage == 3:  # the reference partitioned like the policy, frozen
+    trainer = ours(**kwargs, zero_options=zero_options(stage))
+    if beta and stage in (3, "3r"):  # the reference partitioned like the policy, frozen
         assert isinstance(trainer.ref_model, zero.Engine) and trainer.ref_model.inference_only
     if trainers is not None:
         trainers.append(trainer)
@@ -148,12 +157,12 @@ def same(ours, theirs):
             assert (state[name] - value).abs().max() <= 1e-5, name
 
 
-@pytest.mark.parametrize("stage", [2, 3])
+@pytest.mark.parametrize("stage", [2, 3, "3r"])
 def test_dpo_on_zero_is_trls(tmp_path, stage):
     same(dpo(tmp_path / "zero", stage), dpo(tmp_path / "trl"))
 
 
-@pytest.mark.parametrize("stage", [2, 3])
+@pytest.mark.parametrize("stage", [2, 3, "3r"])
 def test_kto_on_zero_is_trls(tmp_path, stage):
     same(kto(tmp_path / "zero", stage), kto(tmp_path / "trl"))
 
@@ -183,3 +192,9 @@ def test_sampling_trainers_with_a_kl_term_on_zero_are_trls(tmp_path, kind):
                     grpo(tmp_path / "trl", kind=kind, beta=0.1))
     same(ours, theirs)
     assert any(log.get("kl", 0) > 0 for log in theirs[0])  # the term is there
+
+
+def test_grpo_with_every_unit_released_is_trls(tmp_path):
+    """The fused LM head reads a released weight at stage 3 ([Note: TRL's
+    fused head]): gathered for it, the run is TRL's own."""
+    same(grpo(tmp_path / "zero", "3r"), grpo(tmp_path / "trl"))

@@ -46,6 +46,7 @@ from zero.engine._initialize import initialize
 from zero.step._registry import SPECS
 from zero.config._schedulers import SCHEDULER_TYPES, scheduler_from_config
 from zero.config._deepspeed_config import read_deepspeed
+from zero.integrations._trl_gather import teach_trl_to_gather
 from zero.integrations._hf_model_parallel import (gather_once_per_data_parallel_place, plain,
                                                   refuse_pipeline,
                                                   shard_data_over_data_parallel_ranks)
@@ -293,6 +294,7 @@ class ZeroTrainerMixin:
             super().create_optimizer()  # the Trainer's optimizer, on the model's parameters
             self.engine = initialize(self.model, optimizer=self.optimizer,
                                           **self.zero_options)
+            teach_trl_to_gather()  # [Note: TRL's fused head] (a TRL trainer, or SFT's mixin)
             self.optimizer = _EngineOptimizer(self.engine, after_step=self._report_skipped_step)
         return self.optimizer
 

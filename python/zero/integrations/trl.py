@@ -29,7 +29,10 @@ import contextlib
 from trl import DPOTrainer, GRPOTrainer, KTOTrainer, RLOOTrainer
 
 from zero.engine._initialize import inference
+from zero.integrations._trl_gather import teach_trl_to_gather
 from zero.integrations.hf import ZeroTrainerMixin
+
+teach_trl_to_gather()  # [Note: TRL's fused head] in _trl_gather.py
 
 
 class _ReferenceUnderInference:
