@@ -865,3 +865,37 @@ def test_the_ctrl_c_tests_pass_with_sigint_ignored_on_entry(tmp_path):
         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300,
         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+
+
+def _autograd_nodes() -> int:
+    return sum(1 for o in gc.get_objects() if type(o).__name__.endswith("Backward0"))
+
+
+@pytest.mark.parametrize("threshold", [0, 10**5], ids=["released", "persistent"])
+def test_stage3_graphs_and_the_engine_are_freed(threshold):
+    """A stage-3 forward with grad on and no backward (a validation loss
+    outside no_grad) leaves no graph behind, and a closed engine's model is
+    freed with its last reference. The pre-backward hook's key held its own
+    autograd node, a cycle through C++ the collector never broke: every
+    such graph stayed with its activations, nodes piled up in training,
+    and the schedule kept the model (and offload files) alive."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 4))
+    optimizer = torch.optim.AdamW(model.parameters())
+    engine = zero.initialize(model, optimizer=optimizer, stage=3,
+                             stage3_param_persistence_threshold=threshold)
+    x = torch.randn(8, 16)
+    gc.collect()
+    before = _autograd_nodes()
+    for _ in range(3):
+        out = engine(x)
+        del out
+        engine.backward(engine(x).square().mean())
+        engine.step()
+    gc.collect()
+    assert _autograd_nodes() == before
+    engine.close()
+    model_ref = weakref.ref(model)
+    del engine, model, optimizer
+    gc.collect()
+    assert model_ref() is None

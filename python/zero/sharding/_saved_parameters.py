@@ -30,7 +30,14 @@ class SavedParameters:
             key = None
         entry = self.unit_by_storage.get(key)
         if entry is None and self._outer is None:
-            return tensor
+            # [Note: saved without their node] an activation, kept without
+            # its autograd node (torch rebuilds that at unpack). An op that
+            # saves its own output (tanh, softmax, attention) gets it with
+            # its grad_fn, the op's own node: kept as it is, the node held
+            # itself, a cycle through C++ that Python's collector never
+            # frees, so a forward without a backward (a validation loss
+            # outside no_grad) kept its graph and activations for good
+            return tensor.detach() if tensor.requires_grad else tensor
         return self._pack_entry(tensor, entry, self._outer)
 
     def saving_outside_forward(self):
@@ -109,7 +116,8 @@ class _SavedAsIs:
     __slots__ = ("tensor", "version")
 
     def __init__(self, tensor):
-        self.tensor, self.version = tensor, tensor._version
+        # without its node ([Note: saved without their node])
+        self.tensor, self.version = tensor.detach(), tensor._version
 
 
 class _SavedParameter:
@@ -146,7 +154,8 @@ class _SavedView:
     __slots__ = ("fg", "unit", "tensor")
 
     def __init__(self, fg, unit, tensor):
-        self.fg, self.unit, self.tensor = fg, unit, tensor
+        # without its node ([Note: saved without their node])
+        self.fg, self.unit, self.tensor = fg, unit, tensor.detach()
 
 
 class _SavedByOuter:

@@ -574,9 +574,15 @@ class Stage3Schedule(SavedParameters, PassOrder):
 
 
 def _node_key(tensor):
-    """A non-leaf tensor's place in the autograd graph: its node and which
-    of the node's outputs it is (the node lives as long as the graph)."""
-    return tensor.grad_fn, tensor.output_nr
+    """A non-leaf tensor's place in the autograd graph: its node's id and
+    which of the node's outputs it is. Not the node itself: the key lives
+    in a hook that autograd keeps on that node, and a node that holds
+    itself through its own hook is a cycle through C++ that Python's
+    collector never frees (every graph of a forward without a backward
+    stayed, with its activations, and kept the engine alive after close()).
+    Ids are looked up while the graph lives (the node with them), and
+    release_with is emptied at every pass."""
+    return id(tensor.grad_fn), tensor.output_nr
 
 
 def _inside_forward_of(module) -> bool:
