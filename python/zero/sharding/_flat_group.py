@@ -225,8 +225,8 @@ class FlatGroup:
                 unit.gathered = unit.persistent = True
                 unit.point_params()
             del full32, mine
-            if releasing and (self.param_files is not None or master_file is not None):
-                release_freed_memory()  # a model on a disk: one unit's values at a time
+            if releasing:
+                release_freed_memory()  # one unit's values at a time, really
         # the update's operands as tensors (the GPU step), and on the CPU
         # also registered with the C core once, so a step passes no DLPack
         self.buffers, self.tensors, self._registered_at = {}, {}, {}

@@ -205,8 +205,11 @@ class partitioned_init(TorchDispatchMode):
     def _on_register(self, module, name, param):
         if param is None or param in _registry:
             return None  # tied or re-registered: already a placeholder
-        if self._directory is not None:  # the last registered parameter's full values
-            release_freed_memory()
+        # the last registered parameter's full values, given back to the
+        # system: glibc keeps freed blocks resident (release_freed_memory),
+        # and in memory as on a disk a rank holds its chunks plus one
+        # parameter (the in-memory route held nearly the whole model)
+        release_freed_memory()
         if param in self._replaced:
             return self._replaced[param]  # the same parameter given to a second module
         with torch.no_grad():
@@ -255,8 +258,7 @@ class partitioned_init(TorchDispatchMode):
             _registry[param].store(full)
             self._cached = None
             del full
-            if self._directory is not None:  # one parameter's values at a time, really
-                release_freed_memory()
+            release_freed_memory()  # one parameter's values at a time, really
 
     def _tracked(self, t):
         """(owner, _LazyView) when t is a placeholder, a view made from one,
