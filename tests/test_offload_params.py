@@ -289,6 +289,33 @@ def test_an_offloaded_shard_is_not_held_in_ram(tmp_path):
     assert in_memory - offloaded_peak >= shard - 4 * 2**20, (in_memory, offloaded_peak, shard)
 
 
+def test_a_close_without_room_leaves_the_engine_running(tmp_path):
+    """close() first makes the file its file-backed parameters come back in;
+    with no room for it (a file size limit here, a full disk alike) it
+    raises and the engine is as it was: it trains on, and a later close()
+    gives the trained values back. Before, the hooks were gone by then and
+    the next forward failed on a placeholder's shape."""
+    import resource
+    engine = run("bf16", "adamw", param_path=tmp_path, steps=1,
+                 stage3_param_persistence_threshold=0)  # released units: hooks needed
+    expected = engine.full_state_dict()
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (4096, hard))  # Python ignores SIGXFSZ
+    try:
+        with pytest.raises(OSError, match="offload_param.nvme_path .* cannot reserve"):
+            engine.close()
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+    assert not engine._closed
+    tokens, targets = batches("cpu", 1)[0]
+    loss = loss_of(engine(tokens), targets)
+    engine.backward(loss)
+    engine.zero_grad()  # trains on; the step left out, so the values stay
+    engine.close()
+    for name, p in engine.module.named_parameters():  # the fp32 model, its masters
+        assert p.dtype == torch.float32 and torch.equal(p.detach(), expected[name]), name
+
+
 def test_close_gives_back_file_backed_parameters_and_states(tmp_path):
     """close() of an engine whose parameters and states lived in files: the
     model's parameters and the optimizer's states come back as views of

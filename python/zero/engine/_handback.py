@@ -10,7 +10,11 @@ from zero.step._resumed_states import give_back_optimizer_states
 
 
 def hand_back(engine):
-    """close()'s work, once (the engine marks itself closed after)."""
+    """close()'s work, once (the engine marks itself closed after). What can
+    fail for want of room (the files file-backed parameters come back in)
+    is made first, while the engine still runs: a close() that raises
+    leaves it as it was, to be closed again once there is room."""
+    homes = param_homes(engine) if engine._schedule is not None else {}
     if engine._delayed is not None:
         engine._delayed.finish()  # the model handed back has the last update
     for h in engine._hooks:
@@ -21,7 +25,7 @@ def hand_back(engine):
             fg.reducer.detach()
     if engine._schedule is not None:
         engine._schedule.remove()
-        restore_params(engine)
+        restore_params(engine, homes)
     restore_dtypes(engine)
     give_back_optimizer_states(engine.optimizer, engine.groups, engine._comm.world)
     if engine._tensor_parallel is not None:  # DTensor parameters again
@@ -41,7 +45,15 @@ def hand_back(engine):
     engine._leave_group()
 
 
-def restore_params(engine):
+def param_homes(engine) -> dict:
+    """id(flat group) -> the mapped file its file-backed parameters
+    (offload_param "nvme") come back in."""
+    return {id(fg): MappedFile(fg.param_files.directory, fg.layout_size,
+                               engine.compute_dtype, "offload_param.nvme_path")
+            for fg in engine.all_groups if fg.param_files is not None}
+
+
+def restore_params(engine, homes):
     """Stage 3: give every parameter its full values again, in plain
     tensors of its own, so the model works without the engine (a
     collective). Parameters that lived in files (offload_param "nvme")
@@ -50,10 +62,7 @@ def restore_params(engine):
     kept in host memory apart from a GPU model (offload_param "cpu")
     come back in host memory: the device may not hold the whole model."""
     for fg in engine.all_groups:
-        home = None
-        if fg.param_files is not None:
-            home = MappedFile(fg.param_files.directory, fg.layout_size,
-                              engine.compute_dtype, "offload_param.nvme_path")
+        home = homes.get(id(fg))  # param_homes'
         for unit in fg.units:
             engine._schedule.ensure(fg, unit)
             for p, off, n, shape in zip(unit.params, unit.offsets, unit.numels,
