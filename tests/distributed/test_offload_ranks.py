@@ -169,3 +169,29 @@ def test_a_prefetched_units_chunk_is_unmapped_once_gathered():
     (1.12 of 1.58 MB); now none."""
     for top, shard in harness.run(2, prefetched_chunks, timeout=120):
         assert top <= shard // 4, (top, shard)
+
+
+def _one_bad_path(rank, world, directory):
+    """Rank 1's nvme_path does not exist; rank 0's does (paths may differ
+    per rank). Returns what initialize raised here."""
+    import os
+
+    import zero
+    path = directory if rank == 0 else os.path.join(directory, "missing")
+    model = mlp()
+    try:
+        zero.initialize(model, optimizer=torch.optim.AdamW(model.parameters()), stage=2,
+                        offload_optimizer={"device": "nvme", "nvme_path": path})
+    except ValueError as error:
+        return str(error)
+    return None
+
+
+def test_a_path_refused_on_one_rank_stops_every_rank(tmp_path):
+    """Each rank checks its own nvme_path; the refusal is shared before the
+    engine's first collective, so the other rank raises at once instead of
+    waiting there for the process group's timeout."""
+    errors = harness.run(2, _one_bad_path, str(tmp_path), timeout=120)
+    assert "offload_optimizer.nvme_path" in errors[1] and "is not a directory" in errors[1]
+    assert errors[0] == ("zero.initialize: rank(s) [1] refused their nvme_path (each rank "
+                         "checks its own; their errors say why), so no rank goes on")

@@ -116,10 +116,7 @@ def initialize(model: nn.Module, *, optimizer=None, stage=None, precision=None,
         previous().close()
     _check_parameters_free(model)
     cfg = resolve_config(config, stage, precision, options)
-    if cfg.offload_optimizer.device == "nvme":  # before the model is touched
-        check_nvme_path(cfg.offload_optimizer.nvme_path)
-    if cfg.offload_param.device == "nvme":
-        check_nvme_path(cfg.offload_param.nvme_path, "offload_param.nvme_path")
+    path_problem = _nvme_path_problem(cfg)  # raised once the ranks know (below)
     if not any(True for _ in model.parameters()):
         raise ValueError("the model has no parameters; nothing to train")
     _check_dense_gradients(model)
@@ -132,6 +129,7 @@ def initialize(model: nn.Module, *, optimizer=None, stage=None, precision=None,
     engine = tensor_parallel = None
     try:
         groups = resolve_mesh(mesh)
+        _refused_on_every_rank(Comm(device, groups.whole or groups.everyone), path_problem)
         if groups.partial:
             _check_not_partitioned_over_the_world(model)
         comm = Comm(device, groups.shard)
@@ -168,6 +166,35 @@ def initialize(model: nn.Module, *, optimizer=None, stage=None, precision=None,
         else:  # its finalizer leaves, once
             engine._leave_group()
         raise
+
+
+def _nvme_path_problem(cfg):
+    """This rank's nvme_path refused (a ValueError), or None; checked
+    before the model is touched. Paths may differ per rank, so one rank
+    alone may refuse: _refused_on_every_rank makes the others raise too."""
+    try:
+        if cfg.offload_optimizer.device == "nvme":
+            check_nvme_path(cfg.offload_optimizer.nvme_path)
+        if cfg.offload_param.device == "nvme":
+            check_nvme_path(cfg.offload_param.nvme_path, "offload_param.nvme_path")
+    except ValueError as error:
+        return error
+    return None
+
+
+def _refused_on_every_rank(comm, problem):
+    """Raise `problem` here and an error naming the ranks that refused on
+    every other rank (a collective, the engine's first): a rank that raised
+    alone left the others waiting in the engine's first collective until
+    the process group's timeout (30 minutes in a group torch made)."""
+    if comm.world > 1:
+        refused = [r for r, bad in enumerate(comm.gather_scalars(int(problem is not None)))
+                   if bad]
+        if refused and problem is None:
+            raise ValueError(f"zero.initialize: rank(s) {refused} refused their nvme_path (each "
+                             "rank checks its own; their errors say why), so no rank goes on")
+    if problem is not None:
+        raise problem
 
 
 def _pipeline_layout(model, groups, device):
