@@ -42,8 +42,8 @@ def read_deepspeed(config) -> dict:
 # with the reason, as an optimizer or scheduler parameter is.
 _AUTO_MEANS_DEFAULT = {"reduce_bucket_size", "stage3_param_persistence_threshold",
                        "stage3_prefetch_bucket_size", "stage3_max_live_parameters",
-                       "stage3_max_reuse_distance", "overlap_comm", "contiguous_gradients", "train_batch_size",
-                       "train_micro_batch_size_per_gpu"}
+                       "stage3_max_reuse_distance", "overlap_comm", "contiguous_gradients",
+                       "train_batch_size", "train_micro_batch_size_per_gpu"}
 
 
 def _drop_auto(block: dict, prefix: str) -> dict:
