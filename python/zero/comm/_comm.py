@@ -305,10 +305,10 @@ def raise_if_timed_out(error: RuntimeError, op: str, group=None):
                    f"{'set to' if _timeout['source'] == 'setting' else 'left at its default,'} "
                    f"{_duration(wait)}): zero.initialize(timeout=seconds), zero.Config(timeout=), "
                    "or \"comms_timeout\" in a DeepSpeed-style config")
-    elif deepspeed_group_timeout_source(group) is not None:
+    elif (source := deepspeed_group_timeout_source(group)) is not None:
         wait = group_timeout(group)
         where = "the default process group"
-        how = (f"{deepspeed_group_timeout_source(group)}; set it there, or call "
+        how = (f"{source}; set it there, or call "
                "zero.deepspeed.init_distributed(timeout=timedelta) first")
     else:
         wait = group_timeout(group)

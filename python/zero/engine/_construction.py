@@ -119,14 +119,14 @@ def broadcast_buffer(comm, name, buf, kind="buffer"):
     buf.copy_(staged)
 
 
-def cast_module(module, dtype, device, policy, params_off_device=False):
-    """module.to(device, dtype), leaving partitioned_init placeholders for
-    the flat groups to gather one at a time (casting one would allocate it
-    in full). Where frozen parameters are not in a flat group (stages 0-2),
-    a frozen placeholder is gathered here. params_off_device: stage 3's
-    shard will live on the host (offload_param for a GPU model), so the
-    parameters the flat groups take stay where they are, cast: the device
-    may not hold the whole model, and each group moves one unit at a time."""
+def cast_module(module, dtype, device, policy):
+    """module.to(device, dtype), leaving the parameters the flat groups take
+    as they are: a group reads them one unit at a time, casts them and
+    puts them where its shard lives (the host, under offload_param for a
+    GPU model, whose device may not hold the whole model), and a
+    partitioned_init placeholder cast here would be allocated in full.
+    Where frozen parameters are not in a flat group (stages 0-2), a frozen
+    placeholder is gathered here."""
     def cast(t):
         if sharded_record(t) is not None:
             if policy.partitions_params or t.requires_grad:

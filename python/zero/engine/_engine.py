@@ -170,8 +170,7 @@ class Engine(DeepSpeedQueries, BatchCalls, CheckpointCalls, EngineReports, nn.Mo
                 p.grad = None
         self._dtypes_before = record_dtypes(module)  # [Note: dtypes given back]
         warn_if_narrowed(self._dtypes_before, self.compute_dtype)
-        cast_module(module, self.compute_dtype, self.device, self.policy,
-                    params_off_device=self._copier is not None)
+        cast_module(module, self.compute_dtype, self.device, self.policy)
         for name, buf in module.named_buffers():
             broadcast_buffer(comm, name, buf)
         # parameters outside the flat groups (which broadcast their own):

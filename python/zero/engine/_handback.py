@@ -62,7 +62,7 @@ def restore_params(engine, homes):
     kept in host memory apart from a GPU model (offload_param "cpu")
     come back in host memory: the device may not hold the whole model."""
     for fg in engine.all_groups:
-        home = homes.get(id(fg))  # param_homes'
+        home = homes.get(id(fg))  # made by param_homes before anything was removed
         for unit in fg.units:
             engine._schedule.ensure(fg, unit)
             for p, off, n, shape in zip(unit.params, unit.offsets, unit.numels,
@@ -115,7 +115,7 @@ def restore_dtypes(engine):
     dtypes = engine._dtypes_before
     masters = {}  # id(param) -> (its fp32 master values, whether in a file)
     for fg in engine.groups:
-        if fg.num_partitions == 1 and fg.master is not None and fg.master is not fg.shard:
+        if fg.num_partitions == 1 and fg.master is not fg.shard:  # a master of its own
             for i, p in enumerate(fg.params):
                 masters[id(p)] = (fg.view(fg.master, i), fg.offload is not None)
     filed = {id(p) for fg in engine.all_groups if fg.param_files is not None

@@ -44,9 +44,8 @@ def _aware_of_zero(trls):
                 if p is not None and getattr(p, "_zero_place", None) is not None}
         if not ours:
             return trls(*params)
-        released = [p for p in ours.values()
-                    if not (p._zero_place.unit.gathered or p._zero_place.unit.persistent)]
-        if not released:
+        if all(p._zero_place.unit.gathered or p._zero_place.unit.persistent
+               for p in ours.values()):
             return contextlib.nullcontext()
         return GatheredParameters(list(ours.values()))
     maybe_gather_lm_head_ctx._zero_aware = True

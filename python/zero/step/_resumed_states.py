@@ -155,8 +155,7 @@ def give_back_optimizer_states(optimizer, groups, world) -> None:
                     entry[name] = value.to(p.dtype)
                 else:
                     entry[name] = value if in_files else value.clone()
-            if own_layout and fg.master is not None and fg.master is not fg.shard and \
-                    p.dtype != fg.master.dtype:
+            if own_layout and fg.master is not fg.shard and p.dtype != fg.master.dtype:
                 entry["master_param"] = fg.view(fg.master, i).clone()
             if counts_steps:
                 entry["step"] = torch.tensor(float(fg.step_count))
