@@ -64,16 +64,32 @@ def test_greedy_tokens_equal_the_plain_models(stage):
     engine.close()
 
 
-def test_training_after_a_generation_is_unchanged():
+@pytest.mark.parametrize("delayed", [False, True], ids=["direct", "delayed update"])
+def test_training_after_a_generation_is_unchanged(delayed, tmp_path):
+    """With offload_optimizer.delayed_update an update is in flight at the
+    generation: the whole gather must not land it (that put it a step early
+    for the training after), and both gathers see the same parameters."""
+    offload = {"device": "nvme", "nvme_path": str(tmp_path), "delayed_update": True} \
+        if delayed else None
     results = []
     for with_generation in (False, True):
         model = tiny_gpt2().train()
         engine = zero.initialize(model, optimizer=torch.optim.AdamW(model.parameters(),
                                                                     lr=1e-2),
-                                 stage=3, stage3_param_persistence_threshold=0)
+                                 stage=3, stage3_param_persistence_threshold=0,
+                                 offload_optimizer=offload)
         train_steps(engine, seed=3)
         if with_generation:
-            engine.generate(torch.randint(1, 64, (1, 4)), max_new_tokens=6, do_sample=False)
+            prompt = torch.randint(1, 64, (1, 4), generator=torch.Generator().manual_seed(2))
+            whole = engine.generate(prompt, max_new_tokens=6, do_sample=False,
+                                    gather="whole", output_scores=True,
+                                    return_dict_in_generate=True)
+            units = engine.generate(prompt, max_new_tokens=6, do_sample=False,
+                                    gather="units", output_scores=True,
+                                    return_dict_in_generate=True)
+            assert torch.equal(whole.sequences, units.sequences)
+            for a, b in zip(whole.scores, units.scores):
+                assert torch.equal(a, b)
         train_steps(engine, seed=4)
         results.append(engine.full_state_dict())
         engine.close()

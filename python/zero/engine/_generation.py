@@ -24,7 +24,11 @@ hybrid engine of DeepSpeed-Chat).
 - Stages 0-2 hold the whole model already: generate runs as it is.
 - Generation runs without gradients; training goes on afterwards with
   nothing changed (tests/test_engine_generate.py: train, generate, train equals
-  train, train).
+  train, train). So the whole gather lands nothing: with
+  offload_optimizer.delayed_update, the update in flight stays in flight,
+  and generation sees the parameters the next forward would (those the
+  hooks gather with gather="units"); zero.GatheredParameters would land
+  it, a step early for the training after.
 """
 from __future__ import annotations
 
@@ -83,8 +87,16 @@ def generate(engine, args, kwargs, generate_fn=None, gather="auto"):
     with torch.no_grad():
         if schedule is None or units:  # gathered for good (stages 0-2), or by the hooks
             return generate_fn(module, *args, **kwargs)
-        with GatheredParameters(list(module.parameters())), _suspended(schedule):
+        with _GatheredForGeneration(list(module.parameters())), _suspended(schedule):
             return generate_fn(module, *args, **kwargs)
+
+
+class _GatheredForGeneration(GatheredParameters):
+    """GatheredParameters that reads the parameters as the next forward
+    would: nothing written or pending is taken in ([Note: generation])."""
+
+    def _take_in_writes(self):
+        pass
 
 
 def _whole_fits_everywhere(engine) -> bool:

@@ -65,9 +65,7 @@ class GatheredParameters:
         if self.modifier_rank is not None and not 0 <= self.modifier_rank < world:
             raise ValueError(f"modifier_rank {self.modifier_rank} is not a rank of this "
                              f"world of {world}")
-        # a value written into a listed parameter before entry is taken in
-        # first, or the write-back (only what changed inside) would miss it
-        take_in_parameter_writes(self._groups(), self._call_text("entering"))
+        self._take_in_writes()
         for fg, unit, schedule, _engine in self._units:
             unit.active += 1
             if schedule is not None:
@@ -122,6 +120,12 @@ class GatheredParameters:
                     schedule.release(unit)
             self._units = []
         return False
+
+    def _take_in_writes(self):
+        # a value written into a listed parameter before entry is taken in
+        # first, or the write-back (only what changed inside) would miss it;
+        # a pending delayed update lands here too
+        take_in_parameter_writes(self._groups(), self._call_text("entering"))
 
     def _groups(self) -> list:
         return list({id(place.fg): place.fg for place in self._units}.values())
