@@ -350,3 +350,104 @@ def test_init_distributed_takes_deepspeeds_timeout_from_the_environment(one_proc
         with pytest.raises(ValueError, match=f"DEEPSPEED_TIMEOUT .*{bad!r}"):
             deepspeed.init_distributed(dist_backend="gloo")
     assert not dist.is_initialized()
+
+
+def dschat_train_config(stage):
+    """DeepSpeed-Chat's get_train_ds_config (dschat/utils/ds_utils.py), as
+    its step-3 actor writes it."""
+    return {"train_batch_size": 4, "train_micro_batch_size_per_gpu": 4, "steps_per_print": 10,
+            "zero_optimization": {"stage": stage, "overlap_comm": True,
+                                  "offload_param": {"device": "none"},
+                                  "offload_optimizer": {"device": "none"},
+                                  "stage3_param_persistence_threshold": 1e4,
+                                  "stage3_max_live_parameters": 3e7,
+                                  "stage3_prefetch_bucket_size": 3e7,
+                                  "memory_efficient_linear": False},
+            "bf16": {"enabled": True}, "gradient_clipping": 1.0, "prescale_gradients": False,
+            "wall_clock_breakdown": False,
+            "hybrid_engine": {"enabled": False, "max_out_tokens": 512, "inference_tp_size": 1,
+                              "release_inference_cache": False, "pin_parameters": True,
+                              "tp_gather_partition_size": 8},
+            "tensorboard": {"enabled": False, "output_path": "logs/", "job_name": "actor"}}
+
+
+def test_deepspeed_chats_configs_are_read():
+    cfg = zero.Config.from_deepspeed(dschat_train_config(3))
+    assert (cfg.stage, cfg.precision, cfg.stage3_param_persistence_threshold) == \
+        (3, "bf16", 10_000)
+
+
+# every other key of DeepSpeed 0.19.8's zero_optimization block (its
+# DeepSpeedZeroConfig), at a value a config writes
+@pytest.mark.parametrize("key, value", [
+    ("memory_efficient_linear", True), ("override_module_apply", True),
+    ("log_trace_cache_warnings", False), ("enable_sanity_checks", True),
+    ("legacy_stage1", False), ("use_multi_rank_bucket_allreduce", True),
+    ("stage3_module_granularity_threshold", 1000),
+    ("stage3_use_all_reduce_for_fetch_params", True), ("stage3_allgather_sequential", True),
+    ("stage3_partition_stream_chunk_size", 0), ("pipeline_loading_checkpoint", False),
+    ("save_muon_momentum_buffer_in_memory", False),
+    # ZeRO++, MiCS, ZenFlow and leaf modules at their off values
+    ("zero_hpz_partition_size", 1), ("zero_quantized_weights", False),
+    ("zero_quantized_gradients", False), ("zero_quantized_nontrainable_weights", False),
+    ("mics_shard_size", -1), ("mics_hierarchical_params_gather", False),
+    ("zeropp_loco_param", None), ("zenflow", None),
+    ("leaf_module", {"classes": [], "names": [], "name_suffixes": []})])
+def test_deepspeeds_zero_keys_are_accepted(key, value):
+    cfg = zero.Config.from_deepspeed({"zero_optimization": {"stage": 3, key: value}})
+    assert cfg.stage == 3
+
+
+@pytest.mark.parametrize("key, value, why", [
+    ("zero_quantized_nontrainable_weights", True, "quantized weights"),
+    ("zero_quantized_weights", True, "quantized weights"),
+    ("zero_hpz_partition_size", 8, "mesh"), ("mics_shard_size", 8, "mesh"),
+    ("mics_hierarchical_params_gather", True, "mesh"),
+    ("zeropp_loco_param", {"err_beta": 0.8, "reset_T": 1024}, "quantized gradients"),
+    ("zenflow", {"topk_ratio": 0.1}, "delayed_update"),
+    ("leaf_module", {"classes": ["MixtralSparseMoeBlock"]}, "set_z3_leaf_modules")])
+def test_deepspeeds_zero_features_turned_on_are_refused_by_name(key, value, why):
+    with pytest.raises(ValueError, match=f"zero_optimization.{key}: a DeepSpeed key zero "
+                                         f"does not support \\(.*{why}"):
+        zero.Config.from_deepspeed({"zero_optimization": {"stage": 3, key: value}})
+
+
+def test_model_persistence_threshold_is_read():
+    read = lambda v: zero.Config.from_deepspeed(  # noqa: E731
+        {"zero_optimization": {"stage": 3, "stage3_model_persistence_threshold": v}})
+    assert read(1e6).stage3_model_persistence_threshold == 10**6
+    assert zero.Config().stage3_model_persistence_threshold is None
+    with pytest.raises(ValueError, match="stage3_model_persistence_threshold must be an "
+                                         "integer >= 0"):
+        zero.initialize(Net(), stage=3, stage3_model_persistence_threshold=-5)
+
+
+def test_set_z3_leaf_modules_marks_what_stage3_gathers_whole():
+    """deepspeed.utils.set_z3_leaf_modules (HuggingFace's Mixtral code and
+    MoE recipes call it before initialize): the marked modules are leaf
+    units, as with stage3_leaf_modules; unset takes the mark off."""
+    from zero.deepspeed.utils import (get_z3_leaf_modules, set_z3_leaf_modules,
+                                      unset_z3_leaf_modules, z3_leaf_module)
+
+    def units_of(model, **options):
+        engine = zero.initialize(model, stage=3, **options)
+        roots = engine._unit_roots
+        found = [(name, roots.is_leaf(m)) for name, m in model.named_modules()
+                 if roots.root(m) is m]
+        engine.close()
+        return found
+
+    torch.manual_seed(0)
+    marked = Net()
+    assert set_z3_leaf_modules(marked, [nn.Sequential]) == [marked.body]
+    assert z3_leaf_module(marked.body) and get_z3_leaf_modules(marked) == [marked.body]
+    named = Net()
+    expected = units_of(named, stage3_leaf_modules=["Sequential"], units="module")
+    assert ("body", True) in expected
+    assert units_of(marked, units="module") == expected
+    assert unset_z3_leaf_modules(marked, ["Sequential"]) == [marked.body]
+    assert not z3_leaf_module(marked.body)
+    with pytest.raises(ValueError, match="no module of the model is one of"):
+        set_z3_leaf_modules(Net(), [nn.Conv2d])
+    with pytest.raises(TypeError, match="leaf_module_classes must be"):
+        set_z3_leaf_modules(Net(), [])

@@ -63,6 +63,9 @@ CASES = [
     # exactly the last body Linear's unit at one rank (544 elements, laid
     # out as 592): a unit at the threshold persists
     dict(precision="bf16", stage3_param_persistence_threshold=592),
+    # at most 1500 elements persistent in all: the first units that fit
+    dict(precision="bf16", stage3_param_persistence_threshold=2000,
+         stage3_model_persistence_threshold=1500),
 ]
 
 
@@ -215,3 +218,18 @@ def test_a_mesh_shape_counts_its_shard_dimension():
     for bad in ((2, 0), (1, 2, 3), "2x3", (2.0, 3)):
         with pytest.raises(ValueError, match="mesh must be"):
             zero.estimate_memory(model, mesh=bad)
+
+
+def test_the_model_persistence_threshold_caps_the_persistent_elements():
+    """stage3_model_persistence_threshold (DeepSpeed's key): units under the
+    per-unit threshold persist in layout order while their elements add up
+    to at most the cap ([Note: persistence] in sharding/_units.py)."""
+    torch.manual_seed(0)
+    engine = zero.initialize(Net(), stage=3, stage3_param_persistence_threshold=2000,
+                             stage3_model_persistence_threshold=1500, units="module")
+    units = [u for fg in engine.all_groups for u in fg.units]
+    numels = [u.numel for u in units]
+    assert numels == [800, 561, 66, 544, 850]  # embed, body.0, body.2, body.3, head
+    assert [u.persistent for u in units] == [True, True, True, False, False]
+    assert sum(n for n, u in zip(numels, units) if u.persistent) <= 1500
+    engine.close()

@@ -195,6 +195,10 @@ class Config:
     overlap_comm: bool = True
     contiguous_gradients: bool = True
     stage3_param_persistence_threshold: int = DEFAULT_PERSISTENCE_THRESHOLD
+    # at most this many elements persistent in all (DeepSpeed's
+    # stage3_model_persistence_threshold); None: no cap. Units are taken in
+    # layout order ([Note: persistence] in sharding/_units.py)
+    stage3_model_persistence_threshold: Optional[int] = None
     stage3_prefetch_bucket_size: int = DEFAULT_PREFETCH_ELEMENTS
     stage3_max_live_parameters: int = DEFAULT_MAX_LIVE_ELEMENTS
     # a unit whose next use comes within this many gathered elements is
@@ -331,6 +335,10 @@ class Config:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ValueError(f"{name} must be an integer >= 0 (elements), got {value!r}")
+        cap = self.stage3_model_persistence_threshold
+        if cap is not None and (isinstance(cap, bool) or not isinstance(cap, int) or cap < 0):
+            raise ValueError("stage3_model_persistence_threshold must be an integer >= 0 "
+                             f"(elements) or None (no cap), got {cap!r}")
         if self.offload_param.device != "none" and self.stage != 3:
             # DeepSpeed reads offload_param at stage 3 only; at stages 0-2
             # every rank holds all the parameters, so there is no shard

@@ -12,8 +12,8 @@ import os
 from typing import Any
 
 from zero.config._values import _enabled, _enabled_or_kept, _number, _seconds, auto_refused
-from zero.config._deepspeed_keys import (MONITORS, drop_disabled, drop_inert, refusal,
-                                         take_cpu_offload)
+from zero.config._deepspeed_keys import (MONITORS, drop_disabled, drop_inert,
+                                         drop_inert_zero, refusal, take_cpu_offload)
 
 
 def read_deepspeed(config) -> dict:
@@ -77,6 +77,24 @@ _ZERO_IGNORED = {
     # stages 1-2 let unused parameters be; zero finds them by itself
     # ([Note: expected gradients] in sharding/_buckets.py)
     "ignore_unused_parameters",
+    # DeepSpeed's stage-1 code path of old; the stage's result is the same
+    "legacy_stage1",
+    # how DeepSpeed's own stage 3 fetches and reduces: its bucket
+    # all-reduce across ranks, fine-grained modules fetched whole, fetches
+    # by all-reduce or one parameter at a time, zero.Init's streaming chunk
+    # (zero's units are its own: units=, stage3_leaf_modules; [Note: units
+    # by block])
+    "use_multi_rank_bucket_allreduce", "stage3_module_granularity_threshold",
+    "stage3_use_all_reduce_for_fetch_params", "stage3_allgather_sequential",
+    "stage3_partition_stream_chunk_size",
+    # DeepSpeed's stage-3 linear (torch's autograd saves nothing gathered
+    # here: [Note: saved parameters]) and its nn.Module.apply patch under
+    # zero.Init (partitioned_init gathers for apply itself), its pipeline-
+    # mode checkpoint loading, trace-cache warnings and internal checks
+    "memory_efficient_linear", "override_module_apply", "pipeline_loading_checkpoint",
+    "log_trace_cache_warnings", "enable_sanity_checks",
+    # the Muon optimizer's buffer placement with NVMe (Muon is not offered)
+    "save_muon_momentum_buffer_in_memory",
 }
 
 
@@ -126,7 +144,7 @@ def translate(ds: dict) -> dict:
     fp16, bf16 = top.pop("fp16", None) or {}, top.pop("bf16", None) or {}
     # a block whose "enabled" is false runs nothing: accepted whatever it holds
     top = drop_inert(drop_disabled(top, _enabled_or_kept))
-    zero_block = take_cpu_offload(zero_block)
+    zero_block = drop_inert_zero(take_cpu_offload(zero_block))
     if top.get("memory_breakdown") is True:  # DeepSpeed's switch, a block here
         top["memory_breakdown"] = {"enabled": True}
     monitor = {kind: top.pop(kind) for kind in MONITORS if kind in top}  # enabled ones
@@ -160,6 +178,7 @@ def translate(ds: dict) -> dict:
         "stage3_prefetch_bucket_size": "stage3_prefetch_bucket_size",
         "stage3_max_live_parameters": "stage3_max_live_parameters",
         "stage3_max_reuse_distance": "stage3_max_reuse_distance",
+        "stage3_model_persistence_threshold": "stage3_model_persistence_threshold",
     }, _ZERO_IGNORED)
     # buffer_count/buffer_size/max_in_cpu size DeepSpeed's pinned buffers;
     # the shard here is read unit by unit through its mapping
@@ -178,7 +197,7 @@ def translate(ds: dict) -> dict:
             options[key] = block
     for key in ("reduce_bucket_size", "stage3_param_persistence_threshold",
                 "stage3_prefetch_bucket_size", "stage3_max_live_parameters",
-                "stage3_max_reuse_distance"):
+                "stage3_max_reuse_distance", "stage3_model_persistence_threshold"):
         if key in zero_opts:  # DeepSpeed configs often write 5e7
             value = _number(zero_opts[key], f"zero_optimization.{key}")
             if value != int(value):

@@ -55,6 +55,18 @@ UNSUPPORTED = {
     "zero_optimization.zero_quantized_gradients": "ZeRO++'s quantized gradients are not "
                                                   "supported",
     "zero_optimization.mics_shard_size": "MiCS: use initialize(mesh=) with a 2-D mesh",
+    "zero_optimization.mics_hierarchical_params_gather": "MiCS: use initialize(mesh=) "
+                                                         "with a 2-D mesh",
+    "zero_optimization.zero_quantized_nontrainable_weights": "ZeRO++'s quantized weights "
+                                                             "are not supported",
+    "zero_optimization.zeropp_loco_param": "LoCo works on ZeRO++'s quantized gradients, "
+                                           "which are not supported",
+    "zero_optimization.zenflow": "ZenFlow is not supported; offload_optimizer with "
+                                 "delayed_update overlaps the host's update with the next "
+                                 "step (docs/offload.md)",
+    "zero_optimization.leaf_module": "name the leaf modules' classes in zero.initialize("
+                                     "stage3_leaf_modules=[...]) or with zero.deepspeed.utils."
+                                     "set_z3_leaf_modules(model, [classes])",
 }
 
 # the blocks the reader takes apart itself, for the typo hint
@@ -80,6 +92,28 @@ _INERT = {
     "sparse_gradients": lambda v: v is False,
     "memory_breakdown": lambda v: v is False,
 }
+
+
+# zero_optimization keys DeepSpeed configs write at their off value
+# (DeepSpeed's defaults): dropped then; set to anything else, refused
+# by name (UNSUPPORTED)
+_ZERO_INERT = {
+    "zero_hpz_partition_size": lambda v: v in (0, 1),
+    "zero_quantized_weights": lambda v: v is False,
+    "zero_quantized_gradients": lambda v: v is False,
+    "zero_quantized_nontrainable_weights": lambda v: v is False,
+    "mics_shard_size": lambda v: v == -1,
+    "mics_hierarchical_params_gather": lambda v: v is False,
+    "zeropp_loco_param": lambda v: v is None,
+    "zenflow": lambda v: v is None,
+    "leaf_module": lambda v: isinstance(v, dict) and not any(v.values()),
+}
+
+
+def drop_inert_zero(block: dict) -> dict:
+    """zero_optimization without the ZeRO++, MiCS, ZenFlow and leaf-module
+    keys written at their off values (_ZERO_INERT)."""
+    return {k: v for k, v in block.items() if not (k in _ZERO_INERT and _ZERO_INERT[k](v))}
 
 
 def drop_inert(block: dict) -> dict:

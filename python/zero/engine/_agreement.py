@@ -21,7 +21,8 @@ import torch
 # settings every rank must share; paths (nvme_path) may differ per rank
 _SETTINGS = ("stage", "precision", "gradient_accumulation_steps", "gradient_clipping",
              "reduce_bucket_size", "bucket_reduction", "grad_accum_dtype",
-             "stage3_param_persistence_threshold", "stage3_prefetch_bucket_size",
+             "stage3_param_persistence_threshold", "stage3_model_persistence_threshold",
+             "stage3_prefetch_bucket_size",
              "stage3_max_live_parameters", "stage3_max_reuse_distance", "stage3_leaf_modules")
 
 

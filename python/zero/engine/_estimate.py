@@ -23,7 +23,7 @@ from zero.offload._nvme import PAGE_ELEMENTS, SLOTS
 from zero.step._registry import spec_for
 from zero.step._step_path import states_off_device
 from zero.sharding._policy import StagePolicy
-from zero.sharding._units import lay_out
+from zero.sharding._units import PersistenceBudget, lay_out
 from zero.sharding._unit_roots import unit_roots
 from zero.engine._construction import match_param_groups, owners_of, units_of
 from zero.engine._engine import DTYPES
@@ -117,13 +117,16 @@ def _estimate(model, optimizer, cfg, world_size, where, staged, shard_on_host, g
     totals = {"params": 0, "grads": 0, "optimizer_states": 0, "offloaded": 0, "host": 0,
               "persistent": 0, "params_offloaded": 0}
     shapes = []  # (Ψ of the group, its number of states), for the formula
+    persistence = PersistenceBudget(cfg.stage3_param_persistence_threshold,
+                                    cfg.stage3_model_persistence_threshold)
     for index, (params, _names) in enumerate(groups):
         if not params:
             continue
         units = _layout(params, units_of(params, owners), policy, world_size)
         part = sum(u.part for u in units)
         states = len(spec.states(optimizer.param_groups[index]))
-        params_bytes, persistent, params_offloaded = _param_bytes(units, part, pb, cfg, policy)
+        params_bytes, persistent, params_offloaded = _param_bytes(units, part, pb, cfg, policy,
+                                                                     persistence)
         if shard_on_host and not params_offloaded:  # the shard in host memory
             totals["host"] += params_bytes - persistent
             params_bytes = persistent
@@ -149,7 +152,7 @@ def _estimate(model, optimizer, cfg, world_size, where, staged, shard_on_host, g
     trainable = {id(p) for params, _ in groups for p in params}
     frozen = [p for p in model.parameters() if id(p) not in trainable]
     totals["frozen_params"], frozen_offloaded, frozen_host = _frozen_bytes(
-        frozen, owners, cfg, policy, world_size, pb, shard_on_host)
+        frozen, owners, cfg, policy, world_size, pb, shard_on_host, persistence)
     totals["params_offloaded"] += frozen_offloaded
     totals["host"] += frozen_host
     totals["gathered_peak"] = None if policy.releases_params else 0
@@ -187,15 +190,14 @@ def _layout(params, unit_lists, policy, world_size):
     return lay_out(ordered, [len(m) for m in unit_lists], world_size if policy.partitions else 1)
 
 
-def _param_bytes(units, part, pb, cfg, policy):
+def _param_bytes(units, part, pb, cfg, policy, persistence):
     """(parameter bytes in memory, of which persistent at stage 3, bytes
     in offload_param files): stages 0-2 hold the whole group; stage 3 its
     shard (in a file with offload_param "nvme") plus the units at or under
-    the persistence threshold, gathered for good."""
+    the persistence thresholds, gathered for good ([Note: persistence])."""
     if not policy.partitions_params:
         return sum(u.total for u in units) * pb, 0, 0
-    persistent = sum(u.total for u in units
-                     if u.numel <= cfg.stage3_param_persistence_threshold) * pb
+    persistent = sum(u.total for u in units if persistence.takes(u)) * pb
     if cfg.offload_param.device == "nvme":
         return persistent, persistent, part * pb
     return part * pb + persistent, persistent, 0
@@ -226,12 +228,13 @@ def _file_chunk(offload):
     return max(PAGE_ELEMENTS, offload.chunk_elements // PAGE_ELEMENTS * PAGE_ELEMENTS)
 
 
-def _frozen_bytes(frozen, owners, cfg, policy, world_size, pb, shard_on_host):
+def _frozen_bytes(frozen, owners, cfg, policy, world_size, pb, shard_on_host, persistence):
     """(bytes on the model's device, bytes in offload_param files, bytes
     in host memory apart from it) of the frozen parameters: at stage 3 the
     floating ones a group of their own (shard plus persistent units), the
     rest (and all at stages 0-2) whole, floating ones cast to the compute
-    dtype."""
+    dtype; persistence: the trainable groups' budget left (the engine lays
+    the frozen group out after them)."""
     if policy.partitions_params:
         whole = [p for p in frozen if not p.is_floating_point()]
         partitioned = [p for p in frozen if p.is_floating_point()]
@@ -242,7 +245,7 @@ def _frozen_bytes(frozen, owners, cfg, policy, world_size, pb, shard_on_host):
     if partitioned:
         units = _layout(partitioned, units_of(partitioned, owners), policy, world_size)
         held, persistent, offloaded = _param_bytes(units, sum(u.part for u in units), pb, cfg,
-                                                  policy)
+                                                  policy, persistence)
         if shard_on_host and not offloaded:
             host, held = held - persistent, persistent
         total += held

@@ -45,7 +45,8 @@ class _ReferenceUnderInference:
         if self.zero_options.get("stage") == 3 and self.ref_model is not None:
             options = {k: v for k, v in self.zero_options.items()
                        if k in ("precision", "device", "offload_param", "mesh",
-                                "stage3_param_persistence_threshold", "units")}
+                                "stage3_param_persistence_threshold",
+                                "stage3_model_persistence_threshold", "units")}
             self.ref_model = inference(self.ref_model, stage=3, **options)
 
 

@@ -52,7 +52,7 @@ from zero.sharding._pass_order import PassOrder
 from zero.sharding._saved_parameters import SavedParameters, outer_saved_tensors_hooks
 from zero.sharding._state_loads import hook_state_loads
 from zero.sharding._step_agreement import agree_on_call
-from zero.sharding._units import GatherPool, storage_key
+from zero.sharding._units import GatherPool, PersistenceBudget, storage_key
 
 
 _HASH_MOD = (1 << 61) - 1
@@ -90,13 +90,15 @@ class Stage3Schedule(SavedParameters, PassOrder):
         self.release_with = {}
 
         place = {}
+        persistence = PersistenceBudget(config.stage3_param_persistence_threshold,
+                                        config.stage3_model_persistence_threshold)
         for fg in groups:
             for unit in fg.units:
                 for p in unit.params:
                     place[id(p)] = (fg, unit)
                 # its parameters' elements, as documented (the padded
                 # total grows with the world size)
-                if unit.numel <= config.stage3_param_persistence_threshold:
+                if persistence.takes(unit):
                     unit.persistent = True
                     self._gather(fg, unit, async_op=False)
             if fg.trainable:

@@ -19,7 +19,9 @@
   those modules are the roots.
 - stage3_leaf_modules are roots too, with the leaf rules (no bucket waits
   for their parameters: the experts a rank's tokens skip), and a root
-  that holds a leaf module takes those rules for its whole unit.
+  that holds a leaf module takes those rules for its whole unit. So is a
+  module marked with DeepSpeed's `_z3_leaf` attribute (set by
+  deepspeed.utils.set_z3_leaf_modules, zero.deepspeed's included).
 """
 from __future__ import annotations
 
@@ -39,7 +41,8 @@ class UnitRoots:
 
 
 def unit_roots(model: nn.Module, units="block", leaf_modules=()) -> UnitRoots:
-    leaf = _matcher(leaf_modules, model, "stage3_leaf_modules")
+    named_leaf = _matcher(leaf_modules, model, "stage3_leaf_modules")
+    leaf = lambda m: named_leaf(m) or getattr(m, "_z3_leaf", False) is True  # noqa: E731
     if units == "module":
         chosen = lambda _m: False  # noqa: E731
     elif units == "block":

@@ -230,6 +230,27 @@ def lay_out(params, unit_sizes, num_partitions) -> list:
     return units
 
 
+class PersistenceBudget:
+    """[Note: persistence] At stage 3 a unit of at most `threshold`
+    elements (stage3_param_persistence_threshold) is gathered for good
+    instead of per use, as long as the persistent elements stay within
+    `cap` in all (stage3_model_persistence_threshold; None: no cap), the
+    units taken in layout order, group by group. Shared by Stage3Schedule
+    and zero.estimate_memory, which must agree."""
+
+    def __init__(self, threshold: int, cap=None):
+        self.threshold, self.left = threshold, cap
+
+    def takes(self, unit) -> bool:
+        if unit.numel > self.threshold:
+            return False
+        if self.left is not None:
+            if unit.numel > self.left:
+                return False
+            self.left -= unit.numel
+        return True
+
+
 def storage_key(t):
     """The identity of a tensor's storage, the same after the storage is
     resized (a unit released and gathered again), or None for a tensor
