@@ -148,3 +148,48 @@ def test_ema_averages_the_actors_weights(monkeypatch):
     assert moved > 0  # the actor trained in between
     for engine in (actor, critic, reference, reward):
         engine.close()
+
+
+def test_experience_is_made_without_dropout(monkeypatch):
+    """Generation and scoring run with all four models in eval mode (as
+    DeepSpeed-Chat's generate_experience): with dropout in the models, an
+    actor equal to its reference has a KL of exactly 0 and a sequence
+    scores the same twice; the actor and critic train in train mode again
+    after, and zero.inference's engines stay in eval mode."""
+    import copy
+
+    import transformers
+
+    import zero
+    from zero.rlhf import PPOSettings, PPOTrainer, ScalarHeadModel
+    no_launcher(monkeypatch)
+    example = load_example("rlhf_example_dropout")
+
+    def with_dropout():
+        return transformers.GPT2LMHeadModel(transformers.GPT2Config(
+            vocab_size=example.VOCAB, n_embd=32, n_layer=2, n_head=4,
+            n_positions=example.PROMPT + example.RESPONSE, resid_pdrop=0.3, embd_pdrop=0.3,
+            attn_pdrop=0.3, bos_token_id=None, eos_token_id=None, pad_token_id=example.PAD))
+    torch.manual_seed(0)
+    actor_model = with_dropout()
+    reference = zero.inference(copy.deepcopy(actor_model), stage=3)
+    reward = zero.inference(ScalarHeadModel.from_causal_lm(with_dropout()), stage=3)
+    critic_model = ScalarHeadModel.from_causal_lm(with_dropout())
+    actor = zero.initialize(actor_model, optimizer=torch.optim.SGD(actor_model.parameters(),
+                                                                   lr=0.1), stage=3)
+    critic = zero.initialize(critic_model, optimizer=torch.optim.SGD(
+        critic_model.parameters(), lr=0.1), stage=3)
+    assert not reference.training and not reward.module.training
+    ppo = PPOTrainer(actor, critic, reference, reward,
+                     PPOSettings(response_length=example.RESPONSE))
+    prompts = example.Task(seed=3).prompts(4)
+    experience = ppo.make_experience(prompts)
+    assert experience["kl"] == 0.0
+    with torch.no_grad():
+        again = reward(experience["sequences"], attention_mask=experience["attention_mask"])
+        once_more = reward(experience["sequences"], attention_mask=experience["attention_mask"])
+    assert torch.equal(again, once_more)
+    assert actor.training and actor.module.training and critic.module.training
+    assert not reference.training
+    for engine in (actor, critic, reference, reward):
+        engine.close()

@@ -52,8 +52,10 @@ def inference(model: nn.Module, *, stage: int = 3, precision=None, config=None, 
     streamed in, ZeRO-Inference), with no optimizer or gradient memory.
     Use it as the model (forward under torch.no_grad()), or
     engine.generate(...) with the parameters gathered once. backward,
-    step and clip_grad_norm_ are refused. For a frozen reference or reward
-    model beside trained ones (zero.rlhf), and generation."""
+    step and clip_grad_norm_ are refused. The model is put in eval mode
+    (no dropout; .train() on the engine turns it back). For a frozen
+    reference or reward model beside trained ones (zero.rlhf), and
+    generation."""
     if isinstance(model, Engine):
         model = model.module
     if not isinstance(model, nn.Module):
@@ -64,8 +66,9 @@ def inference(model: nn.Module, *, stage: int = 3, precision=None, config=None, 
     # the engine keeps an optimizer's param groups to find the parameters;
     # this one never steps
     placeholder = torch.optim.SGD(model.parameters(), lr=0.0)
-    return initialize(model, optimizer=placeholder, stage=stage, precision=precision,
-                      config=config, device=device, mesh=mesh, _inference=True, **options)
+    engine = initialize(model, optimizer=placeholder, stage=stage, precision=precision,
+                        config=config, device=device, mesh=mesh, _inference=True, **options)
+    return engine.eval()
 
 
 def initialize(model: nn.Module, *, optimizer=None, stage=None, precision=None,

@@ -8,6 +8,10 @@ actor is gathered once per generation, not once per token.
 [Note: one PPO iteration]
 1. generation: the actor samples a response of `response_length` tokens
    for each prompt (ending early at eos_token_id when one is given);
+   Generation and scoring run with all four models in eval mode (no
+   dropout: the same sequence scores the same, and an actor equal to its
+   reference has a KL of exactly 0), each put back in its mode after, as
+   DeepSpeed-Chat's generate_experience does;
 2. scoring, without gradients: the actor's and the reference's
    log-probabilities of the sampled tokens, the critic's values of the
    states before each of them, the reward model's score of the whole
@@ -23,6 +27,7 @@ The time of each phase is returned with the statistics.
 """
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass
 
@@ -89,8 +94,11 @@ class PPOTrainer:
 
     # ---- 2. scoring -----------------------------------------------------------------
 
-    @torch.no_grad()
     def make_experience(self, prompts, attention_mask=None) -> dict:
+        with torch.no_grad(), _evaluating(self.actor, self.critic, self.reference, self.reward):
+            return self._experience(prompts, attention_mask)
+
+    def _experience(self, prompts, attention_mask) -> dict:
         s, start = self.settings, time.perf_counter()
         sequences, mask = self.generate(prompts, attention_mask)
         generated = time.perf_counter()
@@ -181,3 +189,16 @@ class PPOTrainer:
                      generation_s=experience["generation_s"],
                      scoring_s=experience["scoring_s"], sequences=experience["sequences"])
         return stats
+
+
+@contextlib.contextmanager
+def _evaluating(*models):
+    """The models in eval mode inside, each in its own mode again after."""
+    modes = [(m, m.training) for m in models if isinstance(m, torch.nn.Module)]
+    for m, _ in modes:
+        m.eval()
+    try:
+        yield
+    finally:
+        for m, training in modes:
+            m.train(training)
