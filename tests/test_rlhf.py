@@ -193,3 +193,25 @@ def test_experience_is_made_without_dropout(monkeypatch):
     assert not reference.training
     for engine in (actor, critic, reference, reward):
         engine.close()
+
+
+def test_a_scalar_head_on_a_peft_model_takes_its_transformer():
+    """ScalarHeadModel.from_causal_lm(a PEFT LoRA model): PEFT's base_model
+    is the whole LM (head and all), so the transformer inside is taken,
+    its adapters with it: hidden states in, one number per token out."""
+    peft = pytest.importorskip("peft")
+    import transformers
+
+    from zero.rlhf import ScalarHeadModel
+    torch.manual_seed(0)
+    lm = transformers.GPT2LMHeadModel(transformers.GPT2Config(
+        vocab_size=50, n_embd=32, n_layer=2, n_head=4, n_positions=16))
+    lora = peft.get_peft_model(lm, peft.LoraConfig(r=4, target_modules=["c_attn"],
+                                                   fan_in_fan_out=True))
+    rm = ScalarHeadModel.from_causal_lm(lora).eval()
+    assert rm.backbone is lm.transformer
+    assert any("lora_" in name for name, _ in rm.named_parameters())
+    ids = torch.randint(0, 50, (2, 5))
+    with torch.no_grad():
+        hidden = lm.transformer(input_ids=ids)[0]
+        assert torch.equal(rm(ids), rm.head(hidden).squeeze(-1).float())

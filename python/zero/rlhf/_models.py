@@ -24,7 +24,12 @@ class ScalarHeadModel(nn.Module):
 
     @classmethod
     def from_causal_lm(cls, lm: nn.Module) -> "ScalarHeadModel":
-        """The LM's transformer (its own parameters, not a copy) with a new head."""
+        """The LM's transformer (its own parameters, not a copy) with a new
+        head. A PEFT model (LoRA) gives the transformer inside it, adapters
+        included: its own base_model is the whole LM, head and all."""
+        unwrap = getattr(lm, "get_base_model", None)
+        if callable(unwrap):
+            lm = unwrap()
         backbone = getattr(lm, "base_model", None)
         if backbone is None or backbone is lm:
             raise ValueError(f"{type(lm).__name__} has no base_model to put a scalar head "
