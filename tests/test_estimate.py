@@ -4,6 +4,8 @@ estimate equals memory_summary() of the engine built with the same
 arguments, after a training step, byte for byte (no tolerance: both count
 the same layout, one from sizes, one from the tensors). Run on 2 and 3
 ranks in tests/distributed/test_estimate_ranks.py."""
+import math
+
 import pytest
 import torch
 from torch import nn
@@ -218,6 +220,24 @@ def test_a_mesh_shape_counts_its_shard_dimension():
     for bad in ((2, 0), (1, 2, 3), "2x3", (2.0, 3)):
         with pytest.raises(ValueError, match="mesh must be"):
             zero.estimate_memory(model, mesh=bad)
+
+
+def test_a_mesh_of_model_parallelism_alone_partitions_nothing():
+    """A 1-D DeviceMesh named tp or pp gives each rank a data-parallel group
+    of its own (initialize reads it so: parallel/_mesh.py), so the estimate
+    is one rank's. (A stand-in with DeviceMesh's attributes: this test runs no group.)"""
+    from types import SimpleNamespace
+
+    def mesh_of(names, shape):
+        ranks = torch.arange(math.prod(shape)).reshape(shape)
+        return SimpleNamespace(mesh=ranks, ndim=len(shape), mesh_dim_names=names,
+                               size=lambda: ranks.numel())
+    model = frozen_net()
+    for stage in (1, 3):
+        alone = dict(zero.estimate_memory(model, 1, stage=stage))
+        for names in (("pp",), ("tp",)):
+            assert dict(zero.estimate_memory(model, stage=stage,
+                                             mesh=mesh_of(names, (4,)))) == alone
 
 
 def test_the_model_persistence_threshold_caps_the_persistent_elements():

@@ -113,6 +113,21 @@ def _halves(rank, world, keep_dir):
             mesh, SEEDS[0], stage, STEPS, hybrid=True,
             save_dir=os.path.join(keep_dir, f"stage{stage}"))
     out["hybrid files"] = sorted(os.listdir(os.path.join(keep_dir, "stage3", "t")))
+    # the same layout with its dimensions named the other way round
+    reversed_names = DeviceMesh("cpu", [[0, 2], [1, 3]],
+                                mesh_dim_names=("dp_shard", "dp_replicate"))
+    out[("hybrid reversed", 3)] = train_on_group(reversed_names, SEEDS[0], 3, STEPS,
+                                                 hybrid=True)
+    # a group or mesh without this rank, passed on ranks 2 and 3 only
+    lone = DeviceMesh("cpu", [0, 1], mesh_dim_names=("dp_shard",))  # made on every rank
+    if rank >= 2:
+        import zero
+        out["not a member"] = []
+        for outside in (halves[0], lone):  # new_group's NON_GROUP_MEMBER here
+            try:
+                zero.initialize(torch.nn.Linear(2, 2), stage=1, mesh=outside)
+            except ValueError as error:
+                out["not a member"].append(str(error))
     # the 2 x 2 stage-3 checkpoint loaded on other layouts: 4 ranks without
     # a mesh, 4 x 1 and 1 x 4 meshes, and each half of the world (2 ranks)
     saved = os.path.join(keep_dir, "stage3")
@@ -225,3 +240,20 @@ def test_a_mesh_whose_replicas_hold_other_partitions_is_refused(runs):
     for rank in range(4):
         assert runs[rank]["crossed"] is not None and \
             "replicas must hold the same partition" in runs[rank]["crossed"], runs[rank]["crossed"]
+
+
+def test_the_mesh_dimensions_may_come_in_either_order(runs):
+    """("dp_shard", "dp_replicate") names the same groups as the transposed
+    ("dp_replicate", "dp_shard") mesh: the same training, bit for bit."""
+    for rank in range(4):
+        losses, state, _consolidated, _comm = runs[rank][("hybrid reversed", 3)]
+        same_losses, same_state, _c, _m = runs[rank][("hybrid", 3)]
+        assert losses == same_losses
+        assert all(torch.equal(state[k], same_state[k]) for k in state)
+
+
+def test_a_group_without_this_rank_is_refused_by_name(runs):
+    for rank in (2, 3):
+        group_error, mesh_error = runs[rank]["not a member"]
+        assert f"this rank ({rank}) is not one of the group's ranks" in group_error
+        assert f"this rank ({rank}) is not in the DeviceMesh [0, 1]" in mesh_error

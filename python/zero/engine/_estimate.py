@@ -32,14 +32,14 @@ from zero.parallel._tensor_parallel import localize, tensor_parallel_mesh
 
 def _partitions_of_mesh(mesh, world_size) -> int:
     """How many ranks a mesh's partitions span: dp_shard's size (1 for a
-    mesh of tp alone)."""
+    mesh of tp or pp alone), as initialize reads the mesh (parallel/_mesh.py)."""
     if hasattr(mesh, "mesh") and hasattr(mesh, "ndim"):  # a DeviceMesh
         names = tuple(getattr(mesh, "mesh_dim_names", None) or ())
-        if mesh.ndim == 1 and names != ("tp",):
+        if mesh.ndim == 1 and names not in (("tp",), ("pp",)):
             return mesh.size()
-        if not names or any(n not in ("dp_replicate", "dp_shard", "tp") for n in names):
+        if not names or any(n not in ("dp_replicate", "dp_shard", "tp", "pp") for n in names):
             raise ValueError("mesh: a DeviceMesh of more than one dimension must name them "
-                             f"dp_replicate, dp_shard, tp; got {names or 'unnamed'}")
+                             f"dp_replicate, dp_shard, tp, pp; got {names or 'unnamed'}")
         return mesh["dp_shard"].size() if "dp_shard" in names else 1
     else:
         shape = tuple(mesh) if isinstance(mesh, (tuple, list)) else (mesh,)

@@ -87,8 +87,16 @@ def resolve_mesh(mesh) -> MeshGroups:
     """The MeshGroups `mesh` (None, a ProcessGroup or a DeviceMesh) names."""
     if mesh is None:
         return MeshGroups()
+    if mesh is dist.GroupMember.NON_GROUP_MEMBER:
+        # what new_group(ranks) returns on a rank outside `ranks`
+        raise ValueError(f"mesh: this rank ({dist.get_rank()}) is not one of the group's ranks "
+                         "(torch.distributed.new_group gave it GroupMember.NON_GROUP_MEMBER); "
+                         "each rank passes the group it belongs to")
     if _is_device_mesh(mesh):
         _check_initialized()
+        if mesh.get_coordinate() is None:
+            raise ValueError(f"mesh: this rank ({dist.get_rank()}) is not in the DeviceMesh "
+                             f"{mesh.mesh.tolist()}; each rank passes a mesh it is part of")
         names = tuple(getattr(mesh, "mesh_dim_names", None) or ())
         if mesh.ndim == 1 and names not in (("tp",), ("pp",)):
             return MeshGroups(*_one_group(mesh.get_group()))
@@ -133,7 +141,13 @@ def _data_parallel(mesh, names) -> MeshGroups:
         everyone = _default(shard)
         return MeshGroups(everyone, None, everyone)
     replicate = _member(mesh["dp_replicate"].get_group())
-    ranks = mesh["dp_replicate", "dp_shard"].mesh.flatten().tolist()
+    # every data-parallel rank, replicas major, whichever order the mesh
+    # names the two in (torch slices a mesh in its own order only)
+    both = tuple(n for n in names if n in DATA_PARALLEL)
+    ranks = mesh[both].mesh
+    if both != ("dp_replicate", "dp_shard"):
+        ranks = ranks.t()
+    ranks = ranks.flatten().tolist()
     return MeshGroups(_default(shard), replicate, group_of_ranks(ranks))
 
 
