@@ -177,8 +177,9 @@ class Stage3Schedule(SavedParameters, PassOrder):
         # a copy of the module gets hooks that do nothing, or none at all
         # while its parameters are released (see _copying.py)
         whole = self._whole_check(module)
+        # first: the model's own pre-hooks (old weight_norm's) read the gather
         self.hooks.append(module.register_forward_pre_hook(
-            ModuleHook(self._hook_pre_forward(index), whole)))
+            ModuleHook(self._hook_pre_forward(index), whole), prepend=True))
         # with the keyword arguments: a block called as block(hidden_states=x)
         # has its inputs there (the frozen-unit release waits for them)
         self.hooks.append(module.register_forward_hook(
@@ -582,8 +583,7 @@ def _node_key(tensor):
     itself through its own hook is a cycle through C++ that Python's
     collector never frees (every graph of a forward without a backward
     stayed, with its activations, and kept the engine alive after close()).
-    Ids are looked up while the graph lives (the node with them), and
-    release_with is emptied at every pass."""
+    Ids are looked up while the graph lives; release_with empties each pass."""
     return id(tensor.grad_fn), tensor.output_nr
 
 
