@@ -589,3 +589,36 @@ def test_the_models_own_pre_hooks_read_the_gathered_parameters():
     assert seen == [(8, 8)] * 3
     assert_matches(engine.full_state_dict(), ref)  # layer.weight_g, layer.weight_v, head
     engine.close()
+
+
+class RenormedEmbedding(nn.Module):
+    """nn.Embedding(max_norm=...): torch renormalizes the looked-up rows of
+    the weight in place, inside the forward."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(40, 8, max_norm=1.0)
+        self.head = nn.Linear(8, 8)
+
+    def forward(self, ids):
+        return self.head(self.embed(ids))
+
+
+def test_an_embedding_that_renormalizes_in_forward_stays_gathered():
+    """Its unit is kept gathered whatever its size (a release after the
+    forward dropped the renormalized rows and the next gather refused the
+    lost write), the write taken in at the step as plain torch keeps it;
+    estimate_memory counts it persistent as the engine does."""
+    from test_estimate import check
+    g = torch.Generator().manual_seed(7)
+    inputs = [(torch.randint(0, 40, (5, 3), generator=g),) for _ in range(3)]
+    model = RenormedEmbedding()
+    estimate = zero.estimate_memory(model, optimizer=torch.optim.SGD(model.parameters(),
+                                                                     lr=0.1),
+                                    stage=3, **RELEASED)
+    state, ref, engine = train_both(RenormedEmbedding, (), inputs, **RELEASED)
+    persistent = [u.persistent for fg in engine.all_groups for u in fg.units]
+    assert persistent.count(True) == 1  # the embedding's unit alone
+    assert_matches(state, ref)
+    check(estimate, engine.memory_summary())
+    engine.close()

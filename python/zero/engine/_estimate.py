@@ -117,8 +117,7 @@ def _estimate(model, optimizer, cfg, world_size, where, staged, shard_on_host, g
     totals = {"params": 0, "grads": 0, "optimizer_states": 0, "offloaded": 0, "host": 0,
               "persistent": 0, "params_offloaded": 0}
     shapes = []  # (Ψ of the group, its number of states), for the formula
-    persistence = PersistenceBudget(cfg.stage3_param_persistence_threshold,
-                                    cfg.stage3_model_persistence_threshold)
+    persistence = PersistenceBudget.of(cfg, model)
     for index, (params, _names) in enumerate(groups):
         if not params:
             continue

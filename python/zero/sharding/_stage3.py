@@ -90,8 +90,7 @@ class Stage3Schedule(SavedParameters, PassOrder):
         self.release_with = {}
 
         place = {}
-        persistence = PersistenceBudget(config.stage3_param_persistence_threshold,
-                                        config.stage3_model_persistence_threshold)
+        persistence = PersistenceBudget.of(config, root)
         for fg in groups:
             for unit in fg.units:
                 for p in unit.params:

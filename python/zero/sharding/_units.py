@@ -236,12 +236,24 @@ class PersistenceBudget:
     instead of per use, as long as the persistent elements stay within
     `cap` in all (stage3_model_persistence_threshold; None: no cap), the
     units taken in layout order, group by group. Shared by Stage3Schedule
-    and zero.estimate_memory, which must agree."""
+    and zero.estimate_memory, which must agree.
+    A unit holding a parameter its module writes in its own forward
+    (written_in_forward) is gathered for good whatever its size: a release
+    after that forward would drop the write, which a kept unit takes in
+    at the step as any other write ([Note: parameter writes])."""
 
-    def __init__(self, threshold: int, cap=None):
-        self.threshold, self.left = threshold, cap
+    def __init__(self, threshold: int, cap=None, written=frozenset()):
+        self.threshold, self.left, self.written = threshold, cap, written
+
+    @classmethod
+    def of(cls, config, model) -> "PersistenceBudget":
+        """The budget `config`'s thresholds give for training `model`."""
+        return cls(config.stage3_param_persistence_threshold,
+                   config.stage3_model_persistence_threshold, written_in_forward(model))
 
     def takes(self, unit) -> bool:
+        if any(id(p) in self.written for p in unit.params):
+            return True
         if unit.numel > self.threshold:
             return False
         if self.left is not None:
@@ -249,6 +261,16 @@ class PersistenceBudget:
                 return False
             self.left -= unit.numel
         return True
+
+
+def written_in_forward(model) -> frozenset:
+    """The ids of the parameters `model`'s modules write in place in their
+    own forward: the weight of an nn.Embedding or nn.EmbeddingBag with
+    max_norm, whose looked-up rows torch renormalizes in place."""
+    from torch import nn
+    return frozenset(id(m.weight) for m in model.modules()
+                     if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and
+                     m.max_norm is not None)
 
 
 def storage_key(t):
