@@ -1024,3 +1024,38 @@ def test_a_half_set_launcher_environment_names_what_is_missing(monkeypatch):
     with pytest.raises(RuntimeError, match=r"launcher variables RANK, WORLD_SIZE are set but "
                                            r"MASTER_ADDR, MASTER_PORT are not"):
         zero.initialize(model())
+
+
+def test_floating_inputs_inside_containers_are_cast(no_launcher):
+    """engine(...) casts floating inputs to the compute dtype inside dicts,
+    lists, tuples, namedtuples and PackedSequences too (only top-level
+    ones were: a dict of fp32 features met bf16 weights); integer tensors
+    and other objects pass as they are."""
+    import collections
+
+    from torch.nn.utils.rnn import pack_padded_sequence
+    Pair = collections.namedtuple("Pair", "a b")
+    seen = []
+
+    class Probe(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+
+        def forward(self, inputs, extra=None):
+            seen.append((inputs, extra))
+            return self.lin(inputs["x"]).sum() + self.lin(inputs["more"][0]).sum()
+
+    engine = zero.initialize(Probe(), stage=2, precision="bf16")
+    ids = torch.arange(3)
+    packed = pack_padded_sequence(torch.randn(2, 3, 4), torch.tensor([3, 2]),
+                                  batch_first=True)
+    engine({"x": torch.randn(2, 4), "more": [torch.randn(2, 4), ids]},
+           extra=(Pair(torch.randn(1), ids), packed, "text"))
+    inputs, (pair, cast_packed, text) = seen[0]
+    assert inputs["x"].dtype == inputs["more"][0].dtype == torch.bfloat16
+    assert inputs["more"][1].dtype == torch.int64
+    assert type(pair) is Pair and pair.a.dtype == torch.bfloat16 and pair.b is ids
+    assert type(cast_packed) is type(packed) and cast_packed.data.dtype == torch.bfloat16
+    assert torch.equal(cast_packed.batch_sizes, packed.batch_sizes) and text == "text"
+    engine.close()

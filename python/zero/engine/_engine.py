@@ -286,10 +286,8 @@ class Engine(DeepSpeedQueries, BatchCalls, CheckpointCalls, EngineReports, nn.Mo
     def forward(self, *args, **kwargs):
         self._check_open()
         check_parameters_in_place(self.all_groups)
-        cast = lambda x: x.to(self.compute_dtype) if torch.is_tensor(x) and \
-            x.is_floating_point() else x  # noqa: E731
-        args = tuple(cast(a) for a in args)
-        kwargs = {k: cast(v) for k, v in kwargs.items()}
+        args = tuple(cast_floats(a, self.compute_dtype) for a in args)
+        kwargs = {k: cast_floats(v, self.compute_dtype) for k, v in kwargs.items()}
         if self._monitor is not None:  # the flops profiler starts with a step's first forward
             self._monitor.before_forward(self)
         return self.module(*args, **kwargs)
@@ -563,3 +561,19 @@ class Engine(DeepSpeedQueries, BatchCalls, CheckpointCalls, EngineReports, nn.Mo
 
 def _accumulate_grad(_engine, fg, i):
     fg.accumulate_grad(i)
+
+
+def cast_floats(x, dtype):
+    """x with its floating tensors in `dtype`, inside dicts, lists and
+    tuples (a namedtuple, a PackedSequence, kept as its type) too; any
+    other object as it is."""
+    if torch.is_tensor(x):
+        return x.to(dtype) if x.is_floating_point() else x
+    if type(x) is dict:
+        return {k: cast_floats(v, dtype) for k, v in x.items()}
+    if type(x) is list:
+        return [cast_floats(v, dtype) for v in x]
+    if isinstance(x, tuple):
+        items = [cast_floats(v, dtype) for v in x]
+        return type(x)(*items) if hasattr(x, "_fields") else type(x)(items)
+    return x
