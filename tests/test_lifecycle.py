@@ -17,6 +17,7 @@ import torch.distributed as dist
 from torch import nn
 
 import zero
+from conftest import max_rel_error
 
 STAGES = [0, 1, 2, 3]
 
@@ -609,6 +610,36 @@ def test_a_dropped_engine_is_collected(stage):
     del engine
     gc.collect()
     assert ref() is None
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2])
+def test_a_model_whose_engine_was_dropped_trains_again(stage):
+    """A re-run cell drops an engine without close() at stages 0-2: its
+    gradient hooks go with it (the C ones stayed, held alive through the
+    parameters, and took every .grad: a plain backward left None, a new
+    engine's first backward raised), and the model trains on, plainly or
+    under a new engine, from the values it had."""
+    model = _model()
+    engine = _engine(model, stage)
+    _train(engine, 2)
+    ref = copy.deepcopy(model)
+    del engine
+    gc.collect()
+    assert not any("_zero_place" in p.__dict__ for p in model.parameters())
+    x, y = _batch(7)
+    _loss(model(x), y).backward()
+    _loss(ref(x), y).backward()
+    for p, q in zip(model.parameters(), ref.parameters()):
+        assert p.grad is not None and torch.equal(p.grad, q.grad)
+        p.grad = q.grad = None
+    engine = _engine(model, stage)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    _train(engine, 2, start=2)
+    _train_torch(ref, ref_opt, 2, start=2)
+    state = engine.full_state_dict()
+    for name, value in ref.state_dict().items():
+        assert max_rel_error(state[name], value) <= 1e-6, name
+    engine.close()
 
 
 def test_a_deep_copy_before_initialize_trains_independently():

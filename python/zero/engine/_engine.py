@@ -33,7 +33,7 @@ from zero.engine._deepspeed_queries import DeepSpeedQueries
 from zero.engine._construction import (apply_aio, broadcast_buffer, cast_module,
                                        match_param_groups, offload_files, owners_of,
                                        param_files, units_of, warn_if_narrowed)
-from zero.engine._handback import hand_back, record_dtypes
+from zero.engine._handback import forget_dropped, hand_back, record_dtypes
 from zero.engine._reports import EngineReports
 from zero.engine._routes import call_alive, guard_optimizer, on_each_grad
 from zero.engine._unchanged import check_optimizer_unchanged
@@ -242,6 +242,9 @@ class Engine(DeepSpeedQueries, BatchCalls, CheckpointCalls, EngineReports, nn.Mo
                     self._hooks.append(p.register_post_accumulate_grad_hook(fg.reducer.hook(i)))
             if self._schedule is None:
                 self._hook_root_for_backward()
+        dropped = weakref.finalize(self, forget_dropped, self._hooks, self.all_groups,
+                                   self._schedule is None)
+        dropped.atexit = False  # at exit nothing trains on
         take_in_optimizer_states(optimizer, self.groups, resumed)
         guard_optimizer(self)
         record_parameters(self.all_groups)

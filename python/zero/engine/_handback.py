@@ -45,6 +45,27 @@ def hand_back(engine):
     engine._leave_group()
 
 
+def forget_dropped(hooks, groups, unplace):
+    """An engine collected without close() (a re-run notebook cell dropped
+    it): its gradient hooks off the parameters and its reducers detached,
+    so the model trains as a plain one, or under a new engine (the C hooks
+    stayed: held alive by the parameters' places, they took every .grad).
+    `unplace` (stages 0-2, where the values stay in the parameters): the
+    places go too, with the flat buffers they held. A stage-3 model keeps
+    them: its values are gone, and the next initialize says so by name.
+    After close(), there is nothing left to do."""
+    for h in hooks:
+        h.remove()
+    for fg in groups:
+        if getattr(fg, "reducer", None) is not None:
+            fg.reducer.detach()
+        if unplace:
+            for p in fg.params:
+                place = p.__dict__.get("_zero_place")
+                if place is not None and place.engine() is None:
+                    del p.__dict__["_zero_place"]
+
+
 def param_homes(engine) -> dict:
     """id(flat group) -> the mapped file its file-backed parameters
     (offload_param "nvme") come back in."""
