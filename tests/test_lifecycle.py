@@ -930,3 +930,35 @@ def test_stage3_graphs_and_the_engine_are_freed(threshold):
     del engine, model, optimizer
     gc.collect()
     assert model_ref() is None
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+@pytest.mark.parametrize("where", ["_new_bucket", "_send_bucket"])
+def test_a_backward_interrupted_in_the_bucket_hook_is_dropped_by_zero_grad(
+        stage, where, monkeypatch):
+    """Ctrl-C inside the C bucket hook's call back into Python leaves that
+    parameter's .grad, which the hook had not taken yet; zero_grad() drops
+    it with the rest of the batch (docs/engine.md), so the batch redone
+    trains as torch does (it was added into the redone batch's gradient)."""
+    from zero.sharding._buckets import BucketReducer
+    model, ref = _model(), _model()
+    engine = _engine(model, stage)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    _train(engine, 2)
+    _train_torch(ref, ref_opt, 2)
+    original = getattr(BucketReducer, where)
+
+    def interrupted(self, *args):
+        monkeypatch.setattr(BucketReducer, where, original)
+        raise KeyboardInterrupt
+    monkeypatch.setattr(BucketReducer, where, interrupted)
+    x, y = _batch(2)
+    with pytest.raises(KeyboardInterrupt):
+        engine.backward(_loss(engine(x), y))
+    engine.zero_grad()
+    _train(engine, 2, start=2)  # batch 2 again, then 3
+    _train_torch(ref, ref_opt, 2, start=2)
+    state = engine.full_state_dict()
+    for name, value in ref.state_dict().items():
+        assert max_rel_error(state[name], value) <= 1e-6, name
+    engine.close()
