@@ -16,7 +16,8 @@ from zero.sharding._units import storage_key
 
 
 class SavedParameters:
-    """Mixed into Stage3Schedule: its pack and unpack hooks."""
+    """Mixed into Stage3Schedule: its pack and unpack hooks, and the
+    storage keys (unit_by_storage) they look units up by."""
 
     def _pack(self, tensor):
         # called for every tensor the forward saves (237 a step in
@@ -39,6 +40,20 @@ class SavedParameters:
             # outside no_grad) kept its graph and activations for good
             return tensor.detach() if tensor.requires_grad else tensor
         return self._pack_entry(tensor, entry, self._outer)
+
+    def _keyed_anew(self, unit, old_key):
+        """unit_by_storage after `unit.full` changed storage (old_key: the
+        one it had; None: it did not change). Not found: an interrupt came
+        between a storage change and its re-keying, which left a stale key
+        (its address may be another storage's next): swept, and keyed anew."""
+        if old_key is None:
+            return
+        entry = self.unit_by_storage.pop(old_key, None)
+        if entry is None:
+            entry = self.place[id(unit.params[0])]
+            for key in [k for k, (_fg, u) in self.unit_by_storage.items() if u is unit]:
+                del self.unit_by_storage[key]
+        self.unit_by_storage[storage_key(unit.full)] = entry
 
     def saving_outside_forward(self):
         """The saved-tensor hooks for a block that computes with gathered

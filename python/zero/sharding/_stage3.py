@@ -291,12 +291,6 @@ class Stage3Schedule(SavedParameters, PassOrder):
         the peak gathered ([Note: gather pool])."""
         return (self.peak_live - self.live) * unit.full.element_size()
 
-    def _keyed_anew(self, unit, old_key):
-        """unit_by_storage after `unit.full` changed storage (old_key: the
-        one it had; None: it did not change)."""
-        if old_key is not None:
-            self.unit_by_storage[storage_key(unit.full)] = self.unit_by_storage.pop(old_key)
-
     def release_all(self):
         for fg in self.groups:
             for unit in fg.units:
