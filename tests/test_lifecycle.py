@@ -996,3 +996,37 @@ def test_an_interrupt_between_a_release_and_its_rekeying_is_recovered(target, mo
     for name, value in ref.state_dict().items():
         assert max_rel_error(state[name], value) <= 1e-6, name
     engine.close()
+
+
+def test_an_interrupt_before_the_saved_tensor_hooks_are_pushed(monkeypatch):
+    """Ctrl-C in the root pre-forward before its saved-tensor hooks were
+    pushed (injected: their __enter__ interrupted once): the schedule had
+    recorded them already and popped them later, hooks it never pushed (a
+    torch internal assert, or the user's own hooks popped). Now nothing is
+    popped, the user's hooks see their tensors, and training matches torch."""
+    import torch.autograd.graph as graph
+    model, ref = _model(), _model()
+    engine = _engine(model, 3)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    _train(engine, 2)
+    _train_torch(ref, ref_opt, 2)
+    original = graph.saved_tensors_hooks.__enter__
+
+    def interrupted(self):
+        monkeypatch.setattr(graph.saved_tensors_hooks, "__enter__", original)
+        raise KeyboardInterrupt
+    monkeypatch.setattr(graph.saved_tensors_hooks, "__enter__", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        engine(_batch(2)[0])
+    engine.zero_grad()
+    packed = []
+    with graph.saved_tensors_hooks(lambda t: (packed.append(1), t)[1], lambda t: t):
+        _train(engine, 1, start=2)
+        (torch.ones(3, requires_grad=True) * 2).sum()  # saved through the user's hooks
+    assert packed  # they were still in force
+    _train(engine, 1, start=3)
+    _train_torch(ref, ref_opt, 2, start=2)
+    state = engine.full_state_dict()
+    for name, value in ref.state_dict().items():
+        assert max_rel_error(state[name], value) <= 1e-6, name
+    engine.close()

@@ -346,8 +346,9 @@ class Stage3Schedule(SavedParameters, PassOrder):
                     # hooks pushed around the engine call (torch.utils.checkpoint of
                     # the whole model, save_on_cpu) still get every other tensor
                     self._outer = outer_saved_tensors_hooks()
-                    self._saving = saved_tensors_hooks(self._pack, self._unpack)
-                    self._saving.__enter__()
+                    saving = saved_tensors_hooks(self._pack, self._unpack)
+                    saving.__enter__()
+                    self._saving = saving  # once pushed: an interrupt before pops nothing
             self._advance(index)
             for fg, unit in self.units_of[module]:
                 unit.active += 1
