@@ -217,3 +217,62 @@ def test_in_place_op_over_a_list_of_parameters_is_refused():
         with pytest.raises(RuntimeError, match="writes a list of tensors that holds parameters"):
             with torch.no_grad():
                 torch._foreach_mul_(list(model.parameters()), 3.0)
+
+
+class DataGiven(nn.Module):
+    """Init code that gives parameters a placeholder's data inside the
+    context: a ViT's `w.data = trunc_normal_(w.data.to(float32)).to(dtype)`,
+    resize_token_embeddings' `old.weight.data = new.weight.data` (the new
+    module dropped after), and a fused q/k/v weight and bias initialized in
+    chunk and split views."""
+
+    def __init__(self):
+        super().__init__()
+        self.patch = nn.Linear(6, 8)
+        w = self.patch.weight
+        w.data = nn.init.trunc_normal_(w.data.to(torch.float32), std=0.02).to(w.dtype)
+        self.embed = nn.Embedding(5, 8)
+        bigger = nn.Embedding(7, 8)
+        with torch.no_grad():
+            bigger.weight[:5] = self.embed.weight
+        self.embed.weight.data = bigger.weight.data
+        self.embed.num_embeddings = 7
+        self.qkv = nn.Linear(8, 24)
+        for part in self.qkv.weight.chunk(3):
+            nn.init.xavier_uniform_(part)
+        with torch.no_grad():
+            for part in self.qkv.bias.split(10):
+                part.uniform_(-0.1, 0.1)
+
+    def forward(self, ids):
+        return self.qkv(self.embed(ids)).sum() + self.patch.weight.sum()
+
+
+def test_data_given_inside_the_context_is_the_data_it_stands_for():
+    """p.data = (a placeholder's data) read the placeholder's zeros after
+    the context (a ViT's patch weights, resize_token_embeddings' rows),
+    and chunk/unbind of a parameter raised; now bit-identical."""
+    torch.manual_seed(3)
+    ref = DataGiven()
+    after_ref = torch.rand(3)
+    torch.manual_seed(3)
+    with zero.partitioned_init():
+        model = DataGiven()
+    assert torch.equal(torch.rand(3), after_ref)
+    assert_engine_holds(model, ref)
+
+
+def test_a_zero_written_after_the_context_is_refused():
+    """A placeholder reads as zeros after the context, so writing a zero
+    went unseen (and was lost); the write's version bump is seen."""
+    with zero.partitioned_init():
+        model = nn.Linear(4, 4)
+    nn.init.zeros_(model.weight)  # (through .data, a counter of its own: unseen)
+    with pytest.raises(RuntimeError, match="was written after the context closed"):
+        zero.initialize(model, stage=3)
+
+
+def test_a_lazy_module_is_refused_by_name():
+    with pytest.raises(TypeError, match="LazyLinear.weight is a lazy parameter"):
+        with zero.partitioned_init():
+            nn.LazyLinear(4)

@@ -67,8 +67,19 @@ def construct(rank, world):
     total_peak = _status()["VmHWM"] - base
     memory = dict(engine.memory_summary())
     state = engine.full_state_dict()
+    # a module built on rank 0 alone inside the context (no gather in its
+    # init, so nothing failed there): refused on every rank on leaving
+    diverged = None
+    try:
+        torch.manual_seed(7)
+        with zero.partitioned_init():
+            nn.Linear(8, 8)
+            if rank == 0:
+                nn.Linear(4, 4)
+    except RuntimeError as error:
+        diverged = str(error)
     return dict(construct_peak=construct_peak, total_peak=total_peak, memory=memory,
-                state=state)
+                state=state, diverged=diverged)
 
 
 @pytest.fixture(scope="module", params=WORLDS, ids=[f"world{w}" for w in WORLDS])
@@ -98,3 +109,10 @@ def test_no_rank_holds_the_whole_model(runs):
         assert result["total_peak"] <= 1.2 * (16 * psi / world + layer_bytes), (rank, result)
         # the bound is tight enough to catch the whole model held once
         assert 4 * psi > 1.2 * (chunks + layer_bytes)
+
+
+def test_a_module_built_on_some_ranks_only_is_refused_on_leaving(runs):
+    _, results = runs
+    for r in results:
+        assert "the ranks differ in their random state or in how many parameters" in \
+            r["diverged"]

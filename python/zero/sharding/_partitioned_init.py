@@ -30,6 +30,7 @@
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
 
@@ -173,6 +174,9 @@ class partitioned_init(TorchDispatchMode):
     def __exit__(self, *exc):
         try:
             self._evict()
+            if exc[0] is None:
+                self._check_same_seed("leaving")
+                self._take_data_given()
         finally:
             self._progress.close()
             self._hook.remove()
@@ -184,17 +188,58 @@ class partitioned_init(TorchDispatchMode):
                     # given other data inside the context (module.half()): its
                     # own values count, whatever happens to it later
                     del _registry[param]
+                elif id(record) in mine:
+                    record.version = param._version  # a later write bumps it
             for record in self._records:
                 record.closed = True
             super().__exit__(*exc)
         return False
 
-    def _check_same_seed(self):
+    def _take_data_given(self):
+        """A parameter given a placeholder's data inside the context (p.data
+        = q.data, HuggingFace's resize_token_embeddings; p.data = f(p.data)
+        in a ViT's _init_weights): it would read that placeholder's zeros.
+        It gets the values the data stands for, in a record of its own (a
+        copy: p.data = q.data ties nothing here; tie as modules do, p = q).
+        Collectives, in the same order on every rank."""
+        mine = {id(record) for record in self._records}
+        for param, record in list(_registry.items()):
+            if id(record) not in mine or storage_key(param) == record.key:
+                continue
+            found = self._by_storage.get(storage_key(param))
+            if found is None or found[1].base not in _registry:
+                continue  # other data of its own: it counts (module.half())
+            _owner, view = found
+            with torch.no_grad():
+                real = _registry[view.base].gather()
+                for op, args, kwargs in view.chain:
+                    real = op(real, *args, **kwargs)
+                given = _Sharded(real.contiguous(), self.rank, self.world, self._directory)
+                del real
+            ph = _placeholder(given.shape, given.dtype)
+            given.storage, given.key, given.closed = ph.untyped_storage(), storage_key(ph), False
+            param.data = ph
+            self._records.append(given)
+            _registry[param] = given
+
+    def _check_same_seed(self, when="entering"):
+        """Entering: the same random state on every rank. Leaving: the same
+        state and as many parameters built (a module built on some ranks
+        only drew from one rank's stream and not the others')."""
         if self.world == 1:
             return
-        digest = hashlib.sha256(torch.random.get_rng_state().numpy().tobytes()).digest()[:8]
+        state = torch.random.get_rng_state().numpy().tobytes()
+        if when == "leaving":
+            state += len(self._records).to_bytes(8, "little")
+        digest = hashlib.sha256(state).digest()[:8]
         mine = int.from_bytes(digest, "little") & (2**62 - 1)
         if any(value != mine for value in self._comm.gather_scalars(mine)):
+            if when == "leaving":
+                raise RuntimeError(
+                    "zero.partitioned_init(): leaving it, the ranks differ in their random "
+                    "state or in how many parameters they built: every rank must run the "
+                    "same construction code inside it (a module built under `if rank == "
+                    "0:` draws one rank's random numbers; build it outside the context)")
             raise RuntimeError(
                 "zero.partitioned_init() needs the same random state on every rank (the "
                 "ranks build the parameters together): call torch.manual_seed(seed) with "
@@ -205,6 +250,11 @@ class partitioned_init(TorchDispatchMode):
     def _on_register(self, module, name, param):
         if param is None or param in _registry:
             return None  # tied or re-registered: already a placeholder
+        if isinstance(param, nn.parameter.UninitializedParameter):
+            raise TypeError(
+                f"zero.partitioned_init(): {type(module).__name__}.{name} is a lazy parameter "
+                "(nn.LazyLinear and its kind), which has no shape until a first forward; "
+                "give the module its input size (nn.Linear), or build it outside the context")
         # the last registered parameter's full values, given back to the
         # system: glibc keeps freed blocks resident (release_freed_memory),
         # and in memory as on a disk a rank holds its chunks plus one
@@ -334,14 +384,26 @@ class partitioned_init(TorchDispatchMode):
 
     def _view(self, func, args, kwargs):
         _owner, view = self._tracked(args[0])
-        chain = view.chain + [(func, tuple(args[1:]), dict(kwargs))]
+        step = (func, tuple(args[1:]), dict(kwargs))
         # the view's shape, found on the meta device without touching data
         probe = torch.empty(_registry[view.base].shape, dtype=args[0].dtype, device="meta")
-        for op, a, k in chain:
+        for op, a, k in view.chain + [step]:
             probe = op(probe, *a, **k)
+        if isinstance(probe, (list, tuple)):  # chunk, split, unbind: one view each
+            return type(probe)(self._view_placeholder(
+                view, [(functools.partial(_nth_view, func, i), step[1], step[2])], p)
+                for i, p in enumerate(probe))
+        return self._view_placeholder(view, [step], probe)
+
+    def _view_placeholder(self, view, steps, probe):
         ph = _placeholder(probe.shape, probe.dtype)
-        self._by_storage[storage_key(ph)] = (ph, _LazyView(view.base, chain))
+        self._by_storage[storage_key(ph)] = (ph, _LazyView(view.base, view.chain + steps))
         return ph
+
+
+def _nth_view(func, i, tensor, *args, **kwargs):
+    """Output i of a view op that returns several (chunk, split, unbind)."""
+    return func(tensor, *args, **kwargs)[i]
 
 
 def sharded_record(param):
@@ -367,7 +429,7 @@ def sharded_record(param):
         # is not zero was written after the context closed, and that write
         # would be lost
         stored = torch.empty(0, dtype=param.dtype).set_(param.untyped_storage(), 0, (1,))
-        if stored.item() != 0:
+        if stored.item() != 0 or param._version != getattr(record, "version", param._version):
             raise RuntimeError(
                 f"a parameter of shape {tuple(param.shape)} built in zero.partitioned_init() "
                 "was written after the context closed; the write would be lost. Write it "
