@@ -39,6 +39,7 @@ from zero.engine._routes import call_alive, guard_optimizer, on_each_grad
 from zero.engine._unchanged import check_optimizer_unchanged
 from zero.sharding._copying import ModuleHook
 from zero.sharding._flat_group import FlatGroup
+from zero.sharding._outputs import map_tensors
 from zero.offload import _param_staging
 from zero.engine._interrupts import interrupts_held
 from zero.engine._monitor import Monitor
@@ -289,8 +290,12 @@ class Engine(DeepSpeedQueries, BatchCalls, CheckpointCalls, EngineReports, nn.Mo
     def forward(self, *args, **kwargs):
         self._check_open()
         check_parameters_in_place(self.all_groups)
-        args = tuple(cast_floats(a, self.compute_dtype) for a in args)
-        kwargs = {k: cast_floats(v, self.compute_dtype) for k, v in kwargs.items()}
+        cast = lambda t: t.to(self.compute_dtype) if t.is_floating_point() else t  # noqa: E731
+        # nested ones too (dicts, lists, tuples, namedtuples, dataclasses);
+        # a bare tensor, the usual argument, without the walk
+        args = tuple(cast(a) if torch.is_tensor(a) else map_tensors(cast, a) for a in args)
+        kwargs = {k: cast(v) if torch.is_tensor(v) else map_tensors(cast, v)
+                  for k, v in kwargs.items()}
         if self._monitor is not None:  # the flops profiler starts with a step's first forward
             self._monitor.before_forward(self)
         return self.module(*args, **kwargs)
@@ -564,19 +569,3 @@ class Engine(DeepSpeedQueries, BatchCalls, CheckpointCalls, EngineReports, nn.Mo
 
 def _accumulate_grad(_engine, fg, i):
     fg.accumulate_grad(i)
-
-
-def cast_floats(x, dtype):
-    """x with its floating tensors in `dtype`, inside dicts, lists and
-    tuples (a namedtuple, a PackedSequence, kept as its type) too; any
-    other object as it is."""
-    if torch.is_tensor(x):
-        return x.to(dtype) if x.is_floating_point() else x
-    if type(x) is dict:
-        return {k: cast_floats(v, dtype) for k, v in x.items()}
-    if type(x) is list:
-        return [cast_floats(v, dtype) for v in x]
-    if isinstance(x, tuple):
-        items = [cast_floats(v, dtype) for v in x]
-        return type(x)(*items) if hasattr(x, "_fields") else type(x)(items)
-    return x
