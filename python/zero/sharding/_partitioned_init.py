@@ -209,11 +209,8 @@ class partitioned_init(TorchDispatchMode):
             found = self._by_storage.get(storage_key(param))
             if found is None or found[1].base not in _registry:
                 continue  # other data of its own: it counts (module.half())
-            _owner, view = found
-            with torch.no_grad():
-                real = _registry[view.base].gather()
-                for op, args, kwargs in view.chain:
-                    real = op(real, *args, **kwargs)
+            with torch.no_grad():  # nothing is cached now: _resolve gathers
+                real = self._resolve(param, None, False)
                 given = _Sharded(real.contiguous(), self.rank, self.world, self._directory)
                 del real
             ph = _placeholder(given.shape, given.dtype)

@@ -41,16 +41,16 @@ class UnitRoots:
 
 
 def unit_roots(model: nn.Module, units="block", leaf_modules=()) -> UnitRoots:
-    named_leaf = _matcher(leaf_modules, model, "stage3_leaf_modules")
+    named_leaf = module_matcher(leaf_modules, model, "stage3_leaf_modules")
     leaf = lambda m: named_leaf(m) or getattr(m, "_z3_leaf", False) is True  # noqa: E731
     if units == "module":
         chosen = lambda _m: False  # noqa: E731
     elif units == "block":
-        chosen = _matcher(block_classes(model), model, None)
+        chosen = module_matcher(block_classes(model), model, None)
     elif callable(units) and not isinstance(units, type):
         chosen = units
     else:
-        chosen = _matcher(tuple(units) if isinstance(units, (list, tuple)) else (units,),
+        chosen = module_matcher(tuple(units) if isinstance(units, (list, tuple)) else (units,),
                           model, "units")
     root_of, leaves = {}, set()
     for m in model.modules():  # parents before children: the outermost wins
@@ -86,7 +86,7 @@ def block_classes(model: nn.Module) -> tuple:
     return tuple(sorted(repeated))
 
 
-def _matcher(specs, model, setting):
+def module_matcher(specs, model, setting):
     """module -> whether it matches one of specs (classes or class names).
     setting: the option's name, to refuse a spec no module matches."""
     if not specs:

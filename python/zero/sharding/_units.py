@@ -267,9 +267,8 @@ def written_in_forward(model) -> frozenset:
     """The ids of the parameters `model`'s modules write in place in their
     own forward: the weight of an nn.Embedding or nn.EmbeddingBag with
     max_norm, whose looked-up rows torch renormalizes in place."""
-    from torch import nn
     return frozenset(id(m.weight) for m in model.modules()
-                     if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and
+                     if isinstance(m, (torch.nn.Embedding, torch.nn.EmbeddingBag)) and
                      m.max_norm is not None)
 
 

@@ -7,12 +7,9 @@ from __future__ import annotations
 
 from torch import nn
 
+from zero.sharding._unit_roots import module_matcher
+
 LEAF_MARK = "_z3_leaf"
-
-
-def _matches(module, classes) -> bool:
-    return any(type(module).__name__ == c if isinstance(c, str) else isinstance(module, c)
-               for c in classes)
 
 
 def _checked(model, classes, call):
@@ -31,7 +28,8 @@ def _checked(model, classes, call):
 
 def _mark(model, classes, flag, call) -> list:
     classes = _checked(model, classes, call)
-    marked = [m for m in model.modules() if _matches(m, classes)]
+    matches = module_matcher(classes, model, None)
+    marked = [m for m in model.modules() if matches(m)]
     if not marked:
         raise ValueError(f"{call}: no module of the model is one of {classes!r}")
     for m in marked:
