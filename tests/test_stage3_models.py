@@ -554,7 +554,8 @@ def test_parameters_in_parameter_lists_and_dicts_are_gathered():
 
 class OldWeightNorm(nn.Module):
     """torch.nn.utils.weight_norm, the hook-based one: a forward pre-hook
-    computes `weight` from the parameters weight_g and weight_v."""
+    computes `weight` from the parameters weight_g and weight_v; and a
+    pre-hook of the model's own that notes the head's weight shape."""
 
     def __init__(self):
         super().__init__()
@@ -562,6 +563,9 @@ class OldWeightNorm(nn.Module):
             warnings.simplefilter("ignore", FutureWarning)  # its deprecation
             self.layer = torch.nn.utils.weight_norm(nn.Linear(8, 8))
         self.head = nn.Linear(8, 8)
+        self.seen = []
+        self.head.register_forward_pre_hook(
+            lambda m, args: self.seen.append(tuple(m.weight.shape)))
 
     def forward(self, x):
         return self.head(torch.tanh(self.layer(x)))
@@ -572,22 +576,11 @@ def test_the_models_own_pre_hooks_read_the_gathered_parameters():
     model had: the old weight_norm's computed its weight from the released
     placeholders (a SIGFPE in torch._weight_norm), a user's pre-hook saw
     shape (0,)."""
-    seen = []
-    model, ref = pair(OldWeightNorm)
-    model.head.register_forward_pre_hook(lambda m, args: seen.append(tuple(m.weight.shape)))
-    engine = zero.initialize(model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
-                             stage=3, units="module", **RELEASED)
-    opt = torch.optim.SGD(ref.parameters(), lr=0.1)
     g = torch.Generator().manual_seed(6)
-    for _ in range(3):
-        x = torch.randn(5, 8, generator=g)
-        engine.backward(engine(x).square().mean())
-        engine.step()
-        opt.zero_grad()
-        ref(x).square().mean().backward()
-        opt.step()
-    assert seen == [(8, 8)] * 3
-    assert_matches(engine.full_state_dict(), ref)  # layer.weight_g, layer.weight_v, head
+    inputs = [(torch.randn(5, 8, generator=g),) for _ in range(3)]
+    state, ref, engine = train_both(OldWeightNorm, (), inputs, units="module", **RELEASED)
+    assert engine.module.seen == [(8, 8)] * 3
+    assert_matches(state, ref)  # layer.weight_g, layer.weight_v, head
     engine.close()
 
 
