@@ -17,12 +17,8 @@ def hand_back(engine):
     homes = param_homes(engine) if engine._schedule is not None else {}
     if engine._delayed is not None:
         engine._delayed.finish()  # the model handed back has the last update
-    for h in engine._hooks:
-        h.remove()
+    forget_dropped(engine._hooks, engine.all_groups, unplace=False)  # the hooks off
     engine._hooks = []
-    for fg in engine.groups:
-        if fg.reducer is not None:
-            fg.reducer.detach()
     if engine._schedule is not None:
         engine._schedule.remove()
         restore_params(engine, homes)
@@ -53,7 +49,8 @@ def forget_dropped(hooks, groups, unplace):
     `unplace` (stages 0-2, where the values stay in the parameters): the
     places go too, with the flat buffers they held. A stage-3 model keeps
     them: its values are gone, and the next initialize says so by name.
-    After close(), there is nothing left to do."""
+    close() starts with the same (unplace=False: it gives the places up
+    itself, last); after it, there is nothing left to do."""
     for h in hooks:
         h.remove()
     for fg in groups:

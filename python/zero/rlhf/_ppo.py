@@ -7,7 +7,7 @@ actor is gathered once per generation, not once per token.
 
 [Note: one PPO iteration]
 1. generation: the actor samples a response of `response_length` tokens
-   for each prompt (ending early at eos_token_id when one is given);
+   for each prompt (ending early at eos_token_id when one is given).
    Generation and scoring run with all four models in eval mode (no
    dropout: the same sequence scores the same, and an actor equal to its
    reference has a KL of exactly 0), each put back in its mode after, as
