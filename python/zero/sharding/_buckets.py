@@ -299,9 +299,14 @@ class BucketReducer:
 
     def abandon_backward(self):
         """Forget a backward that raised: wait for the reductions already
-        issued (a collective cannot be taken back) and drop the rest."""
+        issued (a collective cannot be taken back) and drop the rest: a
+        .grad the C hook had not taken yet too (a backward interrupted
+        inside its call back into Python), which the next backward would
+        add to."""
         self._retire(wait=True)
         self.reset_buckets()
+        for p in self.fg.params:
+            p.grad = None
 
     @property
     def backward_started(self):

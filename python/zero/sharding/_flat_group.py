@@ -469,10 +469,6 @@ class FlatGroup:
             self.grad_flat.zero_()
         else:
             self.grad_part.zero_()
-            # a .grad the bucket hook had not taken yet (a backward
-            # interrupted inside it) would be added into the next one
-            for p in self.params:
-                p.grad = None
 
     def zero_grads_of(self, members: set):
         """Drop the gradients since the last step of the listed parameters
