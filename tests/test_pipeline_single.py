@@ -113,6 +113,45 @@ def test_one_stage_trains_as_plain_torch(one_process_group, schedule):
         assert max_rel_error(state[name], value) < 1e-5, name
 
 
+def test_micro_batches_must_be_equal(one_process_group):
+    """A batch that does not split evenly is refused before torch runs it
+    (each micro-batch's loss is divided by their count); on one stage a
+    later batch may have another shape (nothing is sent)."""
+    mesh = _pp_mesh()
+    stage = zero.parallel.split_gpt(GPT(CFG), mesh["pp"])
+    engine = zero.initialize(stage, optimizer=torch.optim.SGD(stage.parameters(), lr=0.1),
+                             stage=1, mesh=mesh)
+    pipe = zero.parallel.pipeline_schedule(engine, mesh["pp"], 2, zero.parallel.gpt_loss)
+    before = [p.detach().clone() for p in stage.parameters()]
+    for size in (4, 6):
+        ids = torch.randint(0, CFG.vocab, (size, CFG.seq))
+        pipe.step(ids, target=ids, losses=[])
+        engine.step()
+    moved = [p.detach().clone() for p in stage.parameters()]
+    assert any(not torch.equal(a, b) for a, b in zip(before, moved))
+    ids = torch.randint(0, CFG.vocab, (5, CFG.seq))
+    with pytest.raises(ValueError, match=r"args\[0\] has shape \(5, 8\).* 2 micro-batches"):
+        pipe.step(ids, target=ids[:4], losses=[])
+    with pytest.raises(ValueError, match=r"target= has shape \(5, 8\)"):
+        pipe.step(ids[:4], target=ids, losses=[])
+    assert all(torch.equal(a, b) for a, b in zip(moved, stage.parameters()))
+    engine.close()
+
+
+def test_micro_batch_shapes_between_stages_keep_the_first_steps():
+    from zero.parallel._micro_batches import MicroBatchShapes
+    shapes = MicroBatchShapes(2, sends=True)
+    shapes.check((torch.zeros(4, 8),), {"mask": torch.zeros(4, 8), "return_outputs": False})
+    shapes.check((torch.zeros(4, 8),), {"mask": torch.zeros(4, 8)})
+    with pytest.raises(ValueError, match=r"args\[0\] gives micro-batches of shape \(3, 8\), "
+                                         r"the first step's were \(2, 8\)"):
+        shapes.check((torch.zeros(6, 8),), {})
+    with pytest.raises(ValueError, match=r"mask= gives micro-batches of shape \(2, 7\)"):
+        shapes.check((torch.zeros(4, 8),), {"mask": torch.zeros(4, 7)})
+    with pytest.raises(ValueError, match="does not split into 2"):
+        shapes.check((torch.zeros(3, 8),), {})
+
+
 def test_refusals(one_process_group):
     from torch.distributed.device_mesh import DeviceMesh
     mesh = _pp_mesh()

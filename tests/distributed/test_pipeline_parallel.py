@@ -176,6 +176,27 @@ def odd_sequence_refused(mesh):
     return out
 
 
+def short_batch_refused(mesh):
+    """What each stage says when a batch after the first is shorter (an
+    epoch's last batch): torch's stages keep their first step's shapes, and
+    a shorter one made the receiving rank abort in gloo."""
+    import zero
+    engine = stage_engine(mesh, 1)
+    pipe = zero.parallel.pipeline_schedule(engine, mesh["pp"], 2, zero.parallel.gpt_loss)
+    first = mesh["pp"].get_local_rank() == 0
+    out = []
+    for size in (BATCH, BATCH - 2):
+        ids = batch(0)[0][:size]
+        try:
+            pipe.step(ids) if first else pipe.step(target=ids, losses=[])
+            engine.step()
+            out.append("accepted")
+        except ValueError as e:
+            out.append(str(e))
+    engine.close()
+    return out
+
+
 def zero_bubble(mesh):
     """torch's interleaved zero-bubble schedule: trained at ZeRO stage 1;
     refused at stage 2, which reduces gradients as a backward ends, before
@@ -216,6 +237,7 @@ def _worker(rank, world, directory):
     out["sequence + loss parallel"] = train(pp_tp, 2, tp_options=both, watch=watch)
     out["llama sequence + loss parallel"] = train(pp_tp, 3, kind="llama tied", tp_options=both)
     out["odd sequence"] = odd_sequence_refused(pp_tp)
+    out["short batch"] = short_batch_refused(pp_dp)
     for stage in (0, 1, 2, 3):  # two stages a rank, one block each
         out[("interleaved", stage)] = train(pp_dp, stage, schedule="interleaved-1f1b",
                                             stages_per_rank=2)
@@ -320,6 +342,16 @@ def test_sequence_and_loss_parallel_under_pp(results):
         assert message in results[rank]["odd sequence"]["schedule"]
     for rank in (0, 1):
         assert message in results[rank]["odd sequence"]["alone"]
+
+
+def test_a_shorter_batch_is_refused_on_the_stages_that_hold_it(results):
+    size = (BATCH - 2) // 2
+    for rank, held in ((0, "args[0]"), (1, "args[0]"), (2, "target="), (3, "target=")):
+        first, second = results[rank]["short batch"]
+        assert first == "accepted"
+        assert second.startswith(f"pipeline schedule step: {held} gives micro-batches of "
+                                 f"shape ({size}, {CFG.seq}), the first step's were "
+                                 f"({BATCH // 2}, {CFG.seq})"), second
 
 
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])

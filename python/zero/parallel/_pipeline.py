@@ -34,6 +34,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from zero.parallel._micro_batches import MicroBatchShapes
 from zero.parallel._stage_info import StageInfo
 from zero.parallel._tensor_parallel import vocabulary_parallel
 from zero.parallel._virtual_stages import (MULTI_STAGE_SCHEDULES, is_chunked,
@@ -247,8 +248,9 @@ class _ScaledSteps:
     stages first agree that tp divides the sequence length (a refusal on
     the first stage alone would leave the others waiting for its sends)."""
 
-    def __init__(self, engine, step, pp_mesh):
+    def __init__(self, engine, step, pp_mesh, n_microbatches):
         self.engine, self.step, self.pp_mesh = engine, step, pp_mesh
+        self.shapes = MicroBatchShapes(n_microbatches, sends=pp_mesh.size() > 1)
 
     def _agree_on_sequence(self, args):
         tp_mesh = getattr(self.engine.module, "_zero_sequence_parallel", None)
@@ -261,6 +263,7 @@ class _ScaledSteps:
             raise _uneven_sequence(odd, tp_mesh.size())
 
     def __call__(self, *args, losses=None, **kwargs):
+        self.shapes.check(args, kwargs)
         self._agree_on_sequence(args)
         scale = self.engine.loss_scale
         with vocabulary_parallel(self.engine.module):
@@ -327,7 +330,7 @@ def pipeline_schedule(engine, pp_mesh, n_microbatches: int, loss_fn, schedule=No
         stage = PipelineStage(engine.module, index, count, engine.device,
                               group=pp_mesh.get_group())
         built = schedule(stage, n_microbatches, loss_fn=per_micro_batch, scale_grads=False)
-    built.step = _ScaledSteps(engine, built.step, pp_mesh)
+    built.step = _ScaledSteps(engine, built.step, pp_mesh, n_microbatches)
     return built
 
 
