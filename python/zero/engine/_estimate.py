@@ -27,6 +27,7 @@ from zero.sharding._units import PersistenceBudget, lay_out
 from zero.sharding._unit_roots import unit_roots
 from zero.engine._construction import match_param_groups, owners_of, units_of
 from zero.engine._engine import DTYPES
+from zero.parallel._mesh import is_data_parallel_line
 from zero.parallel._tensor_parallel import localize, tensor_parallel_mesh
 
 
@@ -34,9 +35,9 @@ def _partitions_of_mesh(mesh, world_size) -> int:
     """How many ranks a mesh's partitions span: dp_shard's size (1 for a
     mesh of tp or pp alone), as initialize reads the mesh (parallel/_mesh.py)."""
     if hasattr(mesh, "mesh") and hasattr(mesh, "ndim"):  # a DeviceMesh
-        names = tuple(getattr(mesh, "mesh_dim_names", None) or ())
-        if mesh.ndim == 1 and names not in (("tp",), ("pp",)):
+        if is_data_parallel_line(mesh):
             return mesh.size()
+        names = tuple(getattr(mesh, "mesh_dim_names", None) or ())
         if not names or any(n not in ("dp_replicate", "dp_shard", "tp", "pp") for n in names):
             raise ValueError("mesh: a DeviceMesh of more than one dimension must name them "
                              f"dp_replicate, dp_shard, tp, pp; got {names or 'unnamed'}")

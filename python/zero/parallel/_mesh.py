@@ -60,6 +60,14 @@ MODEL_PARALLEL = ("tp", "pp")
 KNOWN = DATA_PARALLEL + MODEL_PARALLEL
 
 
+def is_data_parallel_line(mesh) -> bool:
+    """A 1-D DeviceMesh that zero partitions over whatever its name (a 1-D
+    mesh named tp or pp holds model-parallel ranks only: no data-parallel
+    dimension, its partitions span one rank)."""
+    names = tuple(getattr(mesh, "mesh_dim_names", None) or ())
+    return mesh.ndim == 1 and names not in (("tp",), ("pp",))
+
+
 @dataclass
 class MeshGroups:
     """The groups a mesh names. shard: ZeRO partitions over it; replicate:
@@ -97,9 +105,9 @@ def resolve_mesh(mesh) -> MeshGroups:
         if mesh.get_coordinate() is None:
             raise ValueError(f"mesh: this rank ({dist.get_rank()}) is not in the DeviceMesh "
                              f"{mesh.mesh.tolist()}; each rank passes a mesh it is part of")
-        names = tuple(getattr(mesh, "mesh_dim_names", None) or ())
-        if mesh.ndim == 1 and names not in (("tp",), ("pp",)):
+        if is_data_parallel_line(mesh):
             return MeshGroups(*_one_group(mesh.get_group()))
+        names = tuple(getattr(mesh, "mesh_dim_names", None) or ())
         unknown = [n for n in names if n not in KNOWN]
         if not names or unknown or len(set(names)) != len(names):
             raise NotImplementedError(
@@ -162,9 +170,9 @@ def data_parallel_place(mesh) -> tuple:
         return dist.get_rank(), dist.get_world_size()
     if isinstance(mesh, dist.ProcessGroup):
         return dist.get_rank(mesh), dist.get_world_size(mesh)
-    names = tuple(getattr(mesh, "mesh_dim_names", None) or ())
-    if mesh.ndim == 1 and names not in (("tp",), ("pp",)):
+    if is_data_parallel_line(mesh):
         return mesh.get_local_rank(), mesh.size()
+    names = tuple(getattr(mesh, "mesh_dim_names", None) or ())
     sizes = dict(zip(names, mesh.mesh.shape))
     at = {name: mesh[name].get_local_rank() for name in DATA_PARALLEL if name in names}
     size = 1
@@ -187,9 +195,9 @@ def data_parallel_representatives(mesh) -> list:
         return list(range(dist.get_world_size()))
     if isinstance(mesh, dist.ProcessGroup):
         return dist.get_process_group_ranks(mesh)
-    names = tuple(getattr(mesh, "mesh_dim_names", None) or ())
-    if mesh.ndim == 1 and names not in (("tp",), ("pp",)):
+    if is_data_parallel_line(mesh):
         return mesh.mesh.tolist()
+    names = tuple(getattr(mesh, "mesh_dim_names", None) or ())
     sizes = dict(zip(names, mesh.mesh.shape))
     reps = {}
     for where in itertools.product(*(range(n) for n in mesh.mesh.shape)):
