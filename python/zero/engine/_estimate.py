@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from zero.sharding import _flat_group
-from zero.engine._initialize import default_optimizer, resolve_config
+from zero.engine._arguments import default_optimizer, resolve_config
 from zero.engine._memory import MemorySummary, zero_formula
 from zero.offload import _param_staging
 from zero.offload._nvme import PAGE_ELEMENTS, SLOTS

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from zero.engine._engine import DTYPES
 from zero.engine._estimate import estimate_memory
-from zero.engine._initialize import resolve_config
+from zero.engine._arguments import resolve_config
 from zero.sharding._buckets import MAX_IN_FLIGHT
 
 # the settings tried, in the order they cost speed: more offloaded means

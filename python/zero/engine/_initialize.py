@@ -11,36 +11,12 @@ from zero.sharding._copying import EngineRef
 from zero.parallel._mesh import resolve_mesh
 from zero.parallel._pipeline import PipelineLayout
 from zero.parallel._tensor_parallel import localize
-from zero.optim._from_config import optimizer_from_config
 from zero.sharding._partitioned_init import sharded_record
 from zero.config._schedulers import scheduler_from_config
 from zero.step._threads import share_cores_among_local_ranks
 from zero.config._config import Config, check_nvme_path
+from zero.engine._arguments import default_optimizer, resolve_config
 from zero.engine._engine import Engine
-
-
-def resolve_config(config, stage, precision, options) -> Config:
-    """The Config that initialize's arguments describe."""
-    if config is None:
-        cfg = Config()
-    elif isinstance(config, Config):
-        cfg = config
-    else:
-        cfg = Config.from_deepspeed(config)
-    options = dict(options)
-    if stage is not None:
-        options["stage"] = stage
-    if precision is not None:
-        options["precision"] = precision
-    return cfg.replace(**options) if options else cfg
-
-
-def default_optimizer(cfg: Config, model: nn.Module):
-    """The config's optimizer block on the model, else torch's AdamW with
-    lr 1e-3 and its other defaults."""
-    if cfg.optimizer is None:
-        return torch.optim.AdamW(model.parameters(), lr=1e-3)
-    return optimizer_from_config(cfg.optimizer, model.parameters())
 
 
 def inference(model: nn.Module, *, stage: int = 3, precision=None, config=None, device=None,
