@@ -381,12 +381,20 @@ PEAK_SCRIPT = """
 """
 
 
+ALLOWANCE = 16 * 2**20
+
+
 def test_offloaded_states_are_not_held_in_ram(tmp_path):
     """4.2M parameters, bf16 AdamW: 50 MB of fp32 master and states. The
     peak resident memory of training steps, above the process before the
     model existed: in memory it holds them all; offloaded, the step's
     windows: SLOTS (3) chunks of 1 MiB for each of the three files, 9 MiB,
-    plus the I/O threads' stacks (allowed: 12 MiB in all)."""
+    plus the I/O threads' stacks and the file pages in flight (allowed: 16
+    MiB in all). Measured on a 2-core machine: the offloaded run's peak is
+    38.7-39.0 MiB under the in-memory one's in steps and 35.9-36.2 MiB at
+    construction, of 48.0 MiB of states (the allowance was 12 MiB until
+    the construction figure, at its edge, failed under load); states held
+    whole in RAM would leave no difference."""
     def peak(nvme):
         return run_peak_script(PEAK_SCRIPT, nvme)
     built_in_memory, in_memory, _ = peak("-")
@@ -394,8 +402,8 @@ def test_offloaded_states_are_not_held_in_ram(tmp_path):
     states = 12 * 4_198_400
     assert offloaded >= states
     assert in_memory >= states  # the states are resident...
-    assert in_memory - offloaded_peak >= states - 12 * 2**20, (in_memory, offloaded_peak)
+    assert in_memory - offloaded_peak >= states - ALLOWANCE, (in_memory, offloaded_peak)
     # ...and construction writes the master and the states straight into
     # their files, never whole in RAM
-    assert built_in_memory - built_offloaded >= states - 12 * 2**20, \
+    assert built_in_memory - built_offloaded >= states - ALLOWANCE, \
         (built_in_memory, built_offloaded)
