@@ -195,3 +195,51 @@ def test_a_path_refused_on_one_rank_stops_every_rank(tmp_path):
     assert "offload_optimizer.nvme_path" in errors[1] and "is not a directory" in errors[1]
     assert errors[0] == ("zero.initialize: rank(s) [1] refused their nvme_path (each rank "
                          "checks its own; their errors say why), so no rank goes on")
+
+
+def _short_disks(rank, world, directory, shared):
+    """Initialize with offload_optimizer "nvme" where the disks lack room
+    ([Note: disk room]): shared, both ranks' paths on one disk whose free
+    space holds one rank's files but not both; else rank 1's disk, on
+    another machine, is full. Returns (errno, message) of what initialize
+    raised here, else None."""
+    import zero
+    import zero.engine._disk_room as disk_room
+    from zero.engine._arguments import resolve_config
+    model = mlp()
+    optimizer = torch.optim.AdamW(model.parameters())
+    options = {"offload_optimizer": {"device": "nvme", "nvme_path": directory}}
+    if shared:
+        cfg = resolve_config(None, 2, None, options)
+        [(_, _, need)] = disk_room._needs(model, optimizer, cfg, world, torch.device("cpu"))
+        free = 2 * (need + disk_room.SLACK) - 1
+        disk_room.free_bytes = lambda path: free
+    elif rank == 1:
+        disk_room.free_bytes = lambda path: 0
+        disk_room.machine_id = lambda: 12345
+    try:
+        zero.initialize(model, optimizer=optimizer, stage=2, **options)
+    except OSError as error:
+        return error.errno, str(error)
+    return None
+
+
+@pytest.mark.parametrize("shared", [False, True])
+def test_a_disk_without_room_on_one_rank_stops_every_rank(tmp_path, shared):
+    """Before the engine's collectives make the files: a full disk on one
+    rank, or two ranks' files summed on one disk, refused on every rank at
+    once (before: the rank that failed to make its file raised alone, and
+    the other waited in the layout's next collective until the timeout)."""
+    import errno
+    (first, text0), (second, text1) = harness.run(2, _short_disks, str(tmp_path), shared,
+                                                  timeout=120)
+    assert first == second == errno.ENOSPC
+    if shared:
+        for text in (text0, text1):
+            assert f"offload_optimizer.nvme_path '{tmp_path}' has " in text
+            assert "the offload files of rank(s) [0, 1] on that disk need" in text
+    else:
+        assert "has 0.00 MiB (0 bytes) free, but the offload files of rank(s) [1] on that " \
+               "disk need" in text1
+        assert text0.endswith("the offload disk(s) of rank(s) [1] lack room for their files "
+                              "(their errors say how much), so no rank goes on")

@@ -83,6 +83,23 @@ def estimate_memory(model: nn.Module, world_size: int = 1, *, optimizer=None, st
         world_size = _partitions_of_mesh(mesh, world_size)
     cfg = resolve_config(config, stage, precision, options)
     where = _training_device(model, device)
+    if optimizer is None:
+        optimizer = default_optimizer(cfg, model)
+    # a tensor-parallel model: what a rank holds is its local pieces
+    # ([Note: local parameters]); the model is given back as it came
+    local = localize(model, optimizer, tensor_parallel_mesh(model))
+    try:
+        return summary_for(model, optimizer, cfg, world_size, where)
+    finally:
+        if local is not None:
+            local.restore(optimizer)
+
+
+def summary_for(model, optimizer, cfg, world_size, where, frozen_only=False) -> MemorySummary:
+    """estimate_memory's figures for a resolved config (cfg), the optimizer
+    and the training device (where), of a model as it is (local pieces
+    under tp): initialize asks it for the bytes its files will take.
+    frozen_only: a model with nothing to train is counted too (zero.inference's)."""
     staged = states_off_device(where, cfg.offload_optimizer)
     # [Note: parameters off the device] in _param_staging.py
     shard_on_host = _param_staging.params_off_device(where, cfg.offload_param)
@@ -91,24 +108,15 @@ def estimate_memory(model: nn.Module, world_size: int = 1, *, optimizer=None, st
     delayed = cfg.offload_optimizer.delayed_update
     own_master = _flat_group.has_own_master(cfg.precision == "fp32", staged, shard_on_host,
                                             delayed)
-    if optimizer is None:
-        optimizer = default_optimizer(cfg, model)
-    # a tensor-parallel model: what a rank holds is its local pieces
-    # ([Note: local parameters]); the model is given back as it came
-    local = localize(model, optimizer, tensor_parallel_mesh(model))
-    try:
-        return _estimate(model, optimizer, cfg, world_size, where, staged, shard_on_host,
-                         grads_on_host, delayed, own_master)
-    finally:
-        if local is not None:
-            local.restore(optimizer)
+    return _estimate(model, optimizer, cfg, world_size, where, staged, shard_on_host,
+                     grads_on_host, delayed, own_master, frozen_only)
 
 
 def _estimate(model, optimizer, cfg, world_size, where, staged, shard_on_host, grads_on_host,
-              delayed, own_master) -> MemorySummary:
+              delayed, own_master, frozen_only) -> MemorySummary:
     spec = spec_for(optimizer)
     groups = match_param_groups(model, optimizer)
-    if not any(params for params, _ in groups):
+    if not frozen_only and not any(params for params, _ in groups):
         raise ValueError("the model has no trainable parameters; nothing to train")
     policy = StagePolicy.of(cfg.stage)
     owners = owners_of(model, unit_roots(model, cfg.units, cfg.stage3_leaf_modules)) \

@@ -16,6 +16,7 @@ from zero.config._schedulers import scheduler_from_config
 from zero.step._threads import share_cores_among_local_ranks
 from zero.config._config import Config, check_nvme_path
 from zero.engine._arguments import default_optimizer, resolve_config
+from zero.engine._disk_room import check_disk_room
 from zero.engine._engine import Engine
 
 
@@ -132,6 +133,9 @@ def initialize(model: nn.Module, *, optimizer=None, stage=None, precision=None,
         elif callable(lr_scheduler) and not hasattr(lr_scheduler, "step"):
             lr_scheduler = lr_scheduler(optimizer)
         _check_scheduler(lr_scheduler, optimizer)
+        # [Note: disk room]: before the engine's collectives make the files
+        check_disk_room(model, optimizer, cfg, Comm(device, groups.whole or groups.everyone),
+                        comm.world, device)
         engine = Engine(model, optimizer, cfg, comm, created, lr_scheduler,
                         tensor_parallel=tensor_parallel, pipeline=pipeline,
                         inference=_inference)
