@@ -199,6 +199,27 @@ def test_checkpointing_recomputes_the_same_gradients():
         deepspeed.checkpointing.configure(None, partition_activations=True)
 
 
+def test_checkpointing_takes_megatrons_mpu_and_recomputes_dropout_alike():
+    """Megatron-DeepSpeed calls configure(mpu, deepspeed_config=...,
+    partition_activations=False, ...): taken; the recomputed dropout masks
+    are the forward's (torch keeps the random state)."""
+    class Mpu:  # the part of Megatron's mpu a script has; none of it is read
+        def get_model_parallel_world_size(self):
+            return 2
+    deepspeed.checkpointing.configure(Mpu(), deepspeed_config={"train_batch_size": 8},
+                                      partition_activations=False, checkpoint_in_cpu=False,
+                                      contiguous_checkpointing=False)
+    layer = nn.Sequential(nn.Linear(8, 8), nn.Dropout(0.5), nn.Linear(8, 8))
+    x = torch.randn(3, 8)
+    grads = []
+    for run in (lambda: deepspeed.checkpointing.checkpoint(layer, x), lambda: layer(x)):
+        torch.manual_seed(5)
+        layer.zero_grad()
+        run().square().sum().backward()
+        grads.append([p.grad.clone() for p in layer.parameters()])
+    assert all(torch.equal(a, b) for a, b in zip(*grads))
+
+
 # ---- config keys --------------------------------------------------------------
 
 def test_a_disabled_block_is_accepted_whatever_it_holds():

@@ -300,8 +300,18 @@ def test_huggingface_auto_values():
     assert cfg.stage == 3 and cfg.reduce_bucket_size == zero.Config().reduce_bucket_size
     assert cfg.train_batch_size is None
     for key in ("gradient_accumulation_steps", "gradient_clipping"):
-        with pytest.raises(ValueError, match=f"{key} is 'auto'"):
+        with pytest.raises(ValueError, match=f"{key} is 'auto', which HuggingFace's DeepSpeed "
+                                             "integration fills in"):
             zero.Config.from_deepspeed({**template, key: "auto"})
+    # "auto" where no one fills it in: taken for a key without effect here,
+    # refused (without blaming HuggingFace) where the value is read
+    ignored = {"sub_group_size": "auto", "allgather_bucket_size": "auto"}
+    zero.Config.from_deepspeed({**template, "steps_per_print": "auto", "zero_optimization": {
+        **template["zero_optimization"], **ignored}})
+    with pytest.raises(ValueError, match="zero_optimization.stage3_model_persistence_threshold "
+                                         "is 'auto', which neither DeepSpeed nor HuggingFace"):
+        zero.Config.from_deepspeed({"zero_optimization": {
+            "stage": 3, "stage3_model_persistence_threshold": "auto"}})
     with pytest.raises(ValueError, match="optimizer.params.lr is 'auto'"):
         zero.initialize(model(), config={"optimizer": {"type": "AdamW",
                                                        "params": {"lr": "auto"}}})

@@ -208,13 +208,26 @@ def test_missing_ranks_and_model_parallel_files_are_named(tmp_path):
 
 
 def test_no_checkpoint_and_output_onto_input_are_refused(tmp_path):
+    """An output in or onto the DeepSpeed checkpoint is refused before
+    anything is read or written: before, one inside its tag directory was
+    written there, and one in its directory replaced DeepSpeed's latest."""
     with pytest.raises(FileNotFoundError, match="no 'latest' file"):
         convert_deepspeed(tmp_path, tmp_path / "out", trust_pickle=True)
     ds = copy_of(tmp_path)
-    with pytest.raises(ValueError, match="would overwrite"):
-        convert_deepspeed(ds, ds, trust_pickle=True)
+    latest = (ds / "latest").read_text()
+    refusals = [(ds, "the DeepSpeed checkpoint's own directory: its 'latest' file"),
+                (ds / "global_step6", "is inside the DeepSpeed checkpoint it reads"),
+                (ds / "global_step6" / "out", "is inside the DeepSpeed checkpoint it reads"),
+                (ds / "latest", "is a file, not a directory")]
+    for out, message in refusals:
+        with pytest.raises(ValueError, match=message):
+            convert_deepspeed(ds, out, out_tag="converted", trust_pickle=True)
+    with pytest.raises(ValueError, match="is inside the DeepSpeed checkpoint"):
+        convert_deepspeed(ds / "global_step6", ds / "global_step6", trust_pickle=True)
+    assert sorted(os.listdir(ds)) == sorted(os.listdir(CHECKPOINTS / "world2-stage2"))
     assert sorted(os.listdir(ds / "global_step6")) == sorted(
         os.listdir(CHECKPOINTS / "world2-stage2" / "global_step6"))
+    assert (ds / "latest").read_text() == latest
 
 
 def test_the_converted_checkpoint_loads_in_one_process(tmp_path, monkeypatch):

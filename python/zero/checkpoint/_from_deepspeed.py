@@ -59,6 +59,7 @@ def convert_deepspeed(ds_dir, out_dir, *, tag=None, out_tag=None, trust_pickle=F
         raise PermissionError(TRUST_PICKLE_WHY)
     path = tag_directory(os.fspath(ds_dir), tag)
     out_tag = check_tag(out_tag or os.path.basename(os.path.normpath(path)))
+    _check_output(os.fspath(out_dir), path)
     converted = _read(path)
     meta, shard = _zero_files(converted, path)
     return _write(os.fspath(out_dir), out_tag, meta, shard, path)
@@ -251,9 +252,23 @@ def _shard_group(index, names, c, keys):
     return {"index": index, "tensors": tensors, "pieces": pieces}
 
 
+def _check_output(out_dir, source):
+    """The output must leave the DeepSpeed checkpoint as it was: not in its
+    tag directory (nor the tag directory itself), and not its save
+    directory, whose `latest` file the zero checkpoint's would replace."""
+    out, tag_dir = os.path.realpath(out_dir), os.path.realpath(source)
+    if os.path.exists(out) and not os.path.isdir(out):
+        raise ValueError(f"output {out_dir!r} is a file, not a directory")
+    if os.path.commonpath([out, tag_dir]) == tag_dir:
+        raise ValueError(f"output {out_dir!r} is inside the DeepSpeed checkpoint it reads "
+                         f"({source!r}); write it outside that tag directory")
+    if out == os.path.dirname(tag_dir):
+        raise ValueError(f"output {out_dir!r} is the DeepSpeed checkpoint's own directory: "
+                         "its 'latest' file would name the zero checkpoint; write it into "
+                         "another directory")
+
+
 def _write(out_dir, out_tag, meta, shard, source) -> str:
-    if os.path.realpath(os.path.join(out_dir, out_tag)) == os.path.realpath(source):
-        raise ValueError(f"output {out_dir!r} would overwrite the DeepSpeed checkpoint it reads")
     lock = prepare_staging(out_dir, out_tag)
     try:
         staging = staging_directory(out_dir, out_tag)

@@ -93,10 +93,11 @@ class OffloadOptimizer:
     model's states already are. "nvme": in files under nvme_path, mapped
     into memory and paged through in chunks of chunk_elements during the
     step; write_through also keeps them out of the page cache, so every
-    step reads and writes them on the disk. delayed_update: for a model on
-    a GPU, the host update of step k runs while the GPU computes step k+1,
-    whose gradients are then taken one update late (ZeRO-Offload's delayed
-    parameter update; docs/offload.md)."""
+    step reads and writes them on the disk. delayed_update: the host update
+    of step k runs on a thread while step k+1's forward and backward
+    compute, whose gradients are then taken one update late (ZeRO-Offload's
+    delayed parameter update; for a model on a GPU, or a CPU model with its
+    states in files; docs/offload.md)."""
 
     device: str = "none"
     nvme_path: Optional[str] = None
@@ -177,8 +178,9 @@ def check_nvme_path(path, name="offload_optimizer.nvme_path"):
 @dataclass(frozen=True)
 class Config:
     """Everything zero.initialize takes besides the model and optimizer:
-    give its fields as keyword arguments to initialize, or a Config, a dict
-    or a DeepSpeed JSON config (path or dict) as `config`. Fields keep
+    give its fields as keyword arguments to initialize, or a Config or a
+    DeepSpeed config (a dict in DeepSpeed's keys, or a JSON file's path) as
+    `config`. Fields keep
     DeepSpeed's names where DeepSpeed has one (docs/engine.md, "DeepSpeed
     config keys"); the defaults are in the signature."""
     stage: int = 2

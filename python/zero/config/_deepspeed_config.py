@@ -46,13 +46,25 @@ _AUTO_MEANS_DEFAULT = {"reduce_bucket_size", "stage3_param_persistence_threshold
                        "train_batch_size", "train_micro_batch_size_per_gpu"}
 
 
-def _drop_auto(block: dict, prefix: str) -> dict:
+# the other "auto"s HuggingFace's integration fills in (besides the sizes
+# above, the optimizer's and scheduler's parameters and the fp16/bf16
+# switches, refused where those are read)
+_AUTO_FROM_HUGGINGFACE = {"gradient_accumulation_steps", "gradient_clipping"}
+
+
+def _drop_auto(block: dict, prefix: str, ignored: set) -> dict:
+    """block without its "auto" values: each one taken as zero's default,
+    or of a key that has no effect here (ignored), or refused, saying who
+    fills it in (HuggingFace's integration) or that no one does."""
     out = {}
     for key, value in block.items():
         if value != "auto":
             out[key] = value
-        elif key not in _AUTO_MEANS_DEFAULT:
+        elif key in _AUTO_FROM_HUGGINGFACE:
             raise auto_refused(f"{prefix}{key}")
+        elif key not in _AUTO_MEANS_DEFAULT and key not in ignored:
+            raise ValueError(f"{prefix}{key} is 'auto', which neither DeepSpeed nor "
+                             "HuggingFace's DeepSpeed integration fills in; give a value")
     return out
 
 
@@ -148,8 +160,8 @@ def translate(ds: dict) -> dict:
     if top.get("memory_breakdown") is True:  # DeepSpeed's switch, a block here
         top["memory_breakdown"] = {"enabled": True}
     monitor = {kind: top.pop(kind) for kind in MONITORS if kind in top}  # enabled ones
-    top = _drop_auto(top, "")
-    zero_block = _drop_auto(zero_block, "zero_optimization.")
+    top = _drop_auto(top, "", _IGNORED)
+    zero_block = _drop_auto(zero_block, "zero_optimization.", _ZERO_IGNORED)
     top["fp16"], top["bf16"] = fp16, bf16
     # DeepSpeed runs stage 0 when the config names none; zero.Config's own
     # default (stage 2) is for zero.initialize(model) without a config

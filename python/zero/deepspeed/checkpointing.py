@@ -1,8 +1,11 @@
 """deepspeed.checkpointing: activation checkpointing with DeepSpeed's
 calls, on torch.utils.checkpoint (non-reentrant, which stage 3's hooks
-follow). Partitioning activations across model-parallel ranks and keeping
-them on the CPU are refused: zero has no model parallelism yet, and
-torch's save_on_cpu is the way to the second."""
+follow; it keeps each device's random state for the recomputation, so
+dropout under tensor parallelism recomputes the same masks). A Megatron
+mpu is taken (configure(mpu, ...), as Megatron-DeepSpeed's scripts call
+it): each rank checkpoints its own activations. Partitioning activations
+across the model-parallel ranks, contiguous buffers and keeping them on
+the CPU are refused: torch's save_on_cpu is the way to the last."""
 from __future__ import annotations
 
 import torch.utils.checkpoint as _torch_checkpoint
@@ -13,14 +16,14 @@ _configured = {"done": False}
 def configure(mpu_, deepspeed_config=None, partition_activations=None,
               contiguous_checkpointing=None, num_checkpoints=None, checkpoint_in_cpu=None,
               synchronize=None, profile=None):
-    if mpu_ is not None:
-        raise NotImplementedError("deepspeed.checkpointing.configure(mpu_): model "
-                                  "parallelism is not supported yet; pass None")
+    """mpu_: a Megatron mpu or None (each rank checkpoints its own
+    activations either way)."""
     if partition_activations or checkpoint_in_cpu or contiguous_checkpointing:
         raise NotImplementedError(
             "deepspeed.checkpointing: partition_activations, contiguous_checkpointing and "
-            "checkpoint_in_cpu are not supported (no model parallelism to partition over; for "
-            "activations on the CPU use torch.autograd.graph.save_on_cpu)")
+            "checkpoint_in_cpu are not supported (each rank keeps its own checkpointed "
+            "inputs whole; for activations on the CPU use "
+            "torch.autograd.graph.save_on_cpu)")
     _configured["done"] = True
 
 

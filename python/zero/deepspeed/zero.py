@@ -18,10 +18,11 @@ class Init:
     takes the pieces. enabled=False builds the model whole. With
     remote_device="nvme" (or a config whose offload_param is "nvme"), the
     pieces live in files under its nvme_path, for a model larger than
-    memory. DeepSpeed's other arguments (module, data_parallel_group,
-    mem_efficient_linear, pin_memory, dtype, mpu, ...) are accepted; a
-    data_parallel_group or an mpu is refused: the pieces are partitioned
-    over the whole world."""
+    memory. DeepSpeed's other arguments (mem_efficient_linear, pin_memory,
+    dtype, ...) are accepted. Refused: module (a model built already:
+    zero.initialize at stage 3 partitions it), and a data_parallel_group,
+    zero_param_parallel_group, sequence_data_parallel_group or mpu (the
+    pieces are partitioned over the whole world), quantized weights."""
 
     def __init__(self, module=None, data_parallel_group=None, mem_efficient_linear=True,
                  remote_device=None, pin_memory=False, config_dict_or_path=None, config=None,

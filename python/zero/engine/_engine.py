@@ -518,7 +518,10 @@ class Engine(DeepSpeedQueries, BatchCalls, CheckpointCalls, EngineReports, nn.Mo
             self._monitor.after_step(self)
 
     def zero_grad(self, set_to_none: bool = True):
-        """Zero the gradients (they stay views of the flat buffers). After a
+        """Zero the gradients. set_to_none is taken for torch's signature
+        and not followed: at stages 0-1 each .grad is a view of the flat
+        gradient buffer, zeroed in place and kept; at stages 2-3 .grad is
+        None (the gradients are in the buckets and partitions). After a
         backward that raised, this also drops what that backward left in
         flight, so none of it is added in later. optimizer.zero_grad()
         comes here too."""

@@ -57,7 +57,8 @@ def initialize(model: nn.Module, *, optimizer=None, stage=None, precision=None,
         optimizer built on model.parameters(), or None for the config's
         optimizer block (default AdamW, lr 1e-3).
     stage: 0 (DDP), 1 (optimizer states partitioned), 2 (+ gradients),
-        3 (+ parameters, gathered per module just in time).
+        3 (+ parameters, gathered just in time a unit at a time: a
+        repeated block, such as a transformer layer, by default).
     precision: "fp32", "bf16" or "fp16" (dynamic loss scaling).
     config: a zero.Config, or a DeepSpeed-style dict or JSON path.
     lr_scheduler: a scheduler on `optimizer`, or a callable
