@@ -150,6 +150,54 @@ def test_init_that_reads_other_parameters_and_changes_dtype():
     assert_engine_holds(model, ref)
 
 
+class Diagonals(nn.Module):
+    """Init ops that write a diagonal: fill_diagonal_ (which torch
+    decomposes through the tensor's strides before a dispatch mode sees
+    it: on a placeholder it wrote the first element only), through .data
+    and under no_grad, square and tall (wrap=True), and nn.init's eye_ and
+    dirac_."""
+    def __init__(self):
+        super().__init__()
+        self.square = nn.Linear(6, 6)
+        self.tall = nn.Linear(3, 10)
+        self.eye = nn.Linear(5, 4)
+        self.conv = nn.Conv1d(4, 4, 3)
+        self.square.weight.data.fill_diagonal_(3.0)
+        with torch.no_grad():
+            self.tall.weight.fill_diagonal_(-2.0, wrap=True)
+            self.square.weight[1:].fill_diagonal_(7.0)  # a view's diagonal
+        nn.init.eye_(self.eye.weight)
+        nn.init.dirac_(self.conv.weight)
+
+
+def test_diagonal_writes_match_plain_construction():
+    torch.manual_seed(4)
+    ref = Diagonals()
+    torch.manual_seed(4)
+    with zero.partitioned_init():
+        model = Diagonals()
+        with pytest.raises(RuntimeError, match="leaf Variable that requires grad"):
+            model.square.weight.fill_diagonal_(1.0)  # as torch refuses it
+    assert_engine_holds(model, ref)
+
+
+def test_a_context_kept_by_the_caller_holds_no_chunk_after_initialize():
+    """initialize frees each chunk as it takes it: a partitioned_init kept
+    in a variable (or in a cycle) held every one of them till it went."""
+    import gc
+    from zero.sharding._partitioned_init import _Sharded
+    torch.manual_seed(0)
+    context = zero.partitioned_init()
+    with context:
+        model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 3))
+    engine = zero.initialize(model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                             stage=3)
+    gc.collect()
+    assert not [o for o in gc.get_objects() if type(o) is _Sharded]
+    engine.close()
+    del context
+
+
 def test_write_to_a_one_element_placeholder_after_the_context_is_refused():
     torch.manual_seed(3)
     with zero.partitioned_init():

@@ -45,6 +45,7 @@ from zero.comm._comm import (Comm, backend_for, gather_by_broadcasts, issue,
                              join_for_the_process, nccl_available)
 from zero.config._config import check_nvme_path
 from zero.offload._mapped import MappedFile, release_freed_memory
+from zero.sharding._before_decomposition import BeforeDecomposition
 from zero.sharding._units import storage_key
 
 _CHUNK_ALIGN = 16
@@ -169,7 +170,11 @@ class partitioned_init(TorchDispatchMode):
             self._on_register_buffer)
         self._records = []
         self._progress = bar("partitioned construction", unit="param", enabled=self.rank == 0)
-        return super().__enter__()
+        entered = super().__enter__()
+        # ops torch decomposes through strides before this mode sees them
+        self._before = BeforeDecomposition(self)
+        self._before.__enter__()
+        return entered
 
     def __exit__(self, *exc):
         try:
@@ -178,6 +183,10 @@ class partitioned_init(TorchDispatchMode):
                 self._check_same_seed("leaving")
                 self._take_data_given()
         finally:
+            self._before.__exit__(None, None, None)
+            # it refers back to this context: a cycle that would keep the
+            # records, and with them every chunk, until Python's collector ran
+            self._before = None
             self._progress.close()
             self._hook.remove()
             self._buffer_hook.remove()
@@ -192,6 +201,9 @@ class partitioned_init(TorchDispatchMode):
                     record.version = param._version  # a later write bumps it
             for record in self._records:
                 record.closed = True
+            # the registry holds them for initialize, which frees each
+            # chunk as it takes it; a context kept by the caller must not
+            self._records = []
             super().__exit__(*exc)
         return False
 
