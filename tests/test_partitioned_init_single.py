@@ -141,13 +141,19 @@ class Copies(nn.Module):
         nn.init.normal_(self.c.bias)
 
 
-def test_init_that_reads_other_parameters_and_changes_dtype():
-    torch.manual_seed(3)
-    ref = Copies()
-    torch.manual_seed(3)
+def plain_and_partitioned(cls, seed):
+    """(cls() built plainly, cls() built under partitioned_init), both from
+    `seed`."""
+    torch.manual_seed(seed)
+    ref = cls()
+    torch.manual_seed(seed)
     with zero.partitioned_init():
-        model = Copies()
-    assert_engine_holds(model, ref)
+        model = cls()
+    return ref, model
+
+
+def test_init_that_reads_other_parameters_and_changes_dtype():
+    assert_engine_holds(*reversed(plain_and_partitioned(Copies, 3)))
 
 
 class Diagonals(nn.Module):
@@ -171,14 +177,15 @@ class Diagonals(nn.Module):
 
 
 def test_diagonal_writes_match_plain_construction():
-    torch.manual_seed(4)
-    ref = Diagonals()
-    torch.manual_seed(4)
-    with zero.partitioned_init():
-        model = Diagonals()
-        with pytest.raises(RuntimeError, match="leaf Variable that requires grad"):
-            model.square.weight.fill_diagonal_(1.0)  # as torch refuses it
+    ref, model = plain_and_partitioned(Diagonals, 4)
     assert_engine_holds(model, ref)
+
+
+def test_a_diagonal_written_with_grad_on_is_refused_as_torch_refuses_it():
+    with zero.partitioned_init():
+        weight = nn.Linear(4, 4).weight
+        with pytest.raises(RuntimeError, match="leaf Variable that requires grad"):
+            weight.fill_diagonal_(1.0)
 
 
 def test_a_context_kept_by_the_caller_holds_no_chunk_after_initialize():
