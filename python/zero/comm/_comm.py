@@ -289,9 +289,11 @@ def raise_if_timed_out(error: RuntimeError, op: str, group=None):
     set when `error` is a collective's timeout; return otherwise (the
     caller re-raises `error`). gloo raises a RuntimeError "Timed out
     waiting 3000ms for recv operation to complete" at the call, or at the
-    wait() of an async one."""
-    text = str(error)
-    if "timed out" not in text.lower() or text.startswith("zero: "):
+    wait() of an async one; the other rank of a pair whose wait timed out
+    gets "Application timeout caused pair closure"."""
+    text = str(error).lower()
+    if not ("timed out" in text or "timeout caused pair closure" in text) or \
+            text.startswith("zero: "):
         return
     if made_by_zero(group):
         wait = _timeout["value"]
@@ -320,8 +322,9 @@ def raise_if_timed_out(error: RuntimeError, op: str, group=None):
         f"zero: {op} on {where} timed out: another rank did not join it within "
         f"{_duration(wait)} (the process group's timeout). That rank has stopped, hangs, "
         f"crashed without its process ending, or is busy elsewhere for longer (saving or "
-        f"evaluating alone); if a rank may legitimately wait that long, raise the timeout: "
-        f"{how}. ({type(error).__name__}: {error})") from error
+        f"evaluating alone: a collective call made on some ranks only, which a longer "
+        f"timeout would only wait longer for); if a rank may legitimately wait that long, "
+        f"raise the timeout: {how}. ({type(error).__name__}: {error})") from error
 
 
 def join_for_the_process(device: torch.device, backend: str | None = None):
