@@ -361,6 +361,20 @@ def test_timeout_is_given_to_the_group_zero_makes():
     first.close()
 
 
+@pytest.mark.parametrize("text", ["Timed out waiting 3000ms for recv operation to complete",
+                                  "[pair.cc:1] Application timeout caused pair closure"])
+def test_both_of_gloos_timeout_errors_are_named(text):
+    """The rank whose wait timed out gets the first; its peer in the pair,
+    the second, which was passed on as gloo's bare text."""
+    from zero.comm import _comm
+    engine = zero.initialize(model(), timeout=42)
+    with pytest.raises(RuntimeError, match=r"^zero: all_reduce on a process group zero made "
+                                           r"timed out: another rank did not join it within 42"):
+        _comm.raise_if_timed_out(RuntimeError(text), "all_reduce")
+    _comm.raise_if_timed_out(RuntimeError("Connection closed by peer"), "all_reduce")
+    engine.close()
+
+
 def test_model_without_parameters():
     with pytest.raises(ValueError, match="no parameters"):
         zero.initialize(nn.ReLU())

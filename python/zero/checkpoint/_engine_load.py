@@ -21,7 +21,7 @@ from zero.checkpoint._format import (LATEST_FILE, META_FILE, STAGING_SUFFIX, Che
                                      resolve_tag, tag_directory_hint)
 from zero.checkpoint._restored_settings import check_restored_settings
 from zero.sharding._param_writes import bump_versions
-from zero.sharding._step_agreement import agree_on_call
+from zero.sharding._step_agreement import agree, agree_on_call
 from zero.sharding._units import parameter_names
 from zero.step._registry import fresh_states
 
@@ -278,6 +278,22 @@ def _load_buffers(engine, meta):
             t.copy_(meta["buffers"][key])
 
 
+def _same_checkpoint_everywhere(engine, path, meta):
+    """Each rank resolves its own tag (its argument, or `latest` as it
+    reads it) and loads its partitions from there: ranks given other tags
+    each took theirs, one model made of two checkpoints, silently. The tag
+    and the save's id (one per save, agreed by its ranks) are compared
+    here, before anything changes; copies of one checkpoint on node-local
+    disks agree."""
+    tag = os.path.basename(os.path.normpath(path))
+    verdict = agree(whole_comm(engine), f"checkpoint {tag} of save {meta.get('save_id')}",
+                    0, 0, False)
+    if not verdict.same_call:
+        raise ValueError(f"load_checkpoint: the ranks resolved different checkpoints (this "
+                         f"rank: {path!r}); give every rank the same tag, or the same "
+                         "'latest'. Nothing was loaded")
+
+
 def load(engine, load_dir, tag=None, load_optimizer_states=True,
          load_lr_scheduler_states=True, load_module_only=False):
     if _nothing_to_load(engine, load_dir, tag):
@@ -301,6 +317,7 @@ def load(engine, load_dir, tag=None, load_optimizer_states=True,
     except Exception as e:  # raised on every rank, before anything changes
         error = e
     all_ok(engine, error, "loading")
+    _same_checkpoint_everywhere(engine, path, meta)
     engine.zero_grad()
     if engine._delayed is not None:  # its states and parameters are replaced now
         engine._delayed.drop()

@@ -191,8 +191,11 @@ def save(engine, save_dir, tag=None, client_state=None, save_latest=True) -> str
     except (TypeError, ValueError) as error:
         refusal = refusal or error
     # a collective that raises on every rank alike (a refusal on one rank
-    # too): before the per-rank work
-    take_in_parameter_writes(engine.all_groups, engine.call_text("save_checkpoint()"), refusal)
+    # too): before the per-rank work. The tag is in it: ranks that saved
+    # under tags of their own each waited for the others' shards in its
+    # own directory, and blamed the filesystem
+    take_in_parameter_writes(engine.all_groups,
+                             engine.call_text(f"save_checkpoint(tag={tag!r})"), refusal)
     path = os.path.join(save_dir, tag)
     error, lock = None, None
     whole = whole_comm(engine)

@@ -110,6 +110,7 @@ class Engine(DeepSpeedQueries, BatchCalls, CheckpointCalls, EngineReports, nn.Mo
         self._scaled_backward = False
         self._in_no_sync = False
         self._zero_grad_calls = 0  # since the last update
+        self._backwards = 0        # since the last update, agreed at the step too
         self._prepared = None  # (sumsq, norm) once the boundary's reduction ran
         self._clip_norm = None
         self._hooks = []
@@ -210,6 +211,8 @@ class Engine(DeepSpeedQueries, BatchCalls, CheckpointCalls, EngineReports, nn.Mo
         # [Note: backward lifecycle] in _backward.py
         self._backward = BackwardLifecycle(self.groups) \
             if self.policy.reduces_in_backward else None
+        if self._backward is not None:  # plain loss.backward() counted too
+            self._backward.after_end.append(self._count_backward)
         if self.policy.partitions_params:
             # integer parameters (indices, counters) are not cast nor
             # partitioned: kept whole on every rank, as at stages 0-2
@@ -323,11 +326,16 @@ class Engine(DeepSpeedQueries, BatchCalls, CheckpointCalls, EngineReports, nn.Mo
         if not scale_wrt_gas:
             factor *= self.config.gradient_accumulation_steps
         (loss * factor if factor != 1.0 else loss).backward(retain_graph=retain_graph)
+        if self._backward is None:
+            self._count_backward()
         if self._monitor is not None:
             self._monitor.record_loss(loss)
         # only once it finished: a backward that raised leaves unscaled
         # partial gradients, which zero_grad() drops
         self._scaled_backward = True
+
+    def _count_backward(self):
+        self._backwards += 1
 
     @property
     def is_accumulation_boundary(self) -> bool:
@@ -447,8 +455,11 @@ class Engine(DeepSpeedQueries, BatchCalls, CheckpointCalls, EngineReports, nn.Mo
             # the zero_grad() calls since the last update too: one made on
             # some ranks only drops gradients there alone (at stages 2-3
             # from that rank's partition: half the model then steps on the
-            # average, the rest on nothing)
-            call = self.call_text(f"step() after {self._zero_grad_calls} zero_grad() calls")
+            # average, the rest on nothing); and the backwards: a step()
+            # skipped on each rank at another batch paired steps that summed
+            # other numbers of batches (stages 0-1 reduce only here)
+            call = self.call_text(f"step() after {self._zero_grad_calls} zero_grad() calls "
+                                  f"and {self._backwards} backwards")
             take_in_parameter_writes(self.all_groups, call, refusal, settings)
         self._scaled_backward = False
         self.micro_steps += 1
@@ -505,7 +516,7 @@ class Engine(DeepSpeedQueries, BatchCalls, CheckpointCalls, EngineReports, nn.Mo
         self._step_applied = not self.step_was_skipped
         self._global_grad_norm = norm
         self.zero_grad()
-        self._zero_grad_calls = 0
+        self._zero_grad_calls = self._backwards = 0
         self._last_comm = self._comm.log.summary()
         if self._schedule is not None:
             self._last_comm["stage3_gathers"] = self._schedule.take_counts()

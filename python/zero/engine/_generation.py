@@ -38,6 +38,7 @@ import os
 import torch
 
 from zero.sharding._gathered import GatheredParameters
+from zero.sharding._step_agreement import agree_on_call
 
 
 GATHERS = ("auto", "whole", "units")
@@ -76,6 +77,8 @@ def generate(engine, args, kwargs, generate_fn=None, gather="auto"):
     schedule = engine._schedule
     units = schedule is not None and (gather == "units" or
                                       gather == "auto" and not _whole_fits_everywhere(engine))
+    if schedule is not None and gather != "auto" and engine._comm.everyone.world > 1:
+        _agree_on_generate(engine, False)
     if generate_fn is None:
         generate_fn = getattr(type(module), "generate", None)
         if generate_fn is None:
@@ -101,8 +104,17 @@ class _GatheredForGeneration(GatheredParameters):
 
 def _whole_fits_everywhere(engine) -> bool:
     """whole_fits on every rank (they must all gather the same way)."""
-    misses = engine._comm.everyone.sum_scalar(0.0 if whole_fits(engine) else 1.0)
-    return misses == 0
+    fits = whole_fits(engine)
+    return _agree_on_generate(engine, not fits) == 0 and fits
+
+
+def _agree_on_generate(engine, refused: bool) -> int:
+    """At stage 3 generation gathers with collectives: a generate() on some
+    ranks only (rank 0 alone, after training) met the others' next call
+    and aborted in gloo or waited out the timeout. Agreed first, as every
+    collective engine call is ([Note: writes agreed]); how many other
+    ranks refused (here: lack the memory to gather the whole model)."""
+    return agree_on_call(engine._comm.everyone, engine.call_text("generate()"), refused)
 
 
 @contextlib.contextmanager

@@ -77,6 +77,7 @@ class Stage3Schedule(SavedParameters, PassOrder):
         # [Note: gather pool] in _units.py (the CPU's allocator keeps no freed blocks)
         self.pool = GatherPool() if comm.device.type == "cpu" else None
         self.counts = {"prefetched": 0, "on_demand": 0}  # gathers since the last step
+        self.forwards = 0  # outermost forwards agreed by the ranks
         self.phase = None
         self.recorded = {"forward": None, "backward": None}
         self._in_order = {}  # id(a recorded order) -> _released_in_order's answer
@@ -306,8 +307,13 @@ class Stage3Schedule(SavedParameters, PassOrder):
         engine call (full_state_dict or save_checkpoint made on rank 0
         alone) would pair them with that call's all-reduce and wait for
         good. One all-reduce, the one every such call starts with, finds it
-        first ([Note: writes agreed] in _step_agreement.py)."""
-        agree_on_call(self.comm, "a forward at stage 3")
+        first ([Note: writes agreed] in _step_agreement.py). Counted, with
+        the modes: an evaluation on some ranks only met the others' next
+        training forward, agreed, and hung in the backward's gathers."""
+        self.forwards += 1
+        mode = ("grad" if torch.is_grad_enabled() else "no grad",
+                "train" if self.modules[0].training else "eval")
+        agree_on_call(self.comm, f"forward {self.forwards} at stage 3 ({', '.join(mode)})")
 
     def _check_same_gathers(self):
         """Raise if another rank gathered other units in this pass (see

@@ -79,7 +79,8 @@ def agree_on_call(comm, call: str, refused: bool = False) -> int:
 def different_calls(call: str) -> RuntimeError:
     return RuntimeError(
         f"the ranks are not in the same engine call at the same step: this rank is in {call}, "
-        "another rank in another call or at another count. step(), full_state_dict(), "
+        "another rank in another call, at another count or with other arguments. step(), "
+        "full_state_dict(), "
         "save_checkpoint(), load_checkpoint(), clip_grad_norm_(), zero.GatheredParameters "
         "and, at stage 3, the forward are collectives: call them on every rank alike (not "
         "under `if rank == 0`), and step() as often on each. Nothing was taken in or "

@@ -1,0 +1,155 @@
+"""Ranks that go different ways in a training script, on 2 gloo ranks,
+each raising on every rank with what differs instead of training wrong,
+aborting inside gloo or waiting out the timeout ([Note: writes agreed] in
+sharding/_step_agreement.py): step() skipped on each rank at another batch
+(stages 0-1 summed other numbers of batches, silently), an evaluation or a
+generate() on rank 0 alone at stage 3 (a hang, an abort), checkpoints
+loaded under other tags on each rank (one model made of two checkpoints,
+silently), saved under other tags (an error that blamed the filesystem)."""
+import os
+
+import pytest
+
+import harness
+
+
+def _attempt(function):
+    try:
+        function()
+        return None
+    except (RuntimeError, ValueError) as e:
+        return str(e)
+
+
+def _engine(stage, **options):
+    import torch
+    from torch import nn
+    import zero
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3))
+    return zero.initialize(model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                           stage=stage, stage3_param_persistence_threshold=0, **options)
+
+
+def _skipped_steps(rank, stage):
+    """Rank 1 skips step() at batch 1, rank 0 at batch 2: each rank's
+    second step() meets the other's with another number of backwards."""
+    import torch
+    engine = _engine(stage)
+    x = torch.randn(4, 6, generator=torch.Generator().manual_seed(rank))
+    def train(batch):
+        engine.backward(engine(x).square().mean())
+        if batch != 2 - rank:
+            engine.step()
+    for batch in range(4):
+        error = _attempt(lambda: train(batch))
+        if error is not None:
+            break
+    engine.close()
+    return batch, error
+
+
+def _alone_at_stage_3(rank, call):
+    """After a step, rank 0 evaluates (or generates) alone while rank 1
+    goes on training."""
+    import torch
+    engine = _engine(3)
+    x = torch.randn(4, 6, generator=torch.Generator().manual_seed(rank))
+    engine.backward(engine(x).square().mean())
+    engine.step()
+
+    def train():
+        engine.backward(engine(x).square().mean())
+        engine.step()
+
+    def alone():
+        with torch.no_grad():
+            if call == "eval":
+                engine(x)
+            else:
+                engine.generate(x, generate_fn=lambda module, ids: module(ids))
+    error = _attempt(alone if rank == 0 else train)
+    engine.close()
+    return error
+
+
+def _other_tags(rank, directory, stage):
+    """Checkpoints 'a' and 'b' saved by both ranks (b: a's values + 1);
+    then rank 0 loads 'a' and rank 1 'b'; then each saves under its own
+    tag. Returns (load error, parameters unchanged by it, save error)."""
+    import torch
+    import zero
+    engine = _engine(stage)
+    x = torch.randn(4, 6, generator=torch.Generator().manual_seed(rank))
+    engine.backward(engine(x).square().mean())
+    engine.step()
+    engine.save_checkpoint(directory, tag="a")
+    params = list(engine.module.parameters())
+    with zero.GatheredParameters(params, modifier_rank=0), torch.no_grad():
+        for p in params:
+            p.add_(1.0)
+    engine.save_checkpoint(directory, tag="b")
+    before = {k: v.clone() for k, v in engine.full_state_dict().items()}
+    load_error = _attempt(lambda: engine.load_checkpoint(directory, tag="ab"[rank]))
+    after = engine.full_state_dict()
+    unchanged = all(torch.equal(before[k], after[k]) for k in before)
+    save_error = _attempt(lambda: engine.save_checkpoint(directory, tag=f"rank{rank}"))
+    engine.close()
+    return load_error, unchanged, save_error
+
+
+def divergent(rank, world, directory):
+    out = {}
+    for stage in (0, 1, 3):
+        out["skipped step", stage] = _skipped_steps(rank, stage)
+    for call in ("eval", "generate"):
+        out[call] = _alone_at_stage_3(rank, call)
+    for stage in (1, 3):
+        out["tags", stage] = _other_tags(rank, os.path.join(directory, str(stage)), stage)
+    return out
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    return harness.run(2, divergent, str(tmp_path_factory.mktemp("tags")), timeout=240)
+
+
+@pytest.mark.parametrize("stage", [0, 1, 3])
+def test_a_step_skipped_at_other_batches_raises_on_both(results, stage):
+    """Before, stages 0-1 stepped on, one rank's update of two batches'
+    gradients averaged with the other's of one (stage 3 was caught)."""
+    for rank, out in enumerate(results):
+        batch, error = out["skipped step", stage]
+        assert error is not None and "not in the same engine call" in error, (rank, error)
+        assert batch == 1 + rank  # each rank's second step(), or at stage 3 its forward
+        if stage < 3:
+            assert f"and {1 + rank} backwards at update 1" in error, error
+        else:  # caught before by the forward's agreement: a collective there
+            assert ("step()" if rank == 0 else "forward 3 at stage 3") in error, error
+
+
+@pytest.mark.parametrize("call", ["eval", "generate"])
+def test_a_stage3_call_on_rank_0_alone_raises_on_both(results, call):
+    """Before: the evaluation's forward agreed with rank 1's training
+    forward and both hung in the backward's gathers until the timeout;
+    generate() aborted inside gloo or waited out the timeout."""
+    mine, theirs = results[0][call], results[1][call]
+    assert "not in the same engine call" in mine and "not in the same engine call" in theirs
+    assert ("forward 2 at stage 3 (no grad, train)" if call == "eval" else "generate()") \
+        in mine, mine
+    assert "forward 2 at stage 3 (grad, train)" in theirs, theirs
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_checkpoints_under_other_tags_are_refused_on_both(results, stage):
+    """Before, the load took rank 0's partition from 'a' and rank 1's from
+    'b', silently; the save blamed the filesystem for the other's shard."""
+    for rank, out in enumerate(results):
+        load_error, unchanged, save_error = out["tags", stage]
+        assert load_error.startswith("load_checkpoint: the ranks resolved different "
+                                     "checkpoints (this rank: "), load_error
+        assert load_error.endswith(f"{os.sep}{'ab'[rank]}'); give every rank the same tag, "
+                                   "or the same 'latest'. Nothing was loaded")
+        assert unchanged
+        assert "not in the same engine call" in save_error, save_error
+        assert f"save_checkpoint(tag='rank{rank}')" in save_error
