@@ -8,6 +8,7 @@ from __future__ import annotations
 import torch
 
 from zero.sharding._step_agreement import agree_on_call
+from zero.sharding._units import uncompiled
 
 
 def host_copy(t: torch.Tensor) -> torch.Tensor:
@@ -26,7 +27,7 @@ def replicated_frozen(engine) -> list:
     (stages 0-2 keep them whole on every rank)."""
     grouped = {id(p) for fg in engine.all_groups for p in fg.params}
     out, seen = [], set()
-    for name, p in engine.module.named_parameters():
+    for name, p in uncompiled(engine.module).named_parameters():
         if id(p) not in grouped and id(p) not in seen:
             seen.add(id(p))
             out.append((name, p))

@@ -8,6 +8,7 @@ import torch
 from zero.engine._generation import generate
 from zero.engine._memory import MemorySummary, zero_formula
 from zero.sharding._param_writes import take_in_parameter_writes
+from zero.sharding._units import uncompiled
 
 
 class EngineReports:
@@ -77,11 +78,12 @@ class EngineReports:
         """The model's state_dict(keep_vars=True), for its names and
         buffers: at stage 3 the released parameters in it are placeholders
         (which a user's state_dict() call warns about)."""
+        module = uncompiled(self.module)  # the model's names, not torch.compile's
         if self._schedule is None:
-            return self.module.state_dict(keep_vars=True)
+            return module.state_dict(keep_vars=True)
         self._schedule.reading_state = True
         try:
-            return self.module.state_dict(keep_vars=True)
+            return module.state_dict(keep_vars=True)
         finally:
             self._schedule.reading_state = False
 

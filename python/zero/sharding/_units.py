@@ -282,11 +282,23 @@ def storage_key(t):
         return None
 
 
+def uncompiled(module):
+    """The model inside torch.compile's wrapper (an OptimizedModule), else
+    the module: the names checkpoints keep are the model's (the wrapper's
+    add '_orig_mod.', so a checkpoint saved after `engine.module =
+    torch.compile(engine.module)` named every parameter apart from the
+    engine's and could not be read back)."""
+    inner = module._modules.get("_orig_mod") if type(module).__name__ == "OptimizedModule" \
+        else None
+    return inner if isinstance(inner, torch.nn.Module) else module
+
+
 def parameter_names(module) -> dict:
-    """id(parameter) -> its name in the module; a tied parameter goes by
-    the name it is first registered under, as named_parameters gives it."""
+    """id(parameter) -> its name in the module (seen through torch.compile's
+    wrapper); a tied parameter goes by the name it is first registered
+    under, as named_parameters gives it."""
     names = {}
-    for name, p in module.named_parameters():
+    for name, p in uncompiled(module).named_parameters():
         names.setdefault(id(p), name)
     return names
 
