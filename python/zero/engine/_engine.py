@@ -110,7 +110,7 @@ class Engine(DeepSpeedQueries, BatchCalls, CheckpointCalls, EngineReports, nn.Mo
         self._scaled_backward = False
         self._in_no_sync = False
         self._zero_grad_calls = 0  # since the last update
-        self._backwards = 0        # since the last update, agreed at the step too
+        self._backwards = 0  # engine.backward()s since the last update at stages 0-1
         self._prepared = None  # (sumsq, norm) once the boundary's reduction ran
         self._clip_norm = None
         self._hooks = []
@@ -211,8 +211,6 @@ class Engine(DeepSpeedQueries, BatchCalls, CheckpointCalls, EngineReports, nn.Mo
         # [Note: backward lifecycle] in _backward.py
         self._backward = BackwardLifecycle(self.groups) \
             if self.policy.reduces_in_backward else None
-        if self._backward is not None:  # plain loss.backward() counted too
-            self._backward.after_end.append(self._count_backward)
         if self.policy.partitions_params:
             # integer parameters (indices, counters) are not cast nor
             # partitioned: kept whole on every rank, as at stages 0-2
@@ -326,16 +324,12 @@ class Engine(DeepSpeedQueries, BatchCalls, CheckpointCalls, EngineReports, nn.Mo
         if not scale_wrt_gas:
             factor *= self.config.gradient_accumulation_steps
         (loss * factor if factor != 1.0 else loss).backward(retain_graph=retain_graph)
-        if self._backward is None:
-            self._count_backward()
+        self._backwards += 1
         if self._monitor is not None:
             self._monitor.record_loss(loss)
         # only once it finished: a backward that raised leaves unscaled
         # partial gradients, which zero_grad() drops
         self._scaled_backward = True
-
-    def _count_backward(self):
-        self._backwards += 1
 
     @property
     def is_accumulation_boundary(self) -> bool:
@@ -458,8 +452,10 @@ class Engine(DeepSpeedQueries, BatchCalls, CheckpointCalls, EngineReports, nn.Mo
             # average, the rest on nothing); and the backwards: a step()
             # skipped on each rank at another batch paired steps that summed
             # other numbers of batches (stages 0-1 reduce only here)
+            # (at stages 2-3 every backward, plain loss.backward() too)
+            backwards = self._backwards if self._backward is None else self._backward.ended
             call = self.call_text(f"step() after {self._zero_grad_calls} zero_grad() calls "
-                                  f"and {self._backwards} backwards")
+                                  f"and {backwards} backwards")
             take_in_parameter_writes(self.all_groups, call, refusal, settings)
         self._scaled_backward = False
         self.micro_steps += 1
@@ -517,6 +513,8 @@ class Engine(DeepSpeedQueries, BatchCalls, CheckpointCalls, EngineReports, nn.Mo
         self._global_grad_norm = norm
         self.zero_grad()
         self._zero_grad_calls = self._backwards = 0
+        if self._backward is not None:
+            self._backward.ended = 0
         self._last_comm = self._comm.log.summary()
         if self._schedule is not None:
             self._last_comm["stage3_gathers"] = self._schedule.take_counts()

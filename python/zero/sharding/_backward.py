@@ -37,6 +37,7 @@ class BackwardLifecycle:
         """groups: the flat groups whose bucket reducers a backward fills."""
         self.reducers = [fg.reducer for fg in groups if fg.reducer is not None]
         self.running = False
+        self.ended = 0           # backwards ended since the engine's last update (it resets it)
         self.after_begin = []    # the stage's own start (stage 3: record the pass)
         self.after_end = []      # the stage's own end, after the reducers'
         self.after_abandon = []  # the stage's own reset, after the reducers'
@@ -55,6 +56,7 @@ class BackwardLifecycle:
             finish()
         # only now: an end that raised leaves the backward to be abandoned
         self.running = False
+        self.ended += 1
 
     @property
     def started(self) -> bool:
