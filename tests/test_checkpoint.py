@@ -6,6 +6,8 @@ every bad input is refused before anything changes.
 
 Across world sizes, and consolidated into plain torch, in
 tests/distributed/test_checkpoint_resharding.py."""
+import collections
+import enum
 import os
 import shutil
 import subprocess
@@ -409,6 +411,26 @@ def test_refuses_what_it_cannot_save(tmp_path):
     with pytest.raises(ValueError, match="tag 'a/b' must be a plain directory name"):
         engine.save_checkpoint(tmp_path, tag="a/b")
     assert os.listdir(tmp_path) == []
+    # subclasses of the plain types (an IntEnum, a namedtuple, a defaultdict)
+    # passed and made a checkpoint that replaced a good one and never loaded
+    engine.save_checkpoint(tmp_path, tag="last", client_state={"epoch": 1})
+    phase = enum.IntEnum("Phase", "MAIN")
+    pair = collections.namedtuple("Pair", "a b")
+    for state, refused in (({"phase": phase.MAIN}, r"client_state\['phase'\] is a .*Phase, a "
+                                                    r"subclass of int"),
+                           ({"p": pair(1, 2)}, r"client_state\['p'\] is a .*Pair, a subclass "
+                                               r"of tuple"),
+                           (collections.defaultdict(int), "a subclass of dict"),
+                           ({phase.MAIN: 1}, "has a key of type Phase")):
+        with pytest.raises(TypeError, match=refused):
+            engine.save_checkpoint(tmp_path, tag="last", client_state=state)
+    # a tag that `latest` would read back stripped, or not a name at all
+    for tag, error in ((" sp ", ValueError), ("t\n", ValueError), (b"t", TypeError),
+                       (2.0, TypeError)):
+        with pytest.raises(error, match="white space or a control|must be a str"):
+            engine.save_checkpoint(tmp_path, tag=tag)
+    assert sorted(os.listdir(tmp_path)) == ["last", "latest"]
+    assert engine.load_checkpoint(tmp_path)[1] == {"epoch": 1}
     tokens, targets = batches("cpu", 1)[0]
     engine.backward(loss_of(engine(tokens), targets))
     engine.step()  # the first micro-step of two

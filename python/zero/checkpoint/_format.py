@@ -27,7 +27,7 @@ import os
 import pickle
 import pickletools
 import zipfile
-from collections import defaultdict
+from collections import OrderedDict, defaultdict
 
 import torch
 
@@ -44,7 +44,13 @@ REPLICATED_GROUP = "replicated"  # stage 0-2 frozen parameters, saved by rank 0
 STAGING_SUFFIX = ".zero-save.tmp"  # .<tag>.zero-save.tmp: a save in progress
 REPLACED_SUFFIX = ".zero-old.tmp"  # .<tag>.zero-old.tmp: the checkpoint it replaces
 LOCK_SUFFIX = ".zero-save.lock"  # .<tag>.zero-save.lock: held by the saving rank 0
-PLAIN_TYPES = (str, int, float, bool, type(None), torch.Tensor, torch.dtype, torch.device)
+# exact types: torch.load(weights_only=True) refuses a subclass (an IntEnum,
+# a namedtuple, a str subclass) as code it would run, so one that passed an
+# isinstance check here made a checkpoint that replaced a good one and could
+# never be loaded
+PLAIN_TYPES = (str, int, float, bool, type(None), torch.dtype, torch.device)
+_DICTS = (dict, OrderedDict)
+_SEQUENCES = (list, tuple, torch.Size)
 
 
 def shard_file(rank: int) -> str:
@@ -54,22 +60,29 @@ def shard_file(rank: int) -> str:
 def check_plain(value, where: str):
     """Refuse what torch.load(weights_only=True) could not read back,
     naming where it sits (client_state['a'][2])."""
-    if isinstance(value, dict):
+    kind = type(value)
+    if kind in _DICTS:
         for k, v in value.items():
-            if not isinstance(k, (str, int)):
+            if type(k) not in (str, int):
                 raise TypeError(f"{where} has a key of type {type(k).__name__}; a checkpoint "
-                                "keeps str and int keys only")
+                                "keeps str and int keys only (not their subclasses)")
             check_plain(v, f"{where}[{k!r}]")
-    elif isinstance(value, (list, tuple)):
+    elif kind in _SEQUENCES:
         for i, v in enumerate(value):
             check_plain(v, f"{where}[{i}]")
-    elif isinstance(value, torch.Tensor) and \
-            type(value) not in (torch.Tensor, torch.nn.Parameter):
-        # weights_only refuses a subclass at load, as code it would run
-        raise TypeError(f"{where} is a {type(value).__module__}.{type(value).__name__}, a "
-                        "tensor subclass; a checkpoint keeps plain tensors only (pass "
-                        "t.as_subclass(torch.Tensor))")
-    elif not isinstance(value, PLAIN_TYPES):
+    elif isinstance(value, torch.Tensor):
+        if kind not in (torch.Tensor, torch.nn.Parameter):
+            # weights_only refuses a subclass at load, as code it would run
+            raise TypeError(f"{where} is a {kind.__module__}.{kind.__name__}, a tensor "
+                            "subclass; a checkpoint keeps plain tensors only (pass "
+                            "t.as_subclass(torch.Tensor))")
+    elif kind not in PLAIN_TYPES:
+        base = next((t for t in kind.__mro__ if t in (*PLAIN_TYPES, dict, list, tuple)), None)
+        if base is not None:
+            raise TypeError(f"{where} is a {kind.__module__}.{kind.__name__}, a subclass of "
+                            f"{base.__name__}; a checkpoint keeps "
+                            "the plain types only, which torch.load(weights_only=True) reads "
+                            "back (convert it: int(x), str(x), dict(x), list(x))")
         raise TypeError(f"{where} is a {type(value).__module__}.{type(value).__name__}; a "
                         "checkpoint keeps only tensors, numbers, strings, None and lists or "
                         "dicts of them (so it loads with torch.load(weights_only=True))")
@@ -78,8 +91,15 @@ def check_plain(value, where: str):
 def check_tag(tag) -> str:
     """A tag names a directory inside the checkpoint directory, never a
     path out of it (an absolute path, or one through '..'), nor one of the
-    names a save works under."""
+    names a save works under. An int is taken as its digits, as DeepSpeed
+    takes a step count."""
+    if type(tag) not in (str, int):
+        raise TypeError(f"tag must be a str (or an int), got {type(tag).__name__} {tag!r}")
     tag = str(tag)
+    if tag != tag.strip() or any(ord(c) < 32 or ord(c) == 127 for c in tag):
+        # `latest` is read stripped: such a tag saved, and did not resume
+        raise ValueError(f"tag {tag!r} has leading or trailing white space or a control "
+                         "character; choose a plain name")
     separators = {"/", os.sep, os.altsep} - {None}
     if not tag or tag in (".", "..") or any(s in tag for s in separators):
         raise ValueError(f"tag {tag!r} must be a plain directory name (no path separators)")
