@@ -6,6 +6,7 @@ is refused with an error that names the file or the setting, and a load
 that is refused leaves the engine as it was."""
 import errno
 import os
+import shutil
 import pathlib
 import resource
 
@@ -197,6 +198,12 @@ def test_the_command_line_never_writes_into_the_checkpoint(saved, capsys):
     assert code == 2 and "would overwrite the checkpoint" in line, line
     assert meta.read_bytes() == before and (saved / "latest").read_text() == "t"
     assert sorted(os.listdir(saved / "t")) == sorted(["zero_meta.pt", SHARD])
+    # nor into another tag's checkpoint (reading tag u, writing over t's meta)
+    shutil.copytree(saved / "t", saved / "u")
+    for output in (meta, saved / "t" / "model.pt"):
+        code, line = run_main(capsys, saved, output, "--tag", "u")
+        assert code == 2 and "is inside the zero checkpoint" in line, line
+    assert meta.read_bytes() == before and not (saved / "t" / "model.pt").exists()
 
 
 def test_tags_stay_inside_the_checkpoint_directory(saved, tmp_path, capsys, other):

@@ -147,6 +147,11 @@ def test_the_command_needs_the_trust_flag(tmp_path):
     assert "pickle" in refused.stderr and not (tmp_path / "out").exists()
     with pytest.raises(PermissionError, match="pickles"):
         convert_deepspeed(CHECKPOINTS / "world2-stage2", tmp_path / "out")
+    for consent in ("no", 1, None):  # a consent is True itself, not a truthy value
+        with pytest.raises(TypeError, match="trust_pickle must be True or False"):
+            convert_deepspeed(CHECKPOINTS / "world2-stage2", tmp_path / "out",
+                              trust_pickle=consent)
+    assert not (tmp_path / "out").exists()
     done = command(CHECKPOINTS / "world2-stage2", tmp_path / "out", "--trust-pickle")
     assert done.returncode == 0, done.stderr
     assert (tmp_path / "out" / "latest").read_text() == "global_step6"

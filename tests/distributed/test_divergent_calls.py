@@ -5,7 +5,9 @@ sharding/_step_agreement.py): step() skipped on each rank at another batch
 (stages 0-1 summed other numbers of batches, silently), an evaluation or a
 generate() on rank 0 alone at stage 3 (a hang, an abort), checkpoints
 loaded under other tags on each rank (one model made of two checkpoints,
-silently), saved under other tags (an error that blamed the filesystem)."""
+silently), saved under other tags (an error that blamed the filesystem),
+zero.GatheredParameters entered with other parameters (wrong values) or
+another modifier_rank (a hang)."""
 import os
 
 import pytest
@@ -98,8 +100,27 @@ def _other_tags(rank, directory, stage):
     return load_error, unchanged, save_error
 
 
+def _gathered_apart(rank, case):
+    """zero.GatheredParameters at stage 3 entered with other parameters
+    (case "params") or another modifier_rank (case "modifier") on each rank."""
+    import zero
+    engine = _engine(3)
+    model = engine.module
+    params = [model[0].weight if rank == 0 or case == "modifier" else model[2].weight]
+    modifier = rank if case == "modifier" else None
+
+    def enter():
+        with zero.GatheredParameters(params, modifier_rank=modifier):
+            pass
+    error = _attempt(enter)
+    engine.close()
+    return error
+
+
 def divergent(rank, world, directory):
     out = {}
+    for case in ("params", "modifier"):
+        out["gathered", case] = _gathered_apart(rank, case)
     for stage in (0, 1, 3):
         out["skipped step", stage] = _skipped_steps(rank, stage)
     for call in ("eval", "generate"):
@@ -138,6 +159,19 @@ def test_a_stage3_call_on_rank_0_alone_raises_on_both(results, call):
     assert ("forward 2 at stage 3 (no grad, train)" if call == "eval" else "generate()") \
         in mine, mine
     assert "forward 2 at stage 3 (grad, train)" in theirs, theirs
+
+
+@pytest.mark.parametrize("case", ["params", "modifier"])
+def test_gathered_parameters_entered_apart_raise_on_both(results, case):
+    """Before: other parameters on each rank paired their gathers (rank 1
+    got wrong values of another shape, silently); other modifier ranks
+    waited in each other's broadcasts until the timeout."""
+    for rank, out in enumerate(results):
+        error = out["gathered", case]
+        assert error is not None and "not in the same engine call" in error, (rank, error)
+        unit = 0 if rank == 0 or case == "modifier" else 1  # model[2]: the second unit
+        modifier = rank if case == "modifier" else None
+        assert f"with the units [(0, {unit})], modifier_rank {modifier}" in error, error
 
 
 @pytest.mark.parametrize("stage", [1, 3])

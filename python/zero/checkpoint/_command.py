@@ -8,7 +8,7 @@ import os
 import torch
 
 from zero.checkpoint._consolidate import read_checkpoint
-from zero.checkpoint._format import LATEST_FILE, resolve_tag
+from zero.checkpoint._format import LATEST_FILE, META_FILE, resolve_tag
 
 
 def main(argv=None) -> int:
@@ -43,6 +43,17 @@ def _check_output(output, tag_dir, save_dir):
     if os.path.commonpath([out, tag_dir]) == tag_dir or any(_same_file(f, out) for f in ours):
         raise ValueError(f"output {output!r} would overwrite the checkpoint in {tag_dir!r}; "
                          "write it outside the checkpoint's tag directory")
+    # nor a file of another checkpoint: one in a directory that holds a
+    # zero checkpoint (another tag's), which it destroyed
+    holder = os.path.dirname(out)
+    while True:
+        if os.path.isfile(os.path.join(holder, META_FILE)):
+            raise ValueError(f"output {output!r} is inside the zero checkpoint {holder!r}; "
+                             "write it outside every checkpoint's tag directory")
+        parent = os.path.dirname(holder)
+        if parent == holder:
+            break
+        holder = parent
 
 
 def _same_file(path, real) -> bool:

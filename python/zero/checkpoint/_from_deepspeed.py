@@ -55,7 +55,9 @@ def convert_deepspeed(ds_dir, out_dir, *, tag=None, out_tag=None, trust_pickle=F
     `tag`; or `ds_dir` may be the tag directory itself) into `out_dir` as a
     zero checkpoint under `out_tag` (default: DeepSpeed's tag), and name it
     in `out_dir`/latest. Returns the written tag directory."""
-    if not trust_pickle:
+    if trust_pickle is not True:  # a consent, not a truth value ("no" is truthy)
+        if trust_pickle is not False:
+            raise TypeError(f"trust_pickle must be True or False, got {trust_pickle!r}")
         raise PermissionError(TRUST_PICKLE_WHY)
     path = tag_directory(os.fspath(ds_dir), tag)
     out_tag = check_tag(out_tag or os.path.basename(os.path.normpath(path)))

@@ -124,8 +124,13 @@ class GatheredParameters:
     def _take_in_writes(self):
         # a value written into a listed parameter before entry is taken in
         # first, or the write-back (only what changed inside) would miss it;
-        # a pending delayed update lands here too
-        take_in_parameter_writes(self._groups(), self._call_text("entering"))
+        # a pending delayed update lands here too. The units and the
+        # modifier are agreed with it: ranks that listed other parameters
+        # paired their gathers (wrong values on one, silently), and other
+        # modifier ranks waited in each other's broadcasts
+        units = [(place.fg.index, place.unit.index) for place in self._units]
+        take_in_parameter_writes(self._groups(), self._call_text(
+            f"entering with the units {units}, modifier_rank {self.modifier_rank}"))
 
     def _groups(self) -> list:
         return list({id(place.fg): place.fg for place in self._units}.values())
