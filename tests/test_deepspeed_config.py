@@ -580,3 +580,30 @@ def test_optimizer_blocks_take_deepspeeds_defaults():
     with pytest.raises(ValueError, match="optimizer.params.bias_correction: only true"):
         optimizer_from_config({"type": "Adam", "params": {"bias_correction": False}}, params)
 
+
+
+def test_optimizer_blocks_and_old_switches_are_read_as_deepspeed_reads_them():
+    """"false" as a word is false (Python's truth made it true: Adam with
+    adam_w_mode "false" ran AdamW, cpu_offload "false" offloaded), a typo
+    of the block's keys is named (it left the rest unread: the default lr,
+    or AdamW for SGD), and a malformed block says what it must be."""
+    from zero.optim._from_config import optimizer_from_config
+    params = [nn.Parameter(torch.zeros(2))]
+    adam = optimizer_from_config({"type": "Adam", "params": {"adam_w_mode": "false"}}, params)
+    assert type(adam) is torch.optim.Adam
+    for block, message in (({"type": "SGD", "param": {"lr": 0.5}}, "'param' .a typo of "
+                                                                    "'params'"),
+                           ({"typ": "SGD"}, "'typ' .a typo of 'type'"),
+                           ("AdamW", "optimizer must be a block"),
+                           ({"type": 5}, "optimizer.type must be a name"),
+                           ({"type": "SGD", "params": [1]}, "optimizer.params must be a block"),
+                           ({"type": "AdamW", "params": {"betas": "0.9,0.99"}},
+                            "betas must be two numbers"),
+                           ({"type": "Adam", "params": {"adam_w_mode": "maybe"}},
+                            "adam_w_mode must be true or false")):
+        with pytest.raises(ValueError, match=message):
+            optimizer_from_config(block, params)
+    with pytest.warns(DeprecationWarning):
+        cfg = zero.Config.from_deepspeed({"zero_optimization": {
+            "stage": 3, "cpu_offload": "false", "cpu_offload_params": "false"}})
+    assert cfg.offload_optimizer.device == "none" and cfg.offload_param.device == "none"

@@ -248,6 +248,12 @@ def test_lr_scheduler_checked():
     with pytest.raises(ValueError, match="ReduceLROnPlateau needs the metric"):
         zero.initialize(m, optimizer=opt,
                         lr_scheduler=torch.optim.lr_scheduler.ReduceLROnPlateau(opt))
+    # before: a class was kept as the scheduler (step() raised after the
+    # update), and a factory that forgot its return meant no schedule
+    with pytest.raises(TypeError, match="lr_scheduler is the class StepLR"):
+        zero.initialize(m, optimizer=opt, lr_scheduler=torch.optim.lr_scheduler.StepLR)
+    with pytest.raises(TypeError, match=r"lr_scheduler\(optimizer\) returned None"):
+        zero.initialize(m, optimizer=opt, lr_scheduler=lambda o: None)
     engine = zero.initialize(m, optimizer=opt,
                              lr_scheduler=lambda o: torch.optim.lr_scheduler.StepLR(o, 1, 0.5))
     engine.backward(engine(torch.randn(2, 6)).sum())

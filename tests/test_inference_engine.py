@@ -6,6 +6,7 @@ calls are refused, and a fully frozen model given to zero.initialize is
 pointed at zero.inference."""
 import pytest
 import torch
+from torch import nn
 
 import zero
 from engine_cases import no_launcher
@@ -49,6 +50,17 @@ def test_inference_equals_the_plain_model(tmp_path, stage, offload):
         with pytest.raises(RuntimeError, match="made by zero.inference"):
             call()
     engine.close()
+
+
+def test_a_refused_inference_leaves_the_model_trainable():
+    """Before, the parameters stayed frozen after the refusal, and a later
+    zero.initialize (or a plain torch loop) trained nothing."""
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+    model[1].bias.requires_grad_(False)
+    with pytest.raises(ValueError):
+        zero.inference(model, stage=5)
+    assert [p.requires_grad for p in model.parameters()] == [True, True, True, False]
+    zero.initialize(model, stage=1).close()
 
 
 def test_a_frozen_model_for_initialize_is_pointed_at_inference():

@@ -8,6 +8,8 @@ from __future__ import annotations
 import difflib
 import warnings
 
+from zero.config._values import deepspeed_bool
+
 # DeepSpeed keys (dotted) zero refuses when enabled or set, with the reason
 UNSUPPORTED = {
     "comet": "zero writes the tensorboard, csv_monitor and wandb monitors only",
@@ -140,6 +142,10 @@ def take_cpu_offload(zero_block: dict) -> dict:
         warnings.warn("zero_optimization.cpu_offload is deprecated (in DeepSpeed too): write "
                       '"offload_optimizer": {"device": "cpu"} (and "offload_param" for '
                       "cpu_offload_params)", DeprecationWarning, stacklevel=5)
+    # "false" as DeepSpeed reads it, not by Python's truth (a non-empty string)
+    old = deepspeed_bool(old, "zero_optimization.cpu_offload") if old is not None else None
+    params = deepspeed_bool(params, "zero_optimization.cpu_offload_params") \
+        if params is not None else None
     if old and "offload_optimizer" not in block:
         block["offload_optimizer"] = {"device": "cpu"}
     if params and "offload_param" not in block:

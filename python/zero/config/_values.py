@@ -59,6 +59,13 @@ def _enabled(block: dict, name: str) -> bool:
     value = block.get("enabled", False)
     if value == "auto":
         raise auto_refused(f"{name}.enabled", "set true or false")
+    return deepspeed_bool(value, f"{name}.enabled")
+
+
+def deepspeed_bool(value, name: str) -> bool:
+    """A boolean of a DeepSpeed config as DeepSpeed reads it: JSON
+    true/false, 0/1, or a word such as "false" (which Python's truth would
+    take as true, being a non-empty string)."""
     if isinstance(value, bool):
         return value
     word = value.strip().lower() if isinstance(value, str) else None
@@ -66,7 +73,15 @@ def _enabled(block: dict, name: str) -> bool:
         return word in _TRUE_WORDS
     if isinstance(value, (int, float)) and value in (0, 1):
         return bool(value)
-    raise ValueError(f"{name}.enabled must be true or false, got {value!r}")
+    raise ValueError(f"{name} must be true or false, got {value!r}")
+
+
+def require_bool(value, name: str) -> bool:
+    """A flag of a Python call: True or False itself ("no" or 0 taken by
+    truth went the other way, or both ways)."""
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be True or False, got {value!r}")
+    return value
 
 
 def _enabled_or_kept(block: dict, name: str) -> bool:

@@ -37,14 +37,22 @@ def inference(model: nn.Module, *, stage: int = 3, precision=None, config=None, 
         model = model.module
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-    model.requires_grad_(False)
     if not any(True for _ in model.parameters()):
         raise ValueError("the model has no parameters; nothing to run partitioned")
+    wanted = [(p, p.requires_grad) for p in model.parameters()]
+    model.requires_grad_(False)
     # the engine keeps an optimizer's param groups to find the parameters;
     # this one never steps
     placeholder = torch.optim.SGD(model.parameters(), lr=0.0)
-    engine = initialize(model, optimizer=placeholder, stage=stage, precision=precision,
-                        config=config, device=device, mesh=mesh, _inference=True, **options)
+    try:
+        engine = initialize(model, optimizer=placeholder, stage=stage, precision=precision,
+                            config=config, device=device, mesh=mesh, _inference=True,
+                            **options)
+    except BaseException:
+        # refused (a bad setting): the model as it came, not frozen for good
+        for p, requires_grad in wanted:
+            p.requires_grad_(requires_grad)
+        raise
     return engine.eval()
 
 
@@ -131,8 +139,16 @@ def initialize(model: nn.Module, *, optimizer=None, stage=None, precision=None,
         cfg = settle_batch_sizes(cfg, comm.dp_world)
         if lr_scheduler is None and cfg.scheduler:
             lr_scheduler = scheduler_from_config(cfg.scheduler, optimizer)
+        elif isinstance(lr_scheduler, type):  # its step is a function of the class
+            raise TypeError(f"lr_scheduler is the class {lr_scheduler.__name__}; pass a "
+                            "scheduler built on the optimizer, or a callable optimizer -> "
+                            "scheduler (functools.partial(StepLR, step_size=10))")
         elif callable(lr_scheduler) and not hasattr(lr_scheduler, "step"):
-            lr_scheduler = lr_scheduler(optimizer)
+            made = lr_scheduler(optimizer)
+            if made is None:
+                raise TypeError("lr_scheduler(optimizer) returned None; the callable must "
+                                "return the scheduler it makes")
+            lr_scheduler = made
         _check_scheduler(lr_scheduler, optimizer)
         # [Note: disk room]: before the engine's collectives make the files
         check_disk_room(model, optimizer, cfg, Comm(device, groups.whole or groups.everyone),
