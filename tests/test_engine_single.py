@@ -1,6 +1,7 @@
 """The engine in one process with no launcher and no environment variables
 (a notebook): API, configs, bad input, re-initialisation."""
 import datetime
+import os
 import json
 import math
 
@@ -1078,4 +1079,32 @@ def test_floating_inputs_inside_containers_are_cast(no_launcher):
     assert type(pair) is Pair and pair.a.dtype == torch.bfloat16 and pair.b is ids
     assert type(cast_packed) is type(packed) and cast_packed.data.dtype == torch.bfloat16
     assert torch.equal(cast_packed.batch_sizes, packed.batch_sizes) and text == "text"
+    engine.close()
+
+
+def test_flags_and_numbers_of_the_calls_are_checked_by_type(tmp_path):
+    """By Python's truth "no" meant yes (save_latest="no" rewrote latest,
+    load_optimizer_states="no" loaded the optimizer); a float loss or a
+    string max_norm failed deep inside with an error naming neither."""
+    engine = zero.initialize(model(), stage=1)
+    engine.backward(engine(torch.randn(2, 6)).sum())
+    engine.step()
+    engine.save_checkpoint(tmp_path, tag="first")
+    calls = [(lambda: engine.backward(1.0), "loss must be a torch.Tensor, got float"),
+             (lambda: engine.clip_grad_norm_("1.0"), "max_norm must be a number > 0"),
+             (lambda: engine.save_checkpoint(tmp_path, tag="second", save_latest="no"),
+              "save_latest must be True or False"),
+             (lambda: engine.load_checkpoint(tmp_path, load_optimizer_states="no"),
+              "load_optimizer_states must be True or False"),
+             (lambda: engine.load_checkpoint(tmp_path, load_module_only=1),
+              "load_module_only must be True or False"),
+             (lambda: zero.checkpoint.consolidate(tmp_path, with_optimizer="no"),
+              "with_optimizer must be True or False"),
+             (lambda: zero.GatheredParameters(list(engine.module.parameters()), enabled="no"),
+              "enabled must be True or False")]
+    for call, message in calls:
+        with pytest.raises(TypeError, match=message):
+            call()
+    assert (tmp_path / "latest").read_text() == "first"
+    assert sorted(os.listdir(tmp_path)) == ["first", "latest"]
     engine.close()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from zero.config._values import require_bool
 from zero.checkpoint._format import CheckpointReader, resolve_tag
 from zero.step._registry import SPECS
 
@@ -37,6 +38,7 @@ def consolidate(save_dir, tag=None, with_optimizer: bool = True) -> dict:
     name), "optimizer": torch.optim's state dict for the saved optimizer
     (None if with_optimizer is False), "lr_scheduler", "client_state",
     "global_steps", "meta": what else the checkpoint records}."""
+    require_bool(with_optimizer, "with_optimizer")
     return read_checkpoint(resolve_tag(save_dir, tag), with_optimizer)
 
 

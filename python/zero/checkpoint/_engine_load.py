@@ -13,6 +13,7 @@ import warnings
 
 import torch
 
+from zero.config._values import require_bool
 from zero._progress import bar
 from zero.checkpoint._engine_parts import (all_ok, checkpoint_name, holds_a_part, in_files,
                                            param_shapes, release_offloaded, replicated_frozen,
@@ -304,6 +305,10 @@ def load(engine, load_dir, tag=None, load_optimizer_states=True,
     with_optimizer = load_optimizer_states and not load_module_only
     error = None
     try:
+        for name, flag in (("load_optimizer_states", load_optimizer_states),
+                           ("load_lr_scheduler_states", load_lr_scheduler_states),
+                           ("load_module_only", load_module_only)):
+            require_bool(flag, name)  # by truth, "no" loaded the optimizer
         path = resolve_tag(load_dir, tag)
         reader = CheckpointReader(path)
         meta = reader.meta

@@ -13,6 +13,7 @@ import os
 
 import torch
 
+from zero.config._values import require_bool
 from zero._progress import bar
 from zero._version import __version__
 from zero.checkpoint._engine_parts import (all_ok, checkpoint_name, holds_a_part, host_copy,
@@ -188,6 +189,7 @@ def save(engine, save_dir, tag=None, client_state=None, save_latest=True) -> str
     try:
         tag = check_tag(f"global_step{engine.global_steps}" if tag is None else tag)
         save_dir = os.fspath(save_dir)
+        require_bool(save_latest, "save_latest")  # "no" rewrote latest
     except (TypeError, ValueError) as error:
         refusal = refusal or error
     # a collective that raises on every rank alike (a refusal on one rank

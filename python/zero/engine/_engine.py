@@ -25,6 +25,7 @@ import weakref
 import torch
 from torch import nn
 
+from zero.config._values import require_bool
 from zero.engine._agreement import check_ranks_agree
 from zero.comm._comm import Comm, leave_process_group
 from zero.engine._batch_calls import BatchCalls
@@ -317,9 +318,10 @@ class Engine(DeepSpeedQueries, BatchCalls, CheckpointCalls, EngineReports, nn.Mo
         multiplied by the count the step divides by."""
         self._check_open()
         self._check_trains("backward")
-        for name, value in (("retain_graph", retain_graph), ("scale_wrt_gas", scale_wrt_gas)):
-            if not isinstance(value, bool):
-                raise TypeError(f"{name} must be True or False, got {value!r}")
+        if not isinstance(loss, torch.Tensor):
+            raise TypeError(f"loss must be a torch.Tensor, got {type(loss).__name__} {loss!r}")
+        require_bool(retain_graph, "retain_graph")
+        require_bool(scale_wrt_gas, "scale_wrt_gas")
         factor = self.loss_scale if self.loss_scaler else 1.0
         if not scale_wrt_gas:
             factor *= self.config.gradient_accumulation_steps
@@ -385,7 +387,9 @@ class Engine(DeepSpeedQueries, BatchCalls, CheckpointCalls, EngineReports, nn.Mo
         self._check_open()
         self._check_trains("clip_grad_norm_")
         refusal = None
-        if not max_norm > 0:
+        if isinstance(max_norm, bool) or not isinstance(max_norm, (int, float)):
+            refusal = TypeError(f"max_norm must be a number > 0, got {max_norm!r}")
+        elif not max_norm > 0:
             refusal = ValueError(f"max_norm must be > 0, got {max_norm}")
         elif not self.is_accumulation_boundary:
             refusal = RuntimeError(

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import torch
 
+from zero.config._values import require_bool
 from zero.comm._comm import world_size
 from zero.sharding._param_writes import (check_parameters_in_place, take_in_parameter_writes,
                                 write_into_partition)
@@ -41,7 +42,7 @@ class GatheredParameters:
             raise TypeError(f"modifier_rank must be an int rank or None, got "
                             f"{modifier_rank!r}")
         self.modifier_rank = modifier_rank
-        self.enabled = enabled
+        self.enabled = require_bool(enabled, "enabled")
         self._units = []
         self._saving = []  # saved-tensor hooks pushed for the block
 
