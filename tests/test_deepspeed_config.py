@@ -607,3 +607,27 @@ def test_optimizer_blocks_and_old_switches_are_read_as_deepspeed_reads_them():
         cfg = zero.Config.from_deepspeed({"zero_optimization": {
             "stage": 3, "cpu_offload": "false", "cpu_offload_params": "false"}})
     assert cfg.offload_optimizer.device == "none" and cfg.offload_param.device == "none"
+
+
+@pytest.mark.parametrize("config, match", [
+    ({"fp16": True}, r"fp16 must be a block such as \{\"enabled\": true\}, got True"),
+    ({"bf16": "yes"}, "bf16 must be a block"),
+    ({"data_types": "fp32"}, "data_types must be a block such as"),
+    ({"aio": {"block_size": float("inf")}}, "aio.block_size must be an integer from 1 to 2"),
+    ({"aio": {"queue_depth": 10**30}}, "aio.queue_depth must be an integer from 1 to 2"),
+    ({"zero_optimization": {"stage": 2, "reduce_bucket_size": 1e30}},
+     "reduce_bucket_size must be an integer from 1 to 2"),
+    ({"scheduler": "WarmupLR"}, "scheduler must be a block such as"),
+    ({"scheduler": {"type": "WarmupLR", "params": "x"}}, "scheduler must be a block such as"),
+])
+def test_malformed_blocks_are_refused_by_name(config, match):
+    """Before: bare AttributeErrors and OverflowErrors from deep inside
+    (a bool's .get, int(inf), a size past the C core's)."""
+    with pytest.raises(ValueError, match=match):
+        zero.initialize(model(), config=config)
+
+
+def test_a_bucket_size_is_an_integer_not_a_flag():
+    for wrong in (True, 2**63):  # True trained with 1-element buckets
+        with pytest.raises(ValueError, match="reduce_bucket_size must be an integer"):
+            zero.Config(reduce_bucket_size=wrong)

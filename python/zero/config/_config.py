@@ -175,6 +175,10 @@ def check_nvme_path(path, name="offload_optimizer.nvme_path"):
         raise ValueError(f"{name} {path!r} is not writable")
 
 
+# more elements than any bucket holds; above 2^63 the C core's sizes overflowed
+_MOST_ELEMENTS = 2**48
+
+
 @dataclass(frozen=True)
 class Config:
     """Everything zero.initialize takes besides the model and optimizer:
@@ -298,9 +302,11 @@ class Config:
                              f"{self.check_grad_overflow!r}")
         if not _number(self.gradient_clipping, "gradient_clipping") >= 0:
             raise ValueError(f"gradient_clipping must be >= 0, got {self.gradient_clipping!r}")
-        if not isinstance(self.reduce_bucket_size, int) or self.reduce_bucket_size < 1:
-            raise ValueError(f"reduce_bucket_size must be a positive integer, got "
-                             f"{self.reduce_bucket_size!r}")
+        if isinstance(self.reduce_bucket_size, bool) or \
+                not isinstance(self.reduce_bucket_size, int) or \
+                not 1 <= self.reduce_bucket_size <= _MOST_ELEMENTS:
+            raise ValueError(f"reduce_bucket_size must be an integer from 1 to 2^48 "
+                             f"(elements), got {self.reduce_bucket_size!r}")
         if self.bucket_reduction not in ("auto", "reduce", "reduce_scatter"):
             raise ValueError(f"bucket_reduction must be 'auto', 'reduce' or 'reduce_scatter', "
                              f"got {self.bucket_reduction!r}")

@@ -154,6 +154,12 @@ def translate(ds: dict) -> dict:
                              "for it); keep one")
         top["bf16"] = top.pop("bfloat16")
     fp16, bf16 = top.pop("fp16", None) or {}, top.pop("bf16", None) or {}
+    for name, block, like in (("fp16", fp16, '{"enabled": true}'),
+                              ("bf16", bf16, '{"enabled": true}'),
+                              ("data_types", top.get("data_types"),
+                               '{"grad_accum_dtype": "fp32"}')):
+        if block is not None and not isinstance(block, dict):
+            raise ValueError(f"{name} must be a block such as {like}, got {block!r}")
     # a block whose "enabled" is false runs nothing: accepted whatever it holds
     top = drop_inert(drop_disabled(top, _enabled_or_kept))
     zero_block = drop_inert_zero(take_cpu_offload(zero_block))

@@ -221,9 +221,11 @@ def check_aio(aio) -> dict | None:
     out = {}
     for key, value in aio.items():
         if key in AIO_TAKEN:
+            # (inf and NaN raised from int(); above 2^31 from the C engine)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or \
-                    value != int(value) or value < 1:
-                raise ValueError(f"aio.{key} must be a positive integer, got {value!r}")
+                    not 1 <= value < 2**31 or value != int(value):
+                raise ValueError(f"aio.{key} must be an integer from 1 to 2^31 - 1, got "
+                                 f"{value!r}")
             out[key] = int(value)
         elif key == "use_gds":
             if value:

@@ -215,6 +215,9 @@ def _warmup(kind, params, optimizer, warmup_type):
 
 
 def scheduler_from_config(spec: dict, optimizer):
+    if not isinstance(spec, dict) or not isinstance(spec.get("params", {}), dict):
+        raise ValueError(f"scheduler must be a block such as {{\"type\": \"WarmupLR\", "
+                         f"\"params\": {{...}}}}, got {spec!r}")
     kind = spec.get("type")
     if kind not in SCHEDULER_TYPES:
         raise ValueError(f"scheduler.type {kind!r} is not supported; choose "
