@@ -447,3 +447,12 @@ def test_gradient_that_is_a_transposed_view_of_its_slot():
         oz.step()
         ot.step()
     assert_close(ours, theirs)
+
+
+@pytest.mark.parametrize("name", ["SGD", "AdamW"])
+def test_a_tensor_for_params_is_refused_as_torch_refuses_it(name):
+    """list() of a tensor gave its rows: SGD trained 3 views of a (3, 4)
+    tensor's rows, AdamW blamed a non-leaf tensor."""
+    for params in (torch.zeros(3, 4), torch.nn.Parameter(torch.zeros(3))):
+        with pytest.raises(TypeError, match="params must be an iterable of Tensors"):
+            getattr(zo, name)(params, lr=0.1)

@@ -215,3 +215,17 @@ def test_a_scalar_head_on_a_peft_model_takes_its_transformer():
     with torch.no_grad():
         hidden = lm.transformer(input_ids=ids)[0]
         assert torch.equal(rm(ids), rm.head(hidden).squeeze(-1).float())
+
+
+@pytest.mark.parametrize("setting, value", [
+    ("gamma", float("nan")), ("lam", "0.95"), ("kl_coef", None), ("kl_coef", -1.0),
+    ("clip_reward", -5.0), ("clip_policy", -0.2), ("clip_value", 0), ("temperature", 0.0),
+    ("ppo_epochs", 0), ("ppo_epochs", 1.5), ("response_length", "4"), ("ema", 1.5),
+    ("whiten_advantages", "yes")])
+def test_ppo_settings_are_checked_by_name(setting, value):
+    """Before: a NaN gamma made the actor's weights NaN, a negative
+    clip_reward clamped every score to it, ppo_epochs 0 divided by zero
+    after a whole generation and scoring."""
+    from zero.rlhf import PPOSettings
+    with pytest.raises(ValueError, match=f"PPOSettings.{setting} must be"):
+        PPOSettings(**{"response_length": 2, setting: value})

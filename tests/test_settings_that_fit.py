@@ -90,3 +90,19 @@ def test_bad_arguments_name_what_is_wrong(bad, match):
     arguments = {"device_memory": 2**30, "host_memory": 2**30, **bad}
     with pytest.raises(ValueError, match=match):
         zero.settings_that_fit(blocks(64, 1), 1, **arguments)
+
+
+@pytest.mark.parametrize("arguments, message", [
+    ({"world_size": 0}, "world_size must be an integer >= 1, got 0"),
+    ({"world_size": "2"}, "world_size must be an integer >= 1"),
+    ({"headroom": "0.1"}, "headroom must be a fraction"),
+    ({"device_memory": float("nan")}, "device_memory must be a number of bytes"),
+    ({"disk": float("nan")}, "disk must be a number of bytes")])
+def test_arguments_are_checked_by_name(arguments, message):
+    """Before: world_size 0 blamed local_ranks, a string compared with an
+    int inside, NaN memory made a table where nothing fits."""
+    given = {"device_memory": 2**30, "host_memory": 2**30, **arguments}
+    with pytest.raises(ValueError, match=message):
+        zero.settings_that_fit(nn.Linear(4, 2), **given)
+    with pytest.raises(TypeError, match="model must be a torch.nn.Module, got NoneType"):
+        zero.settings_that_fit(None, device_memory=1, host_memory=1)

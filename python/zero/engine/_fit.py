@@ -9,6 +9,8 @@ with `headroom`.
 """
 from __future__ import annotations
 
+import torch
+
 from zero.engine._engine import DTYPES
 from zero.engine._estimate import estimate_memory
 from zero.engine._arguments import resolve_config
@@ -59,15 +61,20 @@ def settings_that_fit(model, world_size: int = 1, *, device_memory, host_memory,
     or offload setting among them is what the table varies, so it is
     refused. On device "cpu" the device is the host: device_memory is not
     used, and the host must hold it all."""
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"world_size must be an integer >= 1, got {world_size!r}")
     for name in ("stage", "offload_optimizer", "offload_param", "config"):
         if name in options:
             raise ValueError(f"settings_that_fit tries every {name.replace('config', 'setting')}"
                              f"; leave {name} out")
     for name, value in (("device_memory", device_memory), ("host_memory", host_memory),
                         ("disk", disk)):
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
             raise ValueError(f"{name} must be a number of bytes >= 0, got {value!r}")
-    if not 0 <= headroom < 1:
+    if isinstance(headroom, bool) or not isinstance(headroom, (int, float)) or \
+            not 0 <= headroom < 1:
         raise ValueError(f"headroom must be a fraction in [0, 1), got {headroom!r}")
     local = min(world_size, 8) if local_ranks is None else local_ranks
     if isinstance(local, bool) or not isinstance(local, int) or local < 1:

@@ -64,6 +64,9 @@ class FlatOptimizer(torch.optim.Optimizer):
     spec: OptimizerSpec  # set by each subclass
 
     def __init__(self, params, defaults):
+        if isinstance(params, torch.Tensor):  # list() of it gave its rows, as torch refuses
+            raise TypeError("params must be an iterable of Tensors or dicts (as torch.optim "
+                            f"takes them), got a {type(params).__name__}; pass [tensor]")
         self._init_layout()
         params = list(params)
         if params and isinstance(params[0], dict):

@@ -28,6 +28,7 @@ The time of each phase is returned with the statistics.
 from __future__ import annotations
 
 import contextlib
+import math
 import time
 from dataclasses import dataclass
 
@@ -51,6 +52,31 @@ class PPOSettings:
     whiten_advantages: bool = True
     ema: float | None = None  # e.g. 0.992: the actor's weights averaged
 
+    def __post_init__(self):
+        """Each setting by name: before, a NaN gamma made the actor's weights
+        NaN, a negative clip_reward clamped every score to it, ppo_epochs 0
+        divided by zero after generating and scoring."""
+        def number(name, low, high=math.inf, integer=False, low_open=False):
+            value = getattr(self, name)
+            kind = int if integer else (int, float)
+            if isinstance(value, bool) or not isinstance(value, kind) or \
+                    not (low < value if low_open else low <= value) or not value <= high:
+                what = "an integer" if integer else "a number"
+                raise ValueError(f"PPOSettings.{name} must be {what} in "
+                                 f"{'(' if low_open else '['}{low}, {high}], got {value!r}")
+        number("response_length", 1, integer=True)
+        number("ppo_epochs", 1, integer=True)
+        number("kl_coef", 0)
+        for name in ("gamma", "lam"):
+            number(name, 0, 1)
+        for name in ("clip_policy", "clip_value", "clip_reward", "temperature"):
+            number(name, 0, low_open=True)
+        if not isinstance(self.whiten_advantages, bool):
+            raise ValueError(f"PPOSettings.whiten_advantages must be True or False, got "
+                             f"{self.whiten_advantages!r}")
+        if self.ema is not None:
+            number("ema", 0, 1, low_open=True)
+
 
 class PPOTrainer:
     def __init__(self, actor, critic, reference, reward, settings: PPOSettings,
@@ -59,9 +85,9 @@ class PPOTrainer:
             if getattr(engine, "inference_only", True) or not hasattr(engine, "step"):
                 raise ValueError(f"PPOTrainer: {name} must be a training engine "
                                  "(zero.initialize), not a module or zero.inference's")
-        if settings.response_length < 1:
-            raise ValueError(f"PPOSettings.response_length must be >= 1, got "
-                             f"{settings.response_length}")
+        if not isinstance(settings, PPOSettings):
+            raise TypeError(f"settings must be a zero.rlhf.PPOSettings, got "
+                            f"{type(settings).__name__}")
         self.actor, self.critic = actor, critic
         self.reference, self.reward = reference, reward
         self.settings = settings
