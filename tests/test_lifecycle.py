@@ -1021,3 +1021,14 @@ def test_an_interrupt_before_the_saved_tensor_hooks_are_pushed(monkeypatch):
     _train_torch(ref, ref_opt, 2, start=2)
     _assert_same(engine.full_state_dict(), ref.state_dict(), atol=1e-6)
     engine.close()
+
+
+def test_engines_one_after_another_leave_the_excepthook_as_it_was():
+    """torch's init_process_group wraps sys.excepthook ("[rank0]: " before
+    each traceback line) and destroy_process_group leaves the wrapper: each
+    engine of a notebook added one more prefix to every line."""
+    import sys
+    before = sys.excepthook
+    for _ in range(3):
+        _engine(_model(), 1).close()
+    assert sys.excepthook is before

@@ -9,6 +9,7 @@ from __future__ import annotations
 import atexit
 import datetime
 import os
+import sys
 import time
 import warnings
 
@@ -70,6 +71,10 @@ def gather_by_broadcasts(output, shard, rank, world, group=None, async_op=False,
 # here (a bare counter outlived the group it counted, and a later close()
 # destroyed the user's own group).
 _owned = {"count": 0, "group": None, "held_for_process": None}
+# sys.excepthook before zero made its group: torch's init_process_group wraps
+# it (a "[rank0]: " before each traceback line) and destroy leaves the wrapper,
+# so each engine of a notebook added one more prefix to every line
+_excepthook = {"before": None}
 # see Comm.channel: the default group they were made beside, and per set of
 # global ranks (None: all of them) the channels made for it
 _channels = {"world": None, "groups": {}}
@@ -192,6 +197,7 @@ def join_process_group(device: torch.device, backend: str | None = None,
                 f"launcher variables {', '.join(present)} are set but "
                 f"{', '.join(missing)} {'is' if len(missing) == 1 else 'are'} not; start "
                 "with torchrun, set the missing ones, or unset them")
+        _excepthook["before"] = sys.excepthook
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1,
                                 timeout=wait, **bind)
         # partitioned_init's group is never left, and a live gloo group at
@@ -396,6 +402,11 @@ def leave_process_group(created: bool):
     if _owned["count"] == 0:
         _forget_group()
         dist.destroy_process_group()
+        before, _excepthook["before"] = _excepthook["before"], None
+        # only torch's own wrapper is taken off: a hook set since is kept
+        if before is not None and \
+                getattr(sys.excepthook, "__name__", "") == "_distributed_excepthook":
+            sys.excepthook = before
 
 
 class Comm:
