@@ -67,3 +67,14 @@ def test_a_frozen_model_for_initialize_is_pointed_at_inference():
     model = tiny_gpt2().requires_grad_(False)
     with pytest.raises(ValueError, match="use zero.inference"):
         zero.initialize(model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+
+
+def test_training_settings_are_refused_by_name():
+    """They were taken and ignored (optimizer= raised "got multiple
+    values")."""
+    model = nn.Linear(4, 2)
+    for setting, value in (("gradient_clipping", 1.0), ("optimizer", None),
+                           ("lr_scheduler", None), ("offload_optimizer", {"device": "cpu"})):
+        with pytest.raises(ValueError, match=f"zero.inference trains nothing: {setting} would"):
+            zero.inference(model, **{setting: value})
+    assert all(p.requires_grad for p in model.parameters())

@@ -20,6 +20,12 @@ from zero.engine._disk_room import check_disk_room
 from zero.engine._engine import Engine
 
 
+# initialize's arguments that only training reads
+_TRAINING_ONLY = {"optimizer", "lr_scheduler", "gradient_clipping", "gradient_accumulation_steps",
+                  "offload_optimizer", "loss_scaling", "train_batch_size",
+                  "train_micro_batch_size_per_gpu", "grad_accum_dtype", "check_grad_overflow"}
+
+
 def inference(model: nn.Module, *, stage: int = 3, precision=None, config=None, device=None,
               mesh=None, **options) -> Engine:
     """An engine that runs `model` without training it: every parameter is
@@ -37,6 +43,10 @@ def inference(model: nn.Module, *, stage: int = 3, precision=None, config=None, 
         model = model.module
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    training = sorted(set(options) & _TRAINING_ONLY)
+    if training:  # taken and ignored before (optimizer: "got multiple values")
+        raise ValueError(f"zero.inference trains nothing: {', '.join(training)} would have no "
+                         "effect; leave them out (zero.initialize trains)")
     if not any(True for _ in model.parameters()):
         raise ValueError("the model has no parameters; nothing to run partitioned")
     wanted = [(p, p.requires_grad) for p in model.parameters()]
