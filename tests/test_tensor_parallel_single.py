@@ -9,6 +9,7 @@ import sys
 
 import pytest
 import torch
+from torch import nn
 
 import zero
 from conftest import max_rel_error
@@ -146,3 +147,23 @@ class _MeshOfThree:
 def test_sizes_tp_does_not_divide_are_refused():
     with pytest.raises(ValueError, match=r"heads \(2\) is not divisible by the tp size \(3\)"):
         zero.parallel.parallelize_gpt(_gpt(), _MeshOfThree())
+
+
+def test_a_wrong_model_or_mesh_is_named():
+    """Before: bare AttributeErrors ('Sequential' object has no attribute
+    'cfg', 'NoneType' object has no attribute 'size')."""
+    for call, error, message in (
+            (lambda: zero.parallel.parallelize_gpt(nn.Sequential(nn.Linear(2, 2)), _MeshOfThree()),
+             TypeError, "parallelize_gpt takes examples/gpt.py's GPT .* no 'cfg'"),
+            (lambda: zero.parallel.parallelize_gpt(_gpt(), None), TypeError,
+             r"tp_mesh must be a DeviceMesh of one dimension \(mesh\['tp'\]\), got NoneType"),
+            (lambda: zero.parallel.parallelize_llama(_gpt(), _MeshOfThree()), TypeError,
+             "parallelize_llama takes a HuggingFace Llama"),
+            (lambda: zero.parallel.parallelize_gpt(_gpt(), _MeshOfThree(), loss_parallel="yes"),
+             TypeError, "loss_parallel must be True or False"),
+            (lambda: zero.parallel.split_gpt(_gpt(), "pp"), TypeError,
+             "pp_mesh must be a DeviceMesh of one dimension"),
+            (lambda: zero.parallel.split_llama(_gpt(), _MeshOfThree()), TypeError,
+             "split_llama takes a HuggingFace Llama")):
+        with pytest.raises(error, match=message):
+            call()

@@ -35,6 +35,7 @@ import torch
 from torch import nn
 
 from zero.parallel._micro_batches import MicroBatchShapes
+from zero.parallel._plan_arguments import check_line, check_model
 from zero.parallel._stage_info import StageInfo
 from zero.parallel._tensor_parallel import vocabulary_parallel
 from zero.parallel._virtual_stages import (MULTI_STAGE_SCHEDULES, is_chunked,
@@ -143,6 +144,8 @@ def split_gpt(model: nn.Module, pp_mesh, stages_per_rank: int = 1) -> nn.Module:
     (mesh["pp"]), by blocks; parameter names kept. stages_per_rank > 1:
     the model cut into pp x stages_per_rank stages, this rank's held by one
     module, for the interleaved schedules ([Note: stage chunks])."""
+    check_line(pp_mesh, "pp_mesh", "pp")
+    check_model(model, ("cfg", "blocks", "embed", "head"), "examples/gpt.py's GPT", "split_gpt")
     if type(stages_per_rank) is not int or stages_per_rank != 1:  # split_into_chunks checks
         return split_into_chunks(GPTStage, model, pp_mesh, stages_per_rank)
     index, count = _stage_of(pp_mesh)
@@ -211,6 +214,9 @@ def split_llama(model: nn.Module, pp_mesh, stages_per_rank: int = 1) -> nn.Modul
     """This rank's stage of a HuggingFace LlamaForCausalLM over `pp_mesh`,
     by decoder layers; parameter names kept. stages_per_rank: as in
     split_gpt."""
+    check_line(pp_mesh, "pp_mesh", "pp")
+    check_model(model, ("config", "model.layers", "lm_head"), "a HuggingFace Llama causal LM",
+                "split_llama")
     if type(stages_per_rank) is not int or stages_per_rank != 1:  # split_into_chunks checks
         return split_into_chunks(LlamaStage, model, pp_mesh, stages_per_rank)
     index, count = _stage_of(pp_mesh)

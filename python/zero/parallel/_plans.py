@@ -39,6 +39,8 @@ import fnmatch
 
 from torch import nn
 
+from zero.parallel._plan_arguments import check_flags, check_line, check_model
+
 
 def _styles():
     from torch.distributed.tensor import Replicate
@@ -218,6 +220,9 @@ def parallelize_gpt(model: nn.Module, tp_mesh, loss_parallel: bool = False,
     (docs/parallel.md). sequence_parallel=True splits the residual stream
     and the norms by sequence between the tensor-parallel regions ([Note:
     sequence parallelism]); the sequence length must then divide by tp."""
+    check_line(tp_mesh, "tp_mesh", "tp")
+    check_model(model, ("cfg", "blocks", "head"), "examples/gpt.py's GPT (or a stage of it)", "parallelize_gpt")
+    check_flags(loss_parallel=loss_parallel, sequence_parallel=sequence_parallel)
     tp = tp_mesh.size()
     cfg = model.cfg
     _check_divides("heads", cfg.heads, tp)
@@ -239,6 +244,9 @@ def parallelize_llama(model: nn.Module, tp_mesh, loss_parallel: bool = False,
     sequence_parallel=True splits the residual stream and the norms by
     sequence between the tensor-parallel regions ([Note: sequence
     parallelism]); the sequence length must then divide by tp."""
+    check_line(tp_mesh, "tp_mesh", "tp")
+    check_model(model, ("config", "model.layers"), "a HuggingFace Llama causal LM (or a stage of it)", "parallelize_llama")
+    check_flags(loss_parallel=loss_parallel, sequence_parallel=sequence_parallel)
     tp = tp_mesh.size()
     cfg = model.config
     _check_divides("num_attention_heads", cfg.num_attention_heads, tp)
@@ -292,6 +300,9 @@ def parallelize_gpt2(model: nn.Module, tp_mesh, loss_parallel: bool = False,
     split by vocabulary (a DTensor): compute the loss and call backward
     inside torch.distributed.tensor.parallel.loss_parallel()
     (docs/parallel.md). sequence_parallel=True: as in parallelize_gpt."""
+    check_line(tp_mesh, "tp_mesh", "tp")
+    check_model(model, ("config", "transformer.h"), "a HuggingFace GPT-2 LM", "parallelize_gpt2")
+    check_flags(loss_parallel=loss_parallel, sequence_parallel=sequence_parallel)
     tp = tp_mesh.size()
     cfg = model.config
     if getattr(cfg, "add_cross_attention", False):
