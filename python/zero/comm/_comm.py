@@ -71,10 +71,9 @@ def gather_by_broadcasts(output, shard, rank, world, group=None, async_op=False,
 # here (a bare counter outlived the group it counted, and a later close()
 # destroyed the user's own group).
 _owned = {"count": 0, "group": None, "held_for_process": None}
-# sys.excepthook before zero made its group: torch's init_process_group wraps
-# it (a "[rank0]: " before each traceback line) and destroy leaves the wrapper,
-# so each engine of a notebook added one more prefix to every line
-_excepthook = {"before": None}
+# sys.excepthook before zero's group: torch's init wraps it ("[rank0]: " per
+# line), destroy leaves it: each engine of a notebook added one more prefix
+_excepthook, _TORCH_HOOK = {"before": None}, "_distributed_excepthook"
 # see Comm.channel: the default group they were made beside, and per set of
 # global ranks (None: all of them) the channels made for it
 _channels = {"world": None, "groups": {}}
@@ -403,10 +402,8 @@ def leave_process_group(created: bool):
         _forget_group()
         dist.destroy_process_group()
         before, _excepthook["before"] = _excepthook["before"], None
-        # only torch's own wrapper is taken off: a hook set since is kept
-        if before is not None and \
-                getattr(sys.excepthook, "__name__", "") == "_distributed_excepthook":
-            sys.excepthook = before
+        if before is not None and getattr(sys.excepthook, "__name__", "") == _TORCH_HOOK:
+            sys.excepthook = before  # torch's wrapper only: a hook set since is kept
 
 
 class Comm:
