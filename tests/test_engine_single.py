@@ -1108,3 +1108,16 @@ def test_flags_and_numbers_of_the_calls_are_checked_by_type(tmp_path):
     assert (tmp_path / "latest").read_text() == "first"
     assert sorted(os.listdir(tmp_path)) == ["first", "latest"]
     engine.close()
+
+
+def test_a_model_in_ddp_is_refused():
+    """accelerate's prepare() wraps a model in DDP: zero trained it with
+    both, the wrapper all-reducing every gradient on top of zero's own."""
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        wrapped = nn.parallel.DistributedDataParallel(model())
+        with pytest.raises(ValueError, match="model is wrapped in DistributedDataParallel: zero "
+                                             r"does the data parallelism itself; pass .*module"):
+            zero.initialize(wrapped)
+    finally:
+        dist.destroy_process_group()

@@ -328,3 +328,26 @@ def test_load_best_model_at_end_loads_the_best_folder(one_process, tmp_path):
     saved = LlamaForCausalLM.from_pretrained(tmp_path / "final").state_dict()
     assert all(torch.equal(saved[k], expected[k]) for k in saved)
     trainer.engine.close()
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+def test_after_close_the_trainer_evaluates_and_trains_again(one_process, tmp_path, stage):
+    """After trainer.engine.close() the model is a plain torch model: the
+    Trainer evaluated through the closed engine (refused), and a second
+    train() handed initialize accelerate's wrapper of the engine's
+    stand-in optimizer (refused). Now evaluate and predict run on the
+    model, with the loss before the close, and train() makes a new engine
+    on the real optimizer, which close() gave the states back to."""
+    trainer = zero_trainer(tmp_path, {"stage": stage}, eval_dataset=token_data(8, seed=3),
+                           max_steps=3)
+    trainer.train()
+    before = trainer.evaluate()["eval_loss"]
+    real = trainer.engine.optimizer
+    trainer.engine.close()
+    assert trainer.evaluate()["eval_loss"] == pytest.approx(before, rel=1e-6)
+    assert trainer.predict(token_data(8, seed=3)).metrics["test_loss"] == \
+        pytest.approx(before, rel=1e-6)
+    trainer.train()
+    assert trainer.engine.optimizer is real and not trainer.engine._closed
+    assert len(logged(trainer, "loss")) == 3  # the second run's own log
+    trainer.engine.close()

@@ -105,6 +105,7 @@ def initialize(model: nn.Module, *, optimizer=None, stage=None, precision=None,
         model = model.module
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    _check_not_wrapped(model)
     if torch.is_inference_mode_enabled():
         raise RuntimeError("zero.initialize was called inside torch.inference_mode(): the "
                            "engine's parameters would be inference tensors, which cannot be "
@@ -176,6 +177,20 @@ def initialize(model: nn.Module, *, optimizer=None, stage=None, precision=None,
         else:  # its finalizer leaves, once
             engine._leave_group()
         raise
+
+
+def _check_not_wrapped(model):
+    """A model in DDP or FSDP (accelerate's prepare() wraps it in DDP) was
+    trained with both: the wrapper all-reduced every gradient and kept
+    full-size buckets on top of zero's own reduction, silently, and the
+    names took its 'module.' prefix."""
+    kind = type(model)
+    if isinstance(model, nn.parallel.DistributedDataParallel) or \
+            kind.__name__ == "FullyShardedDataParallel" or \
+            any(c.__name__ == "FSDPModule" for c in kind.__mro__):
+        raise ValueError(f"model is wrapped in {kind.__name__}: zero does the data parallelism "
+                         "itself; pass the model inside (model.module for DDP), not prepared "
+                         "by accelerate or wrapped by torch")
 
 
 def _nvme_path_problem(cfg):

@@ -139,6 +139,18 @@ def _check_optimizer_type(kind, optim: str) -> None:
                          "the type out of the config")
 
 
+def _synced_generation(kwargs: dict, stored: dict) -> dict:
+    """prediction_step's keyword arguments with synced_gpus=True: its
+    generation arguments are the ones given, else those predict() or
+    evaluate() stored (Seq2SeqTrainer reads those only when none are
+    given, which synced_gpus alone would be)."""
+    given = {k: v for k, v in kwargs.items() if k != "ignore_keys"}
+    out = {**(given or stored), "synced_gpus": True}
+    if "ignore_keys" in kwargs:
+        out["ignore_keys"] = kwargs["ignore_keys"]
+    return out
+
+
 class ZeroTrainerMixin:
     """What makes a transformers.Trainer (or a subclass of it: TRL's
     trainers, zero.integrations.trl) train through zero: put it first,
@@ -208,8 +220,21 @@ class ZeroTrainerMixin:
         return super().evaluation_loop(*args, **kwargs)
 
     def prediction_step(self, *args, **kwargs):
+        if self._generates_by_units() and "synced_gpus" not in kwargs:
+            kwargs = _synced_generation(kwargs, getattr(self, "_gen_kwargs", None) or {})
         with vocabulary_parallel(self.model):
             return plain(super().prediction_step(*args, **kwargs))
+
+    def _generates_by_units(self) -> bool:
+        """Seq2SeqTrainer's predict_with_generate at stage 3 over several
+        ranks: each generated token's forward gathers with collectives, so
+        a rank whose batch ended first stopped gathering while the others
+        went on, and gloo aborted. transformers turns synced_gpus on for
+        DeepSpeed's ZeRO-3 and FSDP only."""
+        engine = self.engine
+        return getattr(self.args, "predict_with_generate", False) and engine is not None and \
+            not engine._closed and engine._schedule is not None and \
+            engine._comm.everyone.world > 1
 
     def _config_for_trainer(self, config):
         """A DeepSpeed config given in zero_options, less what the Trainer
@@ -288,8 +313,16 @@ class ZeroTrainerMixin:
         # optimizer: a new engine for it, the old one closed
         if self.engine is not None and (self.optimizer is None or self.engine._closed
                                         or self.engine.module is not self.model):
+            # closed by the user, on the same model: its optimizer, which
+            # close() gave the states back to, trains on (self.optimizer is
+            # accelerate's wrapper of the engine's stand-in, which
+            # initialize cannot take)
+            same = self.engine._closed and self.engine.module is self.model and \
+                self.optimizer is not None
+            real = self.engine.optimizer if same else None
             self.engine.close()
             self.engine = None
+            self.optimizer = real
         if self.engine is None:
             super().create_optimizer()  # the Trainer's optimizer, on the model's parameters
             self.engine = initialize(self.model, optimizer=self.optimizer,
@@ -335,7 +368,8 @@ class ZeroTrainerMixin:
         return self.lr_scheduler
 
     def _wrap_model(self, model, training=True, dataloader=None):
-        return self.engine if self.engine is not None else model
+        # after engine.close() the model is a plain torch model again
+        return self.engine if self.engine is not None and not self.engine._closed else model
 
     def _route_accelerator_to_engine(self):
         """This Trainer's own accelerator: backward, clipping and no_sync
