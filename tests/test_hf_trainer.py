@@ -351,3 +351,17 @@ def test_after_close_the_trainer_evaluates_and_trains_again(one_process, tmp_pat
     assert trainer.engine.optimizer is real and not trainer.engine._closed
     assert len(logged(trainer, "loss")) == 3  # the second run's own log
     trainer.engine.close()
+
+
+@pytest.mark.parametrize("options, error, message", [
+    ("stage3", TypeError, "zero_options must be a dict"),
+    (3, TypeError, "zero_options must be a dict"),
+    ({"config": {"optimizer": "AdamW"}}, ValueError, "the config's optimizer must be a block"),
+    ({"config": {"scheduler": {"type": "WarmupLR", "params": "x"}}}, ValueError,
+     "the config's scheduler must be a block")])
+def test_malformed_zero_options_are_refused_by_name(one_process, tmp_path, options, error,
+                                                    message):
+    """Before: "dictionary update sequence element #0 has length 1", an int
+    not iterable, a str with no attribute 'get'."""
+    with pytest.raises(error, match=message):
+        zero_trainer(tmp_path, options)

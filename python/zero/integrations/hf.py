@@ -164,6 +164,10 @@ class ZeroTrainerMixin:
                      "lr_scheduler": "args.lr_scheduler_type or optimizers="}
 
     def __init__(self, *args, zero_options: dict | None = None, **kwargs):
+        if zero_options is not None and not isinstance(zero_options, dict):
+            raise TypeError("zero_options must be a dict of zero.initialize's options, such "
+                            f"as {{'stage': 3}}, got {type(zero_options).__name__} "
+                            f"{zero_options!r}")
         options = dict(zero_options or {})
         for key, where in self._TRAINER_OWNS.items():
             if key in options:
@@ -279,6 +283,13 @@ class ZeroTrainerMixin:
         for block in ("fp16", "bf16"):  # "auto": the Trainer's autocast, which is off here
             if isinstance(config.get(block), dict) and config[block].get("enabled") == "auto":
                 config[block] = {**config[block], "enabled": False}
+        for block in ("optimizer", "scheduler"):
+            if config.get(block) is not None and (
+                    not isinstance(config[block], dict) or
+                    not isinstance(config[block].get("params", {}), dict)):
+                raise ValueError(f"the config's {block} must be a block such as "
+                                 f"{{\"type\": ..., \"params\": {{...}}}}, got "
+                                 f"{config[block]!r}")
         optimizer = config.pop("optimizer", None)
         if optimizer:  # the Trainer builds it: only its type may be named
             if any(v != "auto" for v in (optimizer.get("params") or {}).values()):
