@@ -182,3 +182,25 @@ def test_the_flops_profiler_counts_one_step(tmp_path):
     text = report.read_text()
     assert "zero flops profiler: update 2" in text and "GFLOP/s" in text
     assert "body" in text  # the modules' breakdown
+
+
+@pytest.mark.parametrize("block, message", [
+    ({"tensorboard": {"enabled": True, "output_path": 5}}, "tensorboard.output_path must be a str"),
+    ({"csv_monitor": {"enabled": True, "job_name": 3}}, "csv_monitor.job_name must be a string"),
+    ({"comms_logger": {"enabled": True, "prof_ops": "reduce"}},
+     "comms_logger.prof_ops must be a list"),
+    ({"flops_profiler": {"enabled": True, "profile_step": 0}},
+     "flops_profiler.profile_step must be an integer >= 1"),
+    ({"comms_logger": {"enabled": True, "verbose": "sometimes"}},
+     "comms_logger.verbose must be true or false")])
+def test_monitor_values_are_checked_by_name(block, message):
+    """Before: a path of another type raised from posixpath, prof_ops
+    "reduce" logged nothing (the set of its letters), profile_step 0 never
+    profiled."""
+    with pytest.raises(ValueError, match=message):
+        zero.Config.from_deepspeed(block)
+
+
+def test_a_flag_written_as_a_word_is_read_as_deepspeed_reads_it():
+    cfg = zero.Config.from_deepspeed({"flops_profiler": {"enabled": True, "detailed": "false"}})
+    assert cfg.monitor["flops_profiler"]["detailed"] is False  # bool("false") was True

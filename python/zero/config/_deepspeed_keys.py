@@ -201,8 +201,36 @@ def check_monitor(monitor, enabled) -> dict:
             raise ValueError(f"{kind}: unknown key(s) {sorted(unknown)}; it takes "
                              f"{sorted(known)}")
         if enabled(block, kind):
-            out[kind] = dict(block)
+            out[kind] = _monitor_values(kind, dict(block))
     return out
+
+
+_MONITOR_FLAGS = ("detailed", "verbose", "prof_all", "debug")
+_MONITOR_TEXTS = ("output_path", "job_name", "group", "team", "project", "output_file")
+
+
+def _monitor_values(kind: str, block: dict) -> dict:
+    """An enabled monitor block with its values checked by name: a path of
+    another type raised from posixpath, prof_ops "reduce" became the set of
+    its letters (nothing logged), profile_step 0 never profiled, and
+    "false" in a flag read as true."""
+    for key in _MONITOR_FLAGS:
+        if key in block:
+            block[key] = deepspeed_bool(block[key], f"{kind}.{key}")
+    for key in _MONITOR_TEXTS:
+        if block.get(key) is not None and not isinstance(block[key], str):
+            raise ValueError(f"{kind}.{key} must be a string, got {block[key]!r}")
+    ops = block.get("prof_ops")
+    if ops is not None and (not isinstance(ops, (list, tuple)) or
+                            not all(isinstance(op, str) for op in ops)):
+        raise ValueError(f"{kind}.prof_ops must be a list of operation names, such as "
+                         f"[\"all_reduce\"], got {ops!r}")
+    for key, low in (("profile_step", 1), ("top_modules", 1), ("module_depth", -1)):
+        value = block.get(key)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or
+                                  value < low):
+            raise ValueError(f"{kind}.{key} must be an integer >= {low}, got {value!r}")
+    return block
 
 
 # DeepSpeed's aio block: what zero's disk engine takes, and what it accepts
