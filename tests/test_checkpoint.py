@@ -429,8 +429,12 @@ def test_refuses_what_it_cannot_save(tmp_path):
                        (2.0, TypeError)):
         with pytest.raises(error, match="white space or a control|must be a str"):
             engine.save_checkpoint(tmp_path, tag=tag)
+    with pytest.raises(TypeError, match="save_dir must be a path, got NoneType"):
+        engine.save_checkpoint(None)
     assert sorted(os.listdir(tmp_path)) == ["last", "latest"]
     assert engine.load_checkpoint(tmp_path)[1] == {"epoch": 1}
+    with pytest.raises(FileNotFoundError, match="does not exist .a file of that name does"):
+        engine.load_checkpoint(tmp_path / "latest")
     tokens, targets = batches("cpu", 1)[0]
     engine.backward(loss_of(engine(tokens), targets))
     engine.step()  # the first micro-step of two

@@ -631,3 +631,13 @@ def test_a_bucket_size_is_an_integer_not_a_flag():
     for wrong in (True, 2**63):  # True trained with 1-element buckets
         with pytest.raises(ValueError, match="reduce_bucket_size must be an integer"):
             zero.Config(reduce_bucket_size=wrong)
+
+
+def test_a_zero_block_that_is_no_block_and_a_file_that_is_no_utf8_are_named(tmp_path):
+    for wrong in ([], 0, False):  # read as "no block" (stage 0) before
+        with pytest.raises(ValueError, match="zero_optimization must be an object"):
+            zero.Config.from_deepspeed({"zero_optimization": wrong})
+    path = tmp_path / "ds.json"
+    path.write_bytes(b'{"train_batch_size": "\xff"}')
+    with pytest.raises(ValueError, match=r"ds.json' is not valid JSON \(UTF-8\)"):
+        zero.Config.from_deepspeed(str(path))

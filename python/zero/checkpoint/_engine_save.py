@@ -188,6 +188,9 @@ def save(engine, save_dir, tag=None, client_state=None, save_latest=True) -> str
             "engine.zero_grad() first")
     try:
         tag = check_tag(f"global_step{engine.global_steps}" if tag is None else tag)
+        if not isinstance(save_dir, (str, os.PathLike)):
+            raise TypeError(f"save_dir must be a path, got {type(save_dir).__name__} "
+                            f"{save_dir!r}")
         save_dir = os.fspath(save_dir)
         require_bool(save_latest, "save_latest")  # "no" rewrote latest
     except (TypeError, ValueError) as error:

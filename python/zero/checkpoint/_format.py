@@ -171,9 +171,15 @@ def resolve_tag(save_dir, tag=None) -> str:
     A tag whose replacement by a save was cut short between its two
     renames (or is between them now) is read from where its previous
     checkpoint waits."""
-    save_dir = os.fspath(save_dir)
+    try:
+        save_dir = os.fspath(save_dir)
+    except TypeError:
+        raise TypeError(f"the checkpoint directory must be a path, got "
+                        f"{type(save_dir).__name__} {save_dir!r}") from None
     if not os.path.isdir(save_dir):
-        raise FileNotFoundError(f"checkpoint directory {save_dir!r} does not exist")
+        what = " (a file of that name does; give the directory save_checkpoint wrote)" \
+            if os.path.isfile(save_dir) else ""
+        raise FileNotFoundError(f"checkpoint directory {save_dir!r} does not exist{what}")
     tag = _latest_tag(save_dir) if tag is None else check_tag(tag)
     path = os.path.join(save_dir, tag)
     if not os.path.lexists(path) and \

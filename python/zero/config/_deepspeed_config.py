@@ -23,11 +23,11 @@ def read_deepspeed(config) -> dict:
     if not isinstance(config, (str, os.PathLike)):  # open() would take an int as an fd
         raise TypeError(f"config must be a dict, a path to a JSON file or a zero.Config, got "
                         f"{type(config).__name__}")
-    with open(config) as f:
+    with open(config, encoding="utf-8") as f:
         try:
             loaded = json.load(f)
-        except json.JSONDecodeError as error:
-            raise ValueError(f"config file {os.fspath(config)!r} is not valid JSON: "
+        except (json.JSONDecodeError, UnicodeDecodeError) as error:
+            raise ValueError(f"config file {os.fspath(config)!r} is not valid JSON (UTF-8): "
                              f"{error}") from None
     if not isinstance(loaded, dict):
         raise ValueError(f"config file {os.fspath(config)!r} holds a JSON "
@@ -145,7 +145,8 @@ def _offload_options(zero_block, key, ignored):
 def translate(ds: dict) -> dict:
     top = dict(ds)
     options: dict[str, Any] = {}
-    zero_block = top.pop("zero_optimization", {}) or {}
+    zero_block = top.pop("zero_optimization", None)  # [], 0, false: refused, not "none"
+    zero_block = {} if zero_block is None else zero_block
     if not isinstance(zero_block, dict):
         raise ValueError(f"zero_optimization must be an object, got {zero_block!r}")
     if "bfloat16" in top:  # DeepSpeed's other name for the bf16 block
