@@ -221,7 +221,7 @@ def parallelize_gpt(model: nn.Module, tp_mesh, loss_parallel: bool = False,
     and the norms by sequence between the tensor-parallel regions ([Note:
     sequence parallelism]); the sequence length must then divide by tp."""
     check_line(tp_mesh, "tp_mesh", "tp")
-    check_model(model, ("cfg", "blocks", "head"), "examples/gpt.py's GPT (or a stage of it)", "parallelize_gpt")
+    check_model(model, ("cfg",), "examples/gpt.py's GPT (or a stage of it)", "parallelize_gpt")
     check_flags(loss_parallel=loss_parallel, sequence_parallel=sequence_parallel)
     tp = tp_mesh.size()
     cfg = model.cfg
@@ -245,7 +245,8 @@ def parallelize_llama(model: nn.Module, tp_mesh, loss_parallel: bool = False,
     sequence between the tensor-parallel regions ([Note: sequence
     parallelism]); the sequence length must then divide by tp."""
     check_line(tp_mesh, "tp_mesh", "tp")
-    check_model(model, ("config", "model.layers"), "a HuggingFace Llama causal LM (or a stage of it)", "parallelize_llama")
+    check_model(model, ("config",), "a HuggingFace Llama causal LM (or a stage of it)",
+                "parallelize_llama")
     check_flags(loss_parallel=loss_parallel, sequence_parallel=sequence_parallel)
     tp = tp_mesh.size()
     cfg = model.config
@@ -301,7 +302,7 @@ def parallelize_gpt2(model: nn.Module, tp_mesh, loss_parallel: bool = False,
     inside torch.distributed.tensor.parallel.loss_parallel()
     (docs/parallel.md). sequence_parallel=True: as in parallelize_gpt."""
     check_line(tp_mesh, "tp_mesh", "tp")
-    check_model(model, ("config", "transformer.h"), "a HuggingFace GPT-2 LM", "parallelize_gpt2")
+    check_model(model, ("config",), "a HuggingFace GPT-2 LM", "parallelize_gpt2")
     check_flags(loss_parallel=loss_parallel, sequence_parallel=sequence_parallel)
     tp = tp_mesh.size()
     cfg = model.config
