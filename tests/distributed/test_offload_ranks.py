@@ -243,3 +243,23 @@ def test_a_disk_without_room_on_one_rank_stops_every_rank(tmp_path, shared):
                "disk need" in text1
         assert text0.endswith("the offload disk(s) of rank(s) [1] lack room for their files "
                               "(their errors say how much), so no rank goes on")
+
+
+def _files_on_one_rank(rank, world, directory):
+    """offload_optimizer "nvme" on rank 0 alone: the settings differ."""
+    import zero
+    model = mlp()
+    device = {"device": "nvme", "nvme_path": directory} if rank == 0 else {"device": "cpu"}
+    try:
+        zero.initialize(model, optimizer=torch.optim.AdamW(model.parameters()), stage=2,
+                        offload_optimizer=device)
+    except ValueError as error:
+        return str(error)
+    return None
+
+
+def test_files_on_one_rank_only_are_named_as_different_settings(tmp_path):
+    """The disk check's gather runs on every rank: on the rank with files
+    alone it met the settings' agreement, and gloo aborted."""
+    for error in harness.run(2, _files_on_one_rank, str(tmp_path), timeout=120):
+        assert error is not None and "the ranks differ in their settings" in error, error

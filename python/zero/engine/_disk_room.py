@@ -24,7 +24,8 @@ import zlib
 from zero.engine._estimate import summary_for
 
 # each file is rounded up to whole pages, and a filesystem keeps some
-# blocks of its own for a file's extents: a margin a rank
+# blocks of its own for a file's extents: a margin for each of a rank's
+# offload blocks (optimizer, parameters)
 SLACK = 1 << 20
 
 
@@ -65,11 +66,17 @@ def check_disk_room(model, optimizer, cfg, comm, partitions: int, device):
     """Raise OSError(ENOSPC) on every rank of comm (the engine's whole
     mesh) when the offload files of the ranks that share a disk would not
     fit on it ([Note: disk room]). partitions: the ranks a partition spans
-    (the estimate's world size). A collective when any rank offloads to
-    files; nothing when none does (the config is the same on every rank)."""
+    (the estimate's world size). A collective on every rank, with or
+    without files: it runs before the ranks' settings are compared, so a
+    rank offloading to files beside one that does not must still meet it
+    (a gather on one side only met the settings' agreement and gloo
+    aborted); a rank without files sends zeros."""
     if cfg.offload_optimizer.device != "nvme" and cfg.offload_param.device != "nvme":
-        return
-    blocks = _needs(model, optimizer, cfg, partitions, device)
+        blocks = []
+        if comm.world == 1:
+            return
+    else:
+        blocks = _needs(model, optimizer, cfg, partitions, device)
     rows = []  # two per rank: (machine, device number, bytes needed, bytes free)
     for _block, path, need in blocks:
         rows += [machine_id(), os.stat(path).st_dev, need + SLACK, free_bytes(path)]
@@ -91,12 +98,13 @@ def check_disk_room(model, optimizer, cfg, comm, partitions: int, device):
     mine = [(block, path, need) for block, path, need in blocks
             if (machine_id(), os.stat(path).st_dev) in short]
     if mine:
-        block, path, need = mine[0]
+        block, path, _ = mine[0]
         needed, free, ranks = short[(machine_id(), os.stat(path).st_dev)]
+        mine_there = sum(n + SLACK for _b, _p, n in mine)
         raise OSError(errno.ENOSPC, f"zero.initialize: {block}.nvme_path {path!r} has "
                                     f"{size_text(free)} free, but the offload files of rank(s) "
                                     f"{ranks} on that disk need {size_text(needed)} (this rank's: "
-                                    f"{size_text(need + SLACK)}); free space there, use more "
+                                    f"{size_text(mine_there)}); free space there, use more "
                                     "ranks, or offload less")
     ranks = sorted({r for _need, _free, rs in short.values() for r in rs})
     raise OSError(errno.ENOSPC, f"zero.initialize: the offload disk(s) of rank(s) {ranks} "
