@@ -13,6 +13,7 @@ import shutil
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 import torch
 from torch import nn
@@ -433,6 +434,13 @@ def test_refuses_what_it_cannot_save(tmp_path):
         engine.save_checkpoint(None)
     assert sorted(os.listdir(tmp_path)) == ["last", "latest"]
     assert engine.load_checkpoint(tmp_path)[1] == {"epoch": 1}
+    # what torch's weights_only load reads back is kept: bool keys, numpy's
+    # integers as tags (as DeepSpeed's str(tag)); a tag an earlier version
+    # saved with a space at its end still loads by its name
+    engine.save_checkpoint(tmp_path, tag=np.int64(7), client_state={True: 3})
+    assert engine.load_checkpoint(tmp_path, tag=7)[1] == {True: 3}
+    os.rename(tmp_path / "7", tmp_path / "old ")
+    assert engine.load_checkpoint(tmp_path, tag="old ")[1] == {True: 3}
     with pytest.raises(FileNotFoundError, match="does not exist .a file of that name does"):
         engine.load_checkpoint(tmp_path / "latest")
     tokens, targets = batches("cpu", 1)[0]

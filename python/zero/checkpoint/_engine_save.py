@@ -187,7 +187,8 @@ def save(engine, save_dir, tag=None, client_state=None, save_latest=True) -> str
             "from it would step without them. Call it after engine.step(), or drop them with "
             "engine.zero_grad() first")
     try:
-        tag = check_tag(f"global_step{engine.global_steps}" if tag is None else tag)
+        tag = check_tag(f"global_step{engine.global_steps}" if tag is None else tag,
+                        saving=True)
         if not isinstance(save_dir, (str, os.PathLike)):
             raise TypeError(f"save_dir must be a path, got {type(save_dir).__name__} "
                             f"{save_dir!r}")

@@ -23,6 +23,7 @@ strings, lists and dicts, so torch.load(weights_only=True) reads it.
 """
 from __future__ import annotations
 
+import numbers
 import os
 import pickle
 import pickletools
@@ -63,9 +64,9 @@ def check_plain(value, where: str):
     kind = type(value)
     if kind in _DICTS:
         for k, v in value.items():
-            if type(k) not in (str, int):
+            if type(k) not in (str, int, bool):  # weights_only reads these back
                 raise TypeError(f"{where} has a key of type {type(k).__name__}; a checkpoint "
-                                "keeps str and int keys only (not their subclasses)")
+                                "keeps str, int and bool keys only (not their subclasses)")
             check_plain(v, f"{where}[{k!r}]")
     elif kind in _SEQUENCES:
         for i, v in enumerate(value):
@@ -88,16 +89,19 @@ def check_plain(value, where: str):
                         "dicts of them (so it loads with torch.load(weights_only=True))")
 
 
-def check_tag(tag) -> str:
+def check_tag(tag, saving: bool = False) -> str:
     """A tag names a directory inside the checkpoint directory, never a
     path out of it (an absolute path, or one through '..'), nor one of the
-    names a save works under. An int is taken as its digits, as DeepSpeed
-    takes a step count."""
-    if type(tag) not in (str, int):
+    names a save works under. An integer (numpy's too) is taken as its
+    digits, as DeepSpeed takes a step count. saving: a new tag, which also
+    may not have white space at an end or control characters (`latest` is
+    read stripped: such a tag saved, and did not resume); one an earlier
+    version saved still loads by its name."""
+    if isinstance(tag, numbers.Integral) and not isinstance(tag, bool):
+        tag = str(int(tag))
+    if type(tag) is not str:
         raise TypeError(f"tag must be a str (or an int), got {type(tag).__name__} {tag!r}")
-    tag = str(tag)
-    if tag != tag.strip() or any(ord(c) < 32 or ord(c) == 127 for c in tag):
-        # `latest` is read stripped: such a tag saved, and did not resume
+    if saving and (tag != tag.strip() or any(ord(c) < 32 or ord(c) == 127 for c in tag)):
         raise ValueError(f"tag {tag!r} has leading or trailing white space or a control "
                          "character; choose a plain name")
     separators = {"/", os.sep, os.altsep} - {None}

@@ -60,7 +60,7 @@ def convert_deepspeed(ds_dir, out_dir, *, tag=None, out_tag=None, trust_pickle=F
             raise TypeError(f"trust_pickle must be True or False, got {trust_pickle!r}")
         raise PermissionError(TRUST_PICKLE_WHY)
     path = tag_directory(os.fspath(ds_dir), tag)
-    out_tag = check_tag(out_tag or os.path.basename(os.path.normpath(path)))
+    out_tag = check_tag(out_tag or os.path.basename(os.path.normpath(path)), saving=True)
     _check_output(os.fspath(out_dir), path)
     converted = _read(path)
     meta, shard = _zero_files(converted, path)
