@@ -187,3 +187,29 @@ def test_checkpoints_under_other_tags_are_refused_on_both(results, stage):
         assert unchanged
         assert "not in the same engine call" in save_error, save_error
         assert f"save_checkpoint(tag='rank{rank}')" in save_error
+
+
+def _gathered_in_another_order(rank, world, stage):
+    """zero.GatheredParameters over the same parameters listed in another
+    order on each rank (as a set of them is: its order follows the
+    tensors' ids), with a write on rank 0."""
+    import torch
+    import zero
+    engine = _engine(stage)
+    params = list(engine.module.parameters())
+    if rank == 1:
+        params.reverse()
+    with zero.GatheredParameters(params, modifier_rank=0), torch.no_grad():
+        if rank == 0:
+            engine.module[0].bias.fill_(3.0)
+    state = engine.full_state_dict()
+    engine.close()
+    return state["0.bias"].tolist()
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_gathered_parameters_agree_whatever_the_order_they_are_given_in(stage):
+    """Before: the units were agreed in the caller's order: refused on
+    every rank (stage 3's two units; at stage 1 one group, one unit)."""
+    for bias in harness.run(2, _gathered_in_another_order, stage, timeout=120):
+        assert bias == [3.0] * 8

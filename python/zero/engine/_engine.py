@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import numbers
 import weakref
 
 import torch
@@ -387,7 +388,9 @@ class Engine(DeepSpeedQueries, BatchCalls, CheckpointCalls, EngineReports, nn.Mo
         self._check_open()
         self._check_trains("clip_grad_norm_")
         refusal = None
-        if isinstance(max_norm, bool) or not isinstance(max_norm, (int, float)):
+        if torch.is_tensor(max_norm) and max_norm.numel() == 1:
+            max_norm = max_norm.item()  # as torch's clip_grad_norm_ takes it
+        if isinstance(max_norm, bool) or not isinstance(max_norm, numbers.Real):
             refusal = TypeError(f"max_norm must be a number > 0, got {max_norm!r}")
         elif not max_norm > 0:
             refusal = ValueError(f"max_norm must be > 0, got {max_norm}")

@@ -60,6 +60,11 @@ class GatheredParameters:
                 self._units.append(place)
             j = next(j for j, q in enumerate(place.unit.params) if q is p)
             self._listed.append((place.fg, place.unit, j))
+        # in the model's order, not the caller's: a set of parameters (ordered
+        # by their ids, which differ per process) gathered, agreed and wrote
+        # back in another order on each rank
+        self._units.sort(key=lambda place: (place.fg.index, place.unit.index))
+        self._listed.sort(key=lambda item: (item[0].index, item[1].index, item[2]))
         # the engine's ranks: those of the group it partitions over (mesh=)
         world = self._units[0].fg.comm.dp_world if self._units else \
             world_size()
