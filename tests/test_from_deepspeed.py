@@ -264,3 +264,17 @@ def test_loading_deepspeeds_directory_names_the_converter(monkeypatch):
                        "python -m zero.checkpoint.from_deepspeed"):
         engine.load_checkpoint(str(CHECKPOINTS / "world2-stage2"))
     engine.close()
+
+
+def test_two_conversions_of_one_checkpoint_are_one_save(tmp_path):
+    """Each machine converting its own copy (node-local disks) made save
+    ids of their own, and load_checkpoint, which compares the ranks' save
+    ids, refused them on every rank."""
+    from zero.checkpoint._format import CheckpointReader
+    ids = []
+    for out in ("a", "b"):
+        path = convert_deepspeed(copy_of(tmp_path / out), tmp_path / out / "zero",
+                                 trust_pickle=True)
+        ids.append(CheckpointReader(path).meta["save_id"])
+    other = convert_deepspeed(CHECKPOINTS / "world2-stage3", tmp_path / "c", trust_pickle=True)
+    assert ids[0] == ids[1] != CheckpointReader(other).meta["save_id"]

@@ -13,6 +13,7 @@ DeepSpeed's pickles] says, and only when the caller says it trusts them
 from __future__ import annotations
 
 import os
+import zlib
 import warnings
 
 import torch
@@ -175,9 +176,29 @@ def _plain_or_dropped(value, where):
         return None, str(why)
 
 
+def _save_id_of(path) -> int:
+    """The converted checkpoint's save id, from what it was converted from
+    (its tag, and each DeepSpeed file's name, size and first and last MiB):
+    copies of one DeepSpeed checkpoint converted on each machine (node-local
+    disks) load together, as load_checkpoint compares the ranks' save ids;
+    a random id refused them."""
+    h = zlib.crc32(os.path.basename(os.path.normpath(path)).encode())
+    for name in sorted(os.listdir(path)):
+        file = os.path.join(path, name)
+        if not os.path.isfile(file):
+            continue
+        size = os.path.getsize(file)
+        h = zlib.crc32(f"{name}:{size}".encode(), h)
+        with open(file, "rb") as f:
+            h = zlib.crc32(f.read(1 << 20), h)
+            f.seek(max(0, size - (1 << 20)))
+            h = zlib.crc32(f.read(1 << 20), h)
+    return h
+
+
 def _zero_files(c, path) -> tuple:
     ms, ds_config = c["model_states"], c["model_states"].get("ds_config") or {}
-    save_id = int.from_bytes(os.urandom(7), "little")
+    save_id = _save_id_of(path)
     spec = SPECS[c["optimizer"]]
     params = {name: {"shape": list(shape), "numel": int(torch.Size(shape).numel()),
                      "trainable": name not in c["frozen"]} for name, shape in c["shapes"].items()}
