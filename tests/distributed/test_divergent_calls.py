@@ -9,6 +9,7 @@ silently), saved under other tags (an error that blamed the filesystem),
 zero.GatheredParameters entered with other parameters (wrong values) or
 another modifier_rank (a hang)."""
 import os
+import re
 
 import pytest
 
@@ -144,9 +145,9 @@ def test_a_step_skipped_at_other_batches_raises_on_both(results, stage):
         assert error is not None and "not in the same engine call" in error, (rank, error)
         assert batch == 1 + rank  # each rank's second step(), or at stage 3 its forward
         if stage < 3:
-            assert f"and {1 + rank} backwards at update 1" in error, error
+            assert re.search(f"and {1 + rank} backwards of engine \\d+ at update 1", error), error
         else:  # caught before by the forward's agreement: a collective there
-            assert ("step()" if rank == 0 else "forward 3 at stage 3") in error, error
+            assert ("step()" if rank == 0 else "forward 3 of engine") in error, error
 
 
 @pytest.mark.parametrize("call", ["eval", "generate"])
@@ -156,9 +157,9 @@ def test_a_stage3_call_on_rank_0_alone_raises_on_both(results, call):
     generate() aborted inside gloo or waited out the timeout."""
     mine, theirs = results[0][call], results[1][call]
     assert "not in the same engine call" in mine and "not in the same engine call" in theirs
-    assert ("forward 2 at stage 3 (no grad, train)" if call == "eval" else "generate()") \
-        in mine, mine
-    assert "forward 2 at stage 3 (grad, train)" in theirs, theirs
+    assert re.search(r"forward 2 of engine \d+ \(no grad, train\)" if call == "eval" else
+                     r"generate\(\) of engine", mine), mine
+    assert re.search(r"forward 2 of engine \d+ \(grad, train\)", theirs), theirs
 
 
 @pytest.mark.parametrize("case", ["params", "modifier"])
@@ -213,3 +214,39 @@ def test_gathered_parameters_agree_whatever_the_order_they_are_given_in(stage):
     every rank (stage 3's two units; at stage 1 one group, one unit)."""
     for bias in harness.run(2, _gathered_in_another_order, stage, timeout=120):
         assert bias == [3.0] * 8
+
+
+def _two_engines_in_other_orders(rank, world, stage):
+    """Two engines of the same architecture; rank 0 runs (stage 3) or steps
+    (stages 1-2) the first then the second, rank 1 the other way round."""
+    import torch
+    first, second = _engine(stage), _engine(stage)
+    x = torch.randn(4, 6, generator=torch.Generator().manual_seed(rank))
+    order = (first, second) if rank == 0 else (second, first)
+
+    def run():
+        if stage == 3:
+            with torch.no_grad():
+                for engine in order:
+                    engine(x)
+        else:
+            for engine in (first, second):
+                engine.backward(engine(x).square().mean())
+            for engine in order:
+                engine.step()
+    error = _attempt(run)
+    first.close()
+    second.close()
+    return error
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_two_engines_called_in_other_orders_raise_on_both(stage):
+    """Before: each engine's call agreed with the other engine's on the
+    other rank (equal counts, equal unit indices): stage 3's forwards gave
+    mixed values, and at stages 1-2 each rank's first engine took the
+    other's update, silently."""
+    for rank, error in enumerate(harness.run(2, _two_engines_in_other_orders, stage,
+                                             timeout=120)):
+        assert error is not None and "not in the same engine call" in error, (rank, error)
+        assert re.search(r"of engine \d+", error)

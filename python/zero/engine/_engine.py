@@ -18,7 +18,9 @@ step the LR scheduler (not on a skipped step).
 """
 from __future__ import annotations
 
+import collections
 import contextlib
+import itertools
 import math
 import numbers
 import weakref
@@ -65,6 +67,9 @@ from zero.config._config import Config
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
+_SERIALS = collections.defaultdict(itertools.count)
+
+
 class Engine(DeepSpeedQueries, BatchCalls, CheckpointCalls, EngineReports, nn.Module):
     """What zero.initialize returns: the model wrapped for ZeRO training.
     Call it as the model (inputs are cast to the compute dtype), then
@@ -104,6 +109,10 @@ class Engine(DeepSpeedQueries, BatchCalls, CheckpointCalls, EngineReports, nn.Mo
                                            self.step_path, self.device)
         self.stage = config.stage
         self.policy = StagePolicy.of(config.stage)
+        # the engines made over these ranks, in order (the same on each: a
+        # collective), in each agreed call: ranks calling two engines in
+        # other orders raise instead of pairing them
+        self.serial = next(_SERIALS[tuple(comm.everyone.global_ranks)])
         self.micro_steps = 0
         self.global_steps = 0
         self.step_was_skipped = False
@@ -225,7 +234,7 @@ class Engine(DeepSpeedQueries, BatchCalls, CheckpointCalls, EngineReports, nn.Mo
                     units=units_of([p for _, p in frozen], owners), trainable=False,
                     device=self.device, param_files=shard_files("frozen"),
                     copier=self._copier)
-            self._schedule = Stage3Schedule(module, self.all_groups, comm, config,
+            self._schedule = Stage3Schedule(module, self.all_groups, comm, config, self.serial,
                                             self._backward, self._unit_roots)
         self._param_groups_seen = len(optimizer.param_groups)
         me = weakref.ref(self)
@@ -413,7 +422,8 @@ class Engine(DeepSpeedQueries, BatchCalls, CheckpointCalls, EngineReports, nn.Mo
     def call_text(self, call: str) -> str:
         """`call` with this engine's counts, as the ranks compare it
         ([Note: writes agreed] in _step_agreement.py)."""
-        return f"{call} at update {self.global_steps}, micro-step {self.micro_steps}"
+        return f"{call} of engine {self.serial} at update {self.global_steps}, micro-step " \
+            f"{self.micro_steps}"
 
     def step(self):
         """At the accumulation boundary: reduce the gradients over the

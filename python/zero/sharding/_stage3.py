@@ -59,9 +59,9 @@ _HASH_MOD = (1 << 61) - 1
 
 
 class Stage3Schedule(SavedParameters, PassOrder):
-    def __init__(self, root, groups, comm, config, backward, roots):
-        """roots: the _unit_roots.UnitRoots the units were made from."""
-        self.comm = comm
+    def __init__(self, root, groups, comm, config, serial, backward, roots):
+        """serial: Engine.serial; roots: the _unit_roots.UnitRoots of the units."""
+        self.comm, self.serial = comm, serial
         # [Note: backward lifecycle] in _backward.py: the engine's, with
         # this schedule's own start, end and reset added
         self.backward = backward
@@ -311,9 +311,9 @@ class Stage3Schedule(SavedParameters, PassOrder):
         the modes: an evaluation on some ranks only met the others' next
         training forward, agreed, and hung in the backward's gathers."""
         self.forwards += 1
-        mode = ("grad" if torch.is_grad_enabled() else "no grad",
-                "train" if self.modules[0].training else "eval")
-        agree_on_call(self.comm, f"forward {self.forwards} at stage 3 ({', '.join(mode)})")
+        mode = f"{'grad' if torch.is_grad_enabled() else 'no grad'}, " \
+            f"{'train' if self.modules[0].training else 'eval'}"
+        agree_on_call(self.comm, f"forward {self.forwards} of engine {self.serial} ({mode})")
 
     def _check_same_gathers(self):
         """Raise if another rank gathered other units in this pass (see
