@@ -1032,3 +1032,20 @@ def test_engines_one_after_another_leave_the_excepthook_as_it_was():
     for _ in range(3):
         _engine(_model(), 1).close()
     assert sys.excepthook is before
+
+
+def test_an_engine_is_not_copied_and_says_what_to_copy():
+    """Before: cannot pickle 'zero._C.BucketHook' (or 'zero._C.Buffer', or
+    a lambda of the optimizer's spec)."""
+    import copy
+    import io
+    import pickle
+    for stage in (0, 2):
+        engine = _engine(_model(), stage)
+        for attempt in (lambda: copy.deepcopy(engine), lambda: pickle.dumps(engine),
+                        lambda: torch.save(engine, io.BytesIO())):
+            with pytest.raises(TypeError, match="a zero engine is not copied .* copy its "
+                                                 "model, engine.module"):
+                attempt()
+        copy.deepcopy(engine.module)  # what it says works
+        engine.close()

@@ -39,6 +39,7 @@ from zero.engine._construction import (apply_aio, broadcast_buffer, cast_module,
                                        param_files, units_of, warn_if_narrowed)
 from zero.engine._handback import forget_dropped, hand_back, record_dtypes
 from zero.engine._reports import EngineReports
+from zero.engine._not_copied import NotCopied
 from zero.engine._routes import call_alive, guard_optimizer, on_each_grad
 from zero.engine._unchanged import check_optimizer_unchanged
 from zero.sharding._copying import ModuleHook
@@ -65,12 +66,11 @@ from zero.step._step_path import step_path_for
 from zero.config._config import Config
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+_SERIALS = collections.defaultdict(itertools.count)  # Engine.serial by the ranks
 
 
-_SERIALS = collections.defaultdict(itertools.count)
-
-
-class Engine(DeepSpeedQueries, BatchCalls, CheckpointCalls, EngineReports, nn.Module):
+class Engine(DeepSpeedQueries, BatchCalls, CheckpointCalls, EngineReports, NotCopied,
+             nn.Module):
     """What zero.initialize returns: the model wrapped for ZeRO training.
     Call it as the model (inputs are cast to the compute dtype), then
     engine.backward(loss) and engine.step(). Its attributes: module,
