@@ -1049,3 +1049,26 @@ def test_an_engine_is_not_copied_and_says_what_to_copy():
                 attempt()
         copy.deepcopy(engine.module)  # what it says works
         engine.close()
+
+
+def test_a_frozen_parameter_a_stage_2_engine_keeps_is_not_partitioned_under_it():
+    """A frozen embedding shared by a student (stage 2, where frozen
+    parameters stay whole in no group) and a teacher under
+    zero.inference(stage=3): the teacher released it to a placeholder under
+    the student, whose model and checkpoints then held nothing of it.
+    Refused by name; another stage 0-2 engine may share it."""
+    shared = nn.Embedding(10, 6)
+    shared.requires_grad_(False)
+    student = nn.Sequential(shared, nn.Linear(6, 3))
+    teacher = nn.Sequential(shared, nn.Linear(6, 3))
+    engine = zero.initialize(student, optimizer=torch.optim.SGD(student[1].parameters(), lr=0.1),
+                             stage=2)
+    with pytest.raises(ValueError, match="parameter '0.weight' is trained by another zero "
+                                         "engine .* shares this parameter"):
+        zero.inference(teacher, stage=3)
+    assert shared.weight.shape == (10, 6)
+    other = zero.initialize(teacher, optimizer=torch.optim.SGD(teacher[1].parameters(), lr=0.1),
+                            stage=1)
+    other.close()
+    engine.close()
+    zero.inference(teacher, stage=3).close()  # once the student's engine is closed

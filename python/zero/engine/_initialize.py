@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import weakref
 
 import torch
 from torch import nn
@@ -114,8 +115,8 @@ def initialize(model: nn.Module, *, optimizer=None, stage=None, precision=None,
     if previous is not None and previous() is not None:
         # a re-run notebook cell: the old engine's hooks must not fire twice
         previous().close()
-    _check_parameters_free(model)
     cfg = resolve_config(config, stage, precision, options)
+    _check_parameters_free(model, partitions=cfg.stage == 3)
     path_problem = _nvme_path_problem(cfg)  # raised once the ranks know (below)
     if not any(True for _ in model.parameters()):
         raise ValueError("the model has no parameters; nothing to train")
@@ -168,6 +169,10 @@ def initialize(model: nn.Module, *, optimizer=None, stage=None, precision=None,
                         tensor_parallel=tensor_parallel, pipeline=pipeline,
                         inference=_inference)
         model._zero_engine = EngineRef(engine)
+        if cfg.stage != 3:  # its frozen parameters stay whole, in no group
+            for p in model.parameters():
+                if "_zero_place" not in p.__dict__:
+                    p._zero_held_whole = weakref.ref(engine)
         return engine
     except BaseException:
         if engine is None:
@@ -253,18 +258,24 @@ def _check_not_partitioned_over_the_world(model: nn.Module) -> None:
                              "on a group")
 
 
-def _check_parameters_free(model: nn.Module) -> None:
+def _check_parameters_free(model: nn.Module, partitions: bool) -> None:
     """Refuse parameters another live engine trains (a model containing an
     engine's model, or a part of one) and stage-3 placeholders whose
     values are gone (an engine dropped without close(), or an initialize
-    that failed half-way)."""
+    that failed half-way). partitions: the new engine is at stage 3, so a
+    frozen parameter a stage 0-2 engine keeps whole (in no group) is
+    refused too: released to a placeholder, it left that engine's model
+    empty and its checkpoints unreadable."""
     for name, p in model.named_parameters():
         place = p.__dict__.get("_zero_place")
         owner = place.engine() if place is not None else None
+        if owner is None and partitions and "_zero_held_whole" in p.__dict__:
+            owner = p._zero_held_whole()
         if owner is not None and not owner._closed:
             raise ValueError(f"parameter '{name}' is trained by another zero engine (this "
-                             "model contains that engine's model, or is a part of it): call "
-                             "that engine's close() first")
+                             "model contains that engine's model, or is a part of it, or "
+                             "shares this parameter with it): call that engine's close() "
+                             "first, or give each model its own copy")
         lost = p.__dict__.get("_zero_lost", False) or \
             (place is not None and not place.unit.gathered and p.numel() == 0)
         if lost:
