@@ -250,3 +250,33 @@ def test_two_engines_called_in_other_orders_raise_on_both(stage):
                                              timeout=120)):
         assert error is not None and "not in the same engine call" in error, (rank, error)
         assert re.search(r"of engine \d+", error)
+
+
+def _initialize_again_with_its_optimizer(rank, world):
+    """zero.initialize(model, optimizer=the live engine's) on 2 ranks after
+    an AdamW step (its states are counted steps): refused, the live engine
+    untouched (it still gathers its state)."""
+    import torch
+    from torch import nn
+    import zero
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3))
+    engine = zero.initialize(model, optimizer=torch.optim.AdamW(model.parameters()), stage=2)
+    x = torch.randn(4, 6, generator=torch.Generator().manual_seed(rank))
+    engine.backward(engine(x).square().mean())
+    engine.step()
+    error = _attempt(lambda: zero.initialize(engine.module, optimizer=engine.optimizer,
+                                             stage=2))
+    saved = not engine._closed and len(engine.full_state_dict()) == 4  # still whole, collective
+    engine.close()
+    return error, saved
+
+
+def test_initialize_again_with_the_live_engines_optimizer_keeps_that_engine():
+    """Before: initialize closed the live engine first, then refused the
+    optimizer whose states the close left partitioned, and pointed at a
+    save_checkpoint() no engine was left to make."""
+    for error, saved in harness.run(2, _initialize_again_with_its_optimizer, timeout=120):
+        assert error.startswith("zero.initialize again on a model whose live engine trains "
+                                "it, with that engine's optimizer, on 2 ranks"), error
+        assert saved

@@ -114,6 +114,7 @@ def initialize(model: nn.Module, *, optimizer=None, stage=None, precision=None,
     previous = getattr(model, "_zero_engine", None)
     if previous is not None and previous() is not None:
         # a re-run notebook cell: the old engine's hooks must not fire twice
+        _check_states_kept(previous(), optimizer)
         previous().close()
     cfg = resolve_config(config, stage, precision, options)
     _check_parameters_free(model, partitions=cfg.stage == 3)
@@ -182,6 +183,24 @@ def initialize(model: nn.Module, *, optimizer=None, stage=None, precision=None,
         else:  # its finalizer leaves, once
             engine._leave_group()
         raise
+
+
+def _check_states_kept(previous, optimizer):
+    """Before initialize closes the live engine of the model: on several
+    ranks close() leaves a trained optimizer's states partitioned (the
+    optimizer then refuses a new initialize), so one given again would be
+    refused only after the engine that held its states was gone."""
+    if previous._closed or optimizer is None or optimizer is not previous.optimizer or \
+            previous._comm.everyone.world == 1 or \
+            not any(fg.step_count > 0 for fg in previous.groups):
+        return
+    raise ValueError(
+        "zero.initialize again on a model whose live engine trains it, with that engine's "
+        f"optimizer, on {previous._comm.everyone.world} ranks: closing it would leave the "
+        "optimizer's states partitioned over the ranks, and a new engine could not take them. "
+        "The engine is left as it was: train on with it, or save_checkpoint() it, close() "
+        "it and load the checkpoint into the new engine (or give the new engine a new "
+        "optimizer)")
 
 
 def _check_not_wrapped(model):
