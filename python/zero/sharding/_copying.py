@@ -53,6 +53,19 @@ class EngineRef:
         return (none, ())
 
 
+_OUTSIDE = []
+
+
+def _outside_graph():
+    """f(*args) run as Python, outside any graph torch.compile makes of the
+    module: traced, stage 3's gathers and releases failed inside dynamo.
+    Made at the first compilation: torch.compiler.disable imports dynamo,
+    a second a process at `import zero` when it decorated the hook."""
+    if not _OUTSIDE:
+        _OUTSIDE.append(torch.compiler.disable(lambda f, *args, **kwargs: f(*args, **kwargs)))
+    return _OUTSIDE[0]
+
+
 class ModuleHook:
     """A module hook of the engine's. `whole()` says whether the module's
     parameters are all there to copy (stage 3: gathered). No __slots__:
@@ -62,11 +75,9 @@ class ModuleHook:
         self.function = function
         self.whole = whole
 
-    # run as Python, outside any graph torch.compile makes of the module:
-    # traced, stage 3's gathers and releases failed inside dynamo (0.26 us a
-    # call more)
-    @torch.compiler.disable
     def __call__(self, *args, **kwargs):
+        if torch.compiler.is_compiling():  # traced by dynamo: run it as Python
+            return _outside_graph()(self.function, *args, **kwargs)
         return self.function(*args, **kwargs)
 
     def _check_whole(self):
