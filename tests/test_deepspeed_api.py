@@ -309,7 +309,7 @@ def test_the_aio_block_sets_zeros_disk_engine(one_process, tmp_path):
         engine.close()
     finally:
         set_io(queue_depth=previous["queue_depth"], block_size=previous["block_size"])
-    for bad, match in (({"block_size": 0}, "aio.block_size must be a positive integer"),
+    for bad, match in (({"block_size": 0}, "aio.block_size must be an integer from 1 to 2"),
                        ({"use_gds": True}, "GPUDirect Storage is not supported"),
                        ({"queue_dept": 8}, "aio.queue_dept: not a DeepSpeed key")):
         with pytest.raises(ValueError, match=match):
