@@ -5,6 +5,8 @@ with a bare AttributeError ('Sequential' object has no attribute 'cfg',
 with torch's placement errors."""
 from __future__ import annotations
 
+from zero.config._values import require_bool
+
 
 def check_line(mesh, name: str, dim: str):
     """mesh: one dimension of a DeviceMesh (mesh["tp"] or mesh["pp"]), or
@@ -30,5 +32,4 @@ def check_model(model, needs: tuple, what: str, call: str):
 
 def check_flags(**flags):
     for name, value in flags.items():
-        if not isinstance(value, bool):
-            raise TypeError(f"{name} must be True or False, got {value!r}")
+        require_bool(value, name)
