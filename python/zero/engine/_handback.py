@@ -38,7 +38,42 @@ def hand_back(engine):
             fg.param_files.close()
     if engine._monitor is not None:
         engine._monitor.close()
+    drop_engine_buffers(engine)
     engine._leave_group()
+
+
+def drop_engine_buffers(engine):
+    """close(), last: the engine lets go of its own buffers (shards,
+    masters, gradient partitions and buckets, optimizer states, stage 3's
+    gather pool). The model and the optimizer hold what was handed back
+    (a view keeps its storage), and a closed engine refuses every call that
+    would read them; but a name kept after close() (`engine` in a notebook)
+    or the last loss of a stage-3 run (its graph's hooks hold the schedule
+    and the groups) kept all of them alive: about the model states twice
+    over. Gradients of stages 0-1 are views of the engine's flat buffer:
+    handed back only if a backward left values in them since the step
+    (zeros are what None means to torch), so the buffer goes otherwise."""
+    for fg in engine.all_groups:
+        flat = getattr(fg, "grad_flat", None)  # a frozen group has none
+        if flat is not None and not bool(flat.any()):
+            for p in fg.params:
+                if p.grad is not None and \
+                        p.grad.untyped_storage().data_ptr() == \
+                        flat.untyped_storage().data_ptr():
+                    p.grad = None
+        if fg.reducer is not None:
+            fg.reducer.detach()
+        fg.reducer = None
+        fg.states = {}
+        fg.buffers, fg.tensors, fg._registered_at = {}, {}, {}
+        fg.shard = fg.master = fg.grad_flat = fg.grad_part = None
+        fg.delayed_grad = fg.delayed_params = None
+        fg.host_windows = {}
+        for unit in fg.units:
+            unit.full = None
+            unit._spare = None
+    if engine._schedule is not None:
+        engine._schedule.pool = None
 
 
 def forget_dropped(hooks, groups, unplace):
