@@ -45,6 +45,7 @@ from torch import nn
 from torch.autograd.graph import register_multi_grad_hook, saved_tensors_hooks
 
 from zero.comm._gather_together import SMALL_UNIT, gather_together
+from zero.sharding._backward_hooks import gather_around_backward_hooks
 from zero.sharding._copying import ModuleHook
 from zero.sharding._outputs import detach_from_units, tensors_in
 from zero.sharding._param_writes import check_released_untouched
@@ -143,6 +144,7 @@ class Stage3Schedule(SavedParameters, PassOrder):
                 self.hooks.append(module.register_state_dict_post_hook(
                     ModuleHook(self._hook_state_dict(units))))
                 self.hooks += hook_state_loads(module, units)  # [Note: state dict loads]
+        self.hooks += gather_around_backward_hooks(self, root, place)  # in _backward_hooks.py
         for module in root.modules():
             if isinstance(module, nn.MultiheadAttention) and roots.root(module) is None:
                 # its forward reads out_proj's weights without calling out_proj
@@ -174,14 +176,11 @@ class Stage3Schedule(SavedParameters, PassOrder):
         index = len(self.modules)
         self.modules.append(module)
         self.entered.append(0)
-        # a copy of the module gets hooks that do nothing, or none at all
-        # while its parameters are released (see _copying.py)
-        whole = self._whole_check(module)
+        whole = self._whole_check(module)  # a copy's hooks: see _copying.py
         # first: the model's own pre-hooks (old weight_norm's) read the gather
         self.hooks.append(module.register_forward_pre_hook(
             ModuleHook(self._hook_pre_forward(index), whole), prepend=True))
-        # with the keyword arguments: a block called as block(hidden_states=x)
-        # has its inputs there (the frozen-unit release waits for them)
+        # with kwargs: a block(hidden_states=x)'s inputs are there (frozen units)
         self.hooks.append(module.register_forward_hook(
             ModuleHook(self._hook_post_forward(index, module is self.root), whole),
             always_call=True, with_kwargs=True))
