@@ -71,3 +71,15 @@ def detach_from_units(units, output):
     if isinstance(output, torch.Tensor):
         return copy_if_view(output)  # a block's usual output: no pytree walk
     return map_tensors(copy_if_view, output)
+
+
+def node_key(tensor):
+    """A non-leaf tensor's place in the autograd graph: its node's id and
+    which of the node's outputs it is. Not the node itself: the key lives
+    in a hook that autograd keeps on that node, and a node that holds
+    itself through its own hook is a cycle through C++ that Python's
+    collector never frees (every graph of a forward without a backward
+    stayed, with its activations, and kept the engine alive after close()).
+    Ids are looked up while the graph lives; Stage3Schedule.release_with
+    empties each pass."""
+    return id(tensor.grad_fn), tensor.output_nr

@@ -214,6 +214,31 @@ def check_released_untouched(fg, unit):
             raise _lost_change(fg, unit, j)
 
 
+def write_in_forward_refusal(fg, unit):
+    """The error for a released unit's parameter written in place while
+    its module's forward had it gathered (w.clamp_() under no_grad), or
+    None. The release drops the gathered values, so the write would be
+    lost, and the backward would compute with the values from before it:
+    refused as the forward ends, before anything trains on it (it used to
+    surface at the next gather, blamed on a write outside the forward,
+    after a step of gradients taken at other weights). The engine goes on
+    from the values it kept."""
+    seen = getattr(fg, "seen_versions", None)
+    first, params = unit.members.start, unit.params
+    if seen is None or list(map(_VERSION, params)) == seen[first:first + len(params)]:
+        return None
+    j = next(j for j, p in enumerate(params) if p._version != seen[first + j])
+    fg.seen_versions[first:first + len(params)] = [p._version for p in params]
+    return RuntimeError(
+        f"parameter '{fg.names[first + j]}' was written in place during a forward at stage 3 "
+        "(an in-place op on the parameter, e.g. w.clamp_() under torch.no_grad()). Its unit is "
+        "released when the forward ends, which would drop the write, and its backward would "
+        "use the values from before it, so the forward is refused; the engine goes on from "
+        "the values it had. Make the write between steps inside "
+        "zero.GatheredParameters([w], modifier_rank=0), keep the unit gathered "
+        "(stage3_param_persistence_threshold above its size), or use stage 2")
+
+
 def _lost_change(fg, unit, j) -> RuntimeError:
     """The error for a change the released unit cannot keep. The change is
     dropped as it is reported (the placeholder back, the version seen), so

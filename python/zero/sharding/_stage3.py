@@ -47,8 +47,9 @@ from torch.autograd.graph import register_multi_grad_hook, saved_tensors_hooks
 from zero.comm._gather_together import SMALL_UNIT, gather_together
 from zero.sharding._backward_hooks import gather_around_backward_hooks
 from zero.sharding._copying import ModuleHook
-from zero.sharding._outputs import detach_from_units, tensors_in
-from zero.sharding._param_writes import check_released_untouched
+from zero.sharding._outputs import detach_from_units, node_key, tensors_in
+from zero.sharding._param_writes import check_released_untouched, \
+    write_in_forward_refusal
 from zero.sharding._pass_order import PassOrder
 from zero.sharding._saved_parameters import SavedParameters, outer_saved_tensors_hooks
 from zero.sharding._state_loads import hook_state_loads
@@ -273,18 +274,24 @@ class Stage3Schedule(SavedParameters, PassOrder):
         unit.work = None
         self._gathered(fg, unit)
 
-    def release(self, unit):
+    def release(self, unit, after_forward=False):
+        """after_forward: at a forward's end, which returns the refusal of a
+        write made in it (write_in_forward_refusal), if any."""
         if unit.persistent or unit.active > 0:
-            return
+            return None
         if unit.work is not None:
             unit.work.wait()
             unit.work = None
             self._gathered(self.place[id(unit.params[0])][0], unit)
+        refusal = None
         if unit.gathered:
+            if after_forward:
+                refusal = write_in_forward_refusal(self.place[id(unit.params[0])][0], unit)
             self.live -= unit.total
             pool = self.pool if self.pool is not None and \
                 self.pool.fits(self._pool_room(unit), unit) else None
             self._keyed_anew(unit, unit.release(pool))
+        return refusal
 
     def _pool_room(self, unit) -> int:
         """Bytes the gather pool may hold: gathered + pooled stays within
@@ -384,8 +391,10 @@ class Stage3Schedule(SavedParameters, PassOrder):
                 if self.max_reuse > 0:  # [Note: reuse distance] in _pass_order.py
                     leaving = [u for u in leaving if not self._reused_soon(u)]
                 output = detach_from_units(leaving, output)
-                for unit in leaving:
-                    self.release(unit)
+                refusals = [self.release(unit, after_forward=True) for unit in leaving]
+                refused = next((r for r in refusals if r is not None), None)
+                if refused is not None:
+                    raise refused
             if torch.is_grad_enabled():
                 # leaves (a parameter returned as it is) have no backward to
                 # wait for, and a hook on one would stay for good
@@ -399,7 +408,7 @@ class Stage3Schedule(SavedParameters, PassOrder):
                     # shortcut below: a fifth off stage 3's overhead
                     # (bench/stage3_overhead.py)
                     tensors[0].register_hook(self._hook_pre_backward(
-                        index, is_root, _node_key(tensors[0])))
+                        index, is_root, node_key(tensors[0])))
                 elif tensors:
                     register_multi_grad_hook(tensors, self._hook_pre_backward(index, is_root),
                                              mode="any")
@@ -439,7 +448,7 @@ class Stage3Schedule(SavedParameters, PassOrder):
             # backward from a hook on the same tensor that was set first, so
             # it would run before this release: it runs the release itself
             # (_hook_pre_backward), and the two units are never held at once
-            self.release_with.setdefault(_node_key(inputs[0]), []).extend(frozen)
+            self.release_with.setdefault(node_key(inputs[0]), []).extend(frozen)
 
     def _hook_state_dict(self, units):
         def warn_if_released(_module, _state, _prefix, _metadata):
@@ -573,17 +582,6 @@ class Stage3Schedule(SavedParameters, PassOrder):
                 "this autograd graph was built by a zero stage-3 engine that has been closed "
                 "(its parameters were released while it was built): run the forward again "
                 "on the model as it is now")
-
-
-def _node_key(tensor):
-    """A non-leaf tensor's place in the autograd graph: its node's id and
-    which of the node's outputs it is. Not the node itself: the key lives
-    in a hook that autograd keeps on that node, and a node that holds
-    itself through its own hook is a cycle through C++ that Python's
-    collector never frees (every graph of a forward without a backward
-    stayed, with its activations, and kept the engine alive after close()).
-    Ids are looked up while the graph lives; release_with empties each pass."""
-    return id(tensor.grad_fn), tensor.output_nr
 
 
 def _inside_forward_of(module) -> bool:
