@@ -144,3 +144,42 @@ def test_bad_units_name_the_setting(bad, match):
     with pytest.raises(ValueError, match=match):
         zero.initialize(model, stage=3, units=bad)
     assert all(p.numel() > 0 for p in model.parameters())
+
+
+class _TanhBlock(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(32, 32)
+
+    def forward(self, x):
+        return torch.tanh(self.linear(x))
+
+
+@pytest.mark.parametrize("blocks_live", [1, 2, 3])
+def test_prefetch_keeps_every_gathered_unit_within_max_live(blocks_live):
+    """stage3_max_live_parameters bounds all gathered units, the running
+    module's included: prefetch counted only what was gathered already, so
+    the unit about to be gathered on demand went over (limit + a unit)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*[_TanhBlock() for _ in range(6)])
+    engine = zero.initialize(model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                             stage=3, stage3_param_persistence_threshold=0,
+                             stage3_max_live_parameters=1)  # measured below
+    unit = engine.groups[0].units[0].total
+    assert len(engine.groups[0].units) == 6
+    engine.close()
+    limit = blocks_live * unit + unit // 2
+    model = nn.Sequential(*[_TanhBlock() for _ in range(6)])
+    engine = zero.initialize(model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                             stage=3, stage3_param_persistence_threshold=0,
+                             stage3_max_live_parameters=limit)
+    prefetched = 0
+    for _ in range(3):
+        engine.backward(engine(torch.randn(4, 32)).square().mean())
+        prefetched += engine._schedule.counts["prefetched"]
+        engine.step()
+    assert engine._schedule.peak_live <= limit
+    assert engine.memory_summary()["gathered_peak"] <= limit * 4  # fp32
+    if blocks_live > 1:  # room ahead of the running unit: prefetch still runs
+        assert prefetched > 0
+    engine.close()

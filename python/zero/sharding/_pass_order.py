@@ -47,6 +47,10 @@ class PassOrder:
         elements in max_live."""
         entries, starts = self._released_in_order(recorded)
         ahead = 0
+        # the running module's units not yet gathered: gathered next, on
+        # demand, so they count against max_live before anything ahead
+        live = self.live + sum(u.total for _fg, u in entries[starts[self.pos - 1]:starts[self.pos]]
+                               if not u.gathered and u.work is None)
         together, sending = [], 0  # small units to gather in one collective
         try:
             for k in range(starts[self.pos], len(entries)):
@@ -61,9 +65,9 @@ class PassOrder:
                     if unit.active == 0:
                         ahead += unit.total
                     continue
-                if ahead + unit.total > self.max_prefetch or \
-                        self.live + unit.total > self.max_live:
+                if ahead + unit.total > self.max_prefetch or live + unit.total > self.max_live:
                     break
+                live += unit.total
                 self.counts["prefetched"] += 1
                 ahead += unit.total
                 alone = not self.together(fg, unit)
