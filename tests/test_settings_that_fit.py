@@ -70,6 +70,44 @@ def test_a_4b_model_on_80gb_gpus():
     assert tight.best["offload_optimizer"] == "nvme"
 
 
+class FourLinears(nn.Module):
+    """A block of several Linears: stage 3 gathers the block, not one Linear."""
+    def __init__(self, width):
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(width, width) for _ in range(4))
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = torch.tanh(layer(x))
+        return x
+
+
+@pytest.mark.parametrize("prefetch", [0, 4000])
+def test_the_stage3_row_covers_what_a_run_gathers(prefetch):
+    """The rule counted the largest module's own parameters as the running
+    unit; the engine gathers whole blocks (units="block"), so the row fell
+    short by the rest of a block. Run on the CPU (host memory is
+    everything): the row is at least the run's states, buckets and
+    gathered peak."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*[FourLinears(32) for _ in range(4)])
+    options = {"stage3_prefetch_bucket_size": prefetch, "reduce_bucket_size": 500,
+               "stage3_param_persistence_threshold": 0}
+    table = zero.settings_that_fit(model, 1, device_memory=0, host_memory=2**30, device="cpu",
+                                   **options)
+    row = next(r for r in table if (r["stage"], r["offload_optimizer"], r["offload_param"]) ==
+               (3, "none", "none"))
+    engine = zero.initialize(model, optimizer=torch.optim.AdamW(model.parameters()), stage=3,
+                             **options)
+    for _ in range(2):
+        engine.backward(engine(torch.randn(4, 32)).square().mean())
+        engine.step()
+    summary = engine.memory_summary()
+    engine.close()
+    assert summary["gathered_peak"] >= 4 * (4 * 32 * 32)  # a block at least, fp32
+    assert row["host"] >= summary["model_states"] + summary["buckets"]
+
+
 def test_the_cpu_counts_everything_as_host_memory():
     model = blocks(256, 2)
     table = zero.settings_that_fit(model, 1, device_memory=0, host_memory=2**30,

@@ -175,6 +175,23 @@ def _estimate(model, optimizer, cfg, world_size, where, staged, shard_on_host, g
                          trainable_params=sum(numel for numel, _ in shapes), estimate=True)
 
 
+def largest_unit(model, optimizer, cfg, world_size) -> int:
+    """Elements of the largest unit stage 3 gathers for `model`, as the
+    engine lays it out (a block by default, units= and the leaf modules
+    taken in, padding included): the running unit settings_that_fit
+    counts. optimizer None: the config's (default AdamW)."""
+    if optimizer is None:
+        optimizer = default_optimizer(cfg, model)
+    owners = owners_of(model, unit_roots(model, cfg.units, cfg.stage3_leaf_modules))
+    policy = StagePolicy.of(3)
+    groups = [params for params, _names in match_param_groups(model, optimizer) if params]
+    trainable = {id(p) for params in groups for p in params}
+    frozen = [p for p in model.parameters() if id(p) not in trainable and p.is_floating_point()]
+    return max((unit.total for params in groups + ([frozen] if frozen else [])
+                for unit in _layout(params, units_of(params, owners), policy, world_size)),
+               default=0)
+
+
 def _training_device(model, device):
     if device is not None:
         try:

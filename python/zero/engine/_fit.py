@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from zero.engine._engine import DTYPES
-from zero.engine._estimate import estimate_memory
+from zero.engine._estimate import estimate_memory, largest_unit
 from zero.engine._arguments import resolve_config
 from zero.sharding._buckets import MAX_IN_FLIGHT
 
@@ -87,8 +87,7 @@ def settings_that_fit(model, world_size: int = 1, *, device_memory, host_memory,
                          {k: v for k, v in options.items()
                           if k not in ("optimizer", "mesh", "precision")})
     numel = sum(p.numel() for p in model.parameters())
-    largest = max((sum(p.numel() for p in m.parameters(recurse=False))
-                   for m in model.modules()), default=0)
+    largest = largest_unit(model, options.get("optimizer"), cfg, world_size)
     table = FitTable()
     for optimizer_place, param_place, stages in _OFFLOADS:
         for stage in stages:
@@ -123,16 +122,18 @@ def _run_bytes(stage, cfg, numel, largest):
     """What estimate_memory leaves to a run, by rule: the gradient buckets
     of stages 2-3 (MAX_IN_FLIGHT in flight plus the one filling, each
     reduce_bucket_size elements at most, in the compute dtype), and stage
-    3's gathered units (stage3_prefetch_bucket_size elements ahead of the
-    running unit, the largest module's own parameters, counted as that many
-    more elements, plus the units kept within stage3_max_reuse_distance,
-    at most stage3_max_live_parameters). numel: the model's parameters."""
+    3's gathered units: the running unit (`largest`: the largest unit the
+    engine lays out, a block by default), stage3_prefetch_bucket_size
+    elements ahead of it within stage3_max_live_parameters in all (the
+    running unit is gathered whatever the limit), plus the units kept
+    within stage3_max_reuse_distance, which no limit releases. numel: the
+    model's parameters."""
     item = DTYPES[cfg.precision].itemsize
     extra = 0
     if stage >= 2:
         extra += min(numel, (MAX_IN_FLIGHT + 1) * cfg.reduce_bucket_size) * item
     if stage == 3:
-        extra += min(numel, cfg.stage3_max_live_parameters,
-                     largest + cfg.stage3_prefetch_bucket_size +
-                     cfg.stage3_max_reuse_distance) * item
+        ahead = min(cfg.stage3_prefetch_bucket_size,
+                    max(0, cfg.stage3_max_live_parameters - largest))
+        extra += min(numel, largest + ahead + cfg.stage3_max_reuse_distance) * item
     return extra
