@@ -19,6 +19,7 @@ import torch
 
 from zero.config._values import require_bool
 from zero.comm._comm import world_size
+from zero.sharding._gathered_placeholders import GatheredPlaceholders
 from zero.sharding._param_writes import (check_parameters_in_place, take_in_parameter_writes,
                                 write_into_partition)
 from zero.sharding._step_agreement import agree_on_call
@@ -51,10 +52,13 @@ class GatheredParameters:
             return self
         seen = set()
         self._listed = []  # (fg, unit, index in unit, value on entry)
+        # built in zero.partitioned_init, no engine yet ([Note: placeholders gathered])
+        self._placeholders = GatheredPlaceholders(
+            [p for p in self.params if getattr(p, "_zero_place", None) is None])
         for p in self.params:
             place = getattr(p, "_zero_place", None)
             if place is None:
-                continue  # not managed by an engine: nothing to gather
+                continue  # not managed by an engine: a placeholder's, or nothing to gather
             if id(place.unit) not in seen:
                 seen.add(id(place.unit))
                 self._units.append(place)
@@ -72,6 +76,7 @@ class GatheredParameters:
             raise ValueError(f"modifier_rank {self.modifier_rank} is not a rank of this "
                              f"world of {world}")
         self._take_in_writes()
+        self._placeholders.enter()
         for fg, unit, schedule, _engine in self._units:
             unit.active += 1
             if schedule is not None:
@@ -114,6 +119,8 @@ class GatheredParameters:
                 if not failed:
                     for fg, unit, j, before in self._listed:
                         self._write_back(fg, unit, j, before)
+            self._placeholders.leave(self.modifier_rank, exc[0] is not None or
+                                     problem is not None)
             if problem is not None and exc[0] is None:
                 raise problem
         finally:

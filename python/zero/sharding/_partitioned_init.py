@@ -447,6 +447,14 @@ def sharded_record(param):
     return record
 
 
+def built_in_order(entries) -> list:
+    """(placeholder, record) pairs in the order the parameters were built,
+    the same on every rank (a caller's set of parameters is ordered by
+    ids, which differ per process): the order their gathers go in."""
+    position = {id(param): i for i, param in enumerate(_registry.keys())}
+    return sorted(entries, key=lambda entry: position.get(id(entry[0]), -1))
+
+
 def take_values(param):
     """The full values of a placeholder (a collective), after which the
     record is dropped; any other tensor is returned as it is."""
