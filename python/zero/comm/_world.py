@@ -57,3 +57,10 @@ def init_world_group(backend: str, rank: int = -1, world_size: int = -1, init_me
         init_method = "env://"
     dist.init_process_group(backend, init_method=init_method, rank=rank,
                             world_size=world_size, **kwargs)
+
+
+def torch_distributed():
+    """torch.distributed itself, for zero.deepspeed.comm: the collectives a
+    DeepSpeed script makes on its own tensors (`from deepspeed import comm
+    as dist`), which are the script's, not the engine's."""
+    return dist

@@ -7,7 +7,15 @@ import os
 
 import torch
 
+from zero.config._values import require_bool
 from zero.sharding._step_agreement import agree_on_call
+
+
+class LossScale(float):
+    """The current loss scale (1.0 without fp16), a number that may also be
+    called: DeepSpeed's engine.loss_scale() is a method, zero's a property."""
+    def __call__(self) -> float:
+        return float(self)
 
 
 class DeepSpeedQueries:
@@ -21,6 +29,26 @@ class DeepSpeedQueries:
 
     def is_gradient_accumulation_boundary(self) -> bool:
         return self.is_accumulation_boundary
+
+    @property
+    def is_accumulation_boundary(self) -> bool:
+        """Whether the coming step() updates: every
+        gradient_accumulation_steps-th micro step, or what
+        set_gradient_accumulation_boundary said last."""
+        forced = getattr(self, "_forced_boundary", None)
+        if forced is not None:
+            return forced
+        return (self.micro_steps + 1) % self.config.gradient_accumulation_steps == 0
+
+    def set_gradient_accumulation_boundary(self, is_boundary):
+        """DeepSpeed's override of the boundary: from now on step() updates
+        exactly when the last value set was True (a loop whose micro batches
+        per update vary); None gives the count back. Set it alike on every
+        rank: the update is a collective. The gradients are still divided by
+        gradient_accumulation_steps, as DeepSpeed divides them."""
+        if is_boundary is not None:
+            is_boundary = require_bool(is_boundary, "is_boundary")
+        self._forced_boundary = is_boundary
 
     def gradient_accumulation_steps(self) -> int:
         return self.config.gradient_accumulation_steps
@@ -38,6 +66,42 @@ class DeepSpeedQueries:
 
     def zero_optimization_stage(self) -> int:
         return self.stage
+
+    def zero_optimization_partition_gradients(self) -> bool:
+        return self.stage >= 2
+
+    def zero_optimization_partition_weights(self) -> bool:
+        return self.stage == 3
+
+    def zero_gather_16bit_weights_on_model_save(self) -> bool:
+        """True: save_16bit_model always gathers the whole model (DeepSpeed
+        needs stage3_gather_16bit_weights_on_model_save for that)."""
+        return True
+
+    def get_mom(self) -> list:
+        """Per param group, Adam's betas, else SGD's momentum (None where a
+        group has neither), as DeepSpeed's."""
+        return [group["betas"] if "betas" in group else group.get("momentum")
+                for group in self.optimizer.param_groups]
+
+    def module_state_dict(self, destination=None, prefix="", keep_vars=False,
+                          exclude_frozen_parameters=False) -> dict:
+        """The whole model's state dict (full_state_dict(): fp32 values, a
+        collective), with DeepSpeed's arguments; destination, keep_vars are
+        accepted and unused."""
+        full = self.full_state_dict()
+        if exclude_frozen_parameters:
+            frozen = {name for name, p in self.module.named_parameters() if not p.requires_grad}
+            full = {k: v for k, v in full.items() if k not in frozen}
+        return {prefix + k: v for k, v in full.items()}
+
+    def save_fp16_model(self, save_dir, save_filename: str = "pytorch_model.bin") -> bool:
+        """DeepSpeed's older name of save_16bit_model."""
+        return self.save_16bit_model(save_dir, save_filename)
+
+    def destroy(self):
+        """DeepSpeed's name of close()."""
+        self.close()
 
     def was_step_applied(self) -> bool:
         """Whether the last step() call updated the parameters: False after

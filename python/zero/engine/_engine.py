@@ -33,7 +33,7 @@ from zero.engine._agreement import check_ranks_agree
 from zero.comm._comm import Comm, leave_process_group
 from zero.engine._batch_calls import BatchCalls
 from zero.engine._checkpoint_calls import CheckpointCalls
-from zero.engine._deepspeed_queries import DeepSpeedQueries
+from zero.engine._deepspeed_queries import DeepSpeedQueries, LossScale
 from zero.engine._construction import (apply_aio, broadcast_buffer, cast_module,
                                        match_param_groups, offload_files, owners_of,
                                        param_files, units_of, warn_if_narrowed)
@@ -313,8 +313,8 @@ class Engine(DeepSpeedQueries, BatchCalls, CheckpointCalls, EngineReports, NotCo
         return self.module(*args, **kwargs)
 
     @property
-    def loss_scale(self) -> float:
-        return self.loss_scaler.scale if self.loss_scaler else 1.0
+    def loss_scale(self) -> float:  # callable too, as DeepSpeed's method
+        return LossScale(self.loss_scaler.scale if self.loss_scaler else 1.0)
 
     def backward(self, loss: torch.Tensor, retain_graph: bool = False,
                  scale_wrt_gas: bool = True):
@@ -342,10 +342,6 @@ class Engine(DeepSpeedQueries, BatchCalls, CheckpointCalls, EngineReports, NotCo
         # only once it finished: a backward that raised leaves unscaled
         # partial gradients, which zero_grad() drops
         self._scaled_backward = True
-
-    @property
-    def is_accumulation_boundary(self) -> bool:
-        return (self.micro_steps + 1) % self.config.gradient_accumulation_steps == 0
 
     @contextlib.contextmanager
     def no_sync(self):

@@ -1,0 +1,110 @@
+"""The DeepSpeed engine calls a script moved over by its import line makes
+beyond initialize, backward and step (engine/_deepspeed_queries.py,
+engine/_checkpoint_calls.py): DeepSpeed's names and argument orders, with
+DeepSpeed 0.19.8's values (read from its source and runs on this
+machine's CPU, stop 31)."""
+import pytest
+import torch
+from torch import nn
+
+import zero.deepspeed as deepspeed
+from engine_cases import no_launcher
+
+
+@pytest.fixture
+def one_process(monkeypatch):
+    no_launcher(monkeypatch)
+
+
+def engine_for(stage=1, accumulation=1, optimizer=None, fp16=False):
+    torch.manual_seed(0)
+    model = nn.Linear(4, 2)
+    config = {"train_micro_batch_size_per_gpu": 2,
+              "gradient_accumulation_steps": accumulation,
+              "optimizer": optimizer or {"type": "AdamW", "params": {"lr": 1e-2}},
+              "zero_optimization": {"stage": stage}}
+    if fp16:
+        config["fp16"] = {"enabled": True}
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
+                                      config=config)
+    return engine, model
+
+
+def test_queries_and_aliases(one_process, tmp_path):
+    engine, _model = engine_for(stage=2)
+    assert engine.get_mom() == [(0.9, 0.999)]
+    assert engine.zero_optimization_partition_gradients() is True
+    assert engine.zero_optimization_partition_weights() is False
+    assert engine.zero_gather_16bit_weights_on_model_save() is True
+    assert engine.loss_scale() == engine.loss_scale == 1.0  # method and number alike
+    full = engine.full_state_dict()
+    got = engine.module_state_dict(prefix="m.")
+    assert sorted(got) == ["m.bias", "m.weight"]
+    assert torch.equal(got["m.weight"], full["weight"])
+    assert engine.save_fp16_model(tmp_path, "model.bin") is True
+    assert torch.equal(torch.load(tmp_path / "model.bin")["weight"], full["weight"])
+    engine.destroy()
+    with pytest.raises(RuntimeError, match="this engine was closed"):
+        engine.step()
+    sgd, _ = engine_for(stage=3, optimizer={"type": "SGD", "params": {"lr": 0.1,
+                                                                     "momentum": 0.5}})
+    assert sgd.get_mom() == [0.5]
+    assert sgd.zero_optimization_partition_weights() is True
+    sgd.close()
+
+
+def test_fp16_loss_scale_is_callable_and_a_number(one_process):
+    engine, _ = engine_for(fp16=True)
+    assert engine.loss_scale() == float(engine.loss_scale) == 2.0 ** 16
+    assert engine.loss_scale * 2 == 2.0 ** 17
+    engine.close()
+
+
+def test_set_gradient_accumulation_boundary_decides_the_update(one_process):
+    """gradient_accumulation_steps 4, boundaries set after 2 and then 3
+    micro steps: the updates come there, each from the micro batches since
+    the last one, divided by 4 as DeepSpeed divides them (SGD, torch)."""
+    engine, model = engine_for(accumulation=4, optimizer={"type": "SGD", "params": {"lr": 0.1}})
+    torch.manual_seed(0)
+    reference = nn.Linear(4, 2)
+    opt = torch.optim.SGD(reference.parameters(), lr=0.1)
+    g = torch.Generator().manual_seed(3)
+    data = [torch.randn(2, 4, generator=g) for _ in range(5)]
+    applied = []
+    for i, x in enumerate(data):
+        engine.set_gradient_accumulation_boundary(i in (1, 4))
+        assert engine.is_gradient_accumulation_boundary() is (i in (1, 4))
+        engine.backward(engine(x).square().mean())
+        engine.step()
+        applied.append(engine.was_step_applied())
+        (reference(x).square().mean() / 4).backward()
+        if i in (1, 4):
+            opt.step()
+            opt.zero_grad()
+    assert applied == [False, True, False, False, True]
+    assert engine.global_steps == 2
+    full = engine.full_state_dict()
+    for name, value in reference.state_dict().items():
+        torch.testing.assert_close(full[name], value, rtol=1e-6, atol=1e-7)
+    engine.set_gradient_accumulation_boundary(None)  # the count again: micro step 6 of 4
+    assert engine.is_gradient_accumulation_boundary() is False
+    with pytest.raises(TypeError, match="is_boundary must be True or False"):
+        engine.set_gradient_accumulation_boundary("yes")
+    engine.close()
+
+
+def test_load_checkpoint_takes_deepspeeds_positional_arguments(one_process, tmp_path):
+    engine, _ = engine_for()
+    engine.backward(engine(torch.randn(2, 4)).sum())
+    engine.step()
+    engine.save_checkpoint(tmp_path, exclude_frozen_parameters=True)
+    saved = engine.full_state_dict()
+    engine.backward(engine(torch.randn(2, 4)).sum())
+    engine.step()
+    # load_dir, tag, load_module_strict, load_optimizer_states, load_lr_scheduler_states
+    path, _client = engine.load_checkpoint(tmp_path, None, True, False, False)
+    assert path is not None
+    assert torch.equal(engine.full_state_dict()["weight"], saved["weight"])
+    with pytest.raises(ValueError, match="custom_load_fn"):
+        engine.load_checkpoint(tmp_path, custom_load_fn=lambda *a: None)
+    engine.close()
