@@ -47,6 +47,7 @@ from torch.autograd.graph import register_multi_grad_hook, saved_tensors_hooks
 from zero.comm._gather_together import SMALL_UNIT, gather_together
 from zero.sharding._backward_hooks import gather_around_backward_hooks
 from zero.sharding._copying import ModuleHook
+from zero.sharding._external import registered_externals
 from zero.sharding._outputs import detach_from_units, node_key, tensors_in
 from zero.sharding._param_writes import check_released_untouched, \
     write_in_forward_refusal
@@ -146,6 +147,8 @@ class Stage3Schedule(SavedParameters, PassOrder):
                     ModuleHook(self._hook_state_dict(units))))
                 self.hooks += hook_state_loads(module, units)  # [Note: state dict loads]
         self.hooks += gather_around_backward_hooks(self, root, place)  # in _backward_hooks.py
+        for module, param in registered_externals(root):  # deepspeed.zero's call, before us
+            self.add_external(module, param)
         for module in root.modules():
             if isinstance(module, nn.MultiheadAttention) and roots.root(module) is None:
                 # its forward reads out_proj's weights without calling out_proj

@@ -1,0 +1,96 @@
+"""deepspeed.zero.register_external_parameter (sharding/_external.py):
+DeepSpeed's module-level call, made in a module's __init__ before any
+engine exists, for a forward that reads another module's weight without
+calling it. Stage 3 with every unit released then gathers it around that
+forward and its backward; training equals plain torch (SGD, fp32). Without
+the call the read finds the placeholder (torch's shape error)."""
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import zero
+import zero.deepspeed as deepspeed
+
+RELEASED = {"stage3_param_persistence_threshold": 0}
+
+
+class TiedHead(nn.Module):
+    """Reads the embedding's weight itself (a tied output projection)."""
+    def __init__(self, embed, register):
+        super().__init__()
+        self.embed = embed
+        self.norm = nn.LayerNorm(8)
+        if register:
+            deepspeed.zero.register_external_parameter(self, embed.weight)
+
+    def forward(self, h):
+        return F.linear(self.norm(h), self.embed.weight)
+
+
+class Net(nn.Module):
+    def __init__(self, register=True):
+        super().__init__()
+        self.embed = nn.Embedding(16, 8)
+        self.body = nn.Linear(8, 8)
+        self.head = TiedHead(self.embed, register)
+
+    def forward(self, ids):
+        return self.head(torch.tanh(self.body(self.embed(ids))))
+
+
+def batches():
+    g = torch.Generator().manual_seed(1)
+    return [torch.randint(0, 16, (4, 5), generator=g) for _ in range(3)]
+
+
+def train(model, step):
+    for ids in batches():
+        step(model(ids).float().logsumexp(-1).mean())
+
+
+@pytest.mark.parametrize("when", ["in __init__", "after initialize"])
+def test_a_registered_external_parameter_trains_as_torch(when):
+    torch.manual_seed(0)
+    model = Net(register=when == "in __init__")
+    reference = copy.deepcopy(model)
+    opt = torch.optim.SGD(reference.parameters(), lr=0.1)
+
+    def torch_step(loss):
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    train(reference, torch_step)
+
+    engine = zero.initialize(model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                             stage=3, **RELEASED)
+    if when == "after initialize":
+        deepspeed.zero.register_external_parameter(model.head, model.embed.weight)
+
+    def zero_step(loss):
+        engine.backward(loss)
+        engine.step()
+    train(engine, zero_step)
+    state = engine.full_state_dict()
+    engine.close()
+    for name, value in reference.state_dict().items():
+        torch.testing.assert_close(state[name], value, rtol=1e-6, atol=1e-6, msg=name)
+
+
+def test_without_the_call_the_read_finds_the_placeholder():
+    torch.manual_seed(0)
+    model = Net(register=False)
+    engine = zero.initialize(model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                             stage=3, **RELEASED)
+    with pytest.raises(RuntimeError):
+        engine(batches()[0])
+    engine.close()
+
+
+def test_bad_arguments_are_named():
+    with pytest.raises(TypeError, match="module must be a torch.nn.Module"):
+        deepspeed.zero.register_external_parameter("head", nn.Parameter(torch.zeros(1)))
+    with pytest.raises(TypeError, match="parameter must be a torch.nn.Parameter"):
+        deepspeed.zero.register_external_parameter(nn.Linear(1, 1), torch.zeros(1))
