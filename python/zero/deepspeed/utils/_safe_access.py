@@ -1,0 +1,94 @@
+"""deepspeed.utils' readers of one parameter's fp32 values and optimizer
+states: safe_get_full_fp32_param, safe_get_full_optimizer_state (the
+whole tensor on every rank: a collective where the engine partitions)
+and safe_get_local_fp32_param, safe_get_local_optimizer_state (this
+rank's elements of it, flat, as DeepSpeed gives them at stage 3). They
+read the engine's fp32 master and states through the parameter's place
+(`_zero_place`), after any pending write or delayed update is taken in
+(take_in_parameter_writes, as full_state_dict does). A parameter no
+engine trains gives None, and so does a state before the first update,
+as DeepSpeed's. The setters and the gradient readers are not provided."""
+from __future__ import annotations
+
+import torch
+
+from zero.sharding._flat_group import GATHER_SLICE, gather_in_slices
+from zero.sharding._param_writes import take_in_parameter_writes
+
+
+def _located(param, call):
+    """(group, unit, index in unit) of a trained parameter, its engine's
+    pending writes taken in; None for a parameter no engine trains."""
+    if not isinstance(param, torch.nn.Parameter):
+        raise TypeError(f"param must be a torch.nn.Parameter, got {type(param).__name__}")
+    place = getattr(param, "_zero_place", None)
+    engine = place.engine() if place is not None else None
+    if engine is None or engine._closed or not place.fg.trainable:
+        return None
+    take_in_parameter_writes(engine.all_groups, engine.call_text(f"{call}()"))
+    j = next(j for j, p in enumerate(place.unit.params) if p is param)
+    return place.fg, place.unit, j
+
+
+def _whole(fg, unit, j, source):
+    """Parameter j of unit, fp32, whole, from `source` (a partition-laid
+    tensor: the master or a state), on every rank, in host memory."""
+    mine = source[unit.shard_slice].detach()
+    n = fg.num_partitions
+    if n == 1:
+        full = mine.to("cpu", torch.float32, copy=True)
+    else:
+        full = torch.empty(unit.total, dtype=torch.float32)
+        if fg.device.type == "cpu":
+            fg.comm.all_gather_into(full, mine.float().clone())
+        else:
+            gather_in_slices(fg.comm, full, mine, n, GATHER_SLICE)
+    off = unit.offsets[j]
+    return full[off:off + unit.numels[j]].view(unit.shapes[j]).clone()
+
+
+def _local(fg, unit, j, source):
+    lo, hi, span = fg.partition_span(unit, j)
+    if lo >= hi:
+        return torch.empty(0, dtype=torch.float32)
+    return source[span].detach().to("cpu", torch.float32, copy=True)
+
+
+def safe_get_full_fp32_param(param):
+    """The parameter's fp32 master values, whole (a collective where the
+    engine partitions)."""
+    found = _located(param, "safe_get_full_fp32_param")
+    return None if found is None else _whole(*found, found[0].master)
+
+
+def safe_get_full_optimizer_state(param, optim_state_key):
+    """One optimizer state of the parameter ("exp_avg", "exp_avg_sq",
+    "momentum_buffer", ...), whole; None before the first update."""
+    found = _located(param, "safe_get_full_optimizer_state")
+    state = _state(found, optim_state_key)
+    return None if state is None else _whole(*found, state)
+
+
+def safe_get_local_fp32_param(param):
+    """This rank's elements of the parameter's fp32 master, flat."""
+    found = _located(param, "safe_get_local_fp32_param")
+    return None if found is None else _local(*found, found[0].master)
+
+
+def safe_get_local_optimizer_state(param, optim_state_key):
+    """This rank's elements of one optimizer state of the parameter, flat."""
+    found = _located(param, "safe_get_local_optimizer_state")
+    state = _state(found, optim_state_key)
+    return None if state is None else _local(*found, state)
+
+
+def _state(found, key):
+    if found is None:
+        return None
+    fg = found[0]
+    if fg.step_count == 0 or key not in fg.states:
+        if fg.states and key not in fg.states:
+            raise KeyError(f"optim_state_key {key!r}: the optimizer keeps "
+                           f"{sorted(fg.states)}")
+        return None
+    return fg.states[key]
