@@ -212,6 +212,57 @@ def test_a_failure_in_the_thread_is_raised_where_the_update_lands(monkeypatch):
     engine.close()
 
 
+def test_an_interrupted_wait_can_be_waited_for_again(monkeypatch):
+    """Ctrl-C while step() waits for the update: the thread goes on, and
+    the next wait waits for it. Thread.join() interrupted marked the
+    thread stopped in CPython 3.11, so the next wait returned at once and
+    a second update ran beside the first (a segfault on the offload
+    windows, or other weights)."""
+    import signal
+    import threading
+    import time
+    from zero.step._delayed import DelayedUpdate
+    release = threading.Event()
+    updates = []
+
+    class SlowPath:
+        def update_delayed(self, *args):
+            release.wait(10)
+            updates.append(args[-1])
+
+    class Group:
+        index, step_count = 0, 0
+
+        def hand_grads_to_delayed(self):
+            pass
+
+    class Spec:
+        @staticmethod
+        def counts_as_step(group):
+            return 1
+
+    class Optimizer:
+        param_groups = [{"lr": 0.1}]
+
+    delayed = DelayedUpdate(SlowPath())
+    delayed.launch(Spec, Optimizer, [Group()], 1.0)
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        threading.Timer(0.2, lambda: signal.pthread_kill(threading.main_thread().ident,
+                                                         signal.SIGINT)).start()
+        with pytest.raises(KeyboardInterrupt):
+            delayed.wait()
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    assert delayed._thread.is_alive() and updates == []
+    threading.Timer(0.2, release.set).start()
+    started = time.monotonic()
+    assert delayed.wait() is None
+    assert time.monotonic() - started >= 0.1  # it waited for the update
+    assert updates == [1] and delayed.pending
+    assert [t for t in threading.enumerate() if t.name == "zero-delayed-update"] == []
+
+
 def test_memory_summary_and_estimate_count_the_two_partitions():
     engine = delayed_engine(2, precision="bf16")
     summary = engine.memory_summary()

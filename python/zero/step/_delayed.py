@@ -62,6 +62,7 @@ class DelayedUpdate:
     def __init__(self, step_path):
         self.step_path = step_path
         self._thread = None
+        self._done = None      # set by the thread as it ends
         self._error = None
         self._groups = []      # the groups whose update is in flight or done, not landed
 
@@ -81,12 +82,17 @@ class DelayedUpdate:
             # a copy: the caller's scheduler steps the live group next
             work.append((fg, dict(group), fg.step_count))
 
+        done = threading.Event()
+
         def run():
             try:
                 for fg, group, count in work:
                     self.step_path.update_delayed(spec, optimizer, group, fg, grad_scale, count)
             except BaseException as error:  # raised where the update would land
                 self._error = error
+            finally:
+                done.set()
+        self._done = done
         self._groups = list(groups)
         # not a daemon: a process that ends with an update in flight
         # waits for it (a daemon thread inside the C core or torch at
@@ -97,9 +103,13 @@ class DelayedUpdate:
     def wait(self):
         """Until the thread is done; its failure, or None. Interruptible:
         a KeyboardInterrupt leaves the thread running and this to wait for
-        again."""
+        again. On an event, not Thread.join(): CPython 3.11's join, when
+        interrupted, marks a thread still running as stopped, so the next
+        wait returned at once and a second update ran beside the first on
+        the same offload windows (a segfault, or silently other weights)."""
         if self._thread is not None:
-            self._thread.join()
+            self._done.wait()
+            self._thread.join()  # done: returns at once
             self._thread = None
         error, self._error = self._error, None
         if error is not None:
