@@ -14,6 +14,10 @@ from engine_cases import no_launcher
 @pytest.fixture
 def one_process(monkeypatch):
     no_launcher(monkeypatch)
+    yield
+    import torch.distributed as dist
+    if dist.is_initialized():  # deepspeed.initialize's group is the script's, kept
+        dist.destroy_process_group()
 
 
 def engine_for(stage=1, accumulation=1, optimizer=None, fp16=False):
