@@ -64,7 +64,7 @@ def test_fp16_loss_scale_is_callable_and_a_number(one_process):
     engine.close()
 
 
-def test_set_gradient_accumulation_boundary_decides_the_update(one_process):
+def test_set_gradient_accumulation_boundary_decides_the_update(one_process, tmp_path):
     """gradient_accumulation_steps 4, boundaries set after 2 and then 3
     micro steps: the updates come there, each from the micro batches since
     the last one, divided by 4 as DeepSpeed divides them (SGD, torch)."""
@@ -90,6 +90,7 @@ def test_set_gradient_accumulation_boundary_decides_the_update(one_process):
     full = engine.full_state_dict()
     for name, value in reference.state_dict().items():
         torch.testing.assert_close(full[name], value, rtol=1e-6, atol=1e-7)
+    engine.save_checkpoint(tmp_path)  # after a boundary set by hand: nothing pending
     engine.set_gradient_accumulation_boundary(None)  # the count again: micro step 6 of 4
     assert engine.is_gradient_accumulation_boundary() is False
     with pytest.raises(TypeError, match="is_boundary must be True or False"):

@@ -69,3 +69,33 @@ def test_a_write_without_a_modifier_rank_is_refused_and_dropped():
     for state in harness.run(2, _refused_on_rank):
         for name, value in plain.state_dict().items():
             assert torch.equal(state[name], value), name
+
+
+def _mixed_block_raises_on_rank_1(rank, world):
+    """One block over an engine's parameter and a placeholder, raising on
+    rank 1: every rank leaves with an error, none waits in the other's
+    agreement (the rank that did not raise skipped the placeholders')."""
+    torch.manual_seed(0)
+    with zero.partitioned_init():
+        built = build()
+    trained = nn.Linear(4, 4)
+    engine = zero.initialize(trained, optimizer=torch.optim.SGD(trained.parameters(), lr=0.1),
+                             stage=3)
+    try:
+        with zero.GatheredParameters([trained.weight, built[2].weight], modifier_rank=0):
+            if rank == 1:
+                raise ValueError("rank 1's own error")
+    except (ValueError, RuntimeError) as error:
+        message = str(error)
+    else:
+        message = None
+    engine.close()
+    return message, tuple(built[2].weight.shape), built[2].weight.stride()
+
+
+def test_a_mixed_block_that_raises_on_one_rank_ends_on_every_rank():
+    results = harness.run(2, _mixed_block_raises_on_rank_1)
+    assert "another rank raised" in results[0][0]
+    assert results[1][0] == "rank 1's own error"
+    for _message, shape, stride in results:  # the placeholder back on both
+        assert shape == (4, 32) and stride == (0, 0)

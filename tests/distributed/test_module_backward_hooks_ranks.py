@@ -15,7 +15,7 @@ def _on_rank(rank, world, kind, units):
 
 @pytest.mark.parametrize("kind", ["full", "pre"])
 def test_backward_hooks_read_gathered_weights_on_two_ranks(kind):
-    reference = torch_run(kind)
+    reference = torch_run(kind, "block")
     results = harness.run(2, _on_rank, kind, "block")
     for state, _losses in results:
         assert_matches(state, reference)

@@ -10,8 +10,10 @@ usually gone with their own gradients. A hook that read the module's
 weights (a gradient scaled by a weight's mean) read the (0,) placeholder:
 a NaN, and every parameter NaN after the step, silently. So each backward
 hook a module has when initialize runs (full, pre, and the old
-register_backward_hook) is wrapped: the units of the module's parameters,
-its children's included, are gathered around the call. A unit the
+register_backward_hook) is wrapped: the module's units are gathered around
+the call (a unit root's: a block's hook reads its children's weights too;
+else its own parameters'; never every unit below it, so a hook on the
+whole model does not gather the whole model). A unit the
 wrapper gathered is released after a hook that runs once gradients are
 in, and kept after a pre-hook (the module's backward gathers it next
 anyway). Every rank runs the same hooks in autograd's order, so the
@@ -31,12 +33,7 @@ def gather_around_backward_hooks(schedule, root, place) -> list:
         hooks = [(module._backward_pre_hooks, False), (module._backward_hooks, True)]
         if not any(table for table, _ in hooks):
             continue
-        entries, seen = [], set()
-        for p in module.parameters():
-            entry = place.get(id(p))
-            if entry is not None and id(entry[1]) not in seen:
-                seen.add(id(entry[1]))
-                entries.append(entry)
+        entries = own_units(schedule, module, place)
         if not entries:
             continue
         for table, after_grads in hooks:
@@ -44,6 +41,23 @@ def gather_around_backward_hooks(schedule, root, place) -> list:
                 table[key] = _gathering(schedule, entries, hook, after_grads)
                 handles.append(_Unwrap(table, key, hook))
     return handles
+
+
+def own_units(schedule, module, place) -> list:
+    """The units a module's hooks gather: a unit root's (a block's, its
+    children's parameters included), else those of the module's own
+    parameters. Not every unit below it: a hook on the whole model (a
+    gradient monitor) gathered the whole model at every backward."""
+    entries = schedule.units_of.get(module)
+    if entries is not None:
+        return list(entries)
+    found, seen = [], set()
+    for p in module.parameters(recurse=False):
+        entry = place.get(id(p))
+        if entry is not None and id(entry[1]) not in seen:
+            seen.add(id(entry[1]))
+            found.append(entry)
+    return found
 
 
 def _gathering(schedule, entries, hook, after_grads):

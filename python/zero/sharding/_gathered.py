@@ -111,6 +111,8 @@ class GatheredParameters:
                 if problem is None and (failed or others):
                     self._undo_changes()
                 if others and not failed:
+                    # its placeholders' agreement is a collective the failed rank makes
+                    self._placeholders.leave(self.modifier_rank, True)
                     raise RuntimeError(
                         "another rank raised inside zero.GatheredParameters(..., "
                         f"modifier_rank={self.modifier_rank}) (its own error says why): the "

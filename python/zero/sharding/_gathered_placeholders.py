@@ -33,11 +33,17 @@ class GatheredPlaceholders:
         self._kept = []  # (param, its placeholder data, its version after the gather)
 
     def enter(self):
-        for p, record in self.entries:
-            values = record.gather().to(getattr(record, "cast_to", record.dtype))
-            placeholder = p.data
-            p.data = values.clone()
-            self._kept.append((p, placeholder, p._version))
+        try:
+            for p, record in self.entries:
+                values = record.gather().to(getattr(record, "cast_to", record.dtype))
+                placeholder = p.data
+                p.data = values.clone()
+                self._kept.append((p, placeholder, p._version))
+        except BaseException:  # the block never runs: the placeholders back
+            for p, placeholder, _version in self._kept:
+                p.data = placeholder
+            self._kept = []
+            raise
 
     def leave(self, modifier_rank, failed: bool):
         """Puts the placeholders back, with rank modifier_rank's values in
