@@ -61,9 +61,7 @@ def drop_engine_buffers(engine):
                         p.grad.untyped_storage().data_ptr() == \
                         flat.untyped_storage().data_ptr():
                     p.grad = None
-        if fg.reducer is not None:
-            fg.reducer.detach()
-        fg.reducer = None
+        fg.reducer = None  # detached by forget_dropped already
         fg.states = {}
         fg.buffers, fg.tensors, fg._registered_at = {}, {}, {}
         fg.shard = fg.master = fg.grad_flat = fg.grad_part = None

@@ -503,17 +503,22 @@ class FlatGroup:
         the GPU may not have room for."""
         full = torch.empty(self.layout_size, dtype=torch.float32)
         source = self.master if self.trainable else self.shard
-        n = self.num_partitions
         for unit in self.units:
-            out = full[unit.layout_offset:unit.layout_offset + unit.total]
-            mine = source[unit.shard_slice].detach()
-            if n == 1:
-                out.copy_(mine)
-            elif self.device.type == "cpu":
-                self.comm.all_gather_into(out, mine.float().clone())
-            else:
-                gather_in_slices(self.comm, out, mine, n, GATHER_SLICE)
+            self.gather_unit(unit, source, full[unit.layout_offset:unit.layout_offset + unit.total])
         return full
+
+    def gather_unit(self, unit, source, out):
+        """out (fp32, host, unit.total elements) = the unit's elements of
+        `source`, a tensor laid out as the partition (master, shard, a
+        state), from every rank (a collective where partitioned)."""
+        mine = source[unit.shard_slice].detach()
+        n = self.num_partitions
+        if n == 1:
+            out.copy_(mine)
+        elif self.device.type == "cpu":
+            self.comm.all_gather_into(out, mine.float().clone())
+        else:
+            gather_in_slices(self.comm, out, mine, n, GATHER_SLICE)
 
     def nbytes(self) -> dict:
         """This rank's bytes by kind. The first kinds are on the model's

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import torch
 
-from zero.sharding._flat_group import GATHER_SLICE, gather_in_slices
 from zero.sharding._param_writes import take_in_parameter_writes
 
 
@@ -33,16 +32,8 @@ def _located(param, call):
 def _whole(fg, unit, j, source):
     """Parameter j of unit, fp32, whole, from `source` (a partition-laid
     tensor: the master or a state), on every rank, in host memory."""
-    mine = source[unit.shard_slice].detach()
-    n = fg.num_partitions
-    if n == 1:
-        full = mine.to("cpu", torch.float32, copy=True)
-    else:
-        full = torch.empty(unit.total, dtype=torch.float32)
-        if fg.device.type == "cpu":
-            fg.comm.all_gather_into(full, mine.float().clone())
-        else:
-            gather_in_slices(fg.comm, full, mine, n, GATHER_SLICE)
+    full = torch.empty(unit.total, dtype=torch.float32)
+    fg.gather_unit(unit, source, full)
     off = unit.offsets[j]
     return full[off:off + unit.numels[j]].view(unit.shapes[j]).clone()
 
