@@ -434,6 +434,25 @@ def test_a_file_that_would_run_code_is_refused_as_such(saved, other, tmp_path, c
     assert not marker.exists()
 
 
+@pytest.mark.parametrize("payload", ["code", "plain"])
+def test_a_file_in_torchs_legacy_format_is_named_so(saved, other, tmp_path, capsys, payload):
+    """torch.save(..., _use_new_zipfile_serialization=False) writes a
+    series of pickles; zero reads zip archives only and says that, rather
+    than calling the file damaged, whether it holds code or not."""
+    marker = tmp_path / "ran"
+    path = saved / "t" / META
+    content = {"format": "zeroshard.checkpoint", "version": 1,
+               "groups": [Payload(marker) if payload == "code" else torch.zeros(3)]}
+    torch.save(content, path, _use_new_zipfile_serialization=False)
+    match = "is in torch's legacy format"
+    refused_and_unchanged(other, lambda: other.load_checkpoint(saved, tag="t"), match)
+    with pytest.raises(ValueError, match=match):
+        consolidate(saved, "t")
+    line = command_line_refuses(capsys, saved, tmp_path, "legacy format")
+    assert "damaged" not in line
+    assert not marker.exists()
+
+
 @pytest.mark.parametrize("make, exact", [
     (lambda: torch.tensor([1 + 2j, 3 - 4j]), False),
     (lambda: torch.tensor([2 ** 24 + 1, 123456789]), False),

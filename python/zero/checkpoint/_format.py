@@ -401,6 +401,8 @@ def _runs_code(file) -> ValueError:
                       "code when loaded; zero never loads such files")
 
 
+# the first pickle of torch.save's legacy (pre-zip) format is this number
+_LEGACY_MAGIC = 0x1950a86a20f9469cfc6c
 _CODE_OPS = {"GLOBAL", "STACK_GLOBAL", "INST", "OBJ", "REDUCE", "NEWOBJ", "NEWOBJ_EX", "BUILD"}
 
 
@@ -410,9 +412,17 @@ def _not_an_archive(file) -> ValueError:
     read, never run); anything else is a damaged (truncated) archive."""
     try:
         with open(file, "rb") as f:
-            ops = {op.name for op, _arg, _pos in pickletools.genops(f)}
+            found = [(op.name, arg) for op, arg, _pos in pickletools.genops(f)]
     except Exception:  # noqa: BLE001 - not a pickle at all: nothing to name
-        ops = set()
+        found = []
+    ops = {name for name, _arg in found}
+    if any(arg == _LEGACY_MAGIC for _name, arg in found if isinstance(arg, int)):
+        # torch.save(..., _use_new_zipfile_serialization=False): its later
+        # pickles name torch's own functions whether or not they run code
+        return ValueError(
+            f"checkpoint file {file!r} is in torch's legacy format (torch.save with "
+            "_use_new_zipfile_serialization=False), which zero does not read: zero writes and "
+            "reads torch.save's zip archives only; load a checkpoint zero saved")
     if ops & _CODE_OPS:
         return _runs_code(file)
     return ValueError(f"checkpoint file {file!r} cannot be read, so it is truncated or "
