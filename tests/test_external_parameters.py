@@ -94,3 +94,68 @@ def test_bad_arguments_are_named():
         deepspeed.zero.register_external_parameter("head", nn.Parameter(torch.zeros(1)))
     with pytest.raises(TypeError, match="parameter must be a torch.nn.Parameter"):
         deepspeed.zero.register_external_parameter(nn.Linear(1, 1), torch.zeros(1))
+
+
+class SharedHead(nn.Module):
+    """Reads both parameters of another module's unit itself."""
+    def __init__(self, shared):
+        super().__init__()
+        self.shared = [shared]  # not a child: its unit is not the head's own
+        deepspeed.zero.register_external_parameter(self, shared.weight)
+        deepspeed.zero.register_external_parameter(self, shared.bias)
+
+    def forward(self, h):
+        return F.linear(h, self.shared[0].weight, self.shared[0].bias)
+
+
+class SharedNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(16, 8)
+        self.shared = nn.Linear(8, 8)
+        self.head = SharedHead(self.shared)
+
+    def forward(self, ids):
+        return self.head(torch.tanh(self.shared(self.embed(ids))))
+
+
+def test_unregister_takes_the_gather_away_once_nothing_registered_needs_it():
+    torch.manual_seed(0)
+    model = SharedNet()
+    reference = copy.deepcopy(model)
+    opt = torch.optim.SGD(reference.parameters(), lr=0.1)
+    engine = zero.initialize(model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                             stage=3, **RELEASED)
+    # the weight, still registered, keeps the unit both lie in
+    deepspeed.zero.unregister_external_parameter(model.head, model.shared.bias)
+    # a module's own parameter registered on it and unregistered: still its own
+    deepspeed.zero.register_external_parameter(model.shared, model.shared.weight)
+    deepspeed.zero.unregister_external_parameter(model.shared, model.shared.weight)
+    for ids in batches():
+        opt.zero_grad()
+        reference(ids).logsumexp(-1).mean().backward()
+        opt.step()
+        engine.backward(engine(ids).logsumexp(-1).mean())
+        engine.step()
+    state = engine.full_state_dict()
+    for name, value in reference.state_dict().items():
+        torch.testing.assert_close(state[name], value, rtol=1e-6, atol=1e-6, msg=name)
+    deepspeed.zero.unregister_external_parameter(model.head, model.shared.weight)
+    with pytest.raises(RuntimeError):  # the read finds the placeholder again
+        engine(batches()[0])
+    engine.close()
+
+
+def test_unregister_before_initialize_and_twice():
+    torch.manual_seed(0)
+    model = Net(register=True)
+    deepspeed.zero.unregister_external_parameter(model.head, model.embed.weight)
+    with pytest.raises(RuntimeError, match="not a registered external parameter of TiedHead"):
+        deepspeed.zero.unregister_external_parameter(model.head, model.embed.weight)
+    engine = zero.initialize(model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                             stage=3, **RELEASED)
+    with pytest.raises(RuntimeError):  # as if never registered
+        engine(batches()[0])
+    engine.close()
+    with pytest.raises(TypeError, match="parameter must be a torch.nn.Parameter"):
+        deepspeed.zero.unregister_external_parameter(model.head, torch.zeros(1))

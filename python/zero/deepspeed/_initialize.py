@@ -43,6 +43,7 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None,
             "dimensions dp_replicate/dp_shard/tp/pp) and pass zero.initialize(model, "
             "mesh=mesh) (docs/parallel.md)")
     cfg = _config(args, config, config_params)
+    _take_local_rank(args)
     if dist_init_required is not False:
         # the group made here is the engine's only: a "comms_timeout" in the
         # config sets its timeout, as it does for a group zero.initialize
@@ -72,6 +73,8 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None,
                              lr_scheduler=lr_scheduler,
                              mesh=layout.dp_group if layout is not None else None)
     engine._mpu = layout.connect(engine.device) if layout is not None else None
+    if args is not None and hasattr(args, "local_rank"):
+        args.local_rank = engine.local_rank  # aligned, as DeepSpeed aligns it
     loader = None
     if training_data is not None:
         loader = engine.deepspeed_io(training_data, collate_fn=collate_fn)
@@ -101,3 +104,25 @@ def _config(args, config, config_params) -> Config:
         with open(source) as f:
             source = json.load(f)
     return Config.from_deepspeed(source)
+
+
+def _take_local_rank(args):
+    """A script's --local_rank (DeepSpeed's launcher, the old
+    torch.distributed.launch pass it) against the launcher's LOCAL_RANK:
+    one that disagrees is refused, as DeepSpeed refuses it; where the
+    environment has none, the argument is taken into it, so the engine
+    (its local_rank, its GPU) reads the same number."""
+    local = getattr(args, "local_rank", None) if args is not None else None
+    if local is None or isinstance(local, bool) or not isinstance(local, int):
+        if local is not None:
+            raise TypeError(f"deepspeed.initialize: args.local_rank must be an int, got "
+                            f"{local!r}")
+        return
+    if local < 0:
+        return  # the argument's default: nothing said
+    env = os.environ.get("LOCAL_RANK")
+    if env is None:
+        os.environ["LOCAL_RANK"] = str(local)
+    elif env.strip() != str(local):
+        raise ValueError(f"deepspeed.initialize: args.local_rank is {local} but the launcher's "
+                         f"LOCAL_RANK is {env}; they must name the same rank")

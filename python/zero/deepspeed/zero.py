@@ -7,7 +7,8 @@ import json
 import os
 
 from zero.config._config import Config
-from zero.sharding._external import register_external_parameter  # noqa: F401
+from zero.sharding._external import (register_external_parameter,  # noqa: F401
+                                     unregister_external_parameter)
 from zero.sharding._gathered import GatheredParameters as _Gathered
 from zero.sharding._partitioned_init import partitioned_init
 

@@ -5,7 +5,8 @@ registering it (a parent that calls F.linear(x, self.embed.weight)).
 Stage 3 then gathers param around the module's forward and backward. With
 no engine on the model yet, the pair is kept on the module and taken by
 the stage-3 engine initialize makes (Stage3Schedule); with one, it goes
-to that engine's schedule at once (Engine.register_external_parameter)."""
+to that engine's schedule at once (Engine.register_external_parameter).
+unregister_external_parameter undoes it."""
 from __future__ import annotations
 
 from torch import nn
@@ -14,18 +15,56 @@ _ATTRIBUTE = "_zero_external_parameters"
 
 
 def register_external_parameter(module, parameter):
+    _check_types(module, parameter)
+    place = getattr(parameter, "_zero_place", None)
+    if place is not None and place.schedule is not None:
+        place.schedule.add_external(module, parameter)
+    # kept on the module either way: unregister reads it, and an engine
+    # made later on the same model (after close) takes it again
+    kept = module.__dict__.setdefault(_ATTRIBUTE, [])
+    if all(p is not parameter for p in kept):
+        kept.append(parameter)
+
+
+def unregister_external_parameter(module, parameter):
+    """DeepSpeed's reverse of register_external_parameter: the module's
+    forward no longer gathers `parameter`. Refused (RuntimeError, as
+    DeepSpeed's) for a parameter not registered on the module. Under a
+    stage-3 engine its unit leaves the module's list unless the module
+    needs it anyway: it holds one of the module's own parameters or one
+    still registered on it."""
+    _check_types(module, parameter)
+    kept = module.__dict__.get(_ATTRIBUTE, [])
+    if all(p is not parameter for p in kept):
+        raise RuntimeError(f"the parameter is not a registered external parameter of "
+                           f"{type(module).__name__} (register_external_parameter)")
+    kept[:] = [p for p in kept if p is not parameter]
+    place = getattr(parameter, "_zero_place", None)
+    schedule = place.schedule if place is not None else None
+    if schedule is None:
+        return
+    entry = schedule.place.get(id(parameter))
+    units = schedule.units_of.get(module)
+    if entry is None or units is None:
+        return
+    # what the module gathers as its own: a unit root's every parameter,
+    # another module's its direct ones (Stage3Schedule.__init__)
+    own = module.parameters() if schedule.unit_roots.root(module) is module else \
+        module._parameters.values()
+    still = [schedule.place.get(id(p)) for p in [*own, *kept] if p is not None]
+    if any(e is not None and e[1] is entry[1] for e in still):
+        return
+    # the list itself: the module's hooks read it (_whole_check in _stage3.py)
+    units[:] = [(fg, u) for fg, u in units if u is not entry[1]]
+    schedule._in_order = {}  # the recorded pass order named the unit here
+
+
+def _check_types(module, parameter):
     if not isinstance(module, nn.Module):
         raise TypeError(f"module must be a torch.nn.Module, got {type(module).__name__}")
     if not isinstance(parameter, nn.Parameter):
         raise TypeError(f"parameter must be a torch.nn.Parameter, got "
                         f"{type(parameter).__name__}")
-    place = getattr(parameter, "_zero_place", None)
-    if place is not None and place.schedule is not None:
-        place.schedule.add_external(module, parameter)
-        return
-    kept = module.__dict__.setdefault(_ATTRIBUTE, [])
-    if all(p is not parameter for p in kept):
-        kept.append(parameter)
 
 
 def registered_externals(root) -> list:

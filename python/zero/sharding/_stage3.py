@@ -64,9 +64,8 @@ _HASH_MOD = (1 << 61) - 1
 class Stage3Schedule(SavedParameters, PassOrder):
     def __init__(self, root, groups, comm, config, serial, backward, roots):
         """serial: Engine.serial; roots: the _unit_roots.UnitRoots of the units."""
-        self.comm, self.serial = comm, serial
-        # [Note: backward lifecycle] in _backward.py: the engine's, with
-        # this schedule's own start, end and reset added
+        self.comm, self.serial, self.unit_roots = comm, serial, roots
+        # [Note: backward lifecycle] in _backward.py: the engine's, plus this schedule's
         self.backward = backward
         backward.after_begin.append(lambda: self._start_pass("backward"))
         backward.after_end.append(self._after_backward)

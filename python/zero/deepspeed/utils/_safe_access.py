@@ -7,7 +7,8 @@ read the engine's fp32 master and states through the parameter's place
 (`_zero_place`), after any pending write or delayed update is taken in
 (take_in_parameter_writes, as full_state_dict does). A parameter no
 engine trains gives None, and so does a state before the first update,
-as DeepSpeed's. The setters and the gradient readers are not provided."""
+as DeepSpeed's. The values are on the model's device, as DeepSpeed's are
+on the accelerator. The writers: _safe_writes.py; gradients: _safe_grads.py."""
 from __future__ import annotations
 
 import torch
@@ -15,7 +16,7 @@ import torch
 from zero.sharding._param_writes import take_in_parameter_writes
 
 
-def _located(param, call):
+def located(param, call):
     """(group, unit, index in unit) of a trained parameter, its engine's
     pending writes taken in; None for a parameter no engine trains."""
     if not isinstance(param, torch.nn.Parameter):
@@ -31,44 +32,45 @@ def _located(param, call):
 
 def _whole(fg, unit, j, source):
     """Parameter j of unit, fp32, whole, from `source` (a partition-laid
-    tensor: the master or a state), on every rank, in host memory."""
+    tensor: the master or a state), on every rank, on the model's device
+    (DeepSpeed's are on the accelerator: p * safe_get_full_grad(p) works)."""
     full = torch.empty(unit.total, dtype=torch.float32)
     fg.gather_unit(unit, source, full)
     off = unit.offsets[j]
-    return full[off:off + unit.numels[j]].view(unit.shapes[j]).clone()
+    return full[off:off + unit.numels[j]].view(unit.shapes[j]).to(fg.device, copy=True)
 
 
 def _local(fg, unit, j, source):
     lo, hi, span = fg.partition_span(unit, j)
     if lo >= hi:
-        return torch.empty(0, dtype=torch.float32)
-    return source[span].detach().to("cpu", torch.float32, copy=True)
+        return torch.empty(0, dtype=torch.float32, device=fg.device)
+    return source[span].detach().to(fg.device, torch.float32, copy=True)
 
 
 def safe_get_full_fp32_param(param):
     """The parameter's fp32 master values, whole (a collective where the
     engine partitions)."""
-    found = _located(param, "safe_get_full_fp32_param")
+    found = located(param, "safe_get_full_fp32_param")
     return None if found is None else _whole(*found, found[0].master)
 
 
 def safe_get_full_optimizer_state(param, optim_state_key):
     """One optimizer state of the parameter ("exp_avg", "exp_avg_sq",
     "momentum_buffer", ...), whole; None before the first update."""
-    found = _located(param, "safe_get_full_optimizer_state")
+    found = located(param, "safe_get_full_optimizer_state")
     state = _state(found, optim_state_key)
     return None if state is None else _whole(*found, state)
 
 
 def safe_get_local_fp32_param(param):
     """This rank's elements of the parameter's fp32 master, flat."""
-    found = _located(param, "safe_get_local_fp32_param")
+    found = located(param, "safe_get_local_fp32_param")
     return None if found is None else _local(*found, found[0].master)
 
 
 def safe_get_local_optimizer_state(param, optim_state_key):
     """This rank's elements of one optimizer state of the parameter, flat."""
-    found = _located(param, "safe_get_local_optimizer_state")
+    found = located(param, "safe_get_local_optimizer_state")
     state = _state(found, optim_state_key)
     return None if state is None else _local(*found, state)
 

@@ -1,0 +1,85 @@
+"""zero.deepspeed's small utilities DeepSpeed scripts import: OnDevice
+(a model built on a device in a dtype: utils/_on_device.py),
+RepeatingLoader (utils/_loaders.py), and the logger with log_dist
+(utils/_logging.py), against what DeepSpeed 0.19.8's do."""
+import io
+import logging
+import os
+import tempfile
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import zero.deepspeed as deepspeed
+from zero.deepspeed import utils
+
+
+def test_on_device_builds_on_the_device_in_the_dtype_and_puts_defaults_back():
+    with deepspeed.OnDevice(dtype=torch.bfloat16, device="meta"):
+        layer = nn.Linear(4, 3)
+        steps = torch.arange(3)
+    assert layer.weight.device.type == "meta" and layer.weight.dtype == torch.bfloat16
+    assert steps.dtype == torch.int64  # integers keep theirs
+    assert torch.get_default_dtype() == torch.float32
+    assert torch.empty(1).device.type == "cpu"
+    with utils.OnDevice(dtype=torch.float16, device="meta", enabled=False):
+        plain = nn.Linear(4, 3)
+    assert plain.weight.device.type == "cpu" and plain.weight.dtype == torch.float32
+
+
+def test_on_device_puts_defaults_back_after_an_error():
+    with pytest.raises(KeyError):
+        with deepspeed.OnDevice(dtype=torch.float64, device="meta"):
+            raise KeyError("in the model's __init__")
+    assert torch.get_default_dtype() == torch.float32
+    assert torch.empty(1).device.type == "cpu"
+
+
+def test_on_device_refuses_a_dtype_that_is_not_floating():
+    with pytest.raises(TypeError, match="dtype must be a floating torch.dtype"):
+        deepspeed.OnDevice(dtype=torch.int32)
+
+
+def test_repeating_loader_starts_again_at_the_end():
+    loader = torch.utils.data.DataLoader(list(range(5)), batch_size=2)
+    got = [batch.tolist() for _, batch in zip(range(7), utils.RepeatingLoader(loader))]
+    assert got == [[0, 1], [2, 3], [4], [0, 1], [2, 3], [4], [0, 1]]
+    with pytest.raises(StopIteration):
+        next(utils.RepeatingLoader([]))
+
+
+@pytest.fixture
+def logged():
+    out = io.StringIO()
+    handler = logging.StreamHandler(out)
+    utils.logger.addHandler(handler)
+    yield out
+    utils.logger.removeHandler(handler)
+
+
+@pytest.fixture
+def one_process_group():
+    with tempfile.TemporaryDirectory() as d:
+        dist.init_process_group("gloo", init_method=f"file://{os.path.join(d, 'store')}",
+                                rank=0, world_size=1)
+        try:
+            yield
+        finally:
+            dist.destroy_process_group()
+
+
+def test_log_dist_logs_everywhere_before_any_group(logged):
+    deepspeed.log_dist("hello", ranks=[0])
+    assert logged.getvalue() == "[Rank -1] hello\n"
+    assert deepspeed.logger is utils.logger and not utils.logger.propagate
+
+
+def test_log_dist_logs_on_the_listed_ranks(logged, one_process_group):
+    utils.log_dist("none listed")
+    utils.log_dist("others", ranks=[1, 2])
+    utils.log_dist("mine", ranks=[1, 0])
+    utils.log_dist("all", ranks=[-1], level=logging.WARNING)
+    utils.log_dist("below the level", ranks=[0], level=logging.DEBUG)
+    assert logged.getvalue() == "[Rank 0] mine\n[Rank 0] all\n"
