@@ -26,12 +26,12 @@ from __future__ import annotations
 import numbers
 import os
 import pickle
-import pickletools
 import zipfile
 from collections import OrderedDict, defaultdict
 
 import torch
 
+from zero.checkpoint._refused_files import holds_code, not_an_archive, runs_code, unreadable
 from zero.checkpoint._storage_sizes import storage_size_mismatch
 from zero.checkpoint._zip_checksums import damaged_record
 from zero.offload._mapped import drop_file_mapped_pages, file_mappings
@@ -387,61 +387,6 @@ def _stretch(source, start, n, file):
     return source.narrow(0, start, n)
 
 
-def _unreadable(file, error) -> ValueError:
-    """torch's own words are left out where they tell the reader to load
-    the file with weights_only=False (which would run its code)."""
-    said = str(error)
-    why = type(error).__name__ + ("" if "weights_only" in said else f": {said}")
-    return ValueError(f"checkpoint file {file!r} cannot be read, so it is truncated or "
-                      f"damaged ({why}); load another checkpoint")
-
-
-def _runs_code(file) -> ValueError:
-    return ValueError(f"checkpoint file {file!r} is refused: it holds objects that would run "
-                      "code when loaded; zero never loads such files")
-
-
-# the first pickle of torch.save's legacy (pre-zip) format is this number
-_LEGACY_MAGIC = 0x1950a86a20f9469cfc6c
-_CODE_OPS = {"GLOBAL", "STACK_GLOBAL", "INST", "OBJ", "REDUCE", "NEWOBJ", "NEWOBJ_EX", "BUILD"}
-
-
-def _not_an_archive(file) -> ValueError:
-    """zero writes torch.save's zip archives only. A bare pickle that
-    imports or calls anything is named for what it is (its opcodes are
-    read, never run); anything else is a damaged (truncated) archive."""
-    try:
-        with open(file, "rb") as f:
-            found = [(op.name, arg) for op, arg, _pos in pickletools.genops(f)]
-    except Exception:  # noqa: BLE001 - not a pickle at all: nothing to name
-        found = []
-    ops = {name for name, _arg in found}
-    if any(arg == _LEGACY_MAGIC for _name, arg in found if isinstance(arg, int)):
-        # torch.save(..., _use_new_zipfile_serialization=False): its later
-        # pickles name torch's own functions whether or not they run code
-        return ValueError(
-            f"checkpoint file {file!r} is in torch's legacy format (torch.save with "
-            "_use_new_zipfile_serialization=False), which zero does not read: zero writes and "
-            "reads torch.save's zip archives only; load a checkpoint zero saved")
-    if ops & _CODE_OPS:
-        return _runs_code(file)
-    return ValueError(f"checkpoint file {file!r} cannot be read, so it is truncated or "
-                      "damaged (it is not a torch.save zip archive); load another checkpoint")
-
-
-def _holds_code(file, error) -> bool:
-    """Whether torch's weights-only loader refused `file` for what its
-    pickle asks to run (a global outside its allow-list) rather than for
-    damaged bytes: the refusal, over a file whose records match the
-    CRC-32 its writer recorded."""
-    if not isinstance(error, pickle.UnpicklingError) or "weights_only" not in str(error):
-        return False
-    try:
-        return damaged_record(file) is None
-    except ValueError:  # an archive too damaged to check: damaged
-        return False
-
-
 class CheckpointReader:
     """Reads any stretch of any parameter's value or optimizer state from a
     checkpoint directory, whatever world size and stage wrote it. Shard
@@ -512,13 +457,13 @@ class CheckpointReader:
         if not os.path.isfile(full):
             raise ValueError(f"checkpoint file {full!r} is not a regular file")
         if not zipfile.is_zipfile(full):
-            raise _not_an_archive(full)
+            raise not_an_archive(full)
         try:
             # before torch.load: a storage larger than its record reads
             # other bytes through mmap, and is what a loader allocates
             mismatch = storage_size_mismatch(full)
         except ValueError as error:
-            raise _unreadable(full, error) from None
+            raise unreadable(full, error) from None
         if mismatch:
             raise _damaged(full, mismatch)
         try:
@@ -527,9 +472,9 @@ class CheckpointReader:
         # TypeError on damaged pickle bytes (a memo index, an empty stack)
         except (RuntimeError, OSError, EOFError, ValueError, KeyError, IndexError, TypeError,
                 pickle.UnpicklingError) as error:
-            if _holds_code(full, error):
-                raise _runs_code(full) from None
-            raise _unreadable(full, error) from None
+            if holds_code(full, error):
+                raise runs_code(full) from None
+            raise unreadable(full, error) from None
 
     def _verify(self, file):
         """Refuse a file whose bytes differ from the CRC-32 torch.save wrote
