@@ -113,3 +113,34 @@ def test_load_checkpoint_takes_deepspeeds_positional_arguments(one_process, tmp_
     with pytest.raises(ValueError, match="custom_load_fn"):
         engine.load_checkpoint(tmp_path, custom_load_fn=lambda *a: None)
     engine.close()
+
+
+def _args(local_rank):
+    import argparse
+    return argparse.Namespace(local_rank=local_rank, deepspeed_config=None)
+
+
+def test_args_local_rank_is_checked_taken_and_aligned(one_process, monkeypatch):
+    """DeepSpeed's launcher passes --local_rank and sets LOCAL_RANK: a
+    disagreement is refused (as DeepSpeed's assert does), an argument
+    without the variable is taken into it (the engine reads the variable),
+    and args.local_rank comes back as the engine's."""
+    config = {"train_micro_batch_size_per_gpu": 2,
+              "optimizer": {"type": "SGD", "params": {"lr": 0.1}}}
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    with pytest.raises(ValueError, match="args.local_rank is 0 but the launcher's LOCAL_RANK "
+                                         "is 1"):
+        deepspeed.initialize(args=_args(0), model=nn.Linear(4, 2), config=config)
+    monkeypatch.delenv("LOCAL_RANK")
+    args = _args(0)
+    engine, *_ = deepspeed.initialize(args=args, model=nn.Linear(4, 2), config=config)
+    import os
+    assert os.environ["LOCAL_RANK"] == "0" and engine.local_rank == 0 and args.local_rank == 0
+    engine.close()
+    monkeypatch.delenv("LOCAL_RANK")
+    args = _args(-1)  # the argument's default: aligned to the engine's
+    engine, *_ = deepspeed.initialize(args=args, model=nn.Linear(4, 2), config=config)
+    assert args.local_rank == engine.local_rank == 0
+    engine.close()
+    with pytest.raises(TypeError, match="args.local_rank must be an int"):
+        deepspeed.initialize(args=_args("0"), model=nn.Linear(4, 2), config=config)

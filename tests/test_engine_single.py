@@ -1039,12 +1039,45 @@ def test_fp16_with_plain_backward_is_refused():
     engine.close()
 
 
-def test_a_half_set_launcher_environment_names_what_is_missing(monkeypatch):
-    monkeypatch.setenv("RANK", "0")
-    monkeypatch.setenv("WORLD_SIZE", "2")
-    with pytest.raises(RuntimeError, match=r"launcher variables RANK, WORLD_SIZE are set but "
-                                           r"MASTER_ADDR, MASTER_PORT are not"):
+MASTER = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}
+OTHER_LAUNCHERS = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "MV2_COMM_WORLD_SIZE",
+                   "SLURM_STEP_NUM_TASKS", "SLURM_NTASKS")
+
+
+@pytest.mark.parametrize("env, match", [
+    ({"RANK": "0", "WORLD_SIZE": "2"},
+     r"launcher variables RANK, WORLD_SIZE are set but MASTER_ADDR, MASTER_PORT are not"),
+    # without WORLD_SIZE: a rank other than 0 is one of several
+    ({"RANK": "1"}, r"launcher variables RANK are set but WORLD_SIZE, MASTER_ADDR, MASTER_PORT"),
+    ({"RANK": "1", **MASTER}, r"MASTER_PORT are set but WORLD_SIZE is not"),
+    # launchers zero does not read ranks from ([Note: launcher environment])
+    ({"OMPI_COMM_WORLD_SIZE": "4", **MASTER}, r"one of 4 that mpirun \(OpenMPI\) started .*"
+                                              r"not set, so each would train alone"),
+    ({"SLURM_STEP_NUM_TASKS": "2", "SLURM_NTASKS": "2"}, r"one of 2 that srun started"),
+], ids=["no master", "rank alone", "no world size", "mpirun", "srun"])
+def test_a_half_set_launcher_environment_names_what_is_missing(monkeypatch, env, match):
+    for var in OTHER_LAUNCHERS:
+        monkeypatch.delenv(var, raising=False)
+    for var, value in env.items():
+        monkeypatch.setenv(var, value)
+    with pytest.raises(RuntimeError, match=match):
         zero.initialize(model())
+    assert not dist.is_initialized()
+
+
+@pytest.mark.parametrize("env", [MASTER, {"SLURM_NTASKS": "4"}, {"OMPI_COMM_WORLD_SIZE": "1"},
+                                 {"RANK": "0"}],
+                         ids=["master exported", "sbatch allocation", "mpirun -n 1", "rank 0"])
+def test_a_lone_process_under_launcher_leftovers_trains_as_one(monkeypatch, env):
+    """Variables that say nothing about other processes (exported in a
+    shell, a batch script's allocation) leave a world of this process."""
+    for var in OTHER_LAUNCHERS:
+        monkeypatch.delenv(var, raising=False)
+    for var, value in env.items():
+        monkeypatch.setenv(var, value)
+    engine = zero.initialize(model(), optimizer=None, stage=1)
+    assert engine.world_size == 1
+    engine.close()
 
 
 def test_floating_inputs_inside_containers_are_cast(no_launcher):

@@ -109,6 +109,12 @@ def test_ranks_on_one_machine_share_its_cores():
     out = run_python(code.format(before=""), LOCAL_WORLD_SIZE="1")
     cpus, threads = map(int, out.stdout.split())
     assert threads == cpus
+    # DeepSpeed's launcher names the count LOCAL_SIZE
+    env = {k: v for k, v in os.environ.items() if k != "LOCAL_WORLD_SIZE"}
+    out = subprocess.run([sys.executable, "-c", code.format(before="")], capture_output=True,
+                         text=True, env={**env, "LOCAL_SIZE": "2"}, timeout=120)
+    cpus, threads = map(int, out.stdout.split())
+    assert threads == max(1, cpus // 2), out.stderr
 
 
 @pytest.mark.parametrize("machine, bound, local, expected", [

@@ -18,10 +18,11 @@ import torch.distributed as dist
 
 from zero.comm._handles import AllOf, Watched
 from zero.comm._host_staging import ranks_share_a_gpu, run_staged, warn_host_staged
+from zero.comm._launcher_env import check_not_half_launched
+from zero.comm._launcher_env import launched as launcher_set
 from zero.comm._log import CommLog
 from zero.comm._world import deepspeed_group_timeout_source
 
-_LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 # [Note: timeouts] How long a collective on a group zero makes waits for the
 # other ranks before it fails: torch's NCCL default, a third of its gloo one
 # (the reasons in docs/engine.md, "Timeouts"). Every group zero makes has the
@@ -174,7 +175,7 @@ def join_process_group(device: torch.device, backend: str | None = None,
             return True
         _forget_group()  # env:// (kept for the process) or the user's
         return False
-    launched = all(v in os.environ for v in _LAUNCHER_VARS)
+    launched = launcher_set()
     backend = backend or backend_for(device, int(os.environ["WORLD_SIZE"]) if launched else 1)
     # bound to the model's device, so NCCL never guesses from the current one
     bind = {"device_id": device} if "nccl" in backend and device.type == "cuda" else {}
@@ -189,13 +190,7 @@ def join_process_group(device: torch.device, backend: str | None = None,
         _made_here(wait, timeout)
         return False
     else:
-        present = [v for v in _LAUNCHER_VARS if v in os.environ]
-        missing = [v for v in _LAUNCHER_VARS if v not in os.environ]
-        if present and os.environ.get("WORLD_SIZE", "1") != "1":
-            raise RuntimeError(
-                f"launcher variables {', '.join(present)} are set but "
-                f"{', '.join(missing)} {'is' if len(missing) == 1 else 'are'} not; start "
-                "with torchrun, set the missing ones, or unset them")
+        check_not_half_launched()  # [Note: launcher environment]
         _excepthook["before"] = sys.excepthook
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1,
                                 timeout=wait, **bind)

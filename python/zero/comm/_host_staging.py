@@ -29,13 +29,14 @@ import warnings
 import torch
 
 from zero.comm._handles import StagedWork, copy_back
+from zero.comm._launcher_env import local_world_size
 
 
 _warned = {"staged": False}  # warn_host_staged: once a process
 
 
 def ranks_share_a_gpu() -> bool:
-    """Whether this node runs more ranks (torchrun's LOCAL_WORLD_SIZE) than
+    """Whether this node runs more ranks (LOCAL_WORLD_SIZE, LOCAL_SIZE) than
     it has GPUs, so that some ranks share one. Not guessed when
     CUDA_VISIBLE_DEVICES is set: a launcher that gives each rank its own GPU
     (one visible device each, as SLURM's --gpus-per-task does) would look
@@ -43,10 +44,7 @@ def ranks_share_a_gpu() -> bool:
     share a GPU there make a gloo group themselves (docs/engine.md)."""
     if "CUDA_VISIBLE_DEVICES" in os.environ:
         return False
-    try:
-        local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    except ValueError:
-        return False
+    local = local_world_size()  # torchrun's or DeepSpeed's launcher's count
     return torch.cuda.is_available() and local > torch.cuda.device_count()
 
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 import os
 
 import zero._C as _C
+from zero.comm._launcher_env import local_world_size
 
 _chosen = False  # set_num_threads was called: initialize leaves the count alone
 
@@ -30,15 +31,13 @@ def set_num_threads(n: int) -> None:
 
 def share_cores_among_local_ranks() -> None:
     """Called by initialize: unless the user chose a count, a rank started
-    beside others on its machine (LOCAL_WORLD_SIZE > 1) uses its share of
+    beside others on its machine (LOCAL_WORLD_SIZE, or DeepSpeed's
+    launcher's LOCAL_SIZE, > 1) uses its share of
     the CPUs, at least one. A rank the launcher already bound to fewer CPUs
     than the machine has keeps all of those."""
     if _chosen:
         return
-    try:
-        local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    except ValueError:
-        return  # not ours to validate; torch's launcher sets it
+    local_ranks = local_world_size()  # torchrun's or DeepSpeed's launcher's count
     if local_ranks <= 1:
         return
     usable = len(os.sched_getaffinity(0))
