@@ -123,6 +123,7 @@ def test_the_cpu_counts_everything_as_host_memory():
     ({"host_memory": "lots"}, "host_memory must be a number of bytes"),
     ({"headroom": 1.5}, "headroom must be a fraction"),
     ({"local_ranks": 0}, "local_ranks must be an integer"),
+    ({"local_ranks": 2}, "local_ranks is 2 but world_size is 1"),
 ])
 def test_bad_arguments_name_what_is_wrong(bad, match):
     arguments = {"device_memory": 2**30, "host_memory": 2**30, **bad}

@@ -79,6 +79,9 @@ def settings_that_fit(model, world_size: int = 1, *, device_memory, host_memory,
     local = min(world_size, 8) if local_ranks is None else local_ranks
     if isinstance(local, bool) or not isinstance(local, int) or local < 1:
         raise ValueError(f"local_ranks must be an integer >= 1, got {local_ranks!r}")
+    if local > world_size:
+        raise ValueError(f"local_ranks is {local} but world_size is {world_size}: a machine "
+                         "cannot hold more of the run's ranks than the run has")
     on_gpu = str(device).startswith("cuda")
     usable = 1.0 - headroom
     # the settings the rule for a run's bytes reads (estimate_memory takes
