@@ -133,6 +133,19 @@ def test_deepspeed_config_scheduler_type_is_honoured(one_process, tmp_path, kind
     trainer.engine.close()
 
 
+def test_deepspeed_config_auto_warmup_without_warmup_steps(one_process, tmp_path):
+    """TrainingArguments' default warmup_steps=0 fills "auto": DeepSpeed's
+    schedulers refuse 0 steps (0.19.8) and warm up over at least 2, so the
+    template trains as with warmup_steps 1 or 2 (it raised before)."""
+    config = {**DEEPSPEED_TEMPLATE, "scheduler": {"type": "WarmupLR", "params": {
+        "warmup_max_lr": "auto", "warmup_num_steps": "auto"}}}
+    trainer = zero_trainer(tmp_path, {"config": config}, warmup_steps=0)
+    trainer.train()
+    assert logged(trainer, "learning_rate") == pytest.approx(
+        [0.0, 0.0, 1e-3, 1e-3, 1e-3, 1e-3], rel=1e-6, abs=1e-12)
+    trainer.engine.close()
+
+
 def test_deepspeed_config_scheduler_values_are_honoured(one_process, tmp_path):
     """Values the Trainer does not set (warmup_type) are the config's; the
     learning rate may repeat TrainingArguments'."""

@@ -143,9 +143,10 @@ def cast_module(module, dtype, device, policy):
 
 
 def warn_if_narrowed(dtypes: dict, compute_dtype):
-    """float64 parameters train in the engine's fp32 masters: say so once
-    (close() gives them back as float64: [Note: dtypes given back] in
-    _handback.py). dtypes: record_dtypes' answer."""
+    """float64 parameters train in the engine's fp32 masters, and 16-bit
+    ones of another dtype than the compute dtype are cast to it: say so
+    once (close() gives them back in their dtypes: [Note: dtypes given
+    back] in _handback.py). dtypes: record_dtypes' answer."""
     wide = [name for (kind, name), dtype in dtypes.items()
             if kind == "parameter" and dtype == torch.float64]
     if wide:
@@ -153,3 +154,16 @@ def warn_if_narrowed(dtypes: dict, compute_dtype):
             f"zero: {len(wide)} float64 parameter(s) ({wide[0]!r} the first) train in "
             f"float32 master weights and compute in {compute_dtype}: the engine keeps no "
             "float64 copy. close() gives them back as float64", RuntimeWarning, stacklevel=4)
+    # 16-bit parameters computed in another dtype: a bf16 part of an fp32
+    # model doubles its bytes as fp32; fp16 in bf16 keeps fewer digits
+    others = {}
+    for (kind, name), dtype in dtypes.items():
+        if kind == "parameter" and dtype.is_floating_point and dtype.itemsize == 2 and \
+                dtype != compute_dtype:
+            others.setdefault(dtype, []).append(name)
+    for dtype, names in others.items():
+        warnings.warn(
+            f"zero: {len(names)} {dtype} parameter(s) ({names[0]!r} the first) are cast to "
+            f"{compute_dtype}, the engine's compute dtype (precision), which trains the whole "
+            "model in one dtype; to compute in 16 bits pass precision=\"bf16\" (or \"fp16\"). "
+            f"close() gives them back as {dtype}", RuntimeWarning, stacklevel=4)

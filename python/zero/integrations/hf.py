@@ -368,7 +368,12 @@ class ZeroTrainerMixin:
                 if value == "auto" and key not in auto:  # WarmupCosineLR's ratios
                     raise ValueError(f"scheduler.params.{key} is \"auto\", which the Trainer "
                                      "does not fill in; write a number")
-                if value == "auto":
+                if value == "auto" and key == "warmup_num_steps":
+                    # no warm-up asked (warmup_steps 0, the Trainer's default):
+                    # DeepSpeed 0.19.8's schedulers refuse 0 and warm up
+                    # over at least 2 steps whatever is asked, so 1
+                    params[key] = max(1, auto[key])
+                elif value == "auto":
                     params[key] = auto[key]
                 elif key in ("warmup_num_steps", "total_num_steps") and value != auto[key]:
                     raise ValueError(f"the config's scheduler.params.{key} is {value!r} but "
