@@ -2,8 +2,8 @@
 (nbclient + ipykernel): one process, no launcher, stage 3, a checkpoint
 resumed in a fresh engine and consolidated into plain torch. Its cells
 assert what they show (the loss falls, the resumed run repeats the
-original exactly, the plain model gives the engine's loss); the
-consolidation cell runs twice, as a re-run cell does."""
+original exactly, the plain model gives the engine's loss); the resume
+and consolidation cells run twice, as re-run cells do."""
 import os
 
 import pytest
@@ -20,9 +20,11 @@ def test_quickstart_notebook_runs(monkeypatch):
     monkeypatch.setenv("RANK", "1")
     monkeypatch.setenv("WORLD_SIZE", "2")
     nb = nbformat.read(os.path.join(EXAMPLES, "quickstart.ipynb"), as_version=4)
-    # the consolidation cell run twice, as a user re-runs a cell
-    again = next(i for i, c in enumerate(nb.cells) if "consolidate(checkpoints)" in c.source)
-    nb.cells.insert(again + 1, nbformat.from_dict({**nb.cells[again], "id": "rerun"}))
+    # the resume and the consolidation cells run twice, as a user re-runs a cell
+    for marker, name in (("consolidate(checkpoints)", "rerun"), ("make_engine(seed=1)",
+                                                                 "resume-rerun")):
+        again = next(i for i, c in enumerate(nb.cells) if marker in c.source)
+        nb.cells.insert(again + 1, nbformat.from_dict({**nb.cells[again], "id": name}))
     env = {k: v for k, v in os.environ.items()
            if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK")}
     client = nbclient.NotebookClient(nb, timeout=300, kernel_name="python3",
@@ -33,4 +35,6 @@ def test_quickstart_notebook_runs(monkeypatch):
     continued = [line for line in text.splitlines() if line.startswith("continued:")]
     resumed = [line for line in text.splitlines() if line.startswith("resumed:")]
     assert continued and resumed
-    assert continued[0].split(":", 1)[1].strip() == resumed[0].split(":", 1)[1].strip()
+    assert len(continued) == len(resumed) == 2
+    for ours, theirs in zip(continued, resumed):
+        assert ours.split(":", 1)[1].strip() == theirs.split(":", 1)[1].strip()
