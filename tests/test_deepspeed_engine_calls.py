@@ -144,3 +144,18 @@ def test_args_local_rank_is_checked_taken_and_aligned(one_process, monkeypatch):
     engine.close()
     with pytest.raises(TypeError, match="args.local_rank must be an int"):
         deepspeed.initialize(args=_args("0"), model=nn.Linear(4, 2), config=config)
+
+
+def test_global_grad_norm_answers_item_as_deepspeeds_tensor(one_process):
+    """DeepSpeed's get_global_grad_norm() gives a 0-dim tensor at stages
+    1-3; scripts log .item() of it: a number here, that answers .item()."""
+    engine, model = engine_for(stage=2)
+    assert engine.get_global_grad_norm() is None  # before the first step, as DeepSpeed's
+    x = torch.randn(2, 4, generator=torch.Generator().manual_seed(0))
+    engine.backward(engine(x).square().sum())
+    engine.step()
+    norm = engine.get_global_grad_norm()
+    assert isinstance(norm.item(), float) and norm.item() == float(norm) > 0
+    assert f"{norm:.3f}" == f"{float(norm):.3f}"
+    engine.close()
+

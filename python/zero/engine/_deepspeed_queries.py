@@ -18,11 +18,20 @@ class LossScale(float):
         return float(self)
 
 
+class GradNorm(float):
+    """The last update's global gradient norm, a number that also answers
+    .item(): DeepSpeed's engine gives a 0-dim tensor at stages 1-3, and
+    scripts log `engine.get_global_grad_norm().item()`."""
+    def item(self) -> float:
+        return float(self)
+
+
 class DeepSpeedQueries:
     def get_global_grad_norm(self) -> float:
         """The global L2 norm of the last update's gradients, before
         clipping (inf after an fp16 overflow); None before the first step."""
-        return getattr(self, "_global_grad_norm", None)
+        norm = getattr(self, "_global_grad_norm", None)
+        return None if norm is None else GradNorm(norm)
 
     def get_lr(self) -> list:
         return [group["lr"] for group in self.optimizer.param_groups]
