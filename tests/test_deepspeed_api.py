@@ -191,6 +191,9 @@ def test_checkpointing_recomputes_the_same_gradients():
     deepspeed.checkpointing.checkpoint(layer, x).sum().backward()
     checkpointed = [p.grad.clone() for p in layer.parameters()]
     layer.zero_grad()
+    deepspeed.checkpointing.non_reentrant_checkpoint(layer, x).sum().backward()
+    assert all(torch.equal(a, p.grad) for a, p in zip(checkpointed, layer.parameters()))
+    layer.zero_grad()
     layer(x).sum().backward()
     assert all(torch.equal(a, p.grad) for a, p in zip(checkpointed, layer.parameters()))
     deepspeed.checkpointing.configure(None)

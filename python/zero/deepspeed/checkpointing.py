@@ -34,3 +34,7 @@ def is_configured() -> bool:
 def checkpoint(function, *args):
     """function(*args), its activations recomputed in backward."""
     return _torch_checkpoint.checkpoint(function, *args, use_reentrant=False)
+
+
+# DeepSpeed's name for its non-reentrant variant; checkpoint() above is one
+non_reentrant_checkpoint = checkpoint
