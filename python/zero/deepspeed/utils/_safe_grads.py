@@ -19,8 +19,10 @@ gradients there being bf16); fp16, which it does not run on a CPU, was not
 compared: here the loss scale is divided out. They are collectives where the engine spans
 ranks (the partitions are gathered, the stage 0-1 sums reduced into a
 copy); nothing is reduced in place, so the step still reduces as it
-would. Written values replace what the backwards left for the next step;
-a parameter no engine trains gives None and is left alone."""
+would. Written values replace what the backwards left for the next step,
+before clip_grad_norm_ takes the norm the step clips by (after it, a
+write is refused); a parameter no engine trains gives None and is left
+alone."""
 from __future__ import annotations
 
 import torch
@@ -60,6 +62,7 @@ def safe_set_full_grad(param, value):
         return
     fg, unit, j = found
     whole = whole_value(value, unit, j, "safe_set_full_grad")
+    _refuse_after_reduction(unit, j, "safe_set_full_grad")
     _store(fg, unit, j, whole)
 
 
@@ -71,6 +74,7 @@ def safe_set_local_grad(param, value):
         return
     fg, unit, (lo, hi, _span), local = found
     j = next(j for j, p in enumerate(unit.params) if p is param)
+    _refuse_after_reduction(unit, j, "safe_set_local_grad")
     whole = _averaged_whole(fg, unit, j)  # the other ranks' elements as they are
     off = unit.offsets[j]
     if lo < hi:
@@ -112,6 +116,16 @@ def _averaged_whole(fg, unit, j) -> torch.Tensor:
     return whole.div_(_sum_scale(engine))
 
 
+def _refuse_after_reduction(unit, j, call):
+    """The step clips by the norm clip_grad_norm_ took: a gradient written
+    after it would be stepped on with another gradient's norm. Every rank
+    is in the same state, so every rank refuses alike, before any change."""
+    if _reduced(_engine_of(unit, j)):
+        raise RuntimeError(f"{call}: the gradients were reduced and their norm taken "
+                           "(engine.clip_grad_norm_) for the coming step; write gradients "
+                           "before clip_grad_norm_")
+
+
 def _store(fg, unit, j, whole, only_mine=False):
     """The held sums that the step turns into `whole` (averaged,
     unscaled): this rank's share of the sum the reduction will make.
@@ -119,8 +133,7 @@ def _store(fg, unit, j, whole, only_mine=False):
     set (the other ranks set theirs)."""
     engine = _engine_of(unit, j)
     held = whole * _sum_scale(engine)
-    reduced = _reduced(engine)
-    if fg.grad_flat is not None and not reduced:
+    if fg.grad_flat is not None:
         # stages 0-1: the boundary sums every data-parallel rank's copy
         fg.gather_stray_grads()
         slot = fg.view(fg.grad_flat, unit.members.start + j).view(-1)
@@ -138,7 +151,7 @@ def _store(fg, unit, j, whole, only_mine=False):
                 slot[lo - off:hi - off].copy_(held[lo - off:hi - off] / holders)
         return
     replicate = fg.comm.replicate
-    if not reduced and replicate is not None and replicate.world > 1:
+    if replicate is not None and replicate.world > 1:
         held /= replicate.world  # the boundary sums the replicas' partitions
     lo, hi, span = fg.partition_span(unit, j)
     if lo < hi:
