@@ -320,6 +320,35 @@ def test_fresh_optimizer_on_a_trained_engine(saved):
     engine.close()
 
 
+@pytest.mark.parametrize("stages", [(0, 0), (2, 3)])
+def test_an_lr_set_by_hand_survives_a_resume(tmp_path, stages):
+    """A rate lowered by hand after the schedule's step (on a plateau) is
+    the optimizer's, saved with its groups: a resume keeps it, as torch's
+    resume from the optimizer's and the schedule's state dicts keeps it
+    (the load put the schedule's last rate over it: one update at 1/0.7
+    the rate; a StepLR, which multiplies the group's rate, lost it for
+    good). The run goes on as the one that never stopped."""
+    whole = make_engine(stages[0])
+    train(whole, 0, 1)
+    for group in whole.optimizer.param_groups:
+        group["lr"] *= 0.7
+    train(whole, 1, 2)
+    expected, *_ = finish(whole)
+    first = make_engine(stages[0])
+    train(first, 0, 1)
+    for group in first.optimizer.param_groups:
+        group["lr"] *= 0.7
+    first.save_checkpoint(tmp_path)
+    first.close()
+    resumed = make_engine(stages[1], seed=3)
+    resumed.load_checkpoint(tmp_path)
+    assert [g["lr"] for g in resumed.optimizer.param_groups] == pytest.approx([1e-2 * 0.5 * 0.7])
+    train(resumed, 1, 2)
+    got, *_ = finish(resumed)
+    for key, value in expected.items():
+        assert max_rel_error(got[key], value) <= 1e-6, key
+
+
 @pytest.mark.parametrize("optimizer, change", [("sgd_nesterov", {"momentum": 0.0,
                                                                   "nesterov": False}),
                                                ("adam_amsgrad", {"amsgrad": False})])

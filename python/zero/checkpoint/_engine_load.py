@@ -353,9 +353,14 @@ def load(engine, load_dir, tag=None, load_optimizer_states=True,
         if load_lr_scheduler_states and engine.lr_scheduler is not None and \
                 meta["lr_scheduler"] is not None:
             engine.lr_scheduler.load_state_dict(meta["lr_scheduler"])
-            # the schedule's current lr, also where the optimizer's
-            # hyperparameters were not loaded
-            for group, lr in zip(engine.optimizer.param_groups,
-                                 getattr(engine.lr_scheduler, "_last_lr", None) or []):
-                group["lr"] = lr
+            if not with_optimizer:
+                # the optimizer starts afresh: at the schedule's current lr.
+                # Loaded, its groups keep their saved lr, as torch's resume
+                # from both state dicts keeps it (a rate set by hand since
+                # the schedule's last step, on a plateau, was replaced by
+                # the schedule's: one update at another lr, and a StepLR,
+                # which multiplies the group's lr, lost it for good)
+                for group, lr in zip(engine.optimizer.param_groups,
+                                     getattr(engine.lr_scheduler, "_last_lr", None) or []):
+                    group["lr"] = lr
     return path, meta["client_state"]
