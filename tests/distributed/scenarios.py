@@ -197,7 +197,10 @@ def engine_run(rank, world, steps, stage, precision="fp32", accumulation=1, clip
         gathered = {"block." + n: p.detach().float().cpu().clone()
                     for n, p in model.block.named_parameters()}
     facts = dict(memory=dict(engine.memory_summary()), comm=engine.comm_summary(),
-                 skipped=skipped, gathered=gathered, loaded=loaded)
+                 skipped=skipped, gathered=gathered, loaded=loaded,
+                 # backwards that gave up waiting for a bucket (a second each)
+                 stalls=sum(fg.reducer.stalls for fg in engine.groups
+                            if getattr(fg, "reducer", None) is not None))
     engine.close()
     return losses, state, facts
 

@@ -57,6 +57,7 @@ class BucketReducer:
     def __init__(self, fg, bucket_elements, reduction="reduce"):
         self.fg = fg
         self.scatter = _scatters(fg, reduction)
+        self._gloo = None  # whether the buckets' device goes by gloo (known at the first launch)
         units, offsets, numels = [], [], []
         for i in range(len(fg.params)):
             unit = fg.unit_of[i]
@@ -93,6 +94,7 @@ class BucketReducer:
         self.expected = bytearray(b"\x01" * len(self.fg.params))
         self.never_expected = ()  # see never_expect
         self.in_flight = []
+        self.stalls = 0  # backwards that stopped waiting ([Note: rank-local gradients])
         self.live_elements = 0  # the buckets filling and in flight
         self.on_backward_began = None  # the engine's backward lifecycle
         self.reset_buckets()
@@ -207,9 +209,21 @@ class BucketReducer:
     def _launch(self, b, staging, late=False):
         unit, bs, be = self.buckets[b]
         if self.scatter and bs == 0 and be == unit.total and self.fg.comm.world > 1:
-            portion = staging.new_empty(unit.part)
-            works = [self.fg.reduce_comm.reduce_scatter_sum(portion, staging, async_op=True)]
-            mine = (portion, unit.shard_offset)
+            comm = self.fg.reduce_comm
+            if self._gloo is None:
+                self._gloo = _backend_for(group_backend(comm.group), staging.device) == "gloo"
+            if self._gloo:
+                # gloo's reduce_scatter is an all-reduce inside, and its
+                # handle never reports done until waited on, so every
+                # backward waited STALL_SECONDS for it: the all-reduce
+                # itself, this rank's chunk kept (as fast or faster on
+                # gloo: docs/performance.md, "The bucket reduction on gloo")
+                works = [comm.all_reduce_sum(staging, async_op=True)]
+                mine = (unit.chunk(staging, self.fg.owner), unit.shard_offset)
+            else:
+                portion = staging.new_empty(unit.part)
+                works = [comm.reduce_scatter_sum(portion, staging, async_op=True)]
+                mine = (portion, unit.shard_offset)
         else:
             works, mine = [], None
             r = bs // unit.part
@@ -259,6 +273,7 @@ class BucketReducer:
         while not _complete(works):
             if time.monotonic() > deadline:
                 self.stalled = True
+                self.stalls += 1
                 return False
             time.sleep(pause)
             pause = min(2 * pause, 1e-3)
@@ -317,6 +332,14 @@ class BucketReducer:
 
 def _complete(works) -> bool:
     return all(w is None or w.is_completed() for w in works)
+
+
+def _backend_for(backends: str, device) -> str:
+    """The backend of a group's (group_backend's answer) for `device`."""
+    if ":" not in backends:
+        return backends
+    by_device = dict(item.split(":", 1) for item in backends.split(","))
+    return by_device.get(device.type, "")
 
 
 def _scatters(fg, reduction) -> bool:
