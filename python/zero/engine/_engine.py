@@ -437,8 +437,9 @@ class Engine(DeepSpeedQueries, BatchCalls, CheckpointCalls, EngineReports, NotCo
             # the gradients would be divided by a scale the loss never had
             unscaled = RuntimeError(
                 "fp16: step() needs an engine.backward(loss) since the last step() or "
-                "zero_grad(): a plain loss.backward() does not multiply the loss by the loss "
-                "scale, which step() divides the gradients by")
+                "zero_grad(), and none came (zero_grad() drops the gradients a backward "
+                "left; a plain loss.backward() does not multiply the loss by the loss scale, "
+                "which step() divides the gradients by)")
         boundary = self.is_accumulation_boundary and not self._in_no_sync
         if unscaled is not None and not boundary:
             raise unscaled  # no collective here; the counts differ at the next one
