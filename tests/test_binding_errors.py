@@ -163,6 +163,8 @@ def test_set_simd_and_threads_errors():
         _C.set_simd("sse9")
     with pytest.raises(ValueError, match=r"n \(the thread count\) must be between 0"):
         zero.set_num_threads(-2)
+    with pytest.raises(TypeError, match=r"n \(the thread count\) must be an int, got str '4'"):
+        zero.set_num_threads("4")
 
 
 def test_python_optimizers_validate():

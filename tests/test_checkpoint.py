@@ -440,6 +440,20 @@ def test_refuses_what_it_cannot_save(tmp_path):
         engine.save_checkpoint(tmp_path, client_state={"run": [1, object()]})
     with pytest.raises(ValueError, match="tag 'a/b' must be a plain directory name"):
         engine.save_checkpoint(tmp_path, tag="a/b")
+    # a tag the save's working directories cannot be named after (it raised
+    # the file system's "name too long"), a client_state that holds itself
+    # (a RecursionError)
+    with pytest.raises(ValueError, match="tag is 250 bytes long; .* use at most 239 bytes"):
+        engine.save_checkpoint(tmp_path, tag="t" * 250)
+    looped = {"epoch": 1, "steps": [1, 2]}
+    looped["steps"].append(looped)
+    with pytest.raises(ValueError, match=r"client_state\['steps'\]\[2\] is a container that "
+                                         "holds itself"):
+        engine.save_checkpoint(tmp_path, client_state=looped)
+    shared = [1, 2]  # held twice, but no loop: kept
+    engine.save_checkpoint(tmp_path, tag="shared", client_state={"a": shared, "b": shared})
+    shutil.rmtree(tmp_path / "shared")
+    os.remove(tmp_path / "latest")
     assert os.listdir(tmp_path) == []
     # subclasses of the plain types (an IntEnum, a namedtuple, a defaultdict)
     # passed and made a checkpoint that replaced a good one and never loaded

@@ -51,6 +51,7 @@ LOCK_SUFFIX = ".zero-save.lock"  # .<tag>.zero-save.lock: held by the saving ran
 # never be loaded
 PLAIN_TYPES = (str, int, float, bool, type(None), torch.dtype, torch.device)
 _DICTS = (dict, OrderedDict)
+_NAME_MAX = 255  # bytes in a file name (Linux's, and most file systems')
 _SEQUENCES = (list, tuple, torch.Size)
 
 
@@ -58,19 +59,25 @@ def shard_file(rank: int) -> str:
     return f"zero_shard_{rank:05d}.pt"
 
 
-def check_plain(value, where: str):
+def check_plain(value, where: str, _inside=()):
     """Refuse what torch.load(weights_only=True) could not read back,
-    naming where it sits (client_state['a'][2])."""
+    naming where it sits (client_state['a'][2]). _inside: the ids of the
+    containers around `value`, to name one that holds itself."""
     kind = type(value)
+    if kind in _DICTS or kind in _SEQUENCES:
+        if id(value) in _inside:
+            raise ValueError(f"{where} is a container that holds itself; a checkpoint keeps "
+                             "trees of values only")
+        _inside = (*_inside, id(value))
     if kind in _DICTS:
         for k, v in value.items():
             if type(k) not in (str, int, bool):  # weights_only reads these back
                 raise TypeError(f"{where} has a key of type {type(k).__name__}; a checkpoint "
                                 "keeps str, int and bool keys only (not their subclasses)")
-            check_plain(v, f"{where}[{k!r}]")
+            check_plain(v, f"{where}[{k!r}]", _inside)
     elif kind in _SEQUENCES:
         for i, v in enumerate(value):
-            check_plain(v, f"{where}[{i}]")
+            check_plain(v, f"{where}[{i}]", _inside)
     elif isinstance(value, torch.Tensor):
         if kind not in (torch.Tensor, torch.nn.Parameter):
             # weights_only refuses a subclass at load, as code it would run
@@ -107,6 +114,11 @@ def check_tag(tag, saving: bool = False) -> str:
     separators = {"/", os.sep, os.altsep} - {None}
     if not tag or tag in (".", "..") or any(s in tag for s in separators):
         raise ValueError(f"tag {tag!r} must be a plain directory name (no path separators)")
+    longest = len(f".{tag}{max(STAGING_SUFFIX, REPLACED_SUFFIX, LOCK_SUFFIX, key=len)}".encode())
+    if saving and longest > _NAME_MAX:
+        raise ValueError(f"tag is {len(tag.encode())} bytes long; a save names directories "
+                         f"after it that must fit the file system's {_NAME_MAX} bytes a name: "
+                         f"use at most {len(tag.encode()) - (longest - _NAME_MAX)} bytes")
     if tag.endswith((STAGING_SUFFIX, REPLACED_SUFFIX, LOCK_SUFFIX)):
         raise ValueError(f"tag {tag!r} ends as the directories a save works in do; choose "
                          "another name")

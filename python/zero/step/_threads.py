@@ -25,6 +25,8 @@ def set_num_threads(n: int) -> None:
     process may run on. A count set here is kept by zero.initialize, which
     otherwise gives each of a machine's ranks its share of the cores."""
     global _chosen
+    if isinstance(n, bool) or not isinstance(n, int):
+        raise TypeError(f"n (the thread count) must be an int, got {type(n).__name__} {n!r}")
     _C.set_num_threads(n)
     _chosen = True
 
