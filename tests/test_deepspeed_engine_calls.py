@@ -159,3 +159,20 @@ def test_global_grad_norm_answers_item_as_deepspeeds_tensor(one_process):
     assert f"{norm:.3f}" == f"{float(norm):.3f}"
     engine.close()
 
+
+def test_deepspeed_initialize_refuses_one_of_mpiruns_processes(one_process, monkeypatch):
+    """deepspeed.initialize makes its own group through init_distributed:
+    a process mpirun started two of, without torch's variables, is
+    refused there too (it trained alone as a world of one)."""
+    monkeypatch.setenv("OMPI_COMM_WORLD_SIZE", "2")
+    config = {"train_micro_batch_size_per_gpu": 2,
+              "optimizer": {"type": "SGD", "params": {"lr": 0.1}}}
+    with pytest.raises(RuntimeError, match=r"one of 2 that mpirun \(OpenMPI\) started"):
+        deepspeed.initialize(model=nn.Linear(4, 2), config=config)
+    with pytest.raises(RuntimeError, match="export WORLD_SIZE=1"):
+        deepspeed.init_distributed()
+    monkeypatch.setenv("WORLD_SIZE", "1")  # each process alone, said so
+    engine, *_ = deepspeed.initialize(model=nn.Linear(4, 2), config=config)
+    assert engine.world_size == 1
+    engine.close()
+

@@ -1066,8 +1066,9 @@ def test_a_half_set_launcher_environment_names_what_is_missing(monkeypatch, env,
 
 
 @pytest.mark.parametrize("env", [MASTER, {"SLURM_NTASKS": "4"}, {"OMPI_COMM_WORLD_SIZE": "1"},
-                                 {"RANK": "0"}],
-                         ids=["master exported", "sbatch allocation", "mpirun -n 1", "rank 0"])
+                                 {"RANK": "0"}, {"SLURM_STEP_NUM_TASKS": "4", "WORLD_SIZE": "1"}],
+                         ids=["master exported", "sbatch allocation", "mpirun -n 1", "rank 0",
+                              "srun sweep alone"])
 def test_a_lone_process_under_launcher_leftovers_trains_as_one(monkeypatch, env):
     """Variables that say nothing about other processes (exported in a
     shell, a batch script's allocation) leave a world of this process."""

@@ -159,3 +159,33 @@ def test_unregister_before_initialize_and_twice():
     engine.close()
     with pytest.raises(TypeError, match="parameter must be a torch.nn.Parameter"):
         deepspeed.zero.unregister_external_parameter(model.head, torch.zeros(1))
+
+
+def test_unregister_leaves_what_the_engine_found_itself_and_takes_the_engines_calls():
+    """nn.MultiheadAttention's forward reads out_proj's weights: the engine
+    gathers them around it on its own. A user's register and unregister
+    of one of them leaves that as it was (the unregister took the gather
+    away: a shape error at the next forward). A registration through the
+    engine's own method is unregistered by deepspeed.zero's call too."""
+    torch.manual_seed(0)
+    attention = nn.MultiheadAttention(8, 2, batch_first=True)
+    reference = copy.deepcopy(attention)
+    engine = zero.initialize(attention, optimizer=torch.optim.SGD(attention.parameters(),
+                                                                  lr=0.1),
+                             stage=3, **RELEASED)
+    deepspeed.zero.register_external_parameter(attention, attention.out_proj.weight)
+    deepspeed.zero.unregister_external_parameter(attention, attention.out_proj.weight)
+    x = torch.randn(2, 3, 8, generator=torch.Generator().manual_seed(1))
+    torch.testing.assert_close(engine(x, x, x)[0], reference(x, x, x)[0])
+    engine.close()
+
+    model = SharedNet()
+    engine = zero.initialize(model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                             stage=3, **RELEASED)
+    probe = nn.Linear(8, 8)  # not in the model: still refused by name
+    with pytest.raises(ValueError, match="not one the engine partitions"):
+        engine.register_external_parameter(model.head, probe.weight)
+    engine.register_external_parameter(model.embed, model.shared.weight)
+    deepspeed.zero.unregister_external_parameter(model.embed, model.shared.weight)
+    engine(batches()[0])  # the head's own registrations still stand
+    engine.close()

@@ -147,3 +147,46 @@ def test_bad_values_refused_and_nothing_written():
     p = nn.Parameter(torch.zeros(2))
     utils.safe_set_full_fp32_param(p, torch.ones(2))
     assert torch.equal(p.detach(), torch.zeros(2))
+
+
+def _one_rank_refuses(rank, world):
+    """Rank 1 passes a value of the wrong size: every rank raises (no rank
+    waits in a collective the other left, none writes while the other
+    does not), and the engine trains on."""
+    import zero
+    from zero.deepspeed import utils
+    model = build()
+    engine = zero.initialize(model, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-2),
+                             stage=2)
+    x = batches()[0]
+    engine.backward(engine(x).square().mean())
+    engine.step()
+    before = utils.safe_get_full_fp32_param(model[0].weight)
+    said = []
+    bad = 1 if rank == 1 else 0
+    for call in (lambda: utils.safe_set_full_fp32_param(model[0].weight,
+                                                         torch.ones(60 - bad)),
+                 lambda: utils.safe_set_local_fp32_param(
+                     model[0].weight, torch.ones(utils.safe_get_local_fp32_param(
+                         model[0].weight).numel() + bad)),
+                 lambda: utils.safe_set_full_grad(model[0].weight, torch.ones(60 - bad))):
+        try:
+            call()
+            said.append(None)
+        except (ValueError, RuntimeError) as error:
+            said.append(str(error))
+    unchanged = torch.equal(utils.safe_get_full_fp32_param(model[0].weight), before)
+    engine.backward(engine(x).square().mean())
+    engine.step()
+    engine.close()
+    return said, unchanged
+
+
+def test_a_value_refused_on_one_rank_is_refused_on_every_rank():
+    (mine, mine_unchanged), (theirs, theirs_unchanged) = harness.run(2, _one_rank_refuses,
+                                                                     timeout=120)
+    assert mine_unchanged and theirs_unchanged
+    for said in mine:
+        assert said is not None and "another rank refused" in said, mine
+    for said in theirs:
+        assert said is not None and "value has" in said, theirs

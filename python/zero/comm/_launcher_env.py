@@ -8,8 +8,9 @@ In between it refuses rather than guess, naming what is missing: a
 process that is one of several (a RANK other than 0, or an MPI launcher
 or srun that started several tasks) without the rest would train alone,
 a world of one, while its siblings do the same, each writing the same
-checkpoint files. MPI and SLURM ranks are not discovered (docs/engine.md):
-their sizes are read only to refuse. MASTER_ADDR or MASTER_PORT alone
+checkpoint files (WORLD_SIZE=1 says each trains alone, as a sweep's tasks
+do). MPI and SLURM ranks are not discovered (docs/engine.md): their sizes
+are read only to refuse. MASTER_ADDR or MASTER_PORT alone
 (exported in a shell or a notebook) says nothing about other processes."""
 from __future__ import annotations
 
@@ -40,16 +41,27 @@ def check_not_half_launched():
             f"launcher variables {', '.join(present)} are set but {', '.join(missing)} "
             f"{'is' if len(missing) == 1 else 'are'} not; start with torchrun, set the missing "
             "ones, or unset them")
+    check_not_one_of_many()
+
+
+def check_not_one_of_many():
+    """Refuses a process that an MPI launcher or srun started several of,
+    where WORLD_SIZE does not say how many train together (WORLD_SIZE=1:
+    each alone, as the tasks of a sweep are)."""
+    if "WORLD_SIZE" in os.environ:
+        return
     for name, launcher in _OTHER_LAUNCHERS:
         count = _count(name)
         if count > 1:
             raise RuntimeError(
                 f"this process is one of {count} that {launcher} started ({name}={count}), but "
-                f"the variables torch's rendezvous needs ({', '.join(missing)}) are not set, so "
-                "each would train alone as a world of one. zero does not read ranks from MPI or "
-                "SLURM: start the processes with torchrun (or DeepSpeed's launcher), or export "
-                "RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT in each (for srun: "
-                "RANK=$SLURM_PROCID WORLD_SIZE=$SLURM_NTASKS LOCAL_RANK=$SLURM_LOCALID)")
+                "the variables torch's rendezvous needs (RANK, WORLD_SIZE, MASTER_ADDR, "
+                "MASTER_PORT) are not set, so each would train alone as a world of one. zero "
+                "does not read ranks from MPI or SLURM: start the processes with torchrun (or "
+                "DeepSpeed's launcher), or export the four in each (for srun: "
+                "RANK=$SLURM_PROCID WORLD_SIZE=$SLURM_NTASKS LOCAL_RANK=$SLURM_LOCALID, "
+                "MASTER_ADDR the first node's host name, MASTER_PORT a free port); to train "
+                "each process alone (a sweep), export WORLD_SIZE=1")
 
 
 def local_world_size() -> int:

@@ -8,6 +8,8 @@ import os
 
 import torch.distributed as dist
 
+from zero.comm._launcher_env import check_not_one_of_many
+
 
 # how the default group zero.deepspeed made came by its timeout (for the
 # timeout error: raise_if_timed_out in _comm.py); None for any other group
@@ -45,6 +47,8 @@ def init_world_group(backend: str, rank: int = -1, world_size: int = -1, init_me
     kwargs = {} if timeout is None else {"timeout": timeout}
     if init_method is None and world_size in (-1, 1) and rank in (-1, 0) and \
             "MASTER_ADDR" not in env:
+        if world_size == -1:  # nobody said how many: not one of mpirun's or srun's
+            check_not_one_of_many()  # [Note: launcher environment]
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1,
                                 **kwargs)
         return

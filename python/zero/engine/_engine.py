@@ -43,6 +43,7 @@ from zero.engine._not_copied import NotCopied
 from zero.engine._routes import call_alive, guard_optimizer, on_each_grad
 from zero.engine._unchanged import check_optimizer_unchanged
 from zero.sharding._copying import ModuleHook
+from zero.sharding._external import remember_external
 from zero.sharding._flat_group import FlatGroup
 from zero.sharding._outputs import map_tensors
 from zero.offload import _param_staging
@@ -577,6 +578,7 @@ class Engine(DeepSpeedQueries, BatchCalls, CheckpointCalls, EngineReports, NotCo
         A no-op at stages 0-2, where parameters are always gathered."""
         if self._schedule is not None:
             self._schedule.add_external(module, param)
+            remember_external(module, param)  # as deepspeed.zero's call keeps it
 
     def close(self):
         """Hand the model and optimizer back to plain torch: remove the

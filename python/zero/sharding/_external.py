@@ -12,6 +12,10 @@ from __future__ import annotations
 from torch import nn
 
 _ATTRIBUTE = "_zero_external_parameters"
+# the parameters the engine itself found a module's forward to read
+# (nn.MultiheadAttention's out_proj, a ParameterList's owner): kept apart
+# from the user's registrations, so unregistering one leaves them gathered
+_NEEDED = "_zero_needed_parameters"
 
 
 def register_external_parameter(module, parameter):
@@ -19,8 +23,13 @@ def register_external_parameter(module, parameter):
     place = getattr(parameter, "_zero_place", None)
     if place is not None and place.schedule is not None:
         place.schedule.add_external(module, parameter)
-    # kept on the module either way: unregister reads it, and an engine
-    # made later on the same model (after close) takes it again
+    remember_external(module, parameter)
+
+
+def remember_external(module, parameter):
+    """Kept on the module whether or not an engine took it: unregister
+    reads it, and an engine made later on the same model (after close)
+    takes it again."""
     kept = module.__dict__.setdefault(_ATTRIBUTE, [])
     if all(p is not parameter for p in kept):
         kept.append(parameter)
@@ -51,12 +60,22 @@ def unregister_external_parameter(module, parameter):
     # another module's its direct ones (Stage3Schedule.__init__)
     own = module.parameters() if schedule.unit_roots.root(module) is module else \
         module._parameters.values()
-    still = [schedule.place.get(id(p)) for p in [*own, *kept] if p is not None]
+    needed = module.__dict__.get(_NEEDED, [])
+    still = [schedule.place.get(id(p)) for p in [*own, *kept, *needed] if p is not None]
     if any(e is not None and e[1] is entry[1] for e in still):
         return
     # the list itself: the module's hooks read it (_whole_check in _stage3.py)
     units[:] = [(fg, u) for fg, u in units if u is not entry[1]]
     schedule._in_order = {}  # the recorded pass order named the unit here
+
+
+def add_needed_external(schedule, module, parameter):
+    """The engine's own finding that `module` reads `parameter` (see
+    _NEEDED): gathered around the module's forward, as registered."""
+    schedule.add_external(module, parameter)
+    needed = module.__dict__.setdefault(_NEEDED, [])
+    if all(p is not parameter for p in needed):
+        needed.append(parameter)
 
 
 def _check_types(module, parameter):

@@ -47,7 +47,7 @@ from torch.autograd.graph import register_multi_grad_hook, saved_tensors_hooks
 from zero.comm._gather_together import SMALL_UNIT, gather_together
 from zero.sharding._backward_hooks import gather_around_backward_hooks
 from zero.sharding._copying import ModuleHook
-from zero.sharding._external import registered_externals
+from zero.sharding._external import add_needed_external, registered_externals
 from zero.sharding._outputs import detach_from_units, node_key, tensors_in
 from zero.sharding._param_writes import check_released_untouched, \
     write_in_forward_refusal
@@ -152,14 +152,14 @@ class Stage3Schedule(SavedParameters, PassOrder):
             if isinstance(module, nn.MultiheadAttention) and roots.root(module) is None:
                 # its forward reads out_proj's weights without calling out_proj
                 for p in module.out_proj.parameters():
-                    self.add_external(module, p)
+                    add_needed_external(self, module, p)
             for child in module.children():
                 if isinstance(child, (nn.ParameterList, nn.ParameterDict)) and \
                         roots.root(child) is None:
                     # a container has no forward that runs: its owner reads
                     # the parameters (Reformer's axial position embeddings)
                     for p in child.parameters():
-                        self.add_external(module, p)
+                        add_needed_external(self, module, p)
 
     @staticmethod
     def _mark_leaf_units(entries):

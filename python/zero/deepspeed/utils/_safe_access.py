@@ -16,28 +16,53 @@ import torch
 from zero.sharding._param_writes import take_in_parameter_writes
 
 
-def located(param, call):
+def located(param, call, refusal_of=None):
     """(group, unit, index in unit) of a trained parameter, its engine's
-    pending writes taken in; None for a parameter no engine trains."""
+    pending writes taken in; None for a parameter no engine trains.
+    refusal_of(group, unit, index): a writer's checks of its arguments,
+    raising; what it raises on any rank is raised on every rank, before
+    anything changes ([Note: writes agreed] in sharding/_step_agreement.py:
+    a value refused on one rank left the others waiting in a collective,
+    or writing while it did not)."""
     if not isinstance(param, torch.nn.Parameter):
         raise TypeError(f"param must be a torch.nn.Parameter, got {type(param).__name__}")
     place = getattr(param, "_zero_place", None)
     engine = place.engine() if place is not None else None
     if engine is None or engine._closed or not place.fg.trainable:
         return None
-    take_in_parameter_writes(engine.all_groups, engine.call_text(f"{call}()"))
     j = next(j for j, p in enumerate(place.unit.params) if p is param)
+    refusal = None
+    if refusal_of is not None:
+        try:
+            refusal_of(place.fg, place.unit, j)
+        except (TypeError, ValueError, KeyError, RuntimeError) as error:
+            refusal = error
+    take_in_parameter_writes(engine.all_groups, engine.call_text(f"{call}()"), refusal)
     return place.fg, place.unit, j
 
 
+def param_whole(fg, unit, j, source):
+    """Parameter j's elements of `source` (a tensor laid out as the
+    partition: master, shard, a state, the gradient partition), fp32, flat,
+    whole on every rank, on the model's device: each rank puts the elements
+    its partition holds into zeros and the partitions' group sums them. A
+    collective of the parameter's size, on the device the group's backend
+    takes (NCCL takes no host tensor); gathering the unit instead cost a
+    whole param group's fp32 bytes at stages 0-2 for one parameter."""
+    lo, hi, span = fg.partition_span(unit, j)
+    off, n = unit.offsets[j], unit.numels[j]
+    whole = torch.zeros(n, dtype=torch.float32, device=fg.device)
+    if lo < hi:
+        whole[lo - off:hi - off] = source[span].detach().to(fg.device, torch.float32)
+    if fg.num_partitions > 1:
+        fg.comm.all_reduce_sum(whole)
+    return whole
+
+
 def _whole(fg, unit, j, source):
-    """Parameter j of unit, fp32, whole, from `source` (a partition-laid
-    tensor: the master or a state), on every rank, on the model's device
-    (DeepSpeed's are on the accelerator: p * safe_get_full_grad(p) works)."""
-    full = torch.empty(unit.total, dtype=torch.float32)
-    fg.gather_unit(unit, source, full)
-    off = unit.offsets[j]
-    return full[off:off + unit.numels[j]].view(unit.shapes[j]).to(fg.device, copy=True)
+    """Parameter j, fp32, whole, in its shape (DeepSpeed's are on the
+    accelerator: p * safe_get_full_grad(p) works)."""
+    return param_whole(fg, unit, j, source).view(unit.shapes[j])
 
 
 def _local(fg, unit, j, source):

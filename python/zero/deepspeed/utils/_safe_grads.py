@@ -16,19 +16,22 @@ the parameter's device. DeepSpeed 0.19.8's gave the same values (run on
 this CPU beside zero: 2 ranks, 2 micro-batches, stages 0-3, fp32 equal to
 the last bit, bf16 stages 2-3 too, bf16 stages 0-1 within rounding, its
 gradients there being bf16); fp16, which it does not run on a CPU, was not
-compared: here the loss scale is divided out. They are collectives where the engine spans
-ranks (the partitions are gathered, the stage 0-1 sums reduced into a
-copy); nothing is reduced in place, so the step still reduces as it
-would. Written values replace what the backwards left for the next step,
-before clip_grad_norm_ takes the norm the step clips by (after it, a
-write is refused); a parameter no engine trains gives None and is left
-alone."""
+compared: here the loss scale is divided out. They are collectives where
+the engine spans ranks (a parameter's pieces summed over the partitions'
+group, the stage 0-1 sums reduced into a copy, on the model's device);
+nothing is reduced in place, so the step still reduces as it would.
+Written values replace what the backwards left for the next step, before
+clip_grad_norm_ takes the norm the step clips by (after it, a write is
+refused on every rank). A pipeline stage's tied copy (parallel/
+_pipeline.py) reads and writes its own stage's share: the stages' shares
+are summed at the boundary. A parameter no engine trains gives None and
+is left alone."""
 from __future__ import annotations
 
 import torch
 
-from zero.deepspeed.utils._safe_access import located
-from zero.deepspeed.utils._safe_writes import located_local, whole_value
+from zero.deepspeed.utils._safe_access import located, param_whole
+from zero.deepspeed.utils._safe_writes import as_flat, check_whole, located_local
 
 
 def safe_get_full_grad(param):
@@ -38,8 +41,7 @@ def safe_get_full_grad(param):
     if found is None:
         return None
     fg, unit, j = found
-    whole = _averaged_whole(fg, unit, j)
-    return whole.view(unit.shapes[j]).to(fg.device)
+    return _averaged_whole(fg, unit, j).view(unit.shapes[j])
 
 
 def safe_get_local_grad(param):
@@ -51,32 +53,38 @@ def safe_get_local_grad(param):
     lo, hi, _span = fg.partition_span(unit, j)
     whole = _averaged_whole(fg, unit, j)
     off = unit.offsets[j]
-    return whole[max(lo, off) - off:max(hi, lo) - off].clone().to(fg.device)
+    return whole[max(lo, off) - off:max(hi, lo) - off].clone()
 
 
 def safe_set_full_grad(param, value):
     """Make `value` (the whole gradient, the same on every rank, as
     safe_get_full_grad gives it) the gradient the next step applies."""
-    found = located(param, "safe_set_full_grad")
+    call = "safe_set_full_grad"
+
+    def refusal_of(fg, unit, j):
+        _refuse_after_reduction(unit, j, call)
+        check_whole(value, unit, j, call)
+    found = located(param, call, refusal_of)
     if found is None:
         return
     fg, unit, j = found
-    whole = whole_value(value, unit, j, "safe_set_full_grad")
-    _refuse_after_reduction(unit, j, "safe_set_full_grad")
-    _store(fg, unit, j, whole)
+    _store(fg, unit, j, as_flat(value, fg))
 
 
 def safe_set_local_grad(param, value):
     """Make `value` this rank's elements of the gradient the next step
     applies (flat, as safe_get_local_grad gives them)."""
-    found = located_local(param, value, "safe_set_local_grad")
+    call = "safe_set_local_grad"
+    found = located_local(param, value, call,
+                          lambda fg, unit, j: _refuse_after_reduction(unit, j, call))
     if found is None:
         return
-    fg, unit, (lo, hi, _span), local = found
-    j = next(j for j, p in enumerate(unit.params) if p is param)
-    _refuse_after_reduction(unit, j, "safe_set_local_grad")
-    whole = _averaged_whole(fg, unit, j)  # the other ranks' elements as they are
+    fg, unit, j, local = found
+    lo, hi, _span = fg.partition_span(unit, j)
     off = unit.offsets[j]
+    # only this rank's elements are stored (_store's only_mine): the
+    # others' are their ranks' to write
+    whole = torch.zeros(unit.numels[j], dtype=torch.float32, device=local.device)
     if lo < hi:
         whole[lo - off:hi - off] = local
     _store(fg, unit, j, whole, only_mine=True)
@@ -97,19 +105,17 @@ def _reduced(engine) -> bool:
 
 
 def _averaged_whole(fg, unit, j) -> torch.Tensor:
-    """safe_get_full_grad's value, flat, fp32, in host memory."""
+    """safe_get_full_grad's value, flat, fp32, on the model's device (the
+    collectives' too: NCCL takes no host tensor)."""
     engine = _engine_of(unit, j)
-    off, n = unit.offsets[j], unit.numels[j]
     if fg.grad_flat is not None and not _reduced(engine):
         # stages 0-1: this rank's own sum; the others' added into a copy
         fg.gather_stray_grads()
         whole = fg.view(fg.grad_flat, unit.members.start + j).detach().reshape(-1)
-        whole = whole.to("cpu", torch.float32, copy=True)
+        whole = whole.to(torch.float32, copy=True)
         fg.comm.everyone.all_reduce_sum(whole)
     else:
-        out = torch.empty(unit.total, dtype=torch.float32)
-        fg.gather_unit(unit, fg.grad_part, out)
-        whole = out[off:off + n].clone()
+        whole = param_whole(fg, unit, j, fg.grad_part)
         replicate = fg.comm.replicate
         if not _reduced(engine) and replicate is not None and replicate.world > 1:
             replicate.all_reduce_sum(whole)  # [Note: hybrid sharding]: done at the boundary

@@ -11,30 +11,34 @@ follows at once, on every rank alike: a whole value (given on every rank)
 goes into the gathered copy this rank holds, if any (stages 0-2, a
 persistent stage-3 unit), rounded as a step rounds, and into the
 compute-dtype shard a released stage-3 unit is gathered from; a local
-value reaches only this rank's elements, so a gathered copy is gathered
-again from every rank's shard. Every writer is a collective where the
-engine spans ranks (as the readers are: they take in pending parameter
-writes, which the ranks agree on). The written master and states are what
-the next step updates, and what checkpoints and safe_get_* read. Like the
-readers, a parameter no engine trains is left alone (DeepSpeed's setters
-do nothing for a frozen one)."""
+value reaches only this rank's elements, so the parameter's place in a
+gathered copy is summed again from every rank's shard. So a backward
+through a graph built before the write is refused, as after a step (the
+parameters' version counters moved; under DeepSpeed it runs, on the old
+16-bit values). Every writer is a collective where the engine spans
+ranks, and a value refused on one rank is refused on every rank before
+anything changes (safe_access.located). The written master and states
+are what the next step updates, and what checkpoints and safe_get_* read.
+Like the readers, a parameter no engine trains is left alone (DeepSpeed's
+setters do nothing for a frozen one)."""
 from __future__ import annotations
 
 import contextlib
 
 import torch
 
-from zero.deepspeed.utils._safe_access import located
+from zero.deepspeed.utils._safe_access import located, param_whole
 
 
 def safe_set_full_fp32_param(param, value):
     """Set the parameter's fp32 master to `value` (its whole shape, the
     same on every rank); the model's copy follows ([Note: safe writes])."""
-    found = located(param, "safe_set_full_fp32_param")
+    call = "safe_set_full_fp32_param"
+    found = located(param, call, lambda fg, unit, j: check_whole(value, unit, j, call))
     if found is None:
         return
     fg, unit, j = found
-    whole = whole_value(value, unit, j, "safe_set_full_fp32_param")
+    whole = as_flat(value, fg)
     with _not_a_users_write(fg):
         _write_master(fg, unit, j, whole)
         _write_model_copy(fg, unit, j, whole)
@@ -43,12 +47,17 @@ def safe_set_full_fp32_param(param, value):
 def safe_set_full_optimizer_state(param, value, optim_state_key):
     """Set one optimizer state of the parameter to `value` (its whole
     shape, the same on every rank)."""
-    found = located(param, "safe_set_full_optimizer_state")
+    call = "safe_set_full_optimizer_state"
+
+    def refusal_of(fg, unit, j):
+        _state_to_write(fg, optim_state_key, call)
+        check_whole(value, unit, j, call)
+    found = located(param, call, refusal_of)
     if found is None:
         return
     fg, unit, j = found
-    target = _state_to_write(fg, optim_state_key, "safe_set_full_optimizer_state")
-    whole = whole_value(value, unit, j, "safe_set_full_optimizer_state")
+    target = _state_to_write(fg, optim_state_key, call)
+    whole = as_flat(value, fg)
     lo, hi, span = fg.partition_span(unit, j)
     if lo < hi:
         off = unit.offsets[j]
@@ -62,7 +71,8 @@ def safe_set_local_fp32_param(param, value):
     found = located_local(param, value, "safe_set_local_fp32_param")
     if found is None:
         return
-    fg, unit, (lo, hi, span), local = found
+    fg, unit, j, local = found
+    lo, hi, span = fg.partition_span(unit, j)
     fg.check_shard_writable()
     fg.settle_copies()
     with _not_a_users_write(fg):
@@ -71,62 +81,78 @@ def safe_set_local_fp32_param(param, value):
                 fg.master[span].copy_(local)
             fg.shard[span].copy_(local)
         fg.release_offloaded()
-        _gather_model_copy(fg, unit)
+        # every rank wrote its own elements: the parameter's place in a
+        # gathered copy takes them all (the shard holds them rounded)
+        _land_gather(fg, unit)
+        if unit.gathered and unit.full is not None:
+            _write_model_copy(fg, unit, j, param_whole(fg, unit, j, fg.shard))
 
 
 def safe_set_local_optimizer_state(param, value, optim_state_key):
     """Set this rank's elements of one optimizer state of the parameter."""
-    found = located_local(param, value, "safe_set_local_optimizer_state")
+    call = "safe_set_local_optimizer_state"
+    found = located_local(param, value, call,
+                          lambda fg, unit, j: _state_to_write(fg, optim_state_key, call))
     if found is None:
         return
-    fg, _unit, (lo, hi, span), local = found
-    target = _state_to_write(fg, optim_state_key, "safe_set_local_optimizer_state")
+    fg, unit, j, local = found
+    target = _state_to_write(fg, optim_state_key, call)
+    lo, hi, span = fg.partition_span(unit, j)
     if lo < hi:
         target[span].copy_(local)
     fg.release_offloaded()
 
 
-def located_local(param, value, call):
-    """(group, unit, partition_span, value as fp32 on the host) for a local
-    writer, its value's size checked; None for a parameter no engine trains."""
-    found = located(param, call)
+def located_local(param, value, call, more_checks=None):
+    """(group, unit, index, value as fp32 on the model's device) for a
+    local writer, its value's size checked on every rank alike
+    (located); None for a parameter no engine trains."""
+    def refusal_of(fg, unit, j):
+        if more_checks is not None:
+            more_checks(fg, unit, j)
+        lo, hi, _span = fg.partition_span(unit, j)
+        check_local(value, max(0, hi - lo), call)
+    found = located(param, call, refusal_of)
     if found is None:
         return None
     fg, unit, j = found
-    span = fg.partition_span(unit, j)
-    return fg, unit, span, local_value(value, max(0, span[1] - span[0]), call)
+    return fg, unit, j, as_flat(value, fg)
 
 
-def whole_value(value, unit, j, call):
-    if not isinstance(value, torch.Tensor):
-        raise TypeError(f"{call}: value must be a torch.Tensor, got {type(value).__name__}")
+def check_whole(value, unit, j, call):
+    _check_tensor(value, call)
     if value.numel() != unit.numels[j]:
         raise ValueError(f"{call}: value has {value.numel()} elements "
                          f"({tuple(value.shape)}) but the parameter has {unit.numels[j]} "
                          f"({tuple(unit.shapes[j])})")
-    _check_floats(value, call)
-    return value.detach().reshape(-1).to("cpu", torch.float32)
 
 
-def local_value(value, count, call):
-    if not isinstance(value, torch.Tensor):
-        raise TypeError(f"{call}: value must be a torch.Tensor, got {type(value).__name__}")
+def check_local(value, count, call):
+    _check_tensor(value, call)
     if value.numel() != count:
         raise ValueError(f"{call}: value has {value.numel()} elements but this rank holds "
                          f"{count} of the parameter (safe_get_local_* gives them)")
-    _check_floats(value, call)
-    return value.detach().reshape(-1).to("cpu", torch.float32)
 
 
-def _check_floats(value, call):
+def as_flat(value, fg):
+    """A checked value, flat, fp32, on the model's device."""
+    return value.detach().reshape(-1).to(fg.device, torch.float32)
+
+
+def _check_tensor(value, call):
+    if not isinstance(value, torch.Tensor):
+        raise TypeError(f"{call}: value must be a torch.Tensor, got {type(value).__name__}")
     if value.is_complex():
         raise TypeError(f"{call}: value must hold real numbers, got {value.dtype}")
 
 
 def _state_to_write(fg, key, call):
-    if fg.states and key not in fg.states:
+    if not fg.states:
+        raise KeyError(f"optim_state_key {key!r}: the optimizer keeps no states (SGD "
+                       "without momentum)")
+    if key not in fg.states:
         raise KeyError(f"optim_state_key {key!r}: the optimizer keeps {sorted(fg.states)}")
-    if fg.step_count == 0 or key not in fg.states:
+    if fg.step_count == 0:
         raise RuntimeError(f"{call}: the optimizer has no state {key!r} before its first "
                            "update (safe_get_full_optimizer_state gives None then); step once "
                            "first")
@@ -146,19 +172,6 @@ def _write_master(fg, unit, j, whole):
         fg.master[span].copy_(mine)
     fg.shard[span].copy_(mine)  # rounded to the compute dtype, as a step rounds
     fg.release_offloaded()
-
-
-def _gather_model_copy(fg, unit):
-    """The unit's gathered copy, if this rank holds one, gathered again
-    from every rank's shard (a collective: each rank wrote its own
-    elements, which the others' copies must take too)."""
-    _land_gather(fg, unit)
-    if not unit.gathered or unit.full is None:
-        return
-    whole = torch.empty(unit.total, dtype=torch.float32)
-    fg.gather_unit(unit, fg.shard, whole)
-    with torch.no_grad():
-        unit.full.copy_(whole)
 
 
 def _land_gather(fg, unit):
