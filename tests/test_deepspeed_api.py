@@ -194,6 +194,13 @@ def test_checkpointing_recomputes_the_same_gradients():
     deepspeed.checkpointing.non_reentrant_checkpoint(layer, x).sum().backward()
     assert all(torch.equal(a, p.grad) for a, p in zip(checkpointed, layer.parameters()))
     layer.zero_grad()
+    # keyword arguments reach the function, a keyword tensor its gradient too
+    shift = torch.randn(8, requires_grad=True)
+    deepspeed.checkpointing.checkpoint(lambda h, scale, add: layer(h) * scale + add, x,
+                                       scale=2.0, add=shift).sum().backward()
+    assert torch.equal(shift.grad, torch.full((8,), 3.0))
+    assert all(torch.allclose(2 * a, p.grad) for a, p in zip(checkpointed, layer.parameters()))
+    layer.zero_grad()
     layer(x).sum().backward()
     assert all(torch.equal(a, p.grad) for a, p in zip(checkpointed, layer.parameters()))
     deepspeed.checkpointing.configure(None)

@@ -19,9 +19,15 @@ from zero.deepspeed import utils
 def test_on_device_builds_on_the_device_in_the_dtype_and_puts_defaults_back():
     with deepspeed.OnDevice(dtype=torch.bfloat16, device="meta"):
         layer = nn.Linear(4, 3)
-        steps = torch.arange(3)
+        counts = torch.zeros(3, dtype=torch.int64)
+        # as DeepSpeed's: empty/zeros/ones/full only, so a table computed in
+        # __init__ (rotary frequencies) stays real, in its own dtype
+        table = 1.0 / (10000 ** (torch.arange(0, 8, 2).float() / 8))
+        given = torch.tensor([1.0, 2.0])
     assert layer.weight.device.type == "meta" and layer.weight.dtype == torch.bfloat16
-    assert steps.dtype == torch.int64  # integers keep theirs
+    assert counts.device.type == "meta" and counts.dtype == torch.int64  # integers keep theirs
+    assert table.device.type == "cpu" and table.dtype == torch.float32
+    assert given.device.type == "cpu" and given.dtype == torch.float32
     assert torch.get_default_dtype() == torch.float32
     assert torch.empty(1).device.type == "cpu"
     with utils.OnDevice(dtype=torch.float16, device="meta", enabled=False):
@@ -52,10 +58,13 @@ def test_repeating_loader_starts_again_at_the_end():
 
 @pytest.fixture
 def logged():
+    assert utils.logger.level == logging.WARNING  # DeepSpeed's: info says nothing by default
     out = io.StringIO()
     handler = logging.StreamHandler(out)
     utils.logger.addHandler(handler)
+    utils.logger.setLevel(logging.INFO)
     yield out
+    utils.logger.setLevel(logging.WARNING)
     utils.logger.removeHandler(handler)
 
 

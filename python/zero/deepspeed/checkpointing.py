@@ -31,8 +31,15 @@ def is_configured() -> bool:
     return _configured["done"]
 
 
-def checkpoint(function, *args):
-    """function(*args), its activations recomputed in backward."""
+def checkpoint(function, *args, **kwargs):
+    """function(*args, **kwargs), its activations recomputed in backward.
+    Keyword arguments reach the function as DeepSpeed's do (torch's
+    non-reentrant checkpoint follows tensors however they arrive, so a
+    keyword tensor gets its gradient too); none is taken for torch's own
+    checkpoint options."""
+    if kwargs:
+        return _torch_checkpoint.checkpoint(lambda *a: function(*a, **kwargs), *args,
+                                            use_reentrant=False)
     return _torch_checkpoint.checkpoint(function, *args, use_reentrant=False)
 
 

@@ -1,6 +1,8 @@
 """deepspeed.utils.logger and log_dist: the logger DeepSpeed scripts log
 through (`from deepspeed.utils import logger, log_dist`), as DeepSpeed
-sets its own up: INFO and up to stdout with time, level and place, not
+sets its own up: WARNING and up (DeepSpeed 0.19.8's level: a script's
+logger.info and log_dist's default INFO print nothing until
+logger.setLevel(logging.INFO)) to stdout with time, level and place, not
 passed on to the root logger (so a script's logging.basicConfig does not
 print each line twice). log_dist(message, ranks) logs "[Rank r] message"
 where DeepSpeed would: on every process before any process group exists;
@@ -18,7 +20,7 @@ if not logger.handlers:
     _handler.setFormatter(logging.Formatter(
         "[%(asctime)s] [%(levelname)s] [%(filename)s:%(lineno)d:%(funcName)s] %(message)s"))
     logger.addHandler(_handler)
-    logger.setLevel(logging.INFO)
+    logger.setLevel(logging.WARNING)
     logger.propagate = False
 
 
