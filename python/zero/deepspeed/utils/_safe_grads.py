@@ -31,7 +31,7 @@ from __future__ import annotations
 import torch
 
 from zero.deepspeed.utils._safe_access import located, param_whole
-from zero.deepspeed.utils._safe_writes import as_flat, check_whole, located_local
+from zero.deepspeed.utils._safe_writes import located_local, located_whole
 
 
 def safe_get_full_grad(param):
@@ -60,15 +60,12 @@ def safe_set_full_grad(param, value):
     """Make `value` (the whole gradient, the same on every rank, as
     safe_get_full_grad gives it) the gradient the next step applies."""
     call = "safe_set_full_grad"
-
-    def refusal_of(fg, unit, j):
-        _refuse_after_reduction(unit, j, call)
-        check_whole(value, unit, j, call)
-    found = located(param, call, refusal_of)
+    found = located_whole(param, value, call,
+                          lambda fg, unit, j: _refuse_after_reduction(unit, j, call))
     if found is None:
         return
-    fg, unit, j = found
-    _store(fg, unit, j, as_flat(value, fg))
+    fg, unit, j, whole = found
+    _store(fg, unit, j, whole)
 
 
 def safe_set_local_grad(param, value):

@@ -33,12 +33,10 @@ from zero.deepspeed.utils._safe_access import located, param_whole
 def safe_set_full_fp32_param(param, value):
     """Set the parameter's fp32 master to `value` (its whole shape, the
     same on every rank); the model's copy follows ([Note: safe writes])."""
-    call = "safe_set_full_fp32_param"
-    found = located(param, call, lambda fg, unit, j: check_whole(value, unit, j, call))
+    found = located_whole(param, value, "safe_set_full_fp32_param")
     if found is None:
         return
-    fg, unit, j = found
-    whole = as_flat(value, fg)
+    fg, unit, j, whole = found
     with _not_a_users_write(fg):
         _write_master(fg, unit, j, whole)
         _write_model_copy(fg, unit, j, whole)
@@ -48,16 +46,12 @@ def safe_set_full_optimizer_state(param, value, optim_state_key):
     """Set one optimizer state of the parameter to `value` (its whole
     shape, the same on every rank)."""
     call = "safe_set_full_optimizer_state"
-
-    def refusal_of(fg, unit, j):
-        _state_to_write(fg, optim_state_key, call)
-        check_whole(value, unit, j, call)
-    found = located(param, call, refusal_of)
+    found = located_whole(param, value, call,
+                          lambda fg, unit, j: _state_to_write(fg, optim_state_key, call))
     if found is None:
         return
-    fg, unit, j = found
+    fg, unit, j, whole = found
     target = _state_to_write(fg, optim_state_key, call)
-    whole = as_flat(value, fg)
     lo, hi, span = fg.partition_span(unit, j)
     if lo < hi:
         off = unit.offsets[j]
@@ -101,6 +95,21 @@ def safe_set_local_optimizer_state(param, value, optim_state_key):
     if lo < hi:
         target[span].copy_(local)
     fg.release_offloaded()
+
+
+def located_whole(param, value, call, more_checks=None):
+    """(group, unit, index, value as fp32 on the model's device) for a
+    writer of a whole value, its size checked on every rank alike
+    (located); None for a parameter no engine trains."""
+    def refusal_of(fg, unit, j):
+        if more_checks is not None:
+            more_checks(fg, unit, j)
+        check_whole(value, unit, j, call)
+    found = located(param, call, refusal_of)
+    if found is None:
+        return None
+    fg, unit, j = found
+    return fg, unit, j, as_flat(value, fg)
 
 
 def located_local(param, value, call, more_checks=None):
