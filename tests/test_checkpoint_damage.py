@@ -135,6 +135,8 @@ def test_a_state_missing_from_a_shard_is_a_value_error_naming_it(saved):
     (lambda m: m["groups"][0]["param_names"].append("nothing"), "names a parameter not in"),
     (lambda m: m["state_dict"].append(("x", "buffer", None)), r"state_dict\[\d+\] is"),
     (lambda m: m["shards"].append("../zero_shard_00000.pt"), "'shards' is not a list of file"),
+    # consolidate hashed the names: a TypeError, and a traceback from the command line
+    (lambda m: m["groups"][0]["states"].append([]), r"\['states'\] is not a list of state names"),
 ])
 def test_a_damaged_meta_is_refused_by_name(saved, other, change, match):
     edit(saved / "t" / "zero_meta.pt", change)
@@ -312,3 +314,55 @@ def test_a_changed_byte_in_a_buffer_of_the_meta_is_refused(tmp_path):
     unchanged_after(other, lambda: other.load_checkpoint(tmp_path, tag="t"), ValueError,
                     r"zero_meta.pt' is damaged: its record '.*data/0' does not match")
     other.close()
+
+
+def _buffer_engine(seed):
+    torch.manual_seed(seed)
+    model = torch.nn.Linear(4, 4)
+    model.register_buffer("scale", torch.randn(1000))
+    return zero.initialize(model, stage=1)
+
+
+def test_a_record_marked_a_directory_is_refused(tmp_path):
+    """One bit of the meta's central directory (a record's DOS directory
+    attribute): zipfile, which checks the CRC, ignores it, and torch.load
+    read the record as a directory, never filling the buffer: zeros, or
+    freed memory through consolidate, loaded silently."""
+    import struct
+    import zipfile
+    engine = _buffer_engine(0)
+    engine.save_checkpoint(tmp_path, tag="t")
+    engine.close()
+    meta = tmp_path / "t" / "zero_meta.pt"
+    with zipfile.ZipFile(meta) as archive:
+        name = next(i.filename for i in archive.infolist() if i.filename.endswith("data/0"))
+    data = bytearray(meta.read_bytes())
+    at = data.find(b"PK\x01\x02")  # the central directory's entries
+    while data[at + 46:at + 46 + struct.unpack("<H", data[at + 28:at + 30])[0]] != \
+            name.encode():
+        at = data.find(b"PK\x01\x02", at + 4)
+    data[at + 38] ^= 0x10  # the external attributes' low byte
+    meta.write_bytes(bytes(data))
+    other = _buffer_engine(1)
+    match = r"zero_meta.pt' is damaged: its record '.*data/0'"
+    unchanged_after(other, lambda: other.load_checkpoint(tmp_path, tag="t"), ValueError, match)
+    other.close()
+    with pytest.raises(ValueError, match=match):
+        consolidate(tmp_path, "t")
+
+
+def test_a_damaged_end_record_is_named(saved, other, tmp_path, capsys):
+    """zipfile.is_zipfile raises, rather than answering, when the zip64
+    end locator names another disk: a bare BadZipFile naming no file, and a
+    traceback from the command line."""
+    meta = saved / "t" / "zero_meta.pt"
+    data = bytearray(meta.read_bytes())
+    at = data.rfind(b"PK\x06\x07")  # the zip64 end of central directory locator
+    data[at + 4] ^= 0x01  # the disk that holds the zip64 end record: 0 -> 1
+    meta.write_bytes(bytes(data))
+    match = r"zero_meta.pt' cannot be read, so it is truncated or damaged"
+    unchanged_after(other, lambda: other.load_checkpoint(saved, tag="t"), ValueError, match)
+    with pytest.raises(ValueError, match=match):
+        consolidate(saved, "t")
+    code, line = run_main(capsys, saved, tmp_path / "out.pt", "--tag", "t")
+    assert code == 2 and "cannot be read" in line, (code, line)

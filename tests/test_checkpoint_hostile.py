@@ -267,6 +267,10 @@ SETTINGS = {
                              "micro_steps is -1"),
     "scheduler's step a number": (lambda meta: meta["lr_scheduler"].update(step=3),
                                   "lr_scheduler state has the key 'step'"),
+    # torch's int64 cannot hold it: an OverflowError naming nothing before
+    "step count past int64": (lambda meta: meta["groups"][0].update(step=2 ** 63),
+                              r"param group 0 step count is 9223372036854775808, not an "
+                              r"integer in \[0, 2\^63\)"),
 }
 
 
@@ -276,6 +280,29 @@ def test_a_scheduler_state_of_another_torch_version_loads(saved, other):
     edit(saved / "t" / META, lambda meta: meta["lr_scheduler"].update(verbose=False))
     other.load_checkpoint(saved, tag="t")
     train(other, 1, 1)
+
+
+def test_a_schedule_from_integer_learning_rates_resumes(tmp_path):
+    """SGD(lr=1) gives the scheduler integer lrs ([1]) until its first
+    step; the saved ones are fractions (0.25): the same script resuming was
+    refused before, as if the checkpoint came from another scheduler."""
+    def build():
+        torch.manual_seed(0)
+        model = torch.nn.Linear(4, 2)
+        optimizer = torch.optim.SGD(model.parameters(), lr=1)
+        scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
+        return zero.initialize(model, optimizer=optimizer, lr_scheduler=scheduler, stage=1)
+    engine = build()
+    for _ in range(2):
+        engine.backward(engine(torch.ones(3, 4)).sum())
+        engine.step()
+    engine.save_checkpoint(tmp_path, tag="t")
+    engine.close()
+    resumed = build()
+    assert resumed.get_lr() == [1]
+    resumed.load_checkpoint(tmp_path, tag="t")
+    assert resumed.get_lr() == [0.25]
+    resumed.close()
 
 
 def test_a_loss_scale_fp32_cannot_hold_is_refused(tmp_path):

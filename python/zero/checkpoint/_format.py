@@ -297,7 +297,8 @@ def _check_meta(meta, file):
         _check_names(_field(group, "param_names", list, file, where), params, file, where)
         _field(group, "hyper", dict, file, where)
         _field(group, "step", int, file, where)
-        _field(group, "states", list, file, where)
+        if not all(isinstance(state, str) for state in _field(group, "states", list, file, where)):
+            raise _damaged(file, f"{where}['states'] is not a list of state names")
     engine = _field(meta, "engine", dict, file, top)
     for key in ("micro_steps", "global_steps"):
         _field(engine, key, int, file, "its 'engine'")
@@ -468,7 +469,11 @@ class CheckpointReader:
                              "only")
         if not os.path.isfile(full):
             raise ValueError(f"checkpoint file {full!r} is not a regular file")
-        if not zipfile.is_zipfile(full):
+        try:
+            is_archive = zipfile.is_zipfile(full)
+        except zipfile.BadZipFile as error:  # found an end record, but a damaged one
+            raise unreadable(full, error) from None
+        if not is_archive:
             raise not_an_archive(full)
         try:
             # before torch.load: a storage larger than its record reads

@@ -26,8 +26,10 @@ _SCHEDULER_HINT = "; pass load_lr_scheduler_states=False to keep the scheduler a
 
 
 def _count(value, what) -> int:
-    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-        raise ValueError(f"the checkpoint's {what} is {value!r:.60}, not an integer >= 0")
+    # below 2^63: a count goes into torch's int64 (the optimizer's step)
+    if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value < 2 ** 63:
+        raise ValueError(f"the checkpoint's {what} is {value!r:.60}, not an integer in "
+                         "[0, 2^63)")
     return value
 
 
@@ -68,7 +70,7 @@ _NOT_STATE = frozenset(["optimizer"]) | frozenset(dir(LRScheduler))
 
 def _same_form(saved, current, where, attributes=_NOT_STATE):
     """saved has current's form: lists of the same length, numbers for
-    numbers (integers for integers), strings for strings, dicts whose keys
+    numbers (integers for the step counters), strings for strings, dicts whose keys
     are kept. A key the scheduler does not keep is taken (another torch
     version's, such as an old `verbose`) unless it would replace one of its
     attributes (`attributes`: its optimizer, its methods)."""
@@ -94,7 +96,9 @@ def _same_form(saved, current, where, attributes=_NOT_STATE):
         if not isinstance(saved, bool):
             refuse(f"is {saved!r:.60}, not a bool")
     elif isinstance(current, (int, float)):
-        kinds = int if isinstance(current, int) else (int, float)
+        # integers for the step counters alone: a learning rate or factor
+        # a script gave as an integer (SGD(lr=1)) holds fractions later
+        kinds = int if isinstance(current, int) and _counter(where) else (int, float)
         if isinstance(saved, bool) or not isinstance(saved, kinds):
             refuse(f"is {saved!r:.60}, not {'an integer' if kinds is int else 'a number'}")
     elif isinstance(current, str):
@@ -104,6 +108,14 @@ def _same_form(saved, current, where, attributes=_NOT_STATE):
         if not isinstance(saved, torch.Tensor) or saved.layout != torch.strided or \
                 saved.shape != current.shape:
             refuse(f"is not a dense tensor of shape {tuple(current.shape)}")
+
+
+_COUNTERS = ("['last_epoch']", "['_step_count']")
+
+
+def _counter(where) -> bool:
+    """Whether `where` names one of torch's scheduler step counters."""
+    return where.endswith(_COUNTERS)
 
 
 def _scheduler_lrs(scheduler, saved):

@@ -64,7 +64,19 @@ def damaged_record(path: str):
     return None
 
 
+_DOS_DIRECTORY = 0x10  # the external attributes' MS-DOS directory bit
+_ENCRYPTED = 0x1       # general purpose flag bit 0
+
+
 def _record_ok(archive, view, info, mapped=None) -> bool:
+    # torch.load's reader (miniz) takes a record marked a directory (the
+    # DOS bit, or a name ending in '/') for one and never fills its
+    # storage, and zipfile, which checks the CRC here, ignores the mark:
+    # one flipped bit loaded zeros or freed memory as a tensor. torch
+    # writes neither mark, nor encrypted records
+    if info.external_attr & _DOS_DIRECTORY or info.filename.endswith("/") or \
+            info.flag_bits & _ENCRYPTED:
+        return False
     if info.compress_type != zipfile.ZIP_STORED:
         # not what torch writes; zipfile checks the CRC as it inflates
         try:
