@@ -55,6 +55,7 @@ from zero.sharding._pass_order import PassOrder
 from zero.sharding._saved_parameters import SavedParameters, outer_saved_tensors_hooks
 from zero.sharding._state_loads import hook_state_loads
 from zero.sharding._step_agreement import agree_on_call
+from zero.sharding._uncalled_roots import watch_uncalled_roots
 from zero.sharding._units import GatherPool, PersistenceBudget, storage_key
 
 
@@ -98,16 +99,14 @@ class Stage3Schedule(SavedParameters, PassOrder):
             for unit in fg.units:
                 for p in unit.params:
                     place[id(p)] = (fg, unit)
-                # its parameters' elements, as documented (the padded
-                # total grows with the world size)
+                # its parameters' elements (the padded total grows with the world)
                 if persistence.takes(unit):
                     unit.persistent = True
                     self._gather(fg, unit, async_op=False)
             if fg.trainable:
                 fg.reducer.on_unit_grads_done = self._grads_done
         self.place = place
-        # persistent units too: their saved tensors get the version check;
-        # the hooks only where a unit is released ([Note: saved parameters])
+        # persistent units too: version checks ([Note: saved parameters])
         self.unit_by_storage = {storage_key(unit.full): (fg, unit) for fg in groups
                                 for unit in fg.units}
         self.saves_through_hooks = not all(u.persistent for fg in groups for u in fg.units)
@@ -146,6 +145,7 @@ class Stage3Schedule(SavedParameters, PassOrder):
                     ModuleHook(self._hook_state_dict(units))))
                 self.hooks += hook_state_loads(module, units)  # [Note: state dict loads]
         self.hooks += gather_around_backward_hooks(self, root, place)  # in _backward_hooks.py
+        self.hooks += watch_uncalled_roots(self, root, roots)  # [Note: roots never called]
         for module, param in registered_externals(root):  # deepspeed.zero's call, before us
             self.add_external(module, param)
         for module in root.modules():

@@ -17,6 +17,14 @@
   that holds parameters is hooked).
 - `units=(classes or class names)` or `units=callable(module) -> bool`:
   those modules are the roots.
+- A container (nn.ModuleList, nn.ModuleDict: a class without a forward of
+  its own) is never a root: its forward never runs, so hooks on it would
+  never gather its members (a ModuleList of ModuleLists of layers, PEFT's
+  lora_A/lora_B ModuleDicts, made the repeated class, crashed the first
+  forward). The repeat count skips them; naming one is refused. A block
+  whose forward exists but is not called (an nn.Sequential iterated)
+  is caught on the first passes ([Note: roots never called] in
+  _uncalled_roots.py).
 - stage3_leaf_modules are roots too, with the leaf rules (no bucket waits
   for their parameters: the experts a rank's tokens skip), and a root
   that holds a leaf module takes those rules for its whole unit. So is a
@@ -59,6 +67,14 @@ def unit_roots(model: nn.Module, units="block", leaf_modules=()) -> UnitRoots:
         is_leaf = leaf(m)
         if not is_leaf and not chosen(m):
             continue
+        if is_container(m):
+            if units == "block" and not is_leaf:
+                continue  # not counted by block_classes; a _no_split_modules name
+            what = "stage3_leaf_modules" if is_leaf else "units"
+            raise ValueError(
+                f"{what}: {type(m).__name__} modules are containers whose forward never runs, "
+                "so they cannot be gathered around it; name the modules that are called "
+                "(its members, or the module that calls them)")
         for inner in m.modules():
             root_of.setdefault(id(inner), m)
             is_leaf = is_leaf or leaf(inner)
@@ -80,10 +96,17 @@ def block_classes(model: nn.Module) -> tuple:
     for m in model.modules():
         counts = {}
         for child in m.children():
-            if any(True for _ in child.parameters()):
+            if not is_container(child) and any(True for _ in child.parameters()):
                 counts[type(child)] = counts.get(type(child), 0) + 1
         repeated.update(t.__name__ for t, n in counts.items() if n >= 2)
     return tuple(sorted(repeated))
+
+
+def is_container(module) -> bool:
+    """A module whose class has no forward of its own (nn.ModuleList,
+    nn.ModuleDict, nn.ParameterList): calling it is an error, so it never
+    runs a forward."""
+    return type(module).forward is nn.Module.forward
 
 
 def module_matcher(specs, model, setting):

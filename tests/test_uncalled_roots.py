@@ -1,0 +1,144 @@
+"""Stage 3 units whose root's forward never runs: containers (ModuleList,
+ModuleDict) are never made roots, and a root that exists but is not
+called (an nn.Sequential iterated) is refused by name on the first passes
+([Note: roots never called] in sharding/_uncalled_roots.py). Before, both
+ran the layers on released placeholders: torch's "mat2 must be a matrix"."""
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import zero
+from engine_cases import no_launcher
+
+
+@pytest.fixture(autouse=True)
+def _no_launcher(monkeypatch):
+    no_launcher(monkeypatch)
+
+
+class NestedLists(nn.Module):
+    """Stages of layers: a ModuleList of ModuleLists, iterated."""
+
+    def __init__(self):
+        super().__init__()
+        self.stages = nn.ModuleList(nn.ModuleList([nn.Linear(8, 8), nn.Linear(8, 8)])
+                                    for _ in range(2))
+        self.head = nn.Linear(8, 2)
+
+    def forward(self, x):
+        for stage in self.stages:
+            for layer in stage:
+                x = torch.relu(layer(x))
+        return self.head(x)
+
+
+class Heads(nn.Module):
+    """Two ModuleDicts of layers (as PEFT's lora_A / lora_B)."""
+
+    def __init__(self):
+        super().__init__()
+        self.body = nn.Linear(8, 8)
+        self.enc = nn.ModuleDict({"a": nn.Linear(8, 8), "b": nn.Linear(8, 8)})
+        self.dec = nn.ModuleDict({"a": nn.Linear(8, 8), "b": nn.Linear(8, 2)})
+
+    def forward(self, x):
+        x = self.enc["b"](self.enc["a"](self.body(x)))
+        return self.dec["b"](self.dec["a"](x))
+
+
+class IteratedSequentials(nn.Module):
+    """Blocks that are nn.Sequentials, iterated layer by layer: the
+    Sequentials repeat, so they are the blocks, but never called."""
+
+    def __init__(self):
+        super().__init__()
+        self.stages = nn.ModuleList(nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8))
+                                    for _ in range(2))
+        self.head = nn.Linear(8, 2)
+
+    def forward(self, x):
+        for stage in self.stages:
+            for layer in stage:
+                x = torch.relu(layer(x))
+        return self.head(x)
+
+
+def train_beside_torch(model, steps=3, **options):
+    """Losses and final weights of zero stage 3 and of torch, same data."""
+    ref = copy.deepcopy(model)
+    engine = zero.initialize(model, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-2),
+                             stage=3, stage3_param_persistence_threshold=0, **options)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    g = torch.Generator().manual_seed(1)
+    try:
+        for _ in range(steps):
+            x = torch.randn(4, 8, generator=g)
+            loss = engine(x).pow(2).mean()
+            engine.backward(loss)
+            engine.step()
+            ref_loss = ref(x).pow(2).mean()
+            ref_loss.backward()
+            ref_opt.step()
+            ref_opt.zero_grad()
+            assert loss.item() == pytest.approx(ref_loss.item(), rel=1e-6)
+        full = engine.full_state_dict()
+    finally:
+        engine.close()
+    for key, value in ref.state_dict().items():
+        assert torch.allclose(full[key], value, atol=1e-6), key
+
+
+@pytest.mark.parametrize("make", [NestedLists, Heads])
+def test_containers_are_never_the_blocks(make):
+    torch.manual_seed(0)
+    model = make()
+    assert zero.sharding._unit_roots.block_classes(model) == ("Linear",)
+    train_beside_torch(model)
+
+
+@pytest.mark.parametrize("option", ["units", "stage3_leaf_modules"])
+def test_a_container_named_as_a_root_is_refused(option):
+    torch.manual_seed(0)
+    model = NestedLists()
+    with pytest.raises(ValueError, match=f"{option}: ModuleList modules are containers whose "
+                                         "forward never runs"):
+        zero.initialize(model, stage=3, **{option: [nn.ModuleList]})
+    assert all(p.numel() > 0 for p in model.parameters())
+
+
+def test_a_block_iterated_instead_of_called_is_refused_by_name():
+    torch.manual_seed(0)
+    model = IteratedSequentials()
+    engine = zero.initialize(model, optimizer=torch.optim.AdamW(model.parameters()), stage=3,
+                             stage3_param_persistence_threshold=0)
+    with pytest.raises(RuntimeError, match=r"module 'stages.0.0' \(Linear\) runs while its "
+                                           r"parameters are released.*'stages.0' \(Sequential\)"
+                                           ".*units='module'"):
+        engine(torch.randn(4, 8))
+    engine.close()
+
+
+def test_the_remedy_the_refusal_names_trains_as_torch():
+    torch.manual_seed(0)
+    train_beside_torch(IteratedSequentials(), units="module")
+
+
+def test_the_watch_stands_aside_after_the_first_passes():
+    """The per-module hooks cost what units by block save: gone after
+    two passes; a block that is called trains as torch meanwhile."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Sequential(nn.Linear(8, 8), nn.ReLU()),
+                          nn.Sequential(nn.Linear(8, 8), nn.ReLU()), nn.Linear(8, 2))
+    engine = zero.initialize(model, optimizer=torch.optim.AdamW(model.parameters()), stage=3,
+                             stage3_param_persistence_threshold=0)
+    inner = model[0][0]
+    assert len(inner._forward_pre_hooks) == 1
+    with zero.GatheredParameters(list(model.parameters())):
+        inner(torch.randn(4, 8))  # an inner call on gathered parameters: allowed
+    for step in range(3):
+        engine.backward(engine(torch.randn(4, 8)).sum())
+        engine.step()
+        assert len(inner._forward_pre_hooks) == (1 if step < 2 else 0), step
+    engine.close()
