@@ -89,6 +89,33 @@ def test_deepspeed_config_leaves_the_trainers_keys_to_the_trainer(one_process, t
     trainer.engine.close()
 
 
+def test_a_config_optimizer_block_decays_every_parameter_as_under_deepspeed(one_process,
+                                                                          tmp_path):
+    """HuggingFace's DeepSpeed integration builds a config's optimizer
+    over every trainable parameter in one group (transformers'
+    deepspeed_optim_sched: DummyOptim(params=model_parameters)), so
+    weight_decay reaches the norms and biases the Trainer's own optimizer
+    spares; without the block, the Trainer's groups. A hunt ran both
+    against HF + DeepSpeed 0.19.8: with weight_decay 0.1, 20 of 21 final
+    parameters differed before."""
+    config = {k: v for k, v in DEEPSPEED_TEMPLATE.items() if k != "scheduler"}
+    decays = {}
+    for name, cfg in (("block", config), ("no block", {k: v for k, v in config.items()
+                                                       if k != "optimizer"})):
+        trainer = zero_trainer(tmp_path / name.replace(" ", "_"), {"config": cfg},
+                               weight_decay=0.1, max_steps=1)
+        trainer.train()
+        names = {id(p): n for n, p in trainer.model.named_parameters()}
+        decays[name] = {names[id(p)]: group["weight_decay"]
+                        for group in trainer.engine.optimizer.param_groups
+                        for p in group["params"]}
+        trainer.engine.close()
+    assert set(decays["block"].values()) == {0.1}
+    assert decays["block"].keys() == decays["no block"].keys()
+    spared = {n for n, wd in decays["no block"].items() if wd == 0.0}
+    assert spared and all("norm" in n or "bias" in n for n in spared), spared
+
+
 @pytest.mark.parametrize("change, message", [
     ({"gradient_accumulation_steps": 2 * 2}, "gradient_accumulation_steps is 4 but "
                                              "TrainingArguments.gradient_accumulation_steps is 2"),

@@ -175,6 +175,7 @@ class ZeroTrainerMixin:
         self.zero_options = options
         self.engine = None
         self._config_scheduler = None  # a DeepSpeed config's scheduler block
+        self._config_optimizer = False  # whether the config had an optimizer block
         # under tp: the evaluation gather each evaluation loop installs
         self._gather_once = None
         # before the Trainer's own setup: it acts on these (FSDP wraps the
@@ -299,6 +300,7 @@ class ZeroTrainerMixin:
                                  "optimizers=, or write \"auto\" for each of its params")
             _check_optimizer_type(optimizer.get("type"),
                                   str(getattr(args.optim, "value", args.optim)))
+            self._config_optimizer = True
         scheduler = config.pop("scheduler", None)
         if scheduler:
             # its type and values are honoured, as under HuggingFace's
@@ -341,6 +343,16 @@ class ZeroTrainerMixin:
             teach_trl_to_gather()  # [Note: TRL's fused head] (a TRL trainer, or SFT's mixin)
             self.optimizer = _EngineOptimizer(self.engine, after_step=self._report_skipped_step)
         return self.optimizer
+
+    def get_decay_parameter_names(self, model) -> list:
+        """With an optimizer block in the config, HuggingFace's DeepSpeed
+        integration hands DeepSpeed every trainable parameter in one group,
+        so weight_decay reaches biases and norm weights too; the Trainer's
+        own optimizer spares them. The same numbers as HF + DeepSpeed: every
+        parameter decays then (docs/hf-trainer.md)."""
+        if self._config_optimizer:
+            return [name for name, _p in model.named_parameters()]
+        return super().get_decay_parameter_names(model)
 
     def _report_skipped_step(self):
         """The Trainer steps its LR scheduler unless accelerate says the
