@@ -334,6 +334,31 @@ def test_reuse_distance_is_read():
         read(-1)
 
 
+def test_deepspeeds_field_names_of_the_stage3_knobs_are_read():
+    """DeepSpeed 0.19.8 takes max_live_parameters as well as
+    stage3_max_live_parameters (and so on: its config model populates by
+    field name or alias); axolotl's zero3_bf16_cpuoffload_*.json write the
+    short names, which were refused as "not a DeepSpeed key"."""
+    short = {"stage": 3, "max_live_parameters": 123456, "max_reuse_distance": 7,
+             "prefetch_bucket_size": 1000, "param_persistence_threshold": 10,
+             "model_persistence_threshold": 99, "gather_16bit_weights_on_model_save": True}
+    config = zero.Config.from_deepspeed({"zero_optimization": short})
+    documented = zero.Config.from_deepspeed({"zero_optimization": {
+        ("stage3_" + k if k != "stage" else k): v for k, v in short.items()}})
+    assert config == documented
+    assert (config.stage3_max_live_parameters, config.stage3_max_reuse_distance,
+            config.stage3_prefetch_bucket_size, config.stage3_param_persistence_threshold,
+            config.stage3_model_persistence_threshold) == (123456, 7, 1000, 10, 99)
+    assert zero.Config.from_deepspeed({"zero_optimization": {
+        "stage": 3, "max_live_parameters": 5, "stage3_max_live_parameters": 5}}
+    ).stage3_max_live_parameters == 5
+    with pytest.raises(ValueError, match="zero_optimization.max_live_parameters and "
+                                         "zero_optimization.stage3_max_live_parameters are the "
+                                         r"same setting, given two values \(5 and 6\)"):
+        zero.Config.from_deepspeed({"zero_optimization": {
+            "stage": 3, "max_live_parameters": 5, "stage3_max_live_parameters": 6}})
+
+
 def test_huggingface_zero3_template_is_read():
     """The zero_optimization block of HuggingFace's zero3 template, offload
     blocks included: on a CPU model both "cpu" devices change nothing."""

@@ -13,7 +13,8 @@ from typing import Any
 
 from zero.config._values import _enabled, _enabled_or_kept, _number, _seconds, auto_refused
 from zero.config._deepspeed_keys import (MONITORS, drop_disabled, drop_inert,
-                                         drop_inert_zero, refusal, take_cpu_offload)
+                                         drop_inert_zero, refusal, stage3_names,
+                                         take_cpu_offload)
 
 
 def read_deepspeed(config) -> dict:
@@ -163,7 +164,7 @@ def translate(ds: dict) -> dict:
             raise ValueError(f"{name} must be a block such as {like}, got {block!r}")
     # a block whose "enabled" is false runs nothing: accepted whatever it holds
     top = drop_inert(drop_disabled(top, _enabled_or_kept))
-    zero_block = drop_inert_zero(take_cpu_offload(zero_block))
+    zero_block = drop_inert_zero(take_cpu_offload(stage3_names(zero_block)))
     if top.get("memory_breakdown") is True:  # DeepSpeed's switch, a block here
         top["memory_breakdown"] = {"enabled": True}
     monitor = {kind: top.pop(kind) for kind in MONITORS if kind in top}  # enabled ones

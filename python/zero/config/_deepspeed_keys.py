@@ -153,6 +153,32 @@ def take_cpu_offload(zero_block: dict) -> dict:
     return block
 
 
+# DeepSpeed 0.19.8's zero_optimization takes each stage-3 knob under its
+# field name as well as the stage3_ one it documents (its config model
+# populates by either): axolotl's shipped configs write max_live_parameters
+_STAGE3_FIELDS = ("prefetch_bucket_size", "param_persistence_threshold",
+                  "model_persistence_threshold", "max_live_parameters", "max_reuse_distance",
+                  "gather_16bit_weights_on_model_save", "module_granularity_threshold",
+                  "use_all_reduce_for_fetch_params", "allgather_sequential")
+
+
+def stage3_names(zero_block: dict) -> dict:
+    """zero_block with DeepSpeed's field names of the stage-3 knobs
+    (max_live_parameters) under the names it documents
+    (stage3_max_live_parameters); both given with different values is
+    refused, as neither would be the one read."""
+    block = dict(zero_block)
+    for field in _STAGE3_FIELDS:
+        if field in block:
+            value, alias = block.pop(field), "stage3_" + field
+            if alias in block and block[alias] != value:
+                raise ValueError(f"zero_optimization.{field} and zero_optimization.{alias} are "
+                                 f"the same setting, given two values ({value!r} and "
+                                 f"{block[alias]!r}); write one")
+            block[alias] = value
+    return block
+
+
 def refusal(keys: list, known: list) -> ValueError:
     """The error for config keys zero does not take, each said to be a
     DeepSpeed key zero does not support (why, what instead) or not a
