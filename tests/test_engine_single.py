@@ -59,6 +59,39 @@ def test_world_one_matches_torch_with_plain_backward(stage):
     engine.close()
 
 
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_gradients_set_by_hand_are_taken_or_refused(stage):
+    """torch.autograd.grad, then p.grad = g, then step: stages 0-1 take
+    the .grad in (as torch does); stages 2-3 take gradients from backward
+    only, and stepped on zeros silently before: refused by name now, with
+    nothing changed. (Stage 3 with every unit persistent: a released
+    parameter's placeholder refuses the assignment itself.)"""
+    m, ref = model(), model()
+    engine = zero.initialize(m, optimizer=torch.optim.SGD(m.parameters(), lr=0.1), stage=stage)
+    opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    x = torch.randn(4, 6, generator=torch.Generator().manual_seed(1))
+    params = list(m.parameters())
+    for p, g in zip(params, torch.autograd.grad(engine(x).square().mean(), params)):
+        p.grad = g
+    before = engine.full_state_dict()
+    if stage >= 2:
+        with pytest.raises(RuntimeError, match=rf"parameter '0.weight' has a .grad set outside "
+                                               rf"backward .* at stage {stage} the engine takes "
+                                               "gradients from backward only"):
+            engine.step()
+        after = engine.full_state_dict()
+        assert all(torch.equal(before[k], after[k]) for k in before)
+        engine.zero_grad()
+        engine.backward(engine(x).square().mean())  # backward, as the error says
+    engine.step()
+    ref(x).square().mean().backward()
+    opt.step()
+    full = engine.full_state_dict()
+    for k, v in ref.state_dict().items():
+        assert max_rel_error(full[k], v) <= 1e-5, k
+    engine.close()
+
+
 @pytest.mark.parametrize("name", ["AdamW", "Lion"])
 def test_zero_optim_optimizers_drive_the_engine(name):
     m, ref = model(), model()

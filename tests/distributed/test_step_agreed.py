@@ -24,8 +24,10 @@ def disturbed_steps(rank, world):
                                  stage3_param_persistence_threshold=0)
         x = torch.randn(4, 6, generator=torch.Generator().manual_seed(rank))
 
-        def step():
+        def step(after_backward=None):
             engine.backward(engine(x).square().mean())
+            if after_backward is not None:
+                after_backward()
             engine.step()
         group = optimizer.param_groups[0]
         group[0] = "a key that is no string"  # settings of any kind are compared
@@ -37,13 +39,19 @@ def disturbed_steps(rank, world):
             ("a frozen parameter", lambda: model[2].bias.requires_grad_(False),
              lambda: model[2].bias.requires_grad_(True)),
         ]
+        if stage == 2:  # stages 0-1 take a hand-set .grad in; stage 3's is a placeholder
+            # set after the backward (one set before it is added to, as in torch)
+            disturbances.append(("a gradient set by hand", None,
+                                 lambda: setattr(model[2].bias, "grad", None)))
         errors, unchanged = [], []
         for what, change, put_back in disturbances:
             before = engine.full_state_dict()
-            if rank == 1:
+            if rank == 1 and change is not None:
                 change()
+            by_hand = (lambda: setattr(model[2].bias, "grad", torch.ones(3))) \
+                if rank == 1 and change is None else None
             try:
-                step()
+                step(by_hand)
                 errors.append((what, None))
             except (RuntimeError, ValueError) as e:
                 errors.append((what, f"{type(e).__name__}: {e}"))
@@ -72,11 +80,16 @@ def test_a_step_refused_or_changed_on_one_rank_stops_every_rank(results, stage):
         assert steps == 2, (rank, steps)
         by_what = dict(errors)
         assert all(by_what.values()), (rank, errors)
+        refused = ["a refused setting", "a frozen parameter"] + \
+            (["a gradient set by hand"] if stage == 2 else [])
         if rank == 1:
             assert "nesterov" in by_what["a refused setting"]
             assert "requires_grad=False" in by_what["a frozen parameter"]
+            if stage == 2:
+                assert "'2.bias' has a .grad set outside backward" in \
+                    by_what["a gradient set by hand"]
         else:
-            for what in ("a refused setting", "a frozen parameter"):
+            for what in refused:
                 assert "another rank refused to go on" in by_what[what], by_what[what]
         assert "param group settings are not alike" in by_what["another lr"]
         assert "lr=0.2" in by_what["another lr"] if rank == 1 else \

@@ -21,7 +21,7 @@ from functools import partial
 from itertools import chain
 from operator import attrgetter, is_not
 
-_REQUIRES_GRAD = attrgetter("requires_grad")
+_REQUIRES_GRAD, _GRAD = attrgetter("requires_grad"), attrgetter("grad")
 _CHILDREN, _PARAMETERS = attrgetter("_modules"), attrgetter("_parameters")
 _IS_SET = partial(is_not, None)
 
@@ -34,6 +34,8 @@ def check_optimizer_unchanged(engine):
             f"{engine._param_groups_seen} at zero.initialize (add_param_group after "
             "initialize): the engine partitions only the groups it was given. Call "
             "zero.initialize again with the optimizer as it is now")
+    if engine.policy.reduces_in_backward:
+        _check_no_grads_set_by_hand(engine)
     for fg in engine.groups:
         missing = set(engine._spec.states(groups[fg.index])) - set(fg.states)
         if missing:
@@ -47,6 +49,24 @@ def check_optimizer_unchanged(engine):
     _check_every_parameter(engine)
     modules = list(engine.module.modules())
     engine._unchanged_snapshot = (modules, _describe(modules))
+
+
+def _check_no_grads_set_by_hand(engine):
+    """Stages 2-3 take each gradient from backward (a hook moves it into
+    a bucket and leaves .grad None), so a .grad set by hand since (p.grad =
+    g after torch.autograd.grad) was never reduced nor stepped on: the
+    step ran on zero gradients, silently. Refused by name. Stages 0-1 take
+    such a .grad in at the boundary (FlatGroup.gather_stray_grads)."""
+    for fg in engine.groups:
+        if fg.trainable and any(map(_IS_SET, map(_GRAD, fg.params))):
+            i = next(i for i, p in enumerate(fg.params) if p.grad is not None)
+            raise RuntimeError(
+                f"parameter '{fg.names[i]}' has a .grad set outside backward (p.grad = ..., "
+                f"as after torch.autograd.grad); at stage {engine.stage} the engine takes "
+                "gradients from backward only (each is reduced into its partition as it "
+                "comes), so the step would ignore it. Compute gradients with "
+                "engine.backward(loss) or loss.backward() (backward(inputs=...) for a "
+                "subset), or use stage 0-1, which take a .grad set by hand")
 
 
 def _describe(modules):

@@ -469,6 +469,8 @@ class FlatGroup:
             self.grad_flat.zero_()
         else:
             self.grad_part.zero_()
+            for p in [p for p in self.params if p.grad is not None]:  # set by hand: dropped
+                p.grad = None  # (a backward would add to it, as in torch)
 
     def zero_grads_of(self, members: set):
         """Drop the gradients since the last step of the listed parameters
