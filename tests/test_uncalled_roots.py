@@ -136,3 +136,24 @@ def test_the_watch_stands_aside_after_the_first_passes():
         engine.step()
         assert len(inner._forward_pre_hooks) == (1 if step < 2 else 0), step
     engine.close()
+
+
+def test_a_copy_made_while_watched_runs_on_its_own():
+    """A deepcopy or pickle of the model in the first passes (an EMA copy,
+    a torch.save) takes no watch: a copy's hook held the engine's units
+    and refused to run once they were released."""
+    import io
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Sequential(nn.Linear(8, 8), nn.ReLU()),
+                          nn.Sequential(nn.Linear(8, 8), nn.ReLU()), nn.Linear(8, 2))
+    engine = zero.initialize(model, optimizer=torch.optim.AdamW(model.parameters()), stage=3,
+                             stage3_param_persistence_threshold=0)
+    with zero.GatheredParameters(list(model.parameters())):
+        ema = copy.deepcopy(model)
+        saved = io.BytesIO()
+        torch.save(model, saved)
+    x = torch.randn(2, 8)
+    saved.seek(0)
+    loaded = torch.load(saved, weights_only=False)
+    assert torch.equal(ema(x), loaded(x))
+    engine.close()

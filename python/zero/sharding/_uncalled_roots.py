@@ -16,6 +16,8 @@ later (an evaluation branch) still meets torch's error.
 """
 from __future__ import annotations
 
+from zero.sharding._copying import ModuleHook
+
 WATCHED_FORWARDS = 2  # root forwards (and the backwards after them) watched
 
 
@@ -38,7 +40,9 @@ def watch_uncalled_roots(schedule, root, roots) -> list:
             refuse = _refusal(schedule, names.get(id(module), type(module).__name__),
                               module, names.get(id(unit_root), ""), unit_root,
                               list(units.values()))
-            handles.append(module.register_forward_pre_hook(refuse))
+            # a ModuleHook: a copy or pickle of the model gets a no-op, and
+            # dynamo runs it as Python (_copying.py)
+            handles.append(module.register_forward_pre_hook(ModuleHook(refuse)))
     if not handles:
         return []
     forwards = [0]
@@ -49,7 +53,7 @@ def watch_uncalled_roots(schedule, root, roots) -> list:
             for handle in handles:
                 handle.remove()
             counter.remove()
-    counter = root.register_forward_pre_hook(count)
+    counter = root.register_forward_pre_hook(ModuleHook(count))
     return handles + [counter]
 
 
