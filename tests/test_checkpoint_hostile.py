@@ -259,6 +259,10 @@ SETTINGS = {
     "scheduler's count a string": (lambda meta: meta["lr_scheduler"].update(last_epoch="3"),
                                    r"lr_scheduler state\['last_epoch'\] is '3', not an "
                                    "integer"),
+    # learning rates may be fractions of integers (SGD(lr=1)); counters not
+    "scheduler's count a fraction": (lambda meta: meta["lr_scheduler"].update(last_epoch=2.5),
+                                     r"lr_scheduler state\['last_epoch'\] is 2.5, not an "
+                                     "integer"),
     "scheduler's lrs too few": (lambda meta: meta["lr_scheduler"].update(base_lrs=[]),
                                 r"\['base_lrs'\] is not a list of 1"),
     "negative step count": (lambda meta: meta["groups"][0].update(step=-5),

@@ -119,23 +119,78 @@ def test_the_remedy_the_refusal_names_trains_as_torch():
     train_beside_torch(IteratedSequentials(), units="module")
 
 
-def test_the_watch_stands_aside_after_the_first_passes():
-    """The per-module hooks cost what units by block save: gone after
-    two passes; a block that is called trains as torch meanwhile."""
+class CalledBlocks(nn.Module):
+    """Blocks (nn.Sequentials) called as they should be."""
+
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(8, 8), nn.ReLU()) for _ in range(2))
+        self.head = nn.Linear(8, 2)
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+def watched_engine():
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Sequential(nn.Linear(8, 8), nn.ReLU()),
-                          nn.Sequential(nn.Linear(8, 8), nn.ReLU()), nn.Linear(8, 2))
+    model = CalledBlocks()
     engine = zero.initialize(model, optimizer=torch.optim.AdamW(model.parameters()), stage=3,
                              stage3_param_persistence_threshold=0)
-    inner = model[0][0]
+    assert zero.sharding._unit_roots.block_classes(model) == ("Sequential",)
+    return model, engine, model.blocks[0][0]
+
+
+def test_the_watch_stands_aside_after_two_backwards():
+    """The per-module hooks cost what units by block save: gone once the
+    second backward ends. An inner call on gathered parameters passes."""
+    model, engine, inner = watched_engine()
     assert len(inner._forward_pre_hooks) == 1
     with zero.GatheredParameters(list(model.parameters())):
-        inner(torch.randn(4, 8))  # an inner call on gathered parameters: allowed
+        inner(torch.randn(4, 8))
     for step in range(3):
         engine.backward(engine(torch.randn(4, 8)).sum())
         engine.step()
-        assert len(inner._forward_pre_hooks) == (1 if step < 2 else 0), step
+        assert len(inner._forward_pre_hooks) == (1 if step < 1 else 0), step
     engine.close()
+
+
+def test_the_watch_stands_aside_after_forwards_without_backward():
+    """Evaluation or generation alone (no backward) ends the watch too."""
+    from zero.sharding._uncalled_roots import WATCHED_FORWARDS
+    model, engine, inner = watched_engine()
+    with torch.no_grad():
+        for _ in range(WATCHED_FORWARDS):
+            engine(torch.randn(4, 8))
+        assert len(inner._forward_pre_hooks) == 1
+        engine(torch.randn(4, 8))
+    assert len(inner._forward_pre_hooks) == 0
+    engine.close()
+
+
+def test_the_watch_adds_no_graph_break_under_compile(monkeypatch):
+    """Run outside the graph as the engine's own hooks are, the watch split
+    a compiled forward at every inner module, and the breaks stayed after
+    the hooks went: compiled, it stands aside."""
+    import zero.sharding._stage3 as stage3
+
+    def graphs_of_first_step():
+        graphs = []
+
+        def backend(gm, _inputs):
+            graphs.append(gm)
+            return gm.forward
+        torch._dynamo.reset()
+        _model, engine, _inner = watched_engine()
+        engine.module = torch.compile(engine.module, backend=backend)
+        engine.backward(engine(torch.randn(4, 8)).sum())
+        engine.step()
+        engine.close()
+        return len(graphs)
+    watched = graphs_of_first_step()
+    monkeypatch.setattr(stage3, "watch_uncalled_roots", lambda *_args: [])
+    assert watched == graphs_of_first_step()
 
 
 def test_a_copy_made_while_watched_runs_on_its_own():
@@ -143,11 +198,7 @@ def test_a_copy_made_while_watched_runs_on_its_own():
     a torch.save) takes no watch: a copy's hook held the engine's units
     and refused to run once they were released."""
     import io
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Sequential(nn.Linear(8, 8), nn.ReLU()),
-                          nn.Sequential(nn.Linear(8, 8), nn.ReLU()), nn.Linear(8, 2))
-    engine = zero.initialize(model, optimizer=torch.optim.AdamW(model.parameters()), stage=3,
-                             stage3_param_persistence_threshold=0)
+    model, engine, _inner = watched_engine()
     with zero.GatheredParameters(list(model.parameters())):
         ema = copy.deepcopy(model)
         saved = io.BytesIO()

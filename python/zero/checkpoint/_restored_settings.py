@@ -70,7 +70,7 @@ _NOT_STATE = frozenset(["optimizer"]) | frozenset(dir(LRScheduler))
 
 def _same_form(saved, current, where, attributes=_NOT_STATE):
     """saved has current's form: lists of the same length, numbers for
-    numbers (integers for the step counters), strings for strings, dicts whose keys
+    numbers (integers for integers but learning rates), strings for strings, dicts whose keys
     are kept. A key the scheduler does not keep is taken (another torch
     version's, such as an old `verbose`) unless it would replace one of its
     attributes (`attributes`: its optimizer, its methods)."""
@@ -96,9 +96,10 @@ def _same_form(saved, current, where, attributes=_NOT_STATE):
         if not isinstance(saved, bool):
             refuse(f"is {saved!r:.60}, not a bool")
     elif isinstance(current, (int, float)):
-        # integers for the step counters alone: a learning rate or factor
-        # a script gave as an integer (SGD(lr=1)) holds fractions later
-        kinds = int if isinstance(current, int) and _counter(where) else (int, float)
+        # a learning rate a script gave as an integer (SGD(lr=1)) holds
+        # fractions later; counters, sizes and milestones stay integers (a
+        # milestone of 2.5 would never be reached)
+        kinds = int if isinstance(current, int) and not _rate(where) else (int, float)
         if isinstance(saved, bool) or not isinstance(saved, kinds):
             refuse(f"is {saved!r:.60}, not {'an integer' if kinds is int else 'a number'}")
     elif isinstance(current, str):
@@ -110,12 +111,13 @@ def _same_form(saved, current, where, attributes=_NOT_STATE):
             refuse(f"is not a dense tensor of shape {tuple(current.shape)}")
 
 
-_COUNTERS = ("['last_epoch']", "['_step_count']")
-
-
-def _counter(where) -> bool:
-    """Whether `where` names one of torch's scheduler step counters."""
-    return where.endswith(_COUNTERS)
+def _rate(where) -> bool:
+    """Whether `where` (a path such as "lr_scheduler state['_last_lr'][0]")
+    lies under a key that holds learning rates (base_lrs, _last_lr, max_lrs,
+    min_lrs)."""
+    if "['" not in where:
+        return False
+    return "lr" in where.rsplit("['", 1)[1].split("']", 1)[0].lower()
 
 
 def _scheduler_lrs(scheduler, saved):

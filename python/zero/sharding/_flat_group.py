@@ -465,12 +465,10 @@ class FlatGroup:
         self.drop_param_pages()  # the chunks just read ([Note: shard on a disk])
 
     def zero_grads(self):
-        if self.grad_flat is not None:
-            self.grad_flat.zero_()
-        else:
-            self.grad_part.zero_()
-            for p in [p for p in self.params if p.grad is not None]:  # set by hand: dropped
-                p.grad = None  # (a backward would add to it, as in torch)
+        (self.grad_flat if self.grad_flat is not None else self.grad_part).zero_()
+        if self.grad_flat is None or self.accumulate_by_hook:  # .grad is no view of grad_flat:
+            for p in [p for p in self.params if p.grad is not None]:  # one set by hand is
+                p.grad = None  # dropped (a backward would add to it, as in torch)
 
     def zero_grads_of(self, members: set):
         """Drop the gradients since the last step of the listed parameters

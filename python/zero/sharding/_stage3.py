@@ -48,7 +48,7 @@ from zero.comm._gather_together import SMALL_UNIT, gather_together
 from zero.sharding._backward_hooks import gather_around_backward_hooks
 from zero.sharding._copying import ModuleHook
 from zero.sharding._external import add_needed_external, registered_externals
-from zero.sharding._outputs import detach_from_units, node_key, tensors_in
+from zero.sharding._outputs import after_every_gradient, detach_from_units, node_key, tensors_in
 from zero.sharding._param_writes import check_released_untouched, \
     write_in_forward_refusal
 from zero.sharding._pass_order import PassOrder
@@ -106,7 +106,7 @@ class Stage3Schedule(SavedParameters, PassOrder):
             if fg.trainable:
                 fg.reducer.on_unit_grads_done = self._grads_done
         self.place = place
-        # persistent units too: version checks ([Note: saved parameters])
+        # persistent units too: their saved tensors' versions checked (hooks: released only)
         self.unit_by_storage = {storage_key(unit.full): (fg, unit) for fg in groups
                                 for unit in fg.units}
         self.saves_through_hooks = not all(u.persistent for fg in groups for u in fg.units)
@@ -439,12 +439,12 @@ class Stage3Schedule(SavedParameters, PassOrder):
         if not inputs:
             return  # nothing to wait for: released at the end of the backward
 
-        def release_frozen(_grads):
+        def release_frozen():
             if self.removed:
                 return
             for unit in frozen:
                 self.release(unit)
-        register_multi_grad_hook(inputs, release_frozen, mode="all")
+        after_every_gradient(inputs, release_frozen)  # (no node cycle: see there)
         if len(inputs) == 1:
             # the module before (whose output this input is) gathers for its
             # backward from a hook on the same tensor that was set first, so

@@ -6,19 +6,36 @@ what makes a block one gather a pass. Code that calls a module inside a
 block without calling the block (an nn.Sequential iterated layer by layer,
 Reformer's reversible layers calling their sublayers in the backward) ran
 it on the released placeholders, and torch's shape error ("mat2 must be a
-matrix, got 1-D tensor") named nothing a user could act on. So on the
-first two passes (forward, backward, forward, backward: where such code
-shows itself), each module inside a unit that holds parameters of its own
-has a pre-forward hook that refuses to run on its released unit, naming
-the module, its root and the remedy. Then the hooks go: their cost, a call
-into Python per module, is what units by block save. A path taken only
-later (an evaluation branch) still meets torch's error.
+matrix, got 1-D tensor") named nothing a user could act on. So at first
+each module inside a unit that holds parameters of its own has a
+pre-forward hook that refuses to run on its released unit, naming the
+module, its root and the remedy. The hooks go after the second backward
+ends (two training passes: where such code shows itself), or after
+WATCHED_FORWARDS root forwards without them (evaluation, generation, a
+sanity check before training): their cost, a call into Python per module,
+is what units by block save. A path taken only later still meets torch's
+error. Under torch.compile the hooks stand aside: run outside the graph,
+they would split it at every module, and the compiled code kept the
+breaks after the hooks went.
 """
 from __future__ import annotations
 
+import torch
+
 from zero.sharding._copying import ModuleHook
 
-WATCHED_FORWARDS = 2  # root forwards (and the backwards after them) watched
+WATCHED_BACKWARDS = 2  # backwards ended before the watch goes
+WATCHED_FORWARDS = 8   # or root forwards, whichever comes first
+
+
+class _WatchHook(ModuleHook):
+    """A ModuleHook (a copy or pickle of the model gets a no-op) that
+    dynamo traces as nothing rather than running it outside the graph."""
+
+    def __call__(self, *args, **kwargs):
+        if torch.compiler.is_compiling():
+            return None
+        return self.function(*args, **kwargs)
 
 
 def watch_uncalled_roots(schedule, root, roots) -> list:
@@ -37,27 +54,41 @@ def watch_uncalled_roots(schedule, root, roots) -> list:
                 unit = schedule.place[id(p)][1]
                 units[id(unit)] = unit
         if units:
-            refuse = _refusal(schedule, names.get(id(module), type(module).__name__),
-                              module, names.get(id(unit_root), ""), unit_root,
-                              list(units.values()))
-            # a ModuleHook: a copy or pickle of the model gets a no-op, and
-            # dynamo runs it as Python (_copying.py)
-            handles.append(module.register_forward_pre_hook(ModuleHook(refuse)))
+            refuse = _refusal(schedule, names.get(id(module), type(module).__name__), module,
+                              names.get(id(unit_root), ""), unit_root,
+                              roots.is_leaf(unit_root), list(units.values()))
+            handles.append(module.register_forward_pre_hook(_WatchHook(refuse)))
     if not handles:
         return []
-    forwards = [0]
+    seen = {"forwards": 0, "backwards": 0}
 
-    def count(_module, _args):
-        forwards[0] += 1
-        if forwards[0] > WATCHED_FORWARDS:
-            for handle in handles:
-                handle.remove()
-            counter.remove()
-    counter = root.register_forward_pre_hook(ModuleHook(count))
-    return handles + [counter]
+    def stand_aside():
+        for handle in handles:
+            handle.remove()
+        handles.clear()
+
+    def count_forward(_module, _args):
+        seen["forwards"] += 1
+        if seen["forwards"] > WATCHED_FORWARDS:
+            stand_aside()
+
+    def count_backward():
+        seen["backwards"] += 1
+        if handles and seen["backwards"] >= WATCHED_BACKWARDS:
+            stand_aside()
+    schedule.backward.after_end.append(count_backward)
+    handles.append(root.register_forward_pre_hook(_WatchHook(count_forward)))
+    return list(handles)
 
 
-def _refusal(schedule, name, module, root_name, unit_root, units):
+def _refusal(schedule, name, module, root_name, unit_root, leaf, units):
+    remedy = (f"'{root_name}' is a stage3_leaf_modules module (gathered whole around its "
+              "forward, whatever `units` says): call it rather than its members, or leave it "
+              "out of stage3_leaf_modules") if leaf else (
+              "Pass units='module' to zero.initialize (each module gathers its own "
+              "parameters), or units=[the classes whose forward is called], or read them "
+              "inside zero.GatheredParameters")
+
     def refuse(_module, _args):
         if schedule.suspended:  # a generation gathered every unit: hooks stand aside
             return
@@ -69,7 +100,5 @@ def _refusal(schedule, name, module, root_name, unit_root, units):
             f"({type(unit_root).__name__}), the unit they belong to, and that forward is not "
             "running (the code calls the module without calling its unit's root: a "
             "container iterated, a layer called from outside its block, or in a custom "
-            "backward). Pass units='module' to zero.initialize (each module gathers its "
-            "own parameters), or units=[the classes whose forward is called], or read them "
-            "inside zero.GatheredParameters")
+            f"backward). {remedy}")
     return refuse

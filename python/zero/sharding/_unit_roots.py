@@ -25,6 +25,12 @@
   whose forward exists but is not called (an nn.Sequential iterated)
   is caught on the first passes ([Note: roots never called] in
   _uncalled_roots.py).
+- A PEFT adapter layer (a class under peft's BaseTunerLayer: LoRA's
+  Linear, DoRA, LoHa, LoKr, trainable tokens) in no other root is a root
+  with its base layer: its forward reads the base layer's weight (and
+  DoRA's its lora_A's) without calling them, so with units="module", or
+  on a layer outside the blocks (lm_head, embed_tokens), those reads met
+  the released placeholders.
 - stage3_leaf_modules are roots too, with the leaf rules (no bucket waits
   for their parameters: the experts a rank's tokens skip), and a root
   that holds a leaf module takes those rules for its whole unit. So is a
@@ -65,12 +71,13 @@ def unit_roots(model: nn.Module, units="block", leaf_modules=()) -> UnitRoots:
         if id(m) in root_of:
             continue
         is_leaf = leaf(m)
-        if not is_leaf and not chosen(m):
+        if not is_leaf and not chosen(m) and not is_adapter_layer(m):
             continue
         if is_container(m):
             if units == "block" and not is_leaf:
                 continue  # not counted by block_classes; a _no_split_modules name
-            what = "stage3_leaf_modules" if is_leaf else "units"
+            what = "units" if not is_leaf else "stage3_leaf_modules" if named_leaf(m) else \
+                "deepspeed.utils.set_z3_leaf_modules"
             raise ValueError(
                 f"{what}: {type(m).__name__} modules are containers whose forward never runs, "
                 "so they cannot be gathered around it; name the modules that are called "
@@ -100,6 +107,13 @@ def block_classes(model: nn.Module) -> tuple:
                 counts[type(child)] = counts.get(type(child), 0) + 1
         repeated.update(t.__name__ for t, n in counts.items() if n >= 2)
     return tuple(sorted(repeated))
+
+
+def is_adapter_layer(module) -> bool:
+    """A PEFT tuner layer (known by its class's bases, so peft need not be
+    imported): it reads its members' weights in its own forward."""
+    return any(c.__name__ == "BaseTunerLayer" and c.__module__.startswith("peft.")
+               for c in type(module).__mro__)
 
 
 def is_container(module) -> bool:
