@@ -92,6 +92,25 @@ def test_gradients_set_by_hand_are_taken_or_refused(stage):
     engine.close()
 
 
+@pytest.mark.parametrize("stage, options", [
+    (1, {}), (1, {"precision": "bf16", "grad_accum_dtype": "fp32"}), (2, {}), (3, {})])
+def test_zero_grad_drops_a_gradient_set_by_hand(stage, options):
+    """zero_grad() drops a .grad set by hand, as torch's does: where .grad
+    is no view of the engine's buffer (stages 2-3, a wider
+    grad_accum_dtype) it stayed, and the next backward added to it."""
+    torch.manual_seed(0)
+    m = nn.Linear(4, 2)
+    engine = zero.initialize(m, optimizer=torch.optim.SGD(m.parameters(), lr=1.0),
+                             stage=stage, stage3_param_persistence_threshold=10**6, **options)
+    before = engine.full_state_dict()
+    m.bias.grad = torch.full_like(m.bias, 100.0)
+    engine.zero_grad()
+    engine.backward(engine(torch.randn(3, 4)).float().sum() * 0)  # a zero gradient
+    engine.step()
+    assert torch.equal(engine.full_state_dict()["bias"], before["bias"])
+    engine.close()
+
+
 @pytest.mark.parametrize("name", ["AdamW", "Lion"])
 def test_zero_optim_optimizers_drive_the_engine(name):
     m, ref = model(), model()
