@@ -359,6 +359,24 @@ def test_deepspeeds_field_names_of_the_stage3_knobs_are_read():
             "stage": 3, "max_live_parameters": 5, "stage3_max_live_parameters": 6}})
 
 
+def test_comms_config_and_monitor_config_are_ignored_as_deepspeed_ignores_them():
+    """LLaMA-Factory's shipped configs write "comms_config" and
+    "monitor_config" (the names of DeepSpeed's config object's attributes,
+    not keys it reads: DeepSpeed 0.19.8 enables nothing from them); they
+    were refused as typos. A monitor enabled there is said to log nowhere."""
+    import warnings
+    block = {"zero_optimization": {"stage": 3}, "comms_config": {"verbose": False},
+             "monitor_config": {"enabled": True, "tag": "run", "csv_monitor": {"enabled": False}}}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        config = zero.Config.from_deepspeed(block)
+    assert config.stage == 3 and config.monitor is None
+    block["monitor_config"]["csv_monitor"]["enabled"] = True
+    with pytest.warns(UserWarning, match="monitor_config.csv_monitor is enabled, but "
+                                         "\"monitor_config\" is not a key DeepSpeed reads"):
+        assert zero.Config.from_deepspeed(block).monitor is None
+
+
 def test_huggingface_zero3_template_is_read():
     """The zero_optimization block of HuggingFace's zero3 template, offload
     blocks included: on a CPU model both "cpu" devices change nothing."""

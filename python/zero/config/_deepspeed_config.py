@@ -14,7 +14,7 @@ from typing import Any
 from zero.config._values import _enabled, _enabled_or_kept, _number, _seconds, auto_refused
 from zero.config._deepspeed_keys import (MONITORS, drop_disabled, drop_inert,
                                          drop_inert_zero, refusal, stage3_names,
-                                         take_cpu_offload)
+                                         take_cpu_offload, warn_unread_monitor)
 
 
 def read_deepspeed(config) -> dict:
@@ -79,6 +79,11 @@ _IGNORED = {
     "log_level", "timers", "disable_python_gc",
     # its pre-ZeRO gather switch; zero's stages gather as they need
     "disable_allgather",
+    # names of DeepSpeed's config object's attributes, not keys it reads
+    # (LLaMA-Factory's shipped configs write both): DeepSpeed 0.19.8 runs
+    # no monitor and no comms logger from them, and neither does zero
+    # (warn_unread_monitor says so when one asks for a monitor)
+    "comms_config", "monitor_config",
 }
 _ZERO_IGNORED = {
     "allgather_partitions", "allgather_bucket_size", "reduce_scatter", "round_robin_gradients",
@@ -164,6 +169,7 @@ def translate(ds: dict) -> dict:
             raise ValueError(f"{name} must be a block such as {like}, got {block!r}")
     # a block whose "enabled" is false runs nothing: accepted whatever it holds
     top = drop_inert(drop_disabled(top, _enabled_or_kept))
+    warn_unread_monitor(top.get("monitor_config"))
     zero_block = drop_inert_zero(take_cpu_offload(stage3_names(zero_block)))
     if top.get("memory_breakdown") is True:  # DeepSpeed's switch, a block here
         top["memory_breakdown"] = {"enabled": True}

@@ -179,6 +179,20 @@ def stage3_names(zero_block: dict) -> dict:
     return block
 
 
+def warn_unread_monitor(block):
+    """A "monitor_config" block that enables a monitor: DeepSpeed reads the
+    monitors at the top level only ("csv_monitor", "tensorboard", "wandb",
+    "comet"), so nothing logs from it there or here; said once."""
+    if not isinstance(block, dict):
+        return
+    asked = [k for k, v in block.items() if isinstance(v, dict) and v.get("enabled") is True]
+    if asked:
+        warnings.warn(f"monitor_config.{asked[0]} is enabled, but \"monitor_config\" is not a "
+                      "key DeepSpeed reads (it ignores it, and so does zero): write "
+                      f"\"{asked[0]}\" at the top level of the config to log",
+                      UserWarning, stacklevel=5)
+
+
 def refusal(keys: list, known: list) -> ValueError:
     """The error for config keys zero does not take, each said to be a
     DeepSpeed key zero does not support (why, what instead) or not a
