@@ -208,3 +208,50 @@ def test_a_copy_made_while_watched_runs_on_its_own():
     loaded = torch.load(saved, weights_only=False)
     assert torch.equal(ema(x), loaded(x))
     engine.close()
+
+
+class _Expert(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x):
+        return self.b(self.a(x))
+
+
+class _LeafCalledInside(nn.Module):
+    """A parent that calls the layers inside its leaf module, not the leaf."""
+
+    def __init__(self):
+        super().__init__()
+        self.moe, self.head = _Expert(), nn.Linear(8, 2)
+
+    def forward(self, x):
+        return self.head(self.moe.b(self.moe.a(x)))
+
+
+@pytest.mark.parametrize("units", ["block", "module"])
+def test_a_leaf_module_called_inside_names_its_own_remedy(units):
+    """A stage3_leaf_modules root stays a root whatever `units` says, so
+    the refusal names the leaf, not units='module' (which a user who had
+    passed it was told again)."""
+    torch.manual_seed(0)
+    model = _LeafCalledInside()
+    engine = zero.initialize(model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                             stage=3, stage3_param_persistence_threshold=0,
+                             stage3_leaf_modules=[_Expert], units=units)
+    with pytest.raises(RuntimeError, match="'moe' is a stage3_leaf_modules module") as caught:
+        engine(torch.randn(2, 8))
+    assert "units='module'" not in str(caught.value)
+    engine.close()
+
+
+def test_a_leaf_container_names_deepspeeds_call():
+    """A ModuleList marked by deepspeed.utils.set_z3_leaf_modules is refused
+    under the call's name, not stage3_leaf_modules, which was not set."""
+    torch.manual_seed(0)
+    model = NestedLists()
+    model.stages[0]._z3_leaf = True
+    with pytest.raises(ValueError, match="deepspeed.utils.set_z3_leaf_modules: ModuleList "
+                                         "modules are containers"):
+        zero.initialize(model, stage=3)
