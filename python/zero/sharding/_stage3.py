@@ -44,25 +44,20 @@ import torch
 from torch import nn
 from torch.autograd.graph import register_multi_grad_hook, saved_tensors_hooks
 
-from zero.comm._gather_together import SMALL_UNIT, gather_together
 from zero.sharding._backward_hooks import gather_around_backward_hooks
 from zero.sharding._copying import ModuleHook
 from zero.sharding._external import add_needed_external, registered_externals
+from zero.sharding._gathering import UnitGathering
 from zero.sharding._outputs import after_every_gradient, detach_from_units, node_key, tensors_in
-from zero.sharding._param_writes import check_released_untouched, \
-    write_in_forward_refusal
 from zero.sharding._pass_order import PassOrder
 from zero.sharding._saved_parameters import SavedParameters, outer_saved_tensors_hooks
 from zero.sharding._state_loads import hook_state_loads
 from zero.sharding._step_agreement import agree_on_call
 from zero.sharding._uncalled_roots import watch_uncalled_roots
-from zero.sharding._units import GatherPool, PersistenceBudget, storage_key
+from zero.sharding._units import GatherPool, PersistenceBudget, storage_key, units_of_params
 
 
-_HASH_MOD = (1 << 61) - 1
-
-
-class Stage3Schedule(SavedParameters, PassOrder):
+class Stage3Schedule(UnitGathering, SavedParameters, PassOrder):
     def __init__(self, root, groups, comm, config, serial, backward, roots):
         """serial: Engine.serial; roots: the _unit_roots.UnitRoots of the units."""
         self.comm, self.serial, self.unit_roots = comm, serial, roots
@@ -123,11 +118,7 @@ class Stage3Schedule(SavedParameters, PassOrder):
                 continue  # inside a unit root: gathered with it, no hooks of its own
             params = module.parameters() if unit_root is module else \
                 module._parameters.values()
-            needed, seen = [], set()
-            for p in params:
-                if p is not None and id(p) in place and id(place[id(p)][1]) not in seen:
-                    seen.add(id(place[id(p)][1]))
-                    needed.append(place[id(p)])
+            needed = units_of_params(params, place)
             if unit_root is module and roots.is_leaf(module):
                 self._mark_leaf_units(needed)
             if needed or module is root:
@@ -206,107 +197,6 @@ class Stage3Schedule(SavedParameters, PassOrder):
             self._hook_module(module, [entry])
         elif all(u is not entry[1] for _fg, u in self.units_of[module]):
             self.units_of[module].append(entry)
-
-    # ---- gathering and releasing -------------------------------------------------
-
-    def _gather(self, fg, unit, async_op):
-        self._before_gather(fg, unit)
-        work = self.comm.all_gather_into(unit.full, fg.gather_source(unit.shard_slice),
-                                         async_op=async_op)
-        if work is None:
-            self._gathered(fg, unit)
-        else:
-            unit.work = work
-
-    def _gather_together(self, entries):
-        """Prefetch the small units `entries`, each through _before_gather
-        already, in one collective ([Note: small units gathered together]
-        in comm/_gather_together.py)."""
-        work = gather_together(self.comm, [unit.full for _fg, unit in entries],
-                               [fg.gather_source(unit.shard_slice) for fg, unit in entries])
-        if len(entries) > 1 and not self.comm.staged:
-            # its buffers (this rank's chunks end to end, and the world's)
-            # live until the first wait(): gathered memory too (in host
-            # memory when staged: [Note: host-staged collectives])
-            extra = (self.comm.world + 1) * sum(unit.part for _fg, unit in entries)
-            self.live += extra
-            self.peak_live = max(self.peak_live, self.live)
-
-            def copied():
-                self.live -= extra
-            work.on_copied = copied
-        for _fg, unit in entries:
-            unit.work = work
-
-    @staticmethod
-    def together(fg, unit) -> bool:
-        """Whether unit may be prefetched with others in one collective."""
-        return fg.gathers_together and unit.total <= SMALL_UNIT
-
-    def _before_gather(self, fg, unit):
-        """A gather's bookkeeping and storage, before its collective."""
-        # [Note: matched gathers] ranks running different modules would pair
-        # one unit's all-gather with another's; when the sizes match, gloo
-        # and NCCL mix them silently. Each pass hashes the units it gathers,
-        # and the ranks compare hashes when the pass ends.
-        self.pass_hash = (self.pass_hash * 1_000_003 + fg.index * 65_537 + unit.index + 1) \
-            % _HASH_MOD
-        check_released_untouched(fg, unit)
-        self._keyed_anew(unit, unit.reserve(self.pool))
-        if not unit.persistent:
-            self.live += unit.total
-            self.peak_live = max(self.peak_live, self.live)
-            if self.pool is not None:
-                self.pool.trim(self._pool_room(unit))
-
-    @staticmethod
-    def _gathered(fg, unit):
-        unit.point_params()
-        unit.gathered = True
-        fg.drop_param_pages(unit.shard_slice)  # [Note: shard on a disk] in _flat_group.py
-
-    def ensure(self, fg, unit):
-        if unit.gathered:
-            return
-        if unit.work is None:
-            self.counts["on_demand"] += 1
-            self._gather(fg, unit, async_op=False)
-            return
-        unit.work.wait()
-        unit.work = None
-        self._gathered(fg, unit)
-
-    def release(self, unit, after_forward=False):
-        """after_forward: at a forward's end, which returns the refusal of a
-        write made in it (write_in_forward_refusal), if any."""
-        if unit.persistent or unit.active > 0:
-            return None
-        if unit.work is not None:
-            unit.work.wait()
-            unit.work = None
-            self._gathered(self.place[id(unit.params[0])][0], unit)
-        refusal = None
-        if unit.gathered:
-            if after_forward:
-                refusal = write_in_forward_refusal(self.place[id(unit.params[0])][0], unit)
-            self.live -= unit.total
-            pool = self.pool if self.pool is not None and \
-                self.pool.fits(self._pool_room(unit), unit) else None
-            self._keyed_anew(unit, unit.release(pool))
-        return refusal
-
-    def _pool_room(self, unit) -> int:
-        """Bytes the gather pool may hold: gathered + pooled stays within
-        the peak gathered ([Note: gather pool])."""
-        return (self.peak_live - self.live) * unit.full.element_size()
-
-    def release_all(self):
-        for fg in self.groups:
-            for unit in fg.units:
-                self.release(unit)
-
-    def _grads_done(self, unit):
-        self.release(unit)
 
     # ---- agreement between ranks ------------------------------------------------
 

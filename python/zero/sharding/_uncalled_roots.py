@@ -23,6 +23,7 @@ from __future__ import annotations
 import torch
 
 from zero.sharding._copying import ModuleHook
+from zero.sharding._units import units_of_params
 
 WATCHED_BACKWARDS = 2  # backwards ended before the watch goes
 WATCHED_FORWARDS = 8   # or root forwards, whichever comes first
@@ -48,15 +49,12 @@ def watch_uncalled_roots(schedule, root, roots) -> list:
         unit_root = roots.root(module)
         if unit_root is None or unit_root is module:
             continue
-        units = {}
-        for p in module._parameters.values():
-            if p is not None and id(p) in schedule.place:
-                unit = schedule.place[id(p)][1]
-                units[id(unit)] = unit
+        units = [unit for _fg, unit in
+                 units_of_params(module._parameters.values(), schedule.place)]
         if units:
             refuse = _refusal(schedule, names.get(id(module), type(module).__name__), module,
                               names.get(id(unit_root), ""), unit_root,
-                              roots.is_leaf(unit_root), list(units.values()))
+                              roots.is_leaf(unit_root), units)
             handles.append(module.register_forward_pre_hook(_WatchHook(refuse)))
     if not handles:
         return []

@@ -213,6 +213,19 @@ class GatherPool:
         return t
 
 
+def units_of_params(params, place) -> list:
+    """The (group, unit) entries of `params` in `place` (id(parameter) ->
+    (group, unit), Stage3Schedule's), each unit once, in the order its
+    first parameter comes; None and parameters not in place skipped."""
+    needed, seen = [], set()
+    for p in params:
+        entry = place.get(id(p)) if p is not None else None
+        if entry is not None and id(entry[1]) not in seen:
+            seen.add(id(entry[1]))
+            needed.append(entry)
+    return needed
+
+
 def lay_out(params, unit_sizes, num_partitions) -> list:
     """The units of a flat group whose params are in unit order: unit k
     takes the next unit_sizes[k] of them; each unit's chunk follows the
