@@ -1,0 +1,200 @@
+"""The engine's step at the accumulation boundary (a mixin of Engine):
+clip_grad_norm_, step, and the reduction and update behind them.
+
+[Note: boundary step] engine.step() is called after every micro-batch; it
+acts only at the accumulation boundary: (1) reduce the gradients (stages
+0-1; stage 2 reduced them during backward), (2) one sum of squares over this
+rank's gradient partition, summed over ranks, gives the global norm and the
+fp16 overflow check at once, (3) skip on overflow (fp16) or update, (4)
+all-gather the updated parameters (stages 1-2), (5) zero the gradients and
+step the LR scheduler (not on a skipped step).
+"""
+from __future__ import annotations
+
+import math
+import numbers
+
+import torch
+
+from zero.engine._interrupts import interrupts_held
+from zero.engine._unchanged import check_optimizer_unchanged
+from zero.sharding._param_writes import bump_versions, take_in_parameter_writes
+from zero.sharding._step_agreement import describe_settings
+from zero.step import _step_path
+from zero.step._clipping import clip_coefficient, model_parallel_sumsq
+
+
+class BoundaryStep:
+    """Mixed into Engine: step() and clip_grad_norm_(), with the reduction,
+    norm, clipping and update they share ([Note: boundary step])."""
+
+    def _prepare_boundary(self):
+        """Reduce the gradients and take the global squared norm (once)."""
+        if self._prepared is not None:
+            return self._prepared
+        for fg in self.groups:
+            if not self.policy.reduces_in_backward:
+                fg.gather_stray_grads()
+                fg.reduce_full()
+            elif not fg.reduced_since_step:
+                # No backward reached this rank's hooks since the last step:
+                # still issue the collectives the other ranks issue (this
+                # covers one backward per step; see docs/engine.md).
+                fg.reducer.finish_backward()
+            fg.reduced_since_step = False
+            fg.reduce_across_replicas()
+        if self._pipeline is not None:  # a tied head's copies take the same gradient
+            self._pipeline.sum_ties(self.groups, self._comm, self.policy.partitions)
+        sumsq = self.step_path.squared_norm(self.groups, self._comm,
+                                            across_ranks=self.policy.partitions)
+        sumsq = model_parallel_sumsq(sumsq, self.groups, self._comm, self.policy.partitions,
+                                     self._tensor_parallel or self._mpu, self._pipeline)
+        base = 1.0 / (self.loss_scale * self._comm.dp_world *
+                      self.config.gradient_accumulation_steps)
+        # a NaN gradient gives a NaN norm, as torch's clip_grad_norm_ does
+        norm = math.sqrt(sumsq) * base if math.isfinite(sumsq) else abs(sumsq)
+        self._prepared = (sumsq, norm, base)
+        return self._prepared
+
+    def clip_grad_norm_(self, max_norm: float) -> float:
+        """Clip the coming update to max_norm (global L2 norm over all shards)
+        and return the norm before clipping. Call after the backward of the
+        boundary micro-batch, before step(). A collective: every rank must
+        call it."""
+        self._check_open()
+        self._check_trains("clip_grad_norm_")
+        refusal = None
+        if torch.is_tensor(max_norm) and max_norm.numel() == 1:
+            max_norm = max_norm.item()  # as torch's clip_grad_norm_ takes it
+        if isinstance(max_norm, bool) or not isinstance(max_norm, numbers.Real):
+            refusal = TypeError(f"max_norm must be a number > 0, got {max_norm!r}")
+        elif not max_norm > 0:
+            refusal = ValueError(f"max_norm must be > 0, got {max_norm}")
+        elif not self.is_accumulation_boundary:
+            refusal = RuntimeError(
+                "clip_grad_norm_ reduces the gradients: call it only after the backward of "
+                f"the last micro-batch of an accumulation boundary (micro-step "
+                f"{self.micro_steps + 1} of {self.config.gradient_accumulation_steps})")
+        # the reduction below would meet whatever the other ranks do next
+        take_in_parameter_writes(self.all_groups, self.call_text("clip_grad_norm_()"), refusal)
+        self._clip_norm = float(max_norm)
+        return self._prepare_boundary()[1]
+
+    def step(self):
+        """At the accumulation boundary: reduce the gradients over the
+        ranks, clip (gradient_clipping, or clip_grad_norm_'s max_norm),
+        update this rank's partition (fp16: skipped on overflow), gather the
+        new parameters, step the lr scheduler and zero the gradients.
+        Before it, only counts the micro-step. A collective: every rank
+        calls it as often; what would refuse the step on one rank refuses
+        it on every rank, before anything changes."""
+        self._check_open()
+        self._check_trains("step")
+        self._step_applied = False  # until a boundary's update is applied
+        unscaled = None
+        if self.loss_scaler is not None and not self._scaled_backward:
+            # the gradients would be divided by a scale the loss never had
+            unscaled = RuntimeError(
+                "fp16: step() needs an engine.backward(loss) since the last step() or "
+                "zero_grad(), and none came (zero_grad() drops the gradients a backward "
+                "left; a plain loss.backward() does not multiply the loss by the loss scale, "
+                "which step() divides the gradients by)")
+        boundary = self.is_accumulation_boundary and not self._in_no_sync
+        if unscaled is not None and not boundary:
+            raise unscaled  # no collective here; the counts differ at the next one
+        if self._in_no_sync:
+            self._scaled_backward = False
+            return
+        if boundary:
+            # everything that can refuse, before anything changes, and
+            # agreed over the ranks: a refusal on one rank alone, or settings
+            # changed on one rank alone, stop every rank ([Note: writes agreed])
+            refusal, settings = unscaled, ""
+            try:
+                if refusal is None:
+                    check_optimizer_unchanged(self)
+                    _step_path.check_every_group(self._spec, self.optimizer, self.groups)
+                if self._comm.dp_world > 1:  # compared over every data-parallel rank
+                    settings = describe_settings(self.optimizer.param_groups,
+                                                 [fg.index for fg in self.groups])
+            except (RuntimeError, ValueError, TypeError) as error:
+                refusal = error
+            # the zero_grad() calls since the last update too: one made on
+            # some ranks only drops gradients there alone (at stages 2-3
+            # from that rank's partition: half the model then steps on the
+            # average, the rest on nothing); and the backwards: a step()
+            # skipped on each rank at another batch paired steps that summed
+            # other numbers of batches (stages 0-1 reduce only here)
+            # (at stages 2-3 every backward, plain loss.backward() too)
+            backwards = self._backwards if self._backward is None else self._backward.ended
+            call = self.call_text(f"step() after {self._zero_grad_calls} zero_grad() calls "
+                                  f"and {backwards} backwards")
+            take_in_parameter_writes(self.all_groups, call, refusal, settings)
+        self._scaled_backward = False
+        self.micro_steps += 1
+        if not boundary:
+            return
+        sumsq, norm, base = self._prepare_boundary()
+        with interrupts_held():  # the update and its bookkeeping: whole, or not at all
+            self._apply_boundary(sumsq, norm, base)
+
+    def _apply_boundary(self, sumsq, norm, base):
+        """step()'s part from the reduced gradients on: skip or update, gather
+        the parameters, count the step, move the schedule, zero the
+        gradients."""
+        max_norm = self._clip_norm or self.config.gradient_clipping
+        self._prepared, self._clip_norm = None, None
+        overflow = not math.isfinite(sumsq)
+        self.step_was_skipped = overflow and (self.loss_scaler is not None or
+                                              self.config.check_grad_overflow)
+        if self.step_was_skipped:
+            self.skipped_steps += 1
+            if self.loss_scaler:
+                self.loss_scaler.update(True)
+        else:
+            if self.loss_scaler:
+                self.loss_scaler.update(False)
+            coef = clip_coefficient(max_norm, norm)
+            for fg in self.all_groups:
+                fg.settle_copies()  # the update writes what gathers read
+            if self._delayed is not None:  # lands at the next boundary
+                self._delayed.launch(self._spec, self.optimizer, self.groups, base * coef)
+            for fg in self.groups if self._delayed is None else ():
+                counted = self._spec.counts_as_step(self.optimizer.param_groups[fg.index])
+                fg.step_count += counted
+                try:
+                    self.step_path.update(self._spec, self.optimizer,
+                                          self.optimizer.param_groups[fg.index], fg, base * coef)
+                except BaseException:
+                    # a refusal comes before anything changes; a failure in
+                    # the middle of a chunked update (files, offload_param)
+                    # leaves it partly applied (docs/offload.md)
+                    fg.step_count -= counted
+                    raise
+                fg.write_back_shard()
+                fg.all_gather_params()
+                # autograd then refuses a backward through a graph that
+                # saved the old values, as after torch.optim's step
+                bump_versions(fg)
+            self.global_steps += 1
+            # The engine stepped on the optimizer's behalf; torch's schedulers
+            # read this flag to warn about stepping before the optimizer.
+            self.optimizer._opt_called = True
+            if self.lr_scheduler is not None:
+                self.lr_scheduler.step()
+        self._step_applied = not self.step_was_skipped
+        self._global_grad_norm = norm
+        self.zero_grad()
+        self._zero_grad_calls = self._backwards = 0
+        if self._backward is not None:
+            self._backward.ended = 0
+        self._last_comm = self._comm.log.summary()
+        if self._schedule is not None:
+            self._last_comm["stage3_gathers"] = self._schedule.take_counts()
+        self._comm.log.reset()
+        replicate = self._comm.replicate
+        if replicate is not None:  # hybrid sharding: what crossed the replicas
+            self._last_comm["dp_replicate"] = replicate.log.summary()
+            replicate.log.reset()
+        if self._monitor is not None:
+            self._monitor.after_step(self)
