@@ -34,6 +34,7 @@ from zero.offload._mapped import release_freed_memory
 from zero.offload._param_staging import host_buffer
 from zero.comm._gather_together import gather_small_together, gathers_together
 from zero.sharding._buckets import BucketReducer
+from zero.sharding._group_grads import GroupGradients
 from zero.sharding._units import Unit, lay_out
 
 # how far around a faulting page Linux maps a file's pages in (its default
@@ -48,7 +49,7 @@ STAGING_CHUNK = 1 << 22  # elements a staged step moves between device and host 
 STAGING_SLOTS = 2
 
 
-class FlatGroup:
+class FlatGroup(GroupGradients):
     def __init__(self, index, params, names, compute_dtype, comm, policy, bucket_elements,
                  units=None, trainable=True, device=torch.device("cpu"), grad_dtype=None,
                  offload=None, staged=False, reduce_comm=None, param_files=None,
@@ -392,59 +393,6 @@ class FlatGroup:
                 self._register(name, t)
         return self.buffers
 
-    # ---- stages 0-1: gradients in a full flat buffer -----------------------
-
-    def point_grads_at_flat(self):
-        if self.accumulate_by_hook:
-            return
-        for i, p in enumerate(self.params):
-            p.grad = self.view(self.grad_flat, i)
-
-    def accumulate_grad(self, i):
-        """Post-accumulate-grad hook body for parameter i when the flat
-        buffer is wider than the parameters (grad_accum_dtype): the
-        gradient is added in and dropped, as at stages 2-3."""
-        p = self.params[i]
-        self.view(self.grad_flat, i).add_(p.grad)
-        p.grad = None
-
-    def gather_stray_grads(self):
-        """A .grad replaced outside the engine (optimizer.zero_grad() sets
-        None; the next backward allocates anew) is copied back in."""
-        if self.accumulate_by_hook:
-            for i, p in enumerate(self.params):
-                if p.grad is not None:  # set by hand since the last hook
-                    self.accumulate_grad(i)
-            return
-        item = self.grad_flat.element_size()
-        base = self.grad_flat.data_ptr()
-        for i, p in enumerate(self.params):
-            g = p.grad
-            if g is None:
-                self.view(self.grad_flat, i).zero_()
-            elif g.data_ptr() != base + self.layout_start[i] * item:
-                self.view(self.grad_flat, i).copy_(g)
-            p.grad = self.view(self.grad_flat, i)
-
-    def reduce_full(self):
-        """Stages 0-1, at the boundary: sum the gradients over ranks."""
-        if not self.policy.partitions:
-            self.comm.all_reduce_sum(self.grad_flat)
-        else:
-            unit = self.units[0]
-            for r in range(self.num_partitions):
-                self.comm.reduce_sum(unit.chunk(self.grad_flat, r), dst=r)
-
-    def reduce_across_replicas(self):
-        """[Note: hybrid sharding] At the boundary, once the gradients are
-        reduced inside the partitions' group: this rank's partition summed
-        over its replicas (the same partition on each), so every replica
-        steps on the sum over every data-parallel rank. Stage 0 holds one
-        partition, the whole model."""
-        replicate = self.comm.replicate
-        if replicate is not None and replicate.world > 1:
-            replicate.all_reduce_sum(self.grad_part)
-
     def all_gather_params(self):
         """Refresh the gathered units from the updated shard (stages 1-2:
         the whole group; stage 3: the persistent units)."""
@@ -463,38 +411,6 @@ class FlatGroup:
                 mine = mine.clone()
             self.comm.all_gather_into(unit.full, mine)
         self.drop_param_pages()  # the chunks just read ([Note: shard on a disk])
-
-    def zero_grads(self):
-        (self.grad_flat if self.grad_flat is not None else self.grad_part).zero_()
-        if self.grad_flat is None or self.accumulate_by_hook:  # .grad is no view of grad_flat:
-            for p in [p for p in self.params if p.grad is not None]:  # one set by hand is
-                p.grad = None  # dropped (a backward would add to it, as in torch)
-
-    def zero_grads_of(self, members: set):
-        """Drop the gradients since the last step of the listed parameters
-        (indices in the group): a submodule's zero_grad(). Stages 0-1 zero
-        their places in the flat buffer (a wider grad_accum_dtype took them
-        out of .grad already); stages 2-3 their reduced elements in this
-        rank's partition (each rank drops its own)."""
-        for unit in self.units:
-            for j in range(len(unit.params)):
-                if unit.members.start + j not in members:
-                    continue
-                if self.grad_flat is not None:
-                    self.view(self.grad_flat, unit.members.start + j).zero_()
-                else:
-                    lo, hi, span = self.partition_span(unit, j)
-                    if lo < hi:
-                        self.grad_part[span].zero_()
-
-    def partition_span(self, unit, j):
-        """The elements of unit parameter j that this rank's partition
-        holds: (lo, hi) in the unit's layout, and the slice of the partition
-        (shard, master, grad_part) that holds them; none when lo >= hi."""
-        lo = max(unit.offsets[j], self.owner * unit.part)
-        hi = min(unit.offsets[j] + unit.numels[j], (self.owner + 1) * unit.part)
-        start = unit.shard_offset + lo - self.owner * unit.part
-        return lo, hi, slice(start, start + max(0, hi - lo))
 
     def gather_master(self) -> torch.Tensor:
         """The full fp32 master in the unsharded layout, on every rank, in
@@ -566,7 +482,6 @@ class FlatGroup:
             "persistent": persistent,
             "params_offloaded": params_offloaded,
         }
-
 
 
 def has_own_master(fp32: bool, staged: bool, shard_on_host: bool, delayed: bool) -> bool:
