@@ -74,6 +74,38 @@ def test_the_bytes_counted_are_the_bytes_the_files_take(tmp_path, stage, params_
     engine.close()
 
 
+def sizes_on_disk(engine):
+    """{block: bytes} the engine's files hold, as the disk reports them."""
+    taken = {}
+    for fg in engine.all_groups:
+        for block, files in (("offload_optimizer", fg.offload), ("offload_param", fg.param_files)):
+            if files is not None:
+                taken[block] = taken.get(block, 0) + sum(
+                    os.fstat(fd).st_size for fd in files.fds.values())
+    return taken
+
+
+@pytest.mark.parametrize("stage, params_too", [(1, False), (3, True)])
+def test_many_small_groups_are_counted_in_whole_pages(tmp_path, stage, params_too):
+    """Each file takes whole pages: 40 groups of a Linear(4, 4) hold 3
+    files of a few dozen bytes each, which the disk holds as 120 pages (a
+    count of their bytes alone said 64x less, and a nearly full disk then
+    passed the check and failed on one rank)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(4, 4) for _ in range(40)])
+    optimizer = torch.optim.AdamW([{"params": m.parameters()} for m in model])
+    options = options_for(tmp_path, stage, params_too)
+    need = counted(model, optimizer, options)
+    engine = zero.initialize(model, optimizer=optimizer, **options)
+    on_disk = sizes_on_disk(engine)
+    assert need == on_disk
+    assert on_disk["offload_optimizer"] >= 40 * 3 * 4096
+    summary = engine.memory_summary()
+    assert summary["offloaded"] == on_disk["offload_optimizer"]
+    assert summary["params_offloaded"] == on_disk.get("offload_param", 0)
+    engine.close()
+
+
 def test_inference_counts_its_parameter_files(tmp_path):
     model, _ = model_and_optimizer()
     path = str(tmp_path)

@@ -19,7 +19,7 @@ from zero.sharding import _flat_group
 from zero.engine._arguments import default_optimizer, resolve_config
 from zero.engine._memory import MemorySummary, zero_formula
 from zero.offload import _param_staging
-from zero.offload._nvme import PAGE_ELEMENTS, SLOTS
+from zero.offload._nvme import PAGE_ELEMENTS, SLOTS, whole_pages
 from zero.step._registry import spec_for
 from zero.step._step_path import states_off_device
 from zero.sharding._policy import StagePolicy
@@ -224,21 +224,22 @@ def _param_bytes(units, part, pb, cfg, policy, persistence):
         return sum(u.total for u in units) * pb, 0, 0
     persistent = sum(u.total for u in units if persistence.takes(u)) * pb
     if cfg.offload_param.device == "nvme":
-        return persistent, persistent, part * pb
+        return persistent, persistent, whole_pages(part * pb)
     return part * pb + persistent, persistent, 0
 
 
 def _optimizer_bytes(part, files, cfg):
     """(bytes in RAM, bytes in offload files) of the fp32 master and states:
     `files` fp32 tensors of `part` elements each; offloaded to nvme, RAM
-    keeps only the step's windows (_nvme.NvmeFiles.window_bytes)."""
+    keeps only the step's windows (_nvme.NvmeFiles.window_bytes), and
+    each file takes whole pages on the disk."""
     whole = 4 * part * files
     offload = cfg.offload_optimizer
     if offload.device != "nvme" or part == 0:
         return whole, 0
     chunk = _file_chunk(offload)
     chunks = -(-part // chunk)
-    return min(SLOTS, chunks) * min(chunk, part) * 4 * files, whole
+    return min(SLOTS, chunks) * min(chunk, part) * 4 * files, whole_pages(4 * part) * files
 
 
 def _staging_chunk(cfg):

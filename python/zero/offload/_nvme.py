@@ -69,7 +69,9 @@ SLOTS = 3  # windows per file: being read, being updated, being written
 _O_DIRECT = getattr(os, "O_DIRECT", 0)
 
 
-def _whole_pages(nbytes: int) -> int:
+def whole_pages(nbytes: int) -> int:
+    """Bytes a file of nbytes takes: whole pages (each file is reserved
+    so, and the filesystem gives no less)."""
     return -(-nbytes // mmap.PAGESIZE) * mmap.PAGESIZE
 
 
@@ -122,7 +124,7 @@ class NvmeFiles:
             os.unlink(path)
             try:  # the blocks now, so a full disk fails here and not mid-step
                 # (whole pages: the last one moves whole, [Note: direct I/O])
-                os.posix_fallocate(fd, 0, _whole_pages(nbytes))
+                os.posix_fallocate(fd, 0, whole_pages(nbytes))
             except OSError as e:
                 problem = "has no room for" if e.errno == errno.ENOSPC else "cannot reserve"
                 raise OSError(e.errno, f"{self.what}.nvme_path {self.directory!r} "
@@ -145,7 +147,8 @@ class NvmeFiles:
         self.itemsize[name] = dtype.itemsize
         self.fds[name] = fd
         self.io_fds[name] = io_fd
-        self.nbytes += nbytes
+        # what the disk holds: whole pages ([Note: disk room] sums these)
+        self.nbytes += whole_pages(nbytes)
         if fill != 0.0:  # fallocate gave zeros
             for lo, hi in self.chunks(numel):
                 tensor[lo:hi].fill_(fill)
@@ -269,7 +272,7 @@ class NvmeFiles:
         last page that is not the file's end."""
         size = self.itemsize[name]
         start = lo * size // mmap.PAGESIZE * mmap.PAGESIZE
-        return start, _whole_pages(min(hi * size, len(self.maps[name]))) - start
+        return start, whole_pages(min(hi * size, len(self.maps[name]))) - start
 
     def _advise(self, name, advice, lo, hi):
         start, length = self._pages(name, lo, hi)

@@ -31,6 +31,7 @@ import torch
 import zero._C as _C
 from zero.sharding._partitioned_init import take_values
 from zero.offload._mapped import release_freed_memory
+from zero.offload._nvme import whole_pages
 from zero.offload._param_staging import host_buffer
 from zero.comm._gather_together import gather_small_together, gathers_together
 from zero.sharding._buckets import BucketReducer
@@ -445,12 +446,13 @@ class FlatGroup(GroupGradients):
         item = self.shard.element_size()
         gathered = sum(u.total for u in self.units if u.gathered and u.persistent) * item
         # an offloaded shard ([Note: shard on a disk]) is counted apart
-        params_offloaded = self.shard.nbytes if self.param_files is not None else 0
+        # (the whole pages its file takes on the disk)
+        params_offloaded = whole_pages(self.shard.nbytes) if self.param_files is not None else 0
         host_shard = self.shard.nbytes if self.shard_on_host and not params_offloaded else 0
         if not self.policy.partitions_params:
             params = gathered
-        else:
-            params = self.shard.nbytes - params_offloaded - host_shard + gathered
+        else:  # the shard in device memory, if not in a file nor on the host
+            params = (0 if params_offloaded or host_shard else self.shard.nbytes) + gathered
         persistent = gathered if self.policy.partitions_params else 0
         if not self.trainable:
             return {"params": params, "grads": 0, "optimizer_states": 0, "offloaded": 0,
