@@ -64,6 +64,30 @@ def test_offloaded_parameters_equal_the_in_memory_run(tmp_path, precision, optim
     assert_same_finish(finish(engine), expected)
 
 
+def test_a_relative_nvme_path_stays_where_it_was_at_initialize(tmp_path, monkeypatch):
+    """close() makes a file beside the shards: after a chdir, a relative
+    path pointed it at another directory (or none), and close() failed
+    there (offload hunt)."""
+    expected = finish(run("fp32", "adamw"))
+    (tmp_path / "off").mkdir()
+    (tmp_path / "elsewhere").mkdir()
+    monkeypatch.chdir(tmp_path)
+    torch.manual_seed(0)
+    model = Net()
+    engine = zero.initialize(model, optimizer=make_optimizer("adamw", model.parameters()),
+                             stage=3, gradient_clipping=0.5, gradient_accumulation_steps=2,
+                             offload_param={"device": "nvme", "nvme_path": "off"},
+                             offload_optimizer={"device": "nvme", "nvme_path": "off"})
+    assert engine.config.offload_param.nvme_path == str(tmp_path / "off")
+    assert engine.config.offload_optimizer.nvme_path == str(tmp_path / "off")
+    monkeypatch.chdir(tmp_path / "elsewhere")  # no "off" here
+    for tokens, targets in batches("cpu", 8):
+        engine.backward(loss_of(engine(tokens), targets))
+        engine.step()
+    assert_same_finish(finish(engine), expected)  # close() included
+    assert os.listdir(tmp_path / "elsewhere") == []
+
+
 def shard_rss(engine):
     return sum(mapped_rss(fg.shard) for fg in engine.all_groups)
 

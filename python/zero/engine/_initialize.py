@@ -1,6 +1,7 @@
 """zero.initialize: one call from a plain torch model to a ZeRO engine."""
 from __future__ import annotations
 
+import dataclasses
 import os
 import weakref
 
@@ -116,7 +117,7 @@ def initialize(model: nn.Module, *, optimizer=None, stage=None, precision=None,
         # a re-run notebook cell: the old engine's hooks must not fire twice
         _check_states_kept(previous(), optimizer)
         previous().close()
-    cfg = resolve_config(config, stage, precision, options)
+    cfg = _absolute_nvme_paths(resolve_config(config, stage, precision, options))
     _check_parameters_free(model, partitions=cfg.stage == 3)
     path_problem = _nvme_path_problem(cfg)  # raised once the ranks know (below)
     if not any(True for _ in model.parameters()):
@@ -215,6 +216,19 @@ def _check_not_wrapped(model):
         raise ValueError(f"model is wrapped in {kind.__name__}: zero does the data parallelism "
                          "itself; pass the model inside (model.module for DDP), not prepared "
                          "by accelerate or wrapped by torch")
+
+
+def _absolute_nvme_paths(cfg):
+    """cfg with its nvme_paths made absolute against the directory of now:
+    files are made there at initialize and more later (close() gathers
+    offloaded parameters into a new file beside the shards), and a script
+    that changed directory in between made them elsewhere, or failed."""
+    blocks = {}
+    for name in ("offload_optimizer", "offload_param"):
+        block = getattr(cfg, name)
+        if block.nvme_path and not os.path.isabs(block.nvme_path):
+            blocks[name] = dataclasses.replace(block, nvme_path=os.path.abspath(block.nvme_path))
+    return dataclasses.replace(cfg, **blocks) if blocks else cfg
 
 
 def _nvme_path_problem(cfg):
