@@ -263,3 +263,55 @@ def test_files_on_one_rank_only_are_named_as_different_settings(tmp_path):
     alone it met the settings' agreement, and gloo aborted."""
     for error in harness.run(2, _files_on_one_rank, str(tmp_path), timeout=120):
         assert error is not None and "the ranks differ in their settings" in error, error
+
+
+def close_with_one_rank_short_of_room(rank, world, fail):
+    """Stage 3, parameters in files: close() makes each rank a file for
+    its whole parameters. fail: rank 1's files are limited to a page then
+    (RLIMIT_FSIZE, as `ulimit -f`), so its file fails (EFBIG). Every rank
+    must raise at once and train on; a second close(), with room, closes.
+    Returns (the errors of the first close, the state after the second)."""
+    import resource
+    import zero
+    directory = tempfile.mkdtemp(prefix=f"zero-close-r{rank}-")
+    model = mlp()
+    engine = zero.initialize(model, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-2),
+                             stage=3, stage3_param_persistence_threshold=0, timeout=60,
+                             offload_param={"device": "nvme", "nvme_path": directory})
+
+    def step(k):
+        x = torch.randn(8, 97, generator=torch.Generator().manual_seed(10 * k + rank))
+        engine.backward(engine(x).float().square().mean())
+        engine.step()
+    step(0)
+    errors = []
+    if fail:
+        limit = resource.getrlimit(resource.RLIMIT_FSIZE)
+        if rank == 1:
+            resource.setrlimit(resource.RLIMIT_FSIZE, (4096, limit[1]))
+        try:
+            engine.close()
+        except (OSError, RuntimeError) as error:
+            errors.append(f"{type(error).__name__}: {error}")
+        finally:
+            resource.setrlimit(resource.RLIMIT_FSIZE, limit)
+    step(1)  # every rank trains on: the steps' collectives meet
+    engine.close()
+    return errors, {k: v.clone() for k, v in model.state_dict().items()}
+
+
+def test_a_close_that_fails_on_one_rank_fails_on_every_rank():
+    """Before, rank 1 raised alone and rank 0 waited in close()'s gathers
+    until the timeout, or met rank 1's next forward with them (offload
+    hunt)."""
+    failed = harness.run(2, close_with_one_rank_short_of_room, True, timeout=240)
+    clean = harness.run(2, close_with_one_rank_short_of_room, False, timeout=240)
+    (errors0, state0), (errors1, state1) = failed
+    assert len(errors0) == 1 and errors0[0].startswith("RuntimeError") and \
+        "rank(s) [1]" in errors0[0] and "no rank closed" in errors0[0], errors0
+    assert len(errors1) == 1 and errors1[0].startswith("OSError") and \
+        "offload_param.nvme_path" in errors1[0], errors1
+    for state, (_, expected) in zip((state0, state1), clean):
+        assert state.keys() == expected.keys()
+        for name, value in expected.items():
+            assert torch.equal(state[name], value), name

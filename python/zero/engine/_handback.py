@@ -14,7 +14,7 @@ def hand_back(engine):
     fail for want of room (the files file-backed parameters come back in)
     is made first, while the engine still runs: a close() that raises
     leaves it as it was, to be closed again once there is room."""
-    homes = param_homes(engine) if engine._schedule is not None else {}
+    homes = agreed_param_homes(engine) if engine._schedule is not None else {}
     if engine._delayed is not None:
         engine._delayed.finish()  # the model handed back has the last update
     forget_dropped(engine._hooks, engine.all_groups, unplace=False)  # the hooks off
@@ -94,6 +94,34 @@ def forget_dropped(hooks, groups, unplace):
                 place = p.__dict__.get("_zero_place")
                 if place is not None and place.engine() is None:
                     del p.__dict__["_zero_place"]
+
+
+def agreed_param_homes(engine) -> dict:
+    """param_homes, made on every rank or on none: stage 3's close() is a
+    collective, and a rank whose files failed (a full disk) raised alone
+    while the others waited in restore_params' gathers until the timeout,
+    or paired them with its next forward's and closed on wrong values.
+    So the ranks compare first, over every rank of the engine, and all
+    raise before anything changes: each engine trains on, to be closed
+    again once there is room (docs/offload.md, "Errors")."""
+    homes, problem = {}, None
+    try:
+        homes = param_homes(engine)
+    except Exception as error:  # noqa: BLE001 - whatever it is, every rank must know
+        problem = error
+    comm = engine._comm.whole
+    if comm.world > 1:
+        failed = [r for r, bad in enumerate(comm.gather_scalars(int(problem is not None)))
+                  if bad]
+        if failed and problem is None:
+            homes.clear()  # the files made here go with their mappings
+            raise RuntimeError(
+                f"close(): rank(s) {failed} of this engine could not make the files their "
+                "parameters come back in (their errors say why), so no rank closed: the "
+                "engine trains on, and close() on every rank once they have room closes it")
+    if problem is not None:
+        raise problem
+    return homes
 
 
 def param_homes(engine) -> dict:
