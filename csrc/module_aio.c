@@ -571,5 +571,13 @@ int add_aio(PyObject *module)
     if (error != 0) {
         return -1;
     }
+    /* the limits Aio() checks, for the config's aio block to check by
+     * name before any engine is built (config/_deepspeed_keys.py) */
+    if (PyModule_AddIntConstant(module, "AIO_ALIGN", ZERO_AIO_ALIGN) != 0 ||
+        PyModule_AddIntConstant(module, "AIO_MAX_BLOCK", (long)ZERO_AIO_MAX_BLOCK) != 0 ||
+        PyModule_AddIntConstant(module, "AIO_MAX_QUEUE_DEPTH",
+                                ZERO_AIO_MAX_QUEUE_DEPTH) != 0) {
+        return -1;
+    }
     return PyModule_AddFunctions(module, aio_functions);
 }

@@ -279,6 +279,19 @@ AIO_TAKEN = ("block_size", "queue_depth")
 AIO_IGNORED = ("thread_count", "intra_op_parallelism", "single_submit", "overlap_events")
 
 
+def _check_aio_limit(key, value):
+    """The disk engine's own limits (zero._C.Aio checks them again), named
+    here under the config's key: raised from the engine's construction, a
+    refusal lost the `aio.` and came after the model was laid out."""
+    from zero import _C
+    if key == "block_size" and (value % _C.AIO_ALIGN or value > _C.AIO_MAX_BLOCK):
+        raise ValueError(f"aio.block_size must be a multiple of {_C.AIO_ALIGN} bytes up to "
+                         f"{_C.AIO_MAX_BLOCK:,}, got {value!r}")
+    if key == "queue_depth" and value > _C.AIO_MAX_QUEUE_DEPTH:
+        raise ValueError(f"aio.queue_depth must be at most {_C.AIO_MAX_QUEUE_DEPTH}, got "
+                         f"{value!r}")
+
+
 def check_aio(aio) -> dict | None:
     """The aio setting as {"block_size", "queue_depth"} (either may be
     absent), or None; a ValueError naming the key for anything else."""
@@ -295,6 +308,7 @@ def check_aio(aio) -> dict | None:
                 raise ValueError(f"aio.{key} must be an integer from 1 to 2^31 - 1, got "
                                  f"{value!r}")
             out[key] = int(value)
+            _check_aio_limit(key, out[key])
         elif key == "use_gds":
             if value:
                 raise ValueError("aio.use_gds: GPUDirect Storage is not supported; set it "
