@@ -223,6 +223,20 @@ def test_a_cast_left_in_place_is_refused_by_name(stage):
     engine.close()
 
 
+@pytest.mark.parametrize("stage", STAGES)
+def test_a_resize_is_refused_as_a_resize(stage):
+    """p.data = a tensor of another shape (HF's resize_token_embeddings
+    does this) was refused as a cast, advising a cast back (mutation hunt)."""
+    model = _model()
+    engine = _engine(model, stage, stage3_param_persistence_threshold=10**9)
+    model[0].weight.data = torch.randn(20, 8)
+    with pytest.raises(RuntimeError, match=r"parameter '0.weight' now has shape \(20, 8\), "
+                                           r"but the engine trains it as \(16, 8\): it was "
+                                           r"resized after zero.initialize"):
+        engine(_batch(0)[0])
+    engine.close()
+
+
 # ---- gradients, clipping and the step ---------------------------------------------
 
 @pytest.mark.parametrize("stage", STAGES)
@@ -355,7 +369,7 @@ def test_changes_after_steps_still_reach_the_whole_check(stage, monkeypatch):
     one_step()
 
     model[0]._modules["side"] = nn.Linear(2, 2)  # no registration hook runs
-    with pytest.raises(RuntimeError, match=r"'0.side.weight' requires grad, but was frozen"):
+    with pytest.raises(RuntimeError, match=r"'0.side.weight' is not one zero.initialize was given"):
         one_step()
     del model[0]._modules["side"]
     engine.zero_grad()
@@ -363,7 +377,7 @@ def test_changes_after_steps_still_reach_the_whole_check(stage, monkeypatch):
 
     bias = model[4]._parameters["bias"]
     model[4]._parameters["bias"] = nn.Parameter(torch.zeros(3))
-    with pytest.raises(RuntimeError, match=r"'4.bias' requires grad, but was frozen"):
+    with pytest.raises(RuntimeError, match=r"'4.bias' is not one zero.initialize was given"):
         one_step()
     model[4]._parameters["bias"] = bias
     engine.zero_grad()
@@ -398,6 +412,52 @@ def test_changes_to_what_trains_are_refused(stage):
     with pytest.raises(RuntimeError, match=r"parameter '2.weight' was set to "
                                            r"requires_grad=False after zero.initialize"):
         one_step()
+    engine.close()
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_changes_to_a_groups_parameters_are_refused(stage):
+    """group["params"] edited, or the groups reordered, after initialize:
+    the engine trained its groups as laid out, silently (a weight taken out
+    of the optimizer still stepped; a weight moved into a group of lr 0
+    still took its old group's lr). Refused before anything changes; a new
+    list of the same parameters is no change (mutation hunt)."""
+    model = _model()
+    weights = [p for n, p in model.named_parameters() if n.endswith("weight")]
+    rest = [p for n, p in model.named_parameters() if not n.endswith("weight")]
+    opt = torch.optim.AdamW([{"params": weights}, {"params": rest, "lr": 0.0}], lr=1e-2)
+    engine = zero.initialize(model, optimizer=opt, stage=stage,
+                             stage3_param_persistence_threshold=0)
+    x, y = _batch(0)
+
+    def one_step():
+        engine.backward(_loss(engine(x), y))
+        engine.step()
+    one_step()
+    before = engine.full_state_dict()
+    first = opt.param_groups[0]["params"]
+    opt.param_groups[0]["params"] = first[1:]  # stop training 0.weight
+    with pytest.raises(RuntimeError, match=r"param group 0 of the optimizer holds other "
+                                           r"parameters than at zero.initialize \(without "
+                                           r"\['0.weight'\]"):
+        one_step()
+    opt.param_groups[0]["params"] = first
+    engine.zero_grad()
+    opt.param_groups.reverse()
+    with pytest.raises(RuntimeError, match=r"param group 0 .* \(without \['0.weight', "
+                                           r"'2.weight', '4.weight'\] and with \['0.bias'"):
+        one_step()
+    opt.param_groups.reverse()
+    engine.zero_grad()
+    first.append(first.pop(0))
+    with pytest.raises(RuntimeError, match=r"param group 0 .* \(in another order"):
+        one_step()
+    first.insert(0, first.pop())
+    engine.zero_grad()
+    after = engine.full_state_dict()
+    assert all(torch.equal(after[k], v) for k, v in before.items())  # nothing stepped
+    opt.param_groups[0]["params"] = list(first)  # the same parameters: no change
+    one_step()
     engine.close()
 
 

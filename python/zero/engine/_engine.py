@@ -35,6 +35,7 @@ from zero.engine._handback import forget_dropped, hand_back, record_dtypes
 from zero.engine._reports import EngineReports
 from zero.engine._not_copied import NotCopied
 from zero.engine._routes import call_alive, guard_optimizer, on_each_grad
+from zero.engine._unchanged import group_members
 from zero.sharding._copying import ModuleHook
 from zero.sharding._external import remember_external
 from zero.sharding._flat_group import FlatGroup
@@ -227,6 +228,8 @@ class Engine(BoundaryStep, DeepSpeedQueries, BatchCalls, CheckpointCalls, Engine
             self._schedule = Stage3Schedule(module, self.all_groups, comm, config, self.serial,
                                             self._backward, self._unit_roots)
         self._param_groups_seen = len(optimizer.param_groups)
+        self._group_members_seen = group_members(optimizer.param_groups)  # _unchanged.py
+        self._params_at_initialize = frozenset(map(id, module.parameters()))
         me = weakref.ref(self)
         for fg in self.all_groups:
             for unit in fg.units:

@@ -34,6 +34,7 @@ def check_optimizer_unchanged(engine):
             f"{engine._param_groups_seen} at zero.initialize (add_param_group after "
             "initialize): the engine partitions only the groups it was given. Call "
             "zero.initialize again with the optimizer as it is now")
+    _check_group_members(engine, groups)
     if engine.policy.reduces_in_backward:
         _check_no_grads_set_by_hand(engine)
     for fg in engine.groups:
@@ -49,6 +50,38 @@ def check_optimizer_unchanged(engine):
     _check_every_parameter(engine)
     modules = list(engine.module.modules())
     engine._unchanged_snapshot = (modules, _describe(modules))
+
+
+def group_members(param_groups) -> list:
+    """Each param group's parameters by identity, in order: what the
+    engine laid out its groups for, kept at initialize."""
+    return [tuple(map(id, group["params"])) for group in param_groups]
+
+
+def _check_group_members(engine, groups):
+    """A group's parameters changed since initialize (group["params"]
+    edited or replaced, the groups reordered) trained as before, silently:
+    each flat group keeps the parameters it was built with and reads its
+    settings by position, so a parameter moved into a group of lr 0 kept
+    its old group's lr. zero.optim's own optimizer refuses the same edit."""
+    seen = engine._group_members_seen
+    for index, (group, members) in enumerate(zip(groups, seen)):
+        if tuple(map(id, group["params"])) != members:
+            now = {id(p) for p in group["params"]}
+            name = {id(p): n for n, p in engine.module.named_parameters()}
+            gone = [name.get(i, "?") for i in members if i not in now]
+            came = [name.get(id(p), "a tensor not in the model") for p in group["params"]
+                    if id(p) not in set(members)]
+            change = (f"without {gone[:3]}" if gone else "") + \
+                (" and " if gone and came else "") + (f"with {came[:3]}" if came else "") \
+                or "in another order"
+            raise RuntimeError(
+                f"param group {index} of the optimizer holds other parameters than at "
+                f"zero.initialize ({change}; group['params'] edited, or the groups "
+                "reordered): the engine laid out its partitions, states and settings for "
+                "the groups as they were, and would train them so. To change which "
+                "parameters train or their settings' groups, call zero.initialize again "
+                "with the optimizer as it is then")
 
 
 def _check_no_grads_set_by_hand(engine):
@@ -82,6 +115,16 @@ def _check_every_parameter(engine):
     for name, p in engine.module.named_parameters():
         place = getattr(p, "_zero_place", None)
         trained = place is not None and place.engine() is engine and place.fg.trainable
+        if p.requires_grad and place is None and p.is_floating_point() and \
+                id(p) not in engine._params_at_initialize:
+            raise RuntimeError(
+                f"parameter '{name}' is not one zero.initialize was given: a parameter "
+                "added or replaced since (a new module or head, module.weight = "
+                "nn.Parameter(...), load_state_dict(assign=True)), which the engine neither "
+                "partitions nor trains. Call zero.initialize again after changing the "
+                "model's parameters (DeepSpeed too builds its partitions once, at "
+                "initialize); to load values into the parameters the engine trains, "
+                "load_state_dict without assign=True")
         if p.requires_grad and not trained and p.is_floating_point():
             raise RuntimeError(
                 f"parameter '{name}' requires grad, but was frozen (or not in the model) at "

@@ -179,6 +179,13 @@ def _settings_differ(settings) -> RuntimeError:
 
 
 def _cast_error(name, p, unit, j) -> RuntimeError:
+    if p.dtype == unit.full.dtype and p.device == unit.full.device:
+        return RuntimeError(
+            f"parameter '{name}' now has shape {tuple(p.shape)}, but the engine trains it as "
+            f"{tuple(unit.shapes[j])}: it was resized after zero.initialize (p.data = a tensor "
+            "of another shape; HF's resize_token_embeddings does this). The engine laid out "
+            "its partitions and optimizer states for the shapes at initialize: resize before "
+            "zero.initialize, or call it again after (a closed engine's model is a plain one)")
     return RuntimeError(
         f"parameter '{name}' is now {p.dtype} {tuple(p.shape)} on {p.device}, but the engine "
         f"trains it as {unit.full.dtype} {tuple(unit.shapes[j])} on {unit.full.device}: the "
