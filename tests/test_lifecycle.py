@@ -148,7 +148,7 @@ def test_a_write_into_parameters_reaches_the_master_and_the_next_steps(
     resumed.close()
 
 
-@pytest.mark.parametrize("how", ["in place", "p.data ="])
+@pytest.mark.parametrize("how", ["in place", "p.data =", "vector_to_parameters"])
 def test_a_write_into_a_released_stage3_parameter_is_refused_then_dropped(how):
     """A released parameter is an empty placeholder: an in-place write
     changes nothing, and a new .data would be dropped by the next gather.
@@ -164,9 +164,15 @@ def test_a_write_into_a_released_stage3_parameter_is_refused_then_dropped(how):
             with torch.no_grad():
                 if how == "in place":
                     nn.init.zeros_(model[2].weight)
-                else:
+                elif how == "p.data =":
                     model[2].weight.data = torch.full((16, 16), 7.0)
-            with pytest.raises(RuntimeError, match=r"parameter '2.weight' was changed \(in "
+                else:  # each released parameter takes a 0-element slice (mutation hunt)
+                    n = sum(p.numel() for p in _model().parameters())
+                    torch.nn.utils.vector_to_parameters(torch.full((n,), 0.5),
+                                                        model.parameters())
+            name = "0.weight" if how == "vector_to_parameters" else "2.weight"
+            more = r" \(and 5 more parameters\)" if how == "vector_to_parameters" else ""
+            with pytest.raises(RuntimeError, match=rf"parameter '{name}'{more} was changed \(in "
                                                    r"place, or by p.data = ...\) where stage 3 "
                                                    r"cannot keep the change"):
                 engine(x)

@@ -148,8 +148,10 @@ def _writes(groups) -> list:
                 i = unit.members.start + j
                 released = not unit.gathered or unit.work is not None
                 # p.data = ... on a released parameter leaves the version
-                # as it was; its placeholder is empty, a new tensor is not
-                replaced = released and p.numel() != 0
+                # as it was; its placeholder holds no bytes, a new tensor
+                # does, even an empty one: vector_to_parameters gives each
+                # released parameter a 0-element slice of its vector
+                replaced = released and _STORAGE_BYTES(_STORAGE(p)) != 0
                 if p._version == fg.seen_versions[i] and not replaced:
                     continue
                 if released:
@@ -194,6 +196,8 @@ def _cast_error(name, p, unit, j) -> RuntimeError:
 
 
 _VERSION, _DTYPE, _DEVICE = attrgetter("_version"), attrgetter("dtype"), attrgetter("device")
+# a released parameter's placeholder holds no bytes ([Note: released parameters])
+_STORAGE, _STORAGE_BYTES = torch.Tensor.untyped_storage, torch.UntypedStorage.nbytes
 
 
 def check_released_untouched(fg, unit):
@@ -210,14 +214,14 @@ def check_released_untouched(fg, unit):
     # twice a step per unit: the whole unit read by map (loops in C, half
     # the time of the loop below), the loop only to name what changed
     if list(map(_VERSION, params)) == seen[first:first + n] and \
-            not any(map(torch.Tensor.numel, params)) and \
+            not any(map(_STORAGE_BYTES, map(_STORAGE, params))) and \
             list(map(_DTYPE, params)).count(dtype) == n and \
             list(map(_DEVICE, params)).count(device) == n:
         return
     for j, p in enumerate(params):
         if p.dtype != dtype or p.device != device:
             raise _cast_error(fg.names[first + j], p, unit, j)
-        if p.numel() != 0 or p._version != seen[first + j]:
+        if _STORAGE_BYTES(_STORAGE(p)) != 0 or p._version != seen[first + j]:
             raise _lost_change(fg, unit, j)
 
 
@@ -256,13 +260,39 @@ def _lost_change(fg, unit, j) -> RuntimeError:
     if unit._placeholder is not None:
         p.data = unit._placeholder
     fg.seen_versions[i] = p._version
+    place = getattr(p, "_zero_place", None)
+    engine = place.engine() if place is not None else None
+    # every such change of the engine at once: a write over the whole model
+    # (vector_to_parameters, an EMA swap) was refused once per parameter
+    others = _drop_lost_changes(engine.all_groups if engine is not None else [fg])
+    more = f" (and {others} more parameters)" if others > 0 else ""
     return RuntimeError(
-        f"parameter '{fg.names[i]}' was changed (in place, or by p.data = ...) where stage 3 "
-        "cannot keep the change (released: an empty placeholder outside its module's forward; "
-        "or inside zero.GatheredParameters without modifier_rank), so it was dropped: the "
-        "engine goes on from the values it had. Change parameters inside "
+        f"parameter '{fg.names[i]}'{more} was changed (in place, or by p.data = ...) where "
+        "stage 3 cannot keep the change (released: an empty placeholder outside its "
+        "module's forward; or inside zero.GatheredParameters without modifier_rank), so it "
+        "was dropped: the engine goes on from the values it had. Change parameters inside "
         "zero.GatheredParameters(params, modifier_rank=0), or load weights with "
         "engine.load_checkpoint")
+
+
+def _drop_lost_changes(groups) -> int:
+    """Put every released parameter changed since it was seen back on its
+    placeholder, its version seen; returns how many there were."""
+    count = 0
+    for fg in groups:
+        seen = getattr(fg, "seen_versions", None)
+        for unit in fg.units:
+            if (unit.gathered and unit.work is None) or seen is None:
+                continue
+            for j, p in enumerate(unit.params):
+                i = unit.members.start + j
+                if _STORAGE_BYTES(_STORAGE(p)) == 0 and p._version == seen[i]:
+                    continue
+                if unit._placeholder is not None:
+                    p.data = unit._placeholder
+                seen[i] = p._version
+                count += 1
+    return count
 
 
 def take_changed_elements(master, new, old=None):
