@@ -191,7 +191,11 @@ def test_an_in_place_write_between_steps_is_refused_and_dropped():
             engine.step()
     with pytest.raises(RuntimeError, match="delayed_update: parameter.*head.weight.*dropped"):
         engine.step()
+    # dropped from the live parameter too, the pending update landed: the
+    # next forward computes with the engine's values (it used the write)
+    live = engine.module.head.weight.detach().clone()
     engine.zero_grad()
+    assert torch.equal(live, engine.full_state_dict()["head.weight"].to(live.dtype))
     for tokens, targets in batches("cpu", ACCUMULATION, seed=4):  # goes on
         engine.backward(loss_of(engine(tokens), targets))
         engine.step()

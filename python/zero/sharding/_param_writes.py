@@ -122,17 +122,21 @@ def take_in_parameter_writes(groups, call: str, refusal: Exception | None = None
         verdict = agree(groups[0].comm, call, hash_writes(written), hash_settings(settings),
                         refused=problem is not None)
         if not verdict.same_call:
-            raise different_calls(call)
+            raise different_calls(call)  # the ranks are elsewhere: nothing collective
         if problem is None and verdict.other_refused:
-            raise other_rank_refused()
-        if problem is None and not verdict.writes_alike:
-            raise _writes_differ(groups, written)
-        if problem is None and not verdict.settings_alike:
-            raise _settings_differ(settings)
-    if problem is not None:
-        raise problem
+            problem = other_rank_refused()
+        elif problem is None and not verdict.writes_alike:
+            problem = _writes_differ(groups, written)
+        elif problem is None and not verdict.settings_alike:
+            problem = _settings_differ(settings)
+    # landed on every rank (they are all in this call), refused or not: a
+    # refusal leaves the model at the engine's values, the last update in
+    # (a write refused while it was computed stayed in the parameters the
+    # next forward used, though the refusal said it was dropped)
     for d in delayed:
         d.land()
+    if problem is not None:
+        raise problem
     for fg, unit, j in written:
         write_into_partition(fg, unit, j, None)
         fg.seen_versions[unit.members.start + j] = unit.params[j]._version

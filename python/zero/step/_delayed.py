@@ -148,7 +148,8 @@ class DelayedUpdate:
         for fg, unit, j in written:
             fg.seen_versions[unit.members.start + j] = unit.params[j]._version
         return RuntimeError(
-            f"offload_optimizer.delayed_update: parameter(s) {', '.join(names[:5])} were "
+            f"offload_optimizer.delayed_update: parameter(s) {', '.join(names[:5])}"
+            f"{f' (and {len(names) - 5} more)' if len(names) > 5 else ''} were "
             "changed in place since the last step, while that step's update was still being "
             "computed from the values before; the change cannot be taken in (the update "
             "lands over it), so it was dropped: training goes on from the engine's values. "
