@@ -109,7 +109,10 @@ def _check_optimizer(engine, reader):
                              if found) or "the same names, another count"
             raise ValueError(f"param group {gi} holds other parameters than in the "
                              f"checkpoint ({what})" + hint)
+    fresh = never_trained(engine, meta)
     for fg in engine.groups:
+        if fg.index in fresh:
+            continue  # no states to read: they start afresh
         # the saved hyperparameters replace the optimizer's: the engine
         # must keep the states they ask for (amsgrad, momentum); it may
         # keep more (saved during a momentum warm-up at 0: the buffer is
@@ -126,11 +129,24 @@ def _check_optimizer(engine, reader):
                                      f"parameter '{name}'" + hint)
 
 
-def _targets(engine, with_optimizer):
+def never_trained(engine, meta) -> set:
+    """The indices of the engine's param groups that the saving engine
+    never trained: every parameter of the group was frozen then (progressive
+    unfreezing), so it saved no states and counted no step. Their states
+    start afresh on load, as torch's optimizer starts a parameter it holds
+    no state for; a group saved with states or steps is read as saved."""
+    return {fg.index for fg in engine.groups
+            if "states" in meta["groups"][fg.index] and not meta["groups"][fg.index]["states"]
+            and meta["groups"][fg.index]["step"] == 0}
+
+
+def _targets(engine, with_optimizer, fresh=()):
     """(flat group, name, lo, hi, offset, keys): what this rank reads;
-    name is the parameter's own (checkpoint_name gives where it is kept)."""
+    name is the parameter's own (checkpoint_name gives where it is kept).
+    fresh: the groups whose states are not read (never_trained)."""
     for fg in engine.all_groups:
-        keys = ["value"] + (list(fg.states) if with_optimizer and fg.trainable else [])
+        keys = ["value"] + (list(fg.states) if with_optimizer and fg.trainable and
+                            fg.index not in fresh else [])
         for name, lo, hi, offset in fg.owned_pieces():
             yield fg, name, lo, hi, offset, keys
 
@@ -141,7 +157,8 @@ def _check_stored(engine, reader, with_optimizer):
     it was. (A tensor-parallel piece is read from its whole tensor.)"""
     tp = engine._tensor_parallel
     whole = set()
-    for _fg, name, lo, hi, _offset, keys in _targets(engine, with_optimizer):
+    fresh = never_trained(engine, reader.meta) if with_optimizer else ()
+    for _fg, name, lo, hi, _offset, keys in _targets(engine, with_optimizer, fresh):
         for key in keys:
             if tp is not None and tp.is_sharded(name):
                 whole.add((checkpoint_name(engine, name), key))
@@ -203,7 +220,8 @@ def _read_partitions(engine, reader, with_optimizer):
     on_disk = in_files(engine)
     mappings = reader.file_mappings() if on_disk else None
     pieces = _LocalPieces(engine, reader)
-    targets = list(_targets(engine, with_optimizer))
+    fresh = never_trained(engine, reader.meta) if with_optimizer else ()
+    targets = list(_targets(engine, with_optimizer, fresh))
     nbytes = sum(4 * (hi - lo) * len(keys) for _fg, _n, lo, hi, _o, keys in targets)
     with bar("loading checkpoint (rank 0's part)", total=nbytes,
              enabled=whole_comm(engine).rank == 0) as progress:
@@ -232,10 +250,13 @@ def _read_partitions(engine, reader, with_optimizer):
             p.copy_(value.view(p.shape))
 
 
-def _reset_optimizer(engine):
+def _reset_optimizer(engine, only=None):
     """load_optimizer_states=False: the optimizer starts afresh on the
-    loaded weights, as one just built would."""
+    loaded weights, as one just built would. only: these groups' indices
+    (never_trained's), not every group."""
     for fg in engine.groups:
+        if only is not None and fg.index not in only:
+            continue
         fills = fresh_states(engine.optimizer, engine._spec,
                              engine.optimizer.param_groups[fg.index])
         for name, t in fg.states.items():
@@ -337,6 +358,9 @@ def load(engine, load_dir, tag=None, load_optimizer_states=True,
             group.update(saved["hyper"])
         for fg in engine.groups:
             fg.step_count = meta["groups"][fg.index]["step"]
+        fresh = never_trained(engine, meta)
+        if fresh:
+            _reset_optimizer(engine, only=fresh)
     elif not load_module_only:
         _reset_optimizer(engine)
     if not load_module_only:
