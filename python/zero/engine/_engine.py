@@ -249,7 +249,7 @@ class Engine(BoundaryStep, DeepSpeedQueries, BatchCalls, CheckpointCalls, Engine
             if self._schedule is None:
                 self._hook_root_for_backward()
         dropped = weakref.finalize(self, forget_dropped, self._hooks, self.all_groups,
-                                   self._schedule is None)
+                                   self._schedule is None, self._schedule)
         dropped.atexit = False  # at exit nothing trains on
         take_in_optimizer_states(optimizer, self.groups, resumed)
         guard_optimizer(self)

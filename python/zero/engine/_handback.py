@@ -61,6 +61,15 @@ def drop_engine_buffers(engine):
                         p.grad.untyped_storage().data_ptr() == \
                         flat.untyped_storage().data_ptr():
                     p.grad = None
+    drop_group_buffers(engine.all_groups)
+    if engine._schedule is not None:
+        engine._schedule.pool = None
+
+
+def drop_group_buffers(groups):
+    """The flat groups let go of their buffers (what close() and a dropped
+    stage-3 engine share)."""
+    for fg in groups:
         fg.reducer = None  # detached by forget_dropped already
         fg.states = {}
         fg.buffers, fg.tensors, fg._registered_at = {}, {}, {}
@@ -70,11 +79,9 @@ def drop_engine_buffers(engine):
         for unit in fg.units:
             unit.full = None
             unit._spare = None
-    if engine._schedule is not None:
-        engine._schedule.pool = None
 
 
-def forget_dropped(hooks, groups, unplace):
+def forget_dropped(hooks, groups, unplace, schedule=None):
     """An engine collected without close() (a re-run notebook cell dropped
     it): its gradient hooks off the parameters and its reducers detached,
     so the model trains as a plain one, or under a new engine (the C hooks
@@ -83,17 +90,31 @@ def forget_dropped(hooks, groups, unplace):
     places go too, with the flat buffers they held. A stage-3 model keeps
     them: its values are gone, and the next initialize says so by name.
     close() starts with the same (unplace=False: it gives the places up
-    itself, last); after it, there is nothing left to do."""
+    itself, last); after it, there is nothing left to do.
+    schedule: a dropped stage-3 engine's (close() passes none): its hooks
+    go too, each released parameter is marked as holding no values, the
+    places go, and the groups drop their buffers. The hooks held the
+    schedule, and the places the groups, so a kept model (or a kept loss,
+    whose graph holds the parameters) held the shards, the master and
+    every optimizer state of an engine nobody could use: 12 bytes a
+    parameter of mixed-precision Adam for nothing."""
     for h in hooks:
         h.remove()
     for fg in groups:
         if getattr(fg, "reducer", None) is not None:
             fg.reducer.detach()
-        if unplace:
+        if unplace or schedule is not None:
             for p in fg.params:
                 place = p.__dict__.get("_zero_place")
-                if place is not None and place.engine() is None:
-                    del p.__dict__["_zero_place"]
+                if place is None or place.engine() is not None:
+                    continue
+                if schedule is not None and not place.unit.gathered and p.numel() == 0:
+                    p._zero_lost = True  # the next initialize says so by name
+                del p.__dict__["_zero_place"]
+    if schedule is not None:
+        schedule.remove()
+        schedule.pool = None
+        drop_group_buffers(groups)
 
 
 def agreed_param_homes(engine) -> dict:

@@ -471,9 +471,9 @@ class Stage3Schedule(UnitGathering, SavedParameters, PassOrder):
     def _refuse_if_removed(self):
         if self.removed:
             raise RuntimeError(
-                "this autograd graph was built by a zero stage-3 engine that has been closed "
-                "(its parameters were released while it was built): run the forward again "
-                "on the model as it is now")
+                "this autograd graph was built by a zero stage-3 engine that has been closed, "
+                "or dropped without close() (its parameters were released while it was "
+                "built): run the forward again on the model as it is now")
 
 
 def _inside_forward_of(module) -> bool:
