@@ -50,6 +50,8 @@ def read_checkpoint(path, with_optimizer) -> dict:
     for key, kind, name in meta["state_dict"]:
         if kind == "param":
             model[key] = values[name]
+        elif kind == "extra_state":  # as the module gave it ([Note: extra state])
+            model[key] = meta["extra_states"][key]
         else:  # floating buffers in fp32 too, as engine.full_state_dict() gives them
             buffer = meta["buffers"][key]
             model[key] = buffer.float() if buffer.is_floating_point() else buffer

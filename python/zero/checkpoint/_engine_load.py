@@ -18,12 +18,13 @@ from zero._progress import bar
 from zero.checkpoint._engine_parts import (all_ok, checkpoint_name, holds_a_part, in_files,
                                            param_shapes, release_offloaded, replicated_frozen,
                                            whole_comm)
+from zero.checkpoint._extra_states import extra_state_modules, set_extra_states
 from zero.checkpoint._format import (LATEST_FILE, META_FILE, STAGING_SUFFIX, CheckpointReader,
                                      resolve_tag, tag_directory_hint)
 from zero.checkpoint._restored_settings import check_restored_settings
 from zero.sharding._param_writes import bump_versions
 from zero.sharding._step_agreement import agree, agree_on_call
-from zero.sharding._units import parameter_names
+from zero.sharding._units import parameter_names, uncompiled
 from zero.step._registry import fresh_states
 
 
@@ -269,14 +270,39 @@ def _reset_optimizer(engine, only=None):
 
 def _buffer_items(engine):
     names = parameter_names(engine.module)
-    return [(k, t) for k, t in engine.module_state_entries().items() if id(t) not in names]
+    extra = _extra_states_of(engine)
+    return [(k, t) for k, t in engine.module_state_entries().items()
+            if id(t) not in names and k not in extra]
+
+
+def _extra_states_of(engine) -> dict:
+    return extra_state_modules(uncompiled(engine.module))  # [Note: extra state]
+
+
+def _saved_extra_states(engine, meta) -> dict:
+    """{key: saved extra state} for the model's modules that keep one; a
+    checkpoint of before [Note: extra state] kept a tensor one among the
+    buffers. Raises for one the checkpoint lacks."""
+    saved = {}
+    for key in _extra_states_of(engine):
+        if key in meta.get("extra_states", {}):
+            saved[key] = meta["extra_states"][key]
+        elif key in meta["buffers"]:
+            saved[key] = meta["buffers"][key]
+        elif not holds_a_part(engine):
+            raise ValueError(f"the checkpoint has no extra state {key!r} (the model's "
+                             f"{type(_extra_states_of(engine)[key]).__name__} keeps one: "
+                             "get_extra_state)")
+    return saved
 
 
 def _check_buffers(engine, meta):
     """The same buffers, by name and shape, as the parameters are checked:
     a saved buffer the model lacks means another model."""
     ours = dict(_buffer_items(engine))
-    extra = [] if holds_a_part(engine) else [key for key in meta["buffers"] if key not in ours]
+    _saved_extra_states(engine, meta)
+    kept = set(ours) | set(_extra_states_of(engine))
+    extra = [] if holds_a_part(engine) else [key for key in meta["buffers"] if key not in kept]
     if extra:
         raise ValueError(f"the checkpoint's buffer {extra[0]!r} is not in the model"
                          + (f" (nor {len(extra) - 1} more)" if len(extra) > 1 else ""))
@@ -298,6 +324,8 @@ def _load_buffers(engine, meta):
     with torch.no_grad():
         for key, t in _buffer_items(engine):
             t.copy_(meta["buffers"][key])
+    saved = _saved_extra_states(engine, meta)
+    set_extra_states({k: m for k, m in _extra_states_of(engine).items() if k in saved}, saved)
 
 
 def _same_checkpoint_everywhere(engine, path, meta):

@@ -20,13 +20,14 @@ from zero.checkpoint._engine_parts import (all_ok, checkpoint_name, holds_a_part
                                            in_files, in_whole_tensors, param_shapes,
                                            release_offloaded, replicated_frozen, shard_index,
                                            whole_comm)
+from zero.checkpoint._extra_states import SUFFIX, extra_state_modules, snapshot
 from zero.checkpoint._format import (FORMAT, META_FILE, REPLICATED_GROUP, VERSION, check_plain,
                                      check_tag, shard_file, staging_directory)
 from zero.checkpoint._writes import (discard_replaced, discard_staging, prepare_staging, publish,
                                      write_file, write_latest)
 from zero.offload._mapped import PagesDroppedMeanwhile
 from zero.sharding._param_writes import take_in_parameter_writes
-from zero.sharding._units import parameter_names
+from zero.sharding._units import parameter_names, uncompiled
 
 
 def _shard_groups(engine) -> list:
@@ -82,9 +83,16 @@ def _as_fp32_exactly(name, p) -> torch.Tensor:
 def _meta(engine, client_state, scheduler_state, shard_files) -> dict:
     module, optimizer = engine.module, engine.optimizer
     names = parameter_names(module)
-    state_dict, buffers = [], {}
+    state_dict, buffers, extra_states = [], {}, {}
+    extra = extra_state_modules(uncompiled(module))  # [Note: extra state]
     for key, t in engine.module_state_entries().items():
-        if id(t) in names:
+        if key in extra:
+            state_dict.append((key, "extra_state", None))
+            owner = key[:-len(SUFFIX)].rstrip(".") or "(the model)"
+            check_plain(t, f"the extra state of module '{owner}' "
+                           f"({type(extra[key]).__name__}.get_extra_state())")
+            extra_states[key] = snapshot(t)
+        elif id(t) in names:
             state_dict.append((key, "param", checkpoint_name(engine, names[id(t)])))
         else:
             state_dict.append((key, "buffer", None))
@@ -109,14 +117,15 @@ def _meta(engine, client_state, scheduler_state, shard_files) -> dict:
             "pipeline_stages": engine._pipeline.count if engine._pipeline else 1,
             "precision": engine.config.precision, "optimizer": engine._spec.name,
             "optimizer_class": type(optimizer).__qualname__, "params": params,
-            "state_dict": state_dict, "buffers": buffers, "groups": groups,
+            "state_dict": state_dict, "buffers": buffers, "extra_states": extra_states,
+            "groups": groups,
             "engine": {"micro_steps": engine.micro_steps, "global_steps": engine.global_steps,
                        "skipped_steps": engine.skipped_steps},
             "loss_scaler": scaler, "lr_scheduler": scheduler_state,
             "client_state": client_state, "shards": shard_files}
 
 
-STAGE_KEYS = ("params", "state_dict", "buffers", "groups")
+STAGE_KEYS = ("params", "state_dict", "buffers", "extra_states", "groups")
 
 
 def _writes_stage_meta(engine) -> bool:
@@ -137,7 +146,7 @@ def _merged_stages(parts) -> dict:
     stage; a tied copy's entries name the parameter it copies, so they
     merge into one."""
     parts = [part for _index, part in sorted(parts, key=lambda p: p[0])]
-    merged = {"params": {}, "state_dict": [], "buffers": {}}
+    merged = {"params": {}, "state_dict": [], "buffers": {}, "extra_states": {}}
     groups = [dict(g, param_names=[], states=[]) for g in parts[0]["groups"]]
     keys, names = set(), [set() for _ in groups]
     for part in parts:
@@ -147,6 +156,7 @@ def _merged_stages(parts) -> dict:
                              "stage's optimizer the same groups")
         merged["params"].update(part["params"])
         merged["buffers"].update(part["buffers"])
+        merged["extra_states"].update(part["extra_states"])
         for entry in part["state_dict"]:
             if entry[0] not in keys:
                 keys.add(entry[0])

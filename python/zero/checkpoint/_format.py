@@ -267,14 +267,15 @@ def _check_names(names, params, file, where):
         raise _damaged(file, f"{where} names a parameter not in its 'params'")
 
 
-def _state_entry_ok(entry, params, buffers) -> bool:
-    """(key, "param", parameter name) or (key, "buffer", None)."""
+def _state_entry_ok(entry, params, buffers, extra_states) -> bool:
+    """(key, "param", parameter name), (key, "buffer", None) or (key,
+    "extra_state", None)."""
     if not isinstance(entry, (list, tuple)) or len(entry) != 3 or \
             not all(isinstance(s, str) for s in entry[:2]):
         return False
     key, kind, name = entry
     return kind == "param" and isinstance(name, str) and name in params or \
-        kind == "buffer" and key in buffers
+        kind == "buffer" and key in buffers or kind == "extra_state" and key in extra_states
 
 
 def _check_meta(meta, file):
@@ -289,8 +290,11 @@ def _check_meta(meta, file):
     buffers = _field(meta, "buffers", dict, file, top)
     for key, t in buffers.items():
         _check_record(t, file, f"buffers[{key!r}]", floating=False)
+    # [Note: extra state] in _extra_states.py; none before it was kept
+    extra_states = _field(meta, "extra_states", dict, file, top) if "extra_states" in meta \
+        else {}
     for i, entry in enumerate(_field(meta, "state_dict", list, file, top)):
-        if not _state_entry_ok(entry, params, buffers):
+        if not _state_entry_ok(entry, params, buffers, extra_states):
             raise _damaged(file, f"state_dict[{i}] is {entry!r}")
     for gi, group in enumerate(_field(meta, "groups", list, file, top)):
         where = f"groups[{gi}]"

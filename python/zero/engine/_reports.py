@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 
+from zero.checkpoint._extra_states import extra_state_modules, snapshot
 from zero.engine._generation import generate
 from zero.engine._memory import MemorySummary, zero_formula
 from zero.sharding._param_writes import take_in_parameter_writes
@@ -103,7 +104,11 @@ class EngineReports:
             for i, p in enumerate(fg.params):
                 by_id[id(p)] = fg.view(master, i).clone()
         tp = self._tensor_parallel
+        extra = extra_state_modules(uncompiled(self.module))  # [Note: extra state]
         for name, t in self.module_state_entries().items():
+            if name in extra:
+                full[name] = snapshot(t)
+                continue
             if id(t) in by_id:
                 full[name] = by_id[id(t)]
             else:
