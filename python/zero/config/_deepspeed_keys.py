@@ -283,7 +283,7 @@ def _check_aio_limit(key, value):
     """The disk engine's own limits (zero._C.Aio checks them again), named
     here under the config's key: raised from the engine's construction, a
     refusal lost the `aio.` and came after the model was laid out."""
-    from zero import _C
+    import zero._C as _C
     if key == "block_size" and (value % _C.AIO_ALIGN or value > _C.AIO_MAX_BLOCK):
         raise ValueError(f"aio.block_size must be a multiple of {_C.AIO_ALIGN} bytes up to "
                          f"{_C.AIO_MAX_BLOCK:,}, got {value!r}")
