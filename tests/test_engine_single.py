@@ -558,6 +558,23 @@ def test_parameters_that_share_memory_are_refused_by_name():
     assert m.c.tolist() == [-2.0, -2.0]
 
 
+@pytest.mark.parametrize("stage", [0, 3])
+def test_an_expanded_parameter_is_refused_by_name(stage):
+    """A Parameter over an expanded tensor (stride 0): torch's optimizers
+    refuse it; laid out flat, its 64 elements trained as 64 values, which
+    the model then held apart (interop hunt). Frozen, it stays as it is."""
+    model = nn.Linear(8, 8)
+    model.w = nn.Parameter(torch.randn(8, 1).expand(8, 8))
+    with pytest.raises(ValueError, match=r"parameter 'w' has elements that share memory \(an "
+                                         r"expanded tensor, strides \(1, 0\)\)"):
+        zero.initialize(model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                        stage=stage)
+    model.w.requires_grad_(False)
+    engine = zero.initialize(model, optimizer=torch.optim.SGD(
+        [p for p in model.parameters() if p.requires_grad], lr=0.1), stage=stage)
+    engine.close()
+
+
 def test_parameter_missing_from_optimizer_is_named():
     m = model()
     with pytest.raises(ValueError, match="parameter '2.weight' requires grad but is in none"):

@@ -176,6 +176,15 @@ def test_parameters_that_share_memory_are_refused_by_name(layout):
     assert a.tolist() == b.tolist() == [-1.0] * 3
 
 
+def test_an_expanded_parameter_is_refused_by_name():
+    """torch.optim refuses a stride-0 parameter at its step; laid out flat
+    its elements trained apart (interop hunt)."""
+    expanded = torch.nn.Parameter(torch.randn(4, 1).expand(4, 3))
+    with pytest.raises(ValueError, match=r"parameter 1 of param group 0 has elements that "
+                                         r"share memory \(an expanded tensor"):
+        zo.AdamW([torch.nn.Parameter(torch.zeros(2)), expanded])
+
+
 @pytest.mark.parametrize("name", ["SGD", "AdamW", "Adagrad", "Lion"])
 def test_a_later_groups_bad_setting_leaves_the_step_unapplied(name):
     """A schedule that makes group 1's lr negative: the step refused only

@@ -84,6 +84,15 @@ def match_param_groups(module, optimizer):
                                  f"shape {tuple(p.shape)} that is not in the model")
             if id(p) in seen or not p.requires_grad:
                 continue
+            if torch._debug_has_internal_overlap(p) == 1 and sharded_record(p) is None:
+                # torch.optim refuses it (an update would write one memory
+                # location for several elements); a flat buffer gave each
+                # element its own value, and the elements trained apart
+                raise ValueError(f"parameter '{names[id(p)]}' has elements that share memory "
+                                 f"(an expanded tensor, strides {tuple(p.stride())}); "
+                                 "torch's optimizers refuse it too. Register "
+                                 "nn.Parameter(t.contiguous()) instead, or expand it in "
+                                 "forward")
             seen.add(id(p))
             params.append(p)
             pnames.append(names[id(p)])

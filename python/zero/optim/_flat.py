@@ -544,6 +544,14 @@ def _refuse_shared_memory(groups):
                                for i, p in enumerate(_as_list(group["params"])))
     if shared is not None:
         raise shared_memory_error(*shared, "Pass one Parameter for both")
+    for gi, group in enumerate(groups):
+        for i, p in enumerate(_as_list(group["params"])):
+            if isinstance(p, torch.Tensor) and torch._debug_has_internal_overlap(p) == 1:
+                # laid out flat, each element would train apart; torch.optim refuses it
+                raise ValueError(f"parameter {i} of param group {gi} has elements that share "
+                                 f"memory (an expanded tensor, strides {tuple(p.stride())}); "
+                                 "torch's optimizers refuse it too. Pass "
+                                 "nn.Parameter(t.contiguous()) instead")
 
 
 def _runs(present: list, keys: list):
