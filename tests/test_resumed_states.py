@@ -200,6 +200,50 @@ def test_close_after_bf16_gives_the_fp32_model_back(stage, name):
     assert all(p.dtype == torch.float32 for p in again.parameters())
 
 
+class Accumulating(torch.nn.Module):
+    """A float64 buffer that adds 1e-9 a forward: float32 cannot hold it."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+        self.register_buffer("total", torch.ones((), dtype=torch.float64))
+
+    def forward(self, x):
+        with torch.no_grad():
+            self.total += 1e-9
+        return self.lin(x)
+
+
+@pytest.mark.parametrize("stage", [0, 2, 3])
+def test_a_float64_buffer_keeps_its_dtype_at_fp32(tmp_path, stage):
+    """At precision fp32 a float64 buffer is left as plain torch leaves it
+    (it was cast to float32, and a thousand additions of 1e-9 vanished,
+    silently); full_state_dict and checkpoints keep it float64. In 16 bits
+    the model computes in them, buffers included (as DeepSpeed casts it),
+    with a warning (interop hunt)."""
+    m = Accumulating()
+    engine = zero.initialize(m, optimizer=torch.optim.SGD(m.parameters(), lr=0.1),
+                             stage=stage)
+    for _ in range(1000):
+        engine(torch.randn(2, 4))
+    assert m.total.dtype == torch.float64 and abs(m.total.item() - 1.000001) < 1e-12
+    full = engine.full_state_dict()
+    assert full["total"].dtype == torch.float64 and torch.equal(full["total"], m.total)
+    engine.save_checkpoint(str(tmp_path))
+    engine.close()
+    assert torch.equal(zero.checkpoint.consolidate(tmp_path)["model"]["total"], full["total"])
+    again = Accumulating()
+    engine = zero.initialize(again, optimizer=torch.optim.SGD(again.parameters(), lr=0.1),
+                             stage=stage)
+    engine.load_checkpoint(str(tmp_path))
+    assert torch.equal(again.total, full["total"])
+    engine.close()
+    with pytest.warns(RuntimeWarning, match=r"1 float64 buffer\(s\) \('total' the first\) are "
+                                            r"cast to torch.bfloat16"):
+        engine = zero.initialize(Accumulating(), stage=stage, precision="bf16")
+    engine.close()
+
+
 @pytest.mark.parametrize("stage", [0, 3])
 def test_close_gives_each_dtype_back(stage):
     """A bfloat16 model stays bfloat16 after close(), its torch optimizer's

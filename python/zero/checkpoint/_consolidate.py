@@ -53,8 +53,9 @@ def read_checkpoint(path, with_optimizer) -> dict:
         elif kind == "extra_state":  # as the module gave it ([Note: extra state])
             model[key] = meta["extra_states"][key]
         else:  # floating buffers in fp32 too, as engine.full_state_dict() gives them
-            buffer = meta["buffers"][key]
-            model[key] = buffer.float() if buffer.is_floating_point() else buffer
+            buffer = meta["buffers"][key]  # (a float64 one as it is)
+            model[key] = buffer.float() if buffer.is_floating_point() and \
+                buffer.element_size() < 4 else buffer
     optimizer = _optimizer_state_dict(reader) if with_optimizer else None
     rest = {k: v for k, v in meta.items() if k not in ("buffers", "client_state",
                                                         "lr_scheduler")}

@@ -147,8 +147,20 @@ def cast_module(module, dtype, device, policy):
             # model's master weights start exact, not rounded to the
             # compute dtype ([Note: dtypes given back] in _handback.py)
             return t
-        return t.to(device=device, dtype=dtype if t.is_floating_point() else None)
+        return t.to(device=device, dtype=dtype if _narrowed(t, dtype) else None)
     module._apply(cast)
+
+
+def _narrowed(t, dtype) -> bool:
+    """Whether cast_module gives t the compute dtype: every floating tensor,
+    but a float64 buffer at precision fp32, which keeps its dtype as in
+    plain torch (a float64 accumulator summed at fp32 lost what it was
+    kept wide for, silently); in 16 bits the whole model computes in them,
+    as DeepSpeed's module.bfloat16() casts it (warn_if_narrowed says so)."""
+    if not t.is_floating_point():
+        return False
+    return not (t.dtype == torch.float64 and dtype == torch.float32 and
+                not isinstance(t, torch.nn.Parameter))
 
 
 def warn_if_narrowed(dtypes: dict, compute_dtype):
@@ -163,6 +175,14 @@ def warn_if_narrowed(dtypes: dict, compute_dtype):
             f"zero: {len(wide)} float64 parameter(s) ({wide[0]!r} the first) train in "
             f"float32 master weights and compute in {compute_dtype}: the engine keeps no "
             "float64 copy. close() gives them back as float64", RuntimeWarning, stacklevel=4)
+    wide = [name for (kind, name), dtype in dtypes.items()
+            if kind == "buffer" and dtype == torch.float64]
+    if wide and compute_dtype.itemsize == 2:
+        warnings.warn(
+            f"zero: {len(wide)} float64 buffer(s) ({wide[0]!r} the first) are cast to "
+            f"{compute_dtype} with the rest of the model (precision); at precision=\"fp32\" "
+            "they would keep float64. close() gives them back as float64", RuntimeWarning,
+            stacklevel=4)
     # 16-bit parameters computed in another dtype: a bf16 part of an fp32
     # model doubles its bytes as fp32; fp16 in bf16 keeps fewer digits
     others = {}

@@ -112,9 +112,9 @@ class EngineReports:
             if id(t) in by_id:
                 full[name] = by_id[id(t)]
             else:
-                t = t.detach()
-                full[name] = t.to(device="cpu", copy=True,
-                                  dtype=torch.float32 if t.is_floating_point() else None)
+                t = t.detach()  # 16-bit floats in fp32; float64 kept
+                full[name] = t.to(device="cpu", copy=True, dtype=torch.float32 if
+                                  t.is_floating_point() and t.element_size() < 4 else None)
             if tp is not None:
                 full[name] = tp.whole_values(name, full[name])
         return full
