@@ -1,5 +1,6 @@
 """The engine in one process with no launcher and no environment variables
 (a notebook): API, configs, bad input, re-initialisation."""
+import copy
 import datetime
 import os
 import json
@@ -1224,3 +1225,42 @@ def test_a_model_in_ddp_is_refused():
             zero.initialize(wrapped)
     finally:
         dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_torch_func_transforms_over_the_model(stage):
+    """Per-sample gradients with torch.func (vmap of grad over
+    functional_call), then a training step: stages 0-2 as torch (stage 2's
+    end of backward ran its buckets inside the transform, which failed);
+    stage 3 refuses by name (interop hunt)."""
+    from torch.func import functional_call, grad, vmap
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 4))
+    ref = copy.deepcopy(model)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    engine = zero.initialize(model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                             stage=stage)
+    x, y = torch.randn(4, 8), torch.randn(4, 4)
+
+    def per_sample(module, params):
+        def loss(p, xi, yi):
+            return (functional_call(module, p, (xi[None],)) - yi[None]).square().mean()
+        return vmap(grad(loss), in_dims=(None, 0, 0))(params, x, y)
+    expected = per_sample(ref, {k: v.detach() for k, v in ref.named_parameters()})
+    if stage == 3:
+        with pytest.raises(RuntimeError, match="stage 3: the model runs inside a torch.func "
+                                               "transform"):
+            per_sample(engine.module, {k: v.detach().clone()
+                                       for k, v in ref.named_parameters()})
+    else:
+        got = per_sample(engine.module, {k: v.detach() for k, v in model.named_parameters()})
+        for key, value in expected.items():
+            assert torch.allclose(got[key], value, atol=1e-6), key
+    for m, step in ((engine, engine.step), (ref, ref_opt.step)):
+        loss = (m(x) - y).square().mean()
+        (engine.backward if m is engine else torch.Tensor.backward)(loss)
+        step()
+    state = engine.full_state_dict()
+    for name, p in ref.named_parameters():
+        assert torch.allclose(state[name], p.detach(), atol=1e-6), name
+    engine.close()

@@ -25,7 +25,7 @@ import weakref
 import torch
 from torch.autograd.graph import register_multi_grad_hook
 
-from zero.sharding._outputs import tensors_in
+from zero.sharding._outputs import in_function_transform, tensors_in
 
 
 def _no_backward_running() -> bool:
@@ -74,7 +74,10 @@ class BackwardLifecycle:
         """begin() once the first of `output`'s tensors gets its gradient
         (the root module's output). Holds the lifecycle weakly: the hook
         lives on the user's graph."""
-        if not torch.is_grad_enabled():
+        if not torch.is_grad_enabled() or in_function_transform():
+            # a torch.func transform's backward (per-sample gradients over
+            # functional_call) reaches no parameter's accumulation, and its
+            # end ran the buckets inside the transform, which failed
             return
         tensors = [t for t in tensors_in(output) if t.requires_grad and t.grad_fn is not None]
         if tensors:

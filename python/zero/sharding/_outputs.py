@@ -110,3 +110,11 @@ def after_every_gradient(tensors, fn):
             fn()
     for t in tensors:
         t.register_hook(hook)
+
+
+def in_function_transform() -> bool:
+    """Whether a torch.func transform (grad, vmap, jacrev) is running: its
+    backward computes gradients of what it was given, into no parameter's
+    .grad, so the engine takes no part in it."""
+    peek = getattr(torch._C._functorch, "peek_interpreter_stack", None)
+    return peek is not None and peek() is not None

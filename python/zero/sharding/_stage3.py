@@ -48,7 +48,8 @@ from zero.sharding._backward_hooks import gather_around_backward_hooks
 from zero.sharding._copying import ModuleHook
 from zero.sharding._external import add_needed_external, registered_externals
 from zero.sharding._gathering import UnitGathering
-from zero.sharding._outputs import after_every_gradient, detach_from_units, node_key, tensors_in
+from zero.sharding._outputs import (after_every_gradient, detach_from_units, in_function_transform,
+                                   node_key, tensors_in)
 from zero.sharding._pass_order import PassOrder
 from zero.sharding._saved_parameters import SavedParameters, outer_saved_tensors_hooks
 from zero.sharding._state_loads import hook_state_loads
@@ -233,6 +234,8 @@ class Stage3Schedule(UnitGathering, SavedParameters, PassOrder):
         def pre_forward(module, _args):
             if self.suspended:
                 return  # [Note: generation] in engine/_generation.py
+            if module is self.modules[0] and self.root_depth == 0:
+                refuse_function_transforms()
             if module is self.modules[0] and self.root_depth and \
                     not _inside_forward_of(module):
                 self._forget_interrupted_forward()
@@ -474,6 +477,21 @@ class Stage3Schedule(UnitGathering, SavedParameters, PassOrder):
                 "this autograd graph was built by a zero stage-3 engine that has been closed, "
                 "or dropped without close() (its parameters were released while it was "
                 "built): run the forward again on the model as it is now")
+
+
+def refuse_function_transforms():
+    """A stage-3 forward inside torch.func's transforms (grad, vmap, jacrev:
+    per-sample gradients, functional_call with the gradients of the
+    weights passed in) is refused by name: the gathers, releases and
+    saved-tensor hooks do not run under them (torch refused the hooks, or
+    a backward with create_graph, which functorch always asks for, naming
+    neither stage 3 nor a way out)."""
+    if in_function_transform():
+        raise RuntimeError(
+            "zero stage 3: the model runs inside a torch.func transform (grad, vmap, jacrev, "
+            "...), which stage 3's gathers and releases do not support. Use stage 0-2 "
+            "(torch.func works on their models), or compute it on a plain copy of the "
+            "weights (engine.full_state_dict() into a model of your own)")
 
 
 def _inside_forward_of(module) -> bool:
