@@ -4,6 +4,8 @@ small units prefetched in one collective, waiting for a gather in flight,
 and giving the storage back (to the gather pool on the CPU) on release."""
 from __future__ import annotations
 
+import torch
+
 from zero.comm._gather_together import SMALL_UNIT, gather_together
 from zero.sharding._param_writes import check_released_untouched, write_in_forward_refusal
 
@@ -51,6 +53,14 @@ class UnitGathering:
 
     def _before_gather(self, fg, unit):
         """A gather's bookkeeping and storage, before its collective."""
+        if torch.compiler.is_exporting():
+            # its collective reads data pointers, which export's fake
+            # tensors lack: torch's error spoke of custom kernels
+            raise RuntimeError(
+                "torch.export of a zero stage-3 model whose parameters are released: the "
+                "export traces with fake tensors, which a gather cannot fill. Export after "
+                "engine.close() (the model whole again, a plain torch model), or from a model "
+                "loaded with engine.full_state_dict()")
         # [Note: matched gathers] ranks running different modules would pair
         # one unit's all-gather with another's; when the sizes match, gloo
         # and NCCL mix them silently. Each pass hashes the units it gathers,
