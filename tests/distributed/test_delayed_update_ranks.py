@@ -53,3 +53,45 @@ def test_two_ranks_land_each_update_one_step_late(results, stage, params):
             assert error <= 1e-5, f"rank {rank} stage {stage}: {name} off by {error:.2e}"
     assert all(torch.equal(results[0][(stage, params)][1][k], v)
                for k, v in results[1][(stage, params)][1].items())
+
+
+def one_rank_update_fails(rank, world):
+    """Stage 2, states on the host: rank 1's update thread fails at the
+    second update (a disk gone). Returns (the step's error, its seconds)."""
+    import time
+    from engine_cases import ACCUMULATION, batches, loss_of, place_apart
+    from test_delayed_update import delayed_engine
+    place_apart(params=False, states=True)
+    engine = delayed_engine(2, timeout=60)
+    if rank == 1:
+        real = engine._delayed.step_path
+
+        class Failing:
+            calls = 0
+
+            def __getattr__(self, name):
+                return getattr(real, name)
+
+            def update_delayed(self, *args):
+                Failing.calls += 1
+                if Failing.calls >= 2:
+                    raise OSError("the states' disk is gone (rank 1 only)")
+                return real.update_delayed(*args)
+        engine._delayed.step_path = Failing()
+    start = time.monotonic()
+    try:
+        for tokens, targets in batches("cpu", 4 * ACCUMULATION):
+            engine.backward(loss_of(engine(tokens), targets))
+            engine.step()
+    except (OSError, RuntimeError) as error:
+        return f"{type(error).__name__}: {error}", time.monotonic() - start
+    return None, time.monotonic() - start
+
+
+def test_an_update_that_fails_on_one_rank_stops_every_rank_at_once():
+    """The other rank's refused step used to land its own update, a gather
+    no peer met: it waited out the timeout (review of stop 34)."""
+    (error0, seconds0), (error1, seconds1) = harness.run(2, one_rank_update_fails, timeout=200)
+    assert error1.startswith("OSError: the states' disk is gone"), error1
+    assert error0.startswith("RuntimeError: another rank refused"), error0
+    assert seconds0 < 30 and seconds1 < 30, (seconds0, seconds1)

@@ -107,8 +107,10 @@ def take_in_parameter_writes(groups, call: str, refusal: Exception | None = None
     # step/_delayed.py) lands here, once every rank is here
     delayed = [d for d in {id(fg.delayed): fg.delayed for fg in groups
                            if fg.delayed is not None}.values() if d.pending]
+    failed = False  # an update thread's failure here: nothing consistent to land
     for d in delayed:
         failure = d.wait()
+        failed = failed or failure is not None
         problem = problem or failure
     if problem is None:
         try:
@@ -132,9 +134,16 @@ def take_in_parameter_writes(groups, call: str, refusal: Exception | None = None
     # landed on every rank (they are all in this call), refused or not: a
     # refusal leaves the model at the engine's values, the last update in
     # (a write refused while it was computed stayed in the parameters the
-    # next forward used, though the refusal said it was dropped)
-    for d in delayed:
-        d.land()
+    # next forward used, though the refusal said it was dropped). Not when
+    # a rank's update failed: it lands nothing (partly applied), and the
+    # others' gathers would meet no peer; the ranks learn that in one more
+    # sum, taken only on a refusal with updates pending, which every rank
+    # sees alike (docs/offload.md: load a checkpoint after such a failure)
+    if delayed and problem is not None and groups[0].comm.dp_world > 1:
+        failed = groups[0].comm.everyone.sum_scalar(float(failed)) > 0
+    if not failed:
+        for d in delayed:
+            d.land()
     if problem is not None:
         raise problem
     for fg, unit, j in written:
