@@ -115,6 +115,22 @@ def forget_dropped(hooks, groups, unplace, schedule=None):
         schedule.remove()
         schedule.pool = None
         drop_group_buffers(groups)
+        if any(p.__dict__.get("_zero_lost") for fg in groups for p in fg.params):
+            # the model's forward would meet the placeholders: torch's shape error
+            schedule.root.register_forward_pre_hook(refuse_lost_values)
+
+
+def refuse_lost_values(module, _args):
+    """A forward pre-hook left on the model of a stage-3 engine dropped
+    without close() (it holds nothing): refuses the forward by name while a
+    parameter still holds no values."""
+    for name, p in module.named_parameters():
+        if p.__dict__.get("_zero_lost") and p.numel() == 0:
+            raise RuntimeError(
+                f"parameter '{name}' holds no values: the zero stage-3 engine that trained "
+                "this model was dropped without close(), which gives the values back (its "
+                "released parameters are empty placeholders). Build the model again, or "
+                "close() an engine before dropping it")
 
 
 def agreed_param_homes(engine) -> dict:

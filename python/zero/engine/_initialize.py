@@ -309,8 +309,9 @@ def _check_parameters_free(model: nn.Module, partitions: bool) -> None:
                              "model contains that engine's model, or is a part of it, or "
                              "shares this parameter with it): call that engine's close() "
                              "first, or give each model its own copy")
-        lost = p.__dict__.get("_zero_lost", False) or \
-            (place is not None and not place.unit.gathered and p.numel() == 0)
+        # (values put back since, p.data = a whole tensor, count again)
+        lost = p.numel() == 0 and (p.__dict__.get("_zero_lost", False) or
+                                   (place is not None and not place.unit.gathered))
         if lost:
             raise ValueError(f"parameter '{name}' holds no values: a stage-3 engine released "
                              "it, and then its initialize failed or it was dropped without "
