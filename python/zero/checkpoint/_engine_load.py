@@ -12,6 +12,7 @@ import os
 import warnings
 
 import torch
+from torch import nn
 
 from zero.config._values import require_bool
 from zero._progress import bar
@@ -284,7 +285,12 @@ def _saved_extra_states(engine, meta) -> dict:
     checkpoint of before [Note: extra state] kept a tensor one among the
     buffers. Raises for one the checkpoint lacks."""
     saved = {}
-    for key in _extra_states_of(engine):
+    for key, module in _extra_states_of(engine).items():
+        if getattr(type(module), "set_extra_state", None) is nn.Module.set_extra_state:
+            raise ValueError(f"module {key[:-len('_extra_state')].rstrip('.') or '(the model)'!r} "
+                             f"({type(module).__name__}) defines get_extra_state but not "
+                             "set_extra_state, so no extra state can be given back to it "
+                             "(torch's load_state_dict refuses its key too)")
         if key in meta.get("extra_states", {}):
             saved[key] = meta["extra_states"][key]
         elif key in meta["buffers"]:
