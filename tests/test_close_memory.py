@@ -4,6 +4,7 @@ or the last loss of a stage-3 run (its graph's hooks hold the schedule)
 kept the shards, masters, gradient partitions and optimizer states
 alive, about the model states twice over."""
 import gc
+import os
 import weakref
 
 import pytest
@@ -60,6 +61,27 @@ def test_close_frees_the_engine_buffers_while_engine_and_loss_are_kept(stage, pr
     model(x).pow(2).mean().backward()
     opt.step()
     assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_closed_parameters_have_storage_of_their_own(tmp_path, stage, precision):
+    """A plain model's parameter has a storage of its own: at fp32 stages
+    0-2 each stayed a view of the engine's flat buffer, so torch.save(p)
+    wrote the whole model and safetensors' save_model refused the shared
+    storage (HF export hunt)."""
+    model = _model()
+    engine = zero.initialize(model, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-2),
+                             stage=stage, precision=precision)
+    engine.backward(engine(torch.randn(8, 16, dtype=engine.compute_dtype)).float().sum())
+    engine.step()
+    full = engine.full_state_dict()
+    engine.close()
+    for name, p in model.named_parameters():
+        assert p.storage_offset() == 0 and p.untyped_storage().nbytes() == p.nbytes, name
+        assert torch.equal(p.detach(), full[name]), name
+    torch.save(model[2].weight, tmp_path / "w.pt")
+    assert os.path.getsize(tmp_path / "w.pt") < model[2].weight.nbytes + 2048
 
 
 @pytest.mark.parametrize("stage", [0, 1])

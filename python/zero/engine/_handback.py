@@ -225,6 +225,11 @@ def record_dtypes(module) -> dict:
     return dtypes
 
 
+def _views_more(t) -> bool:
+    """Whether t's storage holds more than t (t is a view into it)."""
+    return t.storage_offset() != 0 or t.untyped_storage().nbytes() != t.nbytes
+
+
 def restore_dtypes(engine):
     """close(): each parameter and buffer its dtype from before initialize
     ([Note: dtypes given back])."""
@@ -243,6 +248,12 @@ def restore_dtypes(engine):
                 continue
             values, in_file = masters.get(id(p), (None, False))
             if values is None and (p.dtype == dtype or id(p) in filed):
+                if id(p) not in filed and _views_more(p):
+                    # a view of the engine's flat buffer (the master itself:
+                    # fp32 at stages 0-2): a plain model's parameter has a
+                    # storage of its own (safetensors' save_model refused
+                    # the shared one, torch.save(p) wrote the whole model)
+                    p.data = p.data.clone()
                 continue
             if p.grad is not None and p.grad.dtype != dtype:
                 p.grad = None  # the engine's, in the compute dtype
