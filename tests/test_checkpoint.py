@@ -747,3 +747,26 @@ def test_save_16bit_model_keeps_ties_and_buffer_dtypes(tmp_path):
     assert saved["1.running_mean"].dtype == held == torch.bfloat16
     assert norm.running_mean.dtype == torch.float32
     assert saved["1.num_batches_tracked"].dtype == torch.int64
+
+
+def test_pipeline_stages_meta_keeps_each_groups_step_count():
+    """The meta merged from the pipeline stages' parts: a param group whose
+    parameters all sit on a later stage counted 0 steps on the first, and
+    the merged group took the first stage's count, so a resume restarted
+    Adam's bias correction there (review). Each group keeps the count of
+    the stages that hold its parameters."""
+    from zero.checkpoint._engine_save import _merged_stages
+
+    def part(names, steps, states):
+        return {"params": {n: {"shape": [2], "numel": 2, "trainable": True} for n in names},
+                "state_dict": [(n, "param", n) for n in names], "buffers": {},
+                "extra_states": {},
+                "groups": [{"param_names": [n for n in names if n.startswith(g)],
+                            "hyper": {"lr": 0.1}, "step": s, "states": st}
+                           for g, s, st in zip(("a", "b"), steps, states)]}
+    first = part(["a.0"], [7, 0], [["exp_avg"], []])          # group b: none here
+    second = part(["a.1", "b.0"], [7, 7], [["exp_avg"], ["exp_avg"]])
+    merged = _merged_stages([(1, second), (0, first)])
+    assert [g["step"] for g in merged["groups"]] == [7, 7]
+    assert [g["param_names"] for g in merged["groups"]] == [["a.0", "a.1"], ["b.0"]]
+    assert [g["states"] for g in merged["groups"]] == [["exp_avg"], ["exp_avg"]]

@@ -165,6 +165,10 @@ def _merged_stages(parts) -> dict:
             group["param_names"] += [n for n in stage_group["param_names"] if n not in seen]
             seen.update(stage_group["param_names"])
             group["states"] = sorted(set(group["states"]) | set(stage_group["states"]))
+            # the stages holding a group's parameters count its steps alike;
+            # one holding none of them counts 0 (the first stage's count
+            # alone restarted Adam's bias correction of a later stage's group)
+            group["step"] = max(group["step"], stage_group["step"])
     merged["groups"] = groups
     return merged
 
