@@ -19,7 +19,7 @@ from zero._progress import bar
 from zero.checkpoint._engine_parts import (all_ok, checkpoint_name, holds_a_part, in_files,
                                            param_shapes, release_offloaded, replicated_frozen,
                                            whole_comm)
-from zero.checkpoint._extra_states import extra_state_modules, set_extra_states
+from zero.checkpoint._extra_states import extra_state_modules, owner_name, set_extra_states
 from zero.checkpoint._format import (LATEST_FILE, META_FILE, STAGING_SUFFIX, CheckpointReader,
                                      resolve_tag, tag_directory_hint)
 from zero.checkpoint._restored_settings import check_restored_settings
@@ -287,7 +287,7 @@ def _saved_extra_states(engine, meta) -> dict:
     saved = {}
     for key, module in _extra_states_of(engine).items():
         if getattr(type(module), "set_extra_state", None) is nn.Module.set_extra_state:
-            raise ValueError(f"module {key[:-len('_extra_state')].rstrip('.') or '(the model)'!r} "
+            raise ValueError(f"module {owner_name(key)!r} "
                              f"({type(module).__name__}) defines get_extra_state but not "
                              "set_extra_state, so no extra state can be given back to it "
                              "(torch's load_state_dict refuses its key too)")
@@ -297,7 +297,7 @@ def _saved_extra_states(engine, meta) -> dict:
             saved[key] = meta["buffers"][key]
         elif not holds_a_part(engine):
             raise ValueError(f"the checkpoint has no extra state {key!r} (the model's "
-                             f"{type(_extra_states_of(engine)[key]).__name__} keeps one: "
+                             f"{type(module).__name__} keeps one: "
                              "get_extra_state)")
     return saved
 

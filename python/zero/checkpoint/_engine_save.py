@@ -20,7 +20,7 @@ from zero.checkpoint._engine_parts import (all_ok, checkpoint_name, holds_a_part
                                            in_files, in_whole_tensors, param_shapes,
                                            release_offloaded, replicated_frozen, shard_index,
                                            whole_comm)
-from zero.checkpoint._extra_states import SUFFIX, extra_state_modules, snapshot
+from zero.checkpoint._extra_states import extra_state_modules, owner_name, snapshot
 from zero.checkpoint._format import (FORMAT, META_FILE, REPLICATED_GROUP, VERSION, check_plain,
                                      check_tag, shard_file, staging_directory)
 from zero.checkpoint._writes import (discard_replaced, discard_staging, prepare_staging, publish,
@@ -88,8 +88,7 @@ def _meta(engine, client_state, scheduler_state, shard_files) -> dict:
     for key, t in engine.module_state_entries().items():
         if key in extra:
             state_dict.append((key, "extra_state", None))
-            owner = key[:-len(SUFFIX)].rstrip(".") or "(the model)"
-            check_plain(t, f"the extra state of module '{owner}' "
+            check_plain(t, f"the extra state of module '{owner_name(key)}' "
                            f"({type(extra[key]).__name__}.get_extra_state())")
             extra_states[key] = snapshot(t)
         elif id(t) in names:

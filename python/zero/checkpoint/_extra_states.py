@@ -35,6 +35,11 @@ def extra_state_modules(module: nn.Module) -> dict:
     return found
 
 
+def owner_name(key: str) -> str:
+    """The name of the module whose extra state is under `key`."""
+    return key[:-len(SUFFIX)].rstrip(".") or "(the model)"
+
+
 def snapshot(value):
     """A copy of an extra state that later changes to the module leave
     alone: a tensor on the host in its own dtype, anything else deep-copied."""

@@ -160,12 +160,8 @@ def _writes(groups) -> list:
             for j, p in enumerate(unit.params):
                 i = unit.members.start + j
                 released = not unit.gathered or unit.work is not None
-                # p.data = ... on a released parameter leaves the version
-                # as it was; its placeholder holds no bytes, a new tensor
-                # does, even an empty one: vector_to_parameters gives each
-                # released parameter a 0-element slice of its vector
-                replaced = released and _STORAGE_BYTES(_STORAGE(p)) != 0
-                if p._version == fg.seen_versions[i] and not replaced:
+                if not (_released_changed(p, fg.seen_versions[i]) if released
+                        else p._version != fg.seen_versions[i]):
                     continue
                 if released:
                     raise _lost_change(fg, unit, j)
@@ -234,7 +230,7 @@ def check_released_untouched(fg, unit):
     for j, p in enumerate(params):
         if p.dtype != dtype or p.device != device:
             raise _cast_error(fg.names[first + j], p, unit, j)
-        if _STORAGE_BYTES(_STORAGE(p)) != 0 or p._version != seen[first + j]:
+        if _released_changed(p, seen[first + j]):
             raise _lost_change(fg, unit, j)
 
 
@@ -288,6 +284,15 @@ def _lost_change(fg, unit, j) -> RuntimeError:
         "engine.load_checkpoint")
 
 
+def _released_changed(p, seen_version) -> bool:
+    """Whether released parameter p changed since its version was seen:
+    written in place (its version moved), or given a tensor of its own by
+    p.data = ... (the version stays; the placeholder holds no bytes, any
+    other tensor does, even an empty one: vector_to_parameters gives each
+    released parameter a 0-element slice of its vector)."""
+    return p._version != seen_version or _STORAGE_BYTES(_STORAGE(p)) != 0
+
+
 def _drop_lost_changes(groups) -> int:
     """Put every released parameter changed since it was seen back on its
     placeholder, its version seen; returns how many there were."""
@@ -299,7 +304,7 @@ def _drop_lost_changes(groups) -> int:
                 continue
             for j, p in enumerate(unit.params):
                 i = unit.members.start + j
-                if _STORAGE_BYTES(_STORAGE(p)) == 0 and p._version == seen[i]:
+                if not _released_changed(p, seen[i]):
                     continue
                 if unit._placeholder is not None:
                     p.data = unit._placeholder
