@@ -590,6 +590,9 @@ def test_a_stage3_model_whose_engine_was_dropped_is_refused():
         for p, q in zip(model.parameters(), _model().parameters()):
             p.data = q.detach().clone()
     model(x)
+    # and that forward took the refusal's hook off: no walk of the
+    # parameters before every later forward
+    assert not model._forward_pre_hooks
     _engine(model, 3).close()
 
 

@@ -117,13 +117,26 @@ def forget_dropped(hooks, groups, unplace, schedule=None):
         drop_group_buffers(groups)
         if any(p.__dict__.get("_zero_lost") for fg in groups for p in fg.params):
             # the model's forward would meet the placeholders: torch's shape error
-            schedule.root.register_forward_pre_hook(refuse_lost_values)
+            refuse_lost_values_once(schedule.root)
 
 
-def refuse_lost_values(module, _args):
-    """A forward pre-hook left on the model of a stage-3 engine dropped
-    without close() (it holds nothing): refuses the forward by name while a
-    parameter still holds no values."""
+def refuse_lost_values_once(root):
+    """A forward pre-hook on the model of a stage-3 engine dropped without
+    close() (it holds nothing): each forward is refused by name while a
+    parameter holds no values; the first forward that finds every value
+    put back removes the hook, so a model trained on afterwards (a re-run
+    notebook cell's new engine) pays no walk of its parameters a step."""
+    handle = None
+
+    def refuse_or_step_aside(module, _args):
+        refuse_lost_values(module)
+        handle.remove()
+    handle = root.register_forward_pre_hook(refuse_or_step_aside)
+
+
+def refuse_lost_values(module):
+    """Raises, naming the first parameter of `module` that a dropped
+    stage-3 engine left holding no values."""
     for name, p in module.named_parameters():
         if p.__dict__.get("_zero_lost") and p.numel() == 0:
             raise RuntimeError(
