@@ -101,10 +101,14 @@ static ISA_TARGET inline vsum vsum_zero(void)
     return s;
 }
 
-static ISA_TARGET inline vsum vsum_add(vsum s, vec x)
+/* Adds the squares of x's lanes, squared in double as the scalar code does
+ * (see avx512.c: a float's square is exact in double). */
+static ISA_TARGET inline vsum vsum_add_squares(vsum s, vec x)
 {
-    s.lo = _mm256_add_pd(s.lo, _mm256_cvtps_pd(_mm256_castps256_ps128(x)));
-    s.hi = _mm256_add_pd(s.hi, _mm256_cvtps_pd(_mm256_extractf128_ps(x, 1)));
+    __m256d low = _mm256_cvtps_pd(_mm256_castps256_ps128(x));
+    __m256d high = _mm256_cvtps_pd(_mm256_extractf128_ps(x, 1));
+    s.lo = _mm256_add_pd(s.lo, _mm256_mul_pd(low, low));
+    s.hi = _mm256_add_pd(s.hi, _mm256_mul_pd(high, high));
     return s;
 }
 

@@ -95,13 +95,18 @@ static ISA_TARGET inline vsum vsum_zero(void)
     return s;
 }
 
-static ISA_TARGET inline vsum vsum_add(vsum s, vec x)
+/* Adds the squares of x's lanes, squared in double as the scalar code does
+ * (squared in fp32, 1e20 overflowed to inf where the scalar sum is finite,
+ * and each square lost ~1e-8 of itself). A float's square is exact in
+ * double, so the product rounds nothing and the sum rounds as the scalar
+ * code's does. */
+static ISA_TARGET inline vsum vsum_add_squares(vsum s, vec x)
 {
-    __m256 low = _mm512_castps512_ps256(x);
-    __m256 high = _mm256_castpd_ps(
-        _mm512_extractf64x4_pd(_mm512_castps_pd(x), 1));
-    s.lo = _mm512_add_pd(s.lo, _mm512_cvtps_pd(low));
-    s.hi = _mm512_add_pd(s.hi, _mm512_cvtps_pd(high));
+    __m512d low = _mm512_cvtps_pd(_mm512_castps512_ps256(x));
+    __m512d high = _mm512_cvtps_pd(_mm256_castpd_ps(
+        _mm512_extractf64x4_pd(_mm512_castps_pd(x), 1)));
+    s.lo = _mm512_add_pd(s.lo, _mm512_mul_pd(low, low));
+    s.hi = _mm512_add_pd(s.hi, _mm512_mul_pd(high, high));
     return s;
 }
 

@@ -4,7 +4,7 @@
  *   vec, W (floats per vector), ISA_TARGET, ISA_TABLE,
  *   vload vstore vstream (aligned, non-temporal) vset1 vadd vsub vmul vdiv vsqrt vfmadd vfnmadd vmax_keeping_nan,
  *   vload_bf16 vstore_bf16 vload_f16 vstore_f16 vsign vany_nonfinite,
- *   vsum vsum_zero vsum_add vsum_total.
+ *   vsum vsum_zero vsum_add_squares vsum_total.
  *
  * Each kernel mirrors its scalar definition in scalar.c operation by
  * operation, with no fused multiply-add where the scalar code rounds twice
@@ -245,7 +245,7 @@ static ISA_TARGET ALWAYS_INLINE double sum_squares_body(const void *data,
     int64_t i = begin;
     for (; i + W <= end; i += W) {
         vec x = load_vec(data, dtype, i);
-        acc = vsum_add(acc, vmul(x, x));
+        acc = vsum_add_squares(acc, x);
     }
     return vsum_total(acc) +
            scalar_kernels.sum_squares(data, dtype, i, end);

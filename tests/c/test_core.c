@@ -354,9 +354,12 @@ static void test_reductions(zero_isa isa)
         zero_isa_set(isa);
         double got = -1.0;
         CHECK(zero_sum_squares(buf, dtype, n, &got) == ZERO_OK, "status");
-        CHECK(fabs(got - exact) <= 1e-6 * exact, "%s sum_squares %s: %.17g "
-              "vs %.17g", zero_isa_name(isa), zero_dtype_name(dtype), got,
-              exact);
+        /* each square exact in double, n positive terms summed in another
+         * order: at most n * 2^-53 apart, 1.1e-11 here (squared in fp32,
+         * SIMD was ~4e-10 off: each square rounded to 24 bits) */
+        CHECK(fabs(got - exact) <= 1.2e-11 * exact, "%s sum_squares %s: "
+              "%.17g vs %.17g", zero_isa_name(isa), zero_dtype_name(dtype),
+              got, exact);
         int finite = 0;
         zero_check_finite(buf, dtype, n, &finite);
         CHECK(finite == 1, "%s all finite %s", zero_isa_name(isa),
@@ -378,6 +381,18 @@ static void test_reductions(zero_isa isa)
                          dtype, x + spots[s], ZERO_F32, 1);
         }
     }
+    /* squares past fp32's range, in vectors and in the tail alike: the sum
+     * is finite in double (SIMD squared in fp32 and gave inf) */
+    float big[37];
+    for (int i = 0; i < 37; i++) {
+        big[i] = 1e20f;
+    }
+    double big_sum = 0.0;
+    zero_isa_set(isa);
+    CHECK(zero_sum_squares(big, ZERO_F32, 37, &big_sum) == ZERO_OK, "status");
+    double big_exact = 37.0 * ((double)big[0] * (double)big[0]);
+    CHECK(isfinite(big_sum) && fabs(big_sum - big_exact) <= 1e-12 * big_exact,
+          "%s sum_squares of 1e20s: %.17g", zero_isa_name(isa), big_sum);
     float *a = malloc((size_t)n * 4), *c = random_floats(n, 1.0f, 0);
     zero_stream_triad(a, x, c, 3.0f, n);
     int64_t bad = 0;
