@@ -11,8 +11,12 @@
  *
  * [Note: aio fork] A forked child has none of its parent's threads, and its
  * copy of the lock may be held. Destroying an engine in a child therefore
- * frees it without joining threads or taking the lock; the child's own
- * engines start their own threads.
+ * frees it without joining threads, taking the lock or destroying the
+ * conditions (their waiters are the parent's); the child's own
+ * engines start their own threads. Submitting to or waiting on the
+ * parent's engine in a child is refused (ZERO_ERR_INVALID_ARGUMENT): no
+ * worker would take the request (the wait never ended), and io_uring's
+ * shared rings handed the completion to the parent's reaper.
  */
 #define _GNU_SOURCE
 #include <errno.h>
@@ -293,9 +297,14 @@ static zero_aio_backend preferred(void)
 
 static void free_engine(zero_aio *a)
 {
-    pthread_cond_destroy(&a->done);
-    pthread_cond_destroy(&a->work);
-    pthread_mutex_destroy(&a->lock);
+    /* in a forked child the conditions still count the parent's waiting
+     * workers, and glibc's pthread_cond_destroy waits for them forever
+     * ([Note: aio fork]): the memory goes without the destroys there */
+    if (getpid() == a->pid) {
+        pthread_cond_destroy(&a->done);
+        pthread_cond_destroy(&a->work);
+        pthread_mutex_destroy(&a->lock);
+    }
     free(a->threads);
     free(a->slots);
     free(a);
@@ -383,7 +392,8 @@ void zero_aio_destroy(zero_aio *a)
 zero_status zero_aio_submit(zero_aio *a, const zero_aio_request *request,
                             int64_t *id)
 {
-    if (!a || !request || !id || request->fd < 0 || request->length < 0 ||
+    if (!a || getpid() != a->pid || !request || !id || request->fd < 0 ||
+        request->length < 0 ||
         request->offset < 0 || (request->length > 0 && !request->buf) ||
         request->length > INT64_MAX - request->offset) {
         return ZERO_ERR_INVALID_ARGUMENT;
@@ -442,7 +452,7 @@ static struct timespec deadline_after(int ms)
 zero_status zero_aio_wait(zero_aio *a, int64_t id, int timeout_ms,
                           zero_aio_result *result)
 {
-    if (!a || !result) {
+    if (!a || !result || getpid() != a->pid) { /* [Note: aio fork] */
         return ZERO_ERR_INVALID_ARGUMENT;
     }
     struct timespec deadline = deadline_after(timeout_ms > 0 ? timeout_ms : 0);

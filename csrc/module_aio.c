@@ -13,12 +13,24 @@
  * A failed request raises OSError with the errno, the file offset where it
  * failed, and the request's descriptor, offset and size, as the attributes
  * fd, offset, request_offset and nbytes, so the caller can name its file.
+ *
+ * [Note: Aio and threads] submit and wait run the engine without the GIL,
+ * so other threads may call in meanwhile. `users` counts the calls inside
+ * the engine: close() while one is there is refused (it would free the
+ * engine under it, and the held Buffers under transfers still running).
+ * A waiter holds its own reference to the request's entry: two threads
+ * waiting for one request each see it whole, and the one that loses is
+ * told the request is no longer in flight. An Aio is its process's: a
+ * forked child has none of the engine's threads (a wait there never
+ * ended, and io_uring's completions went to the parent's reaper), so
+ * submit and wait refuse in a child.
  */
 #include "module.h"
 
 #include <errno.h>
 #include <fcntl.h>
 #include <string.h>
+#include <unistd.h>
 
 #ifndef O_DIRECT
 #define O_DIRECT 0
@@ -31,6 +43,8 @@ typedef struct {
     PyObject_HEAD
     zero_aio *aio;         /* NULL once closed */
     PyObject *held;        /* {id: (Buffer, fd, offset, nbytes, write)} */
+    pid_t pid;             /* the process that made it */
+    int users;             /* calls inside the engine ([Note: Aio and threads]) */
 } Aio;
 
 /* ---- construction ------------------------------------------------------ */
@@ -98,6 +112,7 @@ static PyObject *Aio_new(PyTypeObject *type, PyObject *args, PyObject *kwargs)
     if (!self) {
         return NULL;
     }
+    self->pid = getpid();
     self->held = PyDict_New();
     if (!self->held) {
         Py_DECREF(self);
@@ -153,6 +168,22 @@ static int check_open(const Aio *self)
 {
     if (!self->aio) {
         PyErr_SetString(PyExc_ValueError, "this Aio was closed");
+        return -1;
+    }
+    return 0;
+}
+
+/* Open, and this process's ([Note: Aio and threads]). */
+static int check_usable(const Aio *self)
+{
+    if (check_open(self) != 0) {
+        return -1;
+    }
+    if (getpid() != self->pid) {
+        PyErr_SetString(PyExc_RuntimeError,
+                        "this Aio was made in another process (this one was "
+                        "forked from it) and its engine's threads are "
+                        "there: make a new Aio in this process");
         return -1;
     }
     return 0;
@@ -231,7 +262,7 @@ static PyObject *submit(Aio *self, PyObject *args, PyObject *kwargs,
                         const signature *sig, int write)
 {
     submit_call call;
-    if (check_open(self) != 0 || parse_args(sig, args, kwargs, &call) != 0) {
+    if (check_usable(self) != 0 || parse_args(sig, args, kwargs, &call) != 0) {
         return NULL;
     }
     if (call.fd > INT_MAX) {
@@ -269,11 +300,14 @@ static PyObject *submit(Aio *self, PyObject *args, PyObject *kwargs,
                                 write};
     int64_t id = -1;
     zero_status status;
+    zero_aio *aio = self->aio; /* close() is refused while users > 0 */
+    self->users++;
     /* io_uring may do a buffered transfer inline: without the GIL */
     Py_BEGIN_ALLOW_THREADS
-    status = zero_aio_submit(self->aio, &request, &id);
+    status = zero_aio_submit(aio, &request, &id);
     Py_END_ALLOW_THREADS
     if (status != ZERO_OK) {
+        self->users--;
         raise_status(status, sig->function);
         goto done;
     }
@@ -285,10 +319,11 @@ static PyObject *submit(Aio *self, PyObject *args, PyObject *kwargs,
     if (!result || !entry || PyDict_SetItem(self->held, result, entry) != 0) {
         zero_aio_result ignored;
         Py_BEGIN_ALLOW_THREADS
-        zero_aio_wait(self->aio, id, -1, &ignored);
+        zero_aio_wait(aio, id, -1, &ignored);
         Py_END_ALLOW_THREADS
         Py_CLEAR(result);
     }
+    self->users--;
 done:
     Py_XDECREF(entry);
     Py_DECREF(b);
@@ -356,36 +391,54 @@ static void raise_failure(PyObject *entry, const zero_aio_result *r)
     Py_DECREF(exc);
 }
 
+static int not_in_flight(PyObject *key, const char *why)
+{
+    PyErr_Format(PyExc_ValueError, "request %R is not in flight on this Aio "
+                 "(%s)", key, why);
+    return -1;
+}
+
 /* Wait for request `key` (an int in held). 0: it succeeded; 1: it failed,
- * with its OSError set; -1: no such request, or a signal's exception (it
- * is still in flight then). */
-static int wait_one(Aio *self, PyObject *key)
+ * with its OSError set; 2: another thread's wait took it while this one
+ * waited (missing_ok), -1 when not missing_ok; -1: no such request, or a
+ * signal's exception (it is still in flight then). */
+static int wait_one(Aio *self, PyObject *key, int missing_ok)
 {
     PyObject *entry = PyDict_GetItemWithError(self->held, key);
     if (!entry) {
-        if (!PyErr_Occurred()) {
-            PyErr_Format(PyExc_ValueError,
-                         "request %R is not in flight on this Aio (already "
-                         "waited for, or never submitted)",
-                         key);
+        if (PyErr_Occurred()) {
+            return -1;
         }
-        return -1;
+        return missing_ok ? 2 : not_in_flight(key, "already waited for, or "
+                                              "never submitted");
     }
+    Py_INCREF(entry); /* another waiter may drop held's ([Note: Aio and threads]) */
     int64_t id = PyLong_AsLongLong(key);
+    zero_aio *aio = self->aio; /* close() is refused while users > 0 */
     zero_aio_result result;
     zero_status status;
+    self->users++;
     for (;;) {
         Py_BEGIN_ALLOW_THREADS
-        status = zero_aio_wait(self->aio, id, SIGNAL_POLL_MS, &result);
+        status = zero_aio_wait(aio, id, SIGNAL_POLL_MS, &result);
         Py_END_ALLOW_THREADS
         if (status != ZERO_ERR_TIMEOUT) {
             break;
         }
         if (PyErr_CheckSignals() != 0) {
+            self->users--;
+            Py_DECREF(entry);
             return -1;
         }
     }
-    Py_INCREF(entry);
+    self->users--;
+    if (status == ZERO_ERR_INVALID_ARGUMENT) {
+        /* the engine knows the id no more: another thread's wait took it
+         * (that wait drops the entry from held, if it has not yet) */
+        Py_DECREF(entry);
+        return missing_ok ? 2 : not_in_flight(key, "another thread waited "
+                                              "for it");
+    }
     int outcome = 0;
     if (status == ZERO_ERR_IO) {
         raise_failure(entry, &result);
@@ -396,6 +449,8 @@ static int wait_one(Aio *self, PyObject *key)
     }
     PyObject *exc_type, *exc, *tb;
     PyErr_Fetch(&exc_type, &exc, &tb);
+    /* held's entry for key is this request's: an id is never reused while
+     * its entry is held, since the engine frees the id only in a wait */
     if (PyDict_DelItem(self->held, key) != 0) {
         PyErr_Clear();
     }
@@ -418,7 +473,7 @@ static PyObject *Aio_wait(Aio *self, PyObject *args, PyObject *kwargs)
 {
     static char *keywords[] = {"request", NULL};
     PyObject *request = Py_None;
-    if (check_open(self) != 0 ||
+    if (check_usable(self) != 0 ||
         !PyArg_ParseTupleAndKeywords(args, kwargs, "|O:wait", keywords,
                                      &request)) {
         return NULL;
@@ -431,7 +486,7 @@ static PyObject *Aio_wait(Aio *self, PyObject *args, PyObject *kwargs)
                          Py_TYPE(request)->tp_name);
             return NULL;
         }
-        return wait_one(self, request) == 0 ? Py_NewRef(Py_None) : NULL;
+        return wait_one(self, request, 0) == 0 ? Py_NewRef(Py_None) : NULL;
     }
     PyObject *keys = PyDict_Keys(self->held);
     if (!keys) {
@@ -440,7 +495,7 @@ static PyObject *Aio_wait(Aio *self, PyObject *args, PyObject *kwargs)
     PyObject *first_type = NULL, *first = NULL, *first_tb = NULL;
     int stopped = 0;
     for (Py_ssize_t i = 0; i < PyList_GET_SIZE(keys) && !stopped; i++) {
-        int outcome = wait_one(self, PyList_GET_ITEM(keys, i));
+        int outcome = wait_one(self, PyList_GET_ITEM(keys, i), 1);
         if (outcome == 1 && !first_type) {
             PyErr_Fetch(&first_type, &first, &first_tb);
         } else if (outcome == 1) {
@@ -466,6 +521,13 @@ static PyObject *Aio_wait(Aio *self, PyObject *args, PyObject *kwargs)
 static PyObject *Aio_close(Aio *self, PyObject *unused)
 {
     (void)unused;
+    if (self->users > 0 && getpid() == self->pid) { /* a child has no such thread */
+        PyErr_SetString(PyExc_RuntimeError,
+                        "close() while another thread submits to or waits on "
+                        "this Aio: its transfers would lose their memory; "
+                        "close it once that call returns");
+        return NULL;
+    }
     close_engine(self);
     Py_RETURN_NONE;
 }

@@ -130,7 +130,9 @@ const char *zero_aio_backend_name(zero_aio_backend backend);
 int zero_aio_uring_probe(void);
 
 /* Queue a request; *id names it for zero_aio_wait. The buffer must stay
- * valid until the request has been waited for (or the engine destroyed). */
+ * valid until the request has been waited for (or the engine destroyed).
+ * An engine is its creator process's: in a forked child, submit and wait
+ * return ZERO_ERR_INVALID_ARGUMENT (destroy still frees it). */
 zero_status zero_aio_submit(zero_aio *aio, const zero_aio_request *request,
                             int64_t *id);
 /* Wait up to timeout_ms (< 0: no limit) for request id. ZERO_ERR_TIMEOUT

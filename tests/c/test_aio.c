@@ -12,6 +12,7 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <pthread.h>
+#include <sys/wait.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -406,6 +407,43 @@ static void test_threads_share(zero_aio_backend backend)
     close(fd);
 }
 
+/* A forked child may not use its parent's engine ([Note: aio fork]): its
+ * submit and wait are refused (a wait never ended; io_uring's completion
+ * went to the parent's reaper), and destroying the copy there is safe. The
+ * parent's engine goes on working. */
+static void test_fork(zero_aio_backend backend)
+{
+    int fd = temp_file(2 * BLOCK, 0);
+    zero_aio *a = engine(backend, 2);
+    uint8_t *data = calloc(2, BLOCK);
+    zero_aio_request r = {fd, data, 2 * BLOCK, 0, 1};
+    int64_t id;
+    zero_aio_result res;
+    CHECK(zero_aio_submit(a, &r, &id) == ZERO_OK &&
+              zero_aio_wait(a, id, -1, &res) == ZERO_OK,
+          "before the fork");
+    pid_t child = fork();
+    if (child == 0) {
+        int64_t child_id;
+        int refused = zero_aio_submit(a, &r, &child_id) ==
+                          ZERO_ERR_INVALID_ARGUMENT &&
+                      zero_aio_wait(a, id, 0, &res) ==
+                          ZERO_ERR_INVALID_ARGUMENT;
+        zero_aio_destroy(a);
+        _exit(refused ? 0 : 1);
+    }
+    int status = -1;
+    waitpid(child, &status, 0);
+    CHECK(WIFEXITED(status) && WEXITSTATUS(status) == 0,
+          "%s: the child's submit and wait refused", zero_aio_backend_name(backend));
+    CHECK(zero_aio_submit(a, &r, &id) == ZERO_OK &&
+              zero_aio_wait(a, id, -1, &res) == ZERO_OK && res.moved == 2 * BLOCK,
+          "%s: the parent's engine after the fork", zero_aio_backend_name(backend));
+    zero_aio_destroy(a);
+    free(data);
+    close(fd);
+}
+
 static void test_bad_arguments(void)
 {
     zero_aio *a = NULL;
@@ -456,6 +494,7 @@ int main(void)
         test_waits(backends[i]);
         test_direct(backends[i]);
         test_threads_share(backends[i]);
+        test_fork(backends[i]);
     }
     test_bad_arguments();
     printf("%d passed, %d failed\n", passed, failed);

@@ -1,0 +1,140 @@
+"""zero._C.Aio called from several threads, and after a fork
+([Note: Aio and threads] in csrc/module_aio.c): submit and wait run the
+engine without the GIL, so other threads call in meanwhile. Each case
+crashed or corrupted memory before: two waiters on one request freed its
+entry twice; close() during a wait freed the engine and the tensor under
+a transfer still running; a forked child's wait never ended."""
+import os
+import threading
+import time
+
+import pytest
+import torch
+
+import zero._C as C
+
+MB = 32  # read in 4 KiB blocks one at a time: long enough to overlap a wait
+
+
+@pytest.fixture
+def slow_read(tmp_path):
+    """(an Aio that moves one 4 KiB block at a time, a descriptor of a file
+    of MB mebibytes whose bytes are known, those bytes)"""
+    path = tmp_path / "data"
+    data = torch.randn(MB << 18)  # float32: MB mebibytes
+    path.write_bytes(data.numpy().tobytes())
+    fd = os.open(path, os.O_RDONLY)
+    aio = C.Aio(backend="threads", queue_depth=1, block_size=4096)
+    yield aio, fd, data
+    aio.close()
+    os.close(fd)
+
+
+def test_two_threads_waiting_for_one_request(slow_read):
+    aio, fd, data = slow_read
+    for _ in range(3):
+        into = torch.empty(MB << 18)
+        request = aio.submit_read(fd, into)
+        outcomes = []
+
+        def wait():
+            try:
+                aio.wait(request)
+                outcomes.append("waited")
+            except ValueError as error:
+                outcomes.append(str(error))
+        threads = [threading.Thread(target=wait) for _ in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        # one wait has it; the other is told it is gone, whichever came first
+        assert sorted(outcomes)[-1] == "waited", outcomes
+        assert "is not in flight on this Aio" in sorted(outcomes)[0], outcomes
+        assert torch.equal(into, data) and aio.in_flight == 0
+
+
+def test_wait_for_everything_beside_a_wait_for_one(slow_read):
+    aio, fd, data = slow_read
+    into = torch.empty(MB << 18)
+    request = aio.submit_read(fd, into)
+    outcomes = []
+
+    def wait_for_one():
+        try:
+            aio.wait(request)
+            outcomes.append("waited")
+        except ValueError as error:  # wait() took it first
+            outcomes.append(str(error))
+    one = threading.Thread(target=wait_for_one)
+    one.start()
+    aio.wait()  # a request another thread takes is no error for wait()
+    one.join()
+    assert outcomes[0] == "waited" or "is not in flight on this Aio" in outcomes[0]
+    assert torch.equal(into, data) and aio.in_flight == 0
+
+
+def test_close_during_another_threads_wait_is_refused(slow_read):
+    _aio, fd, data = slow_read
+    refusals = 0
+    for _ in range(5):  # until close() meets a wait: almost always the first try
+        aio = C.Aio(backend="threads", queue_depth=1, block_size=4096)
+        outcome = {}
+        submitted = threading.Event()
+
+        def read_all():
+            into = torch.empty(MB << 18)  # only the Aio holds it
+            request = aio.submit_read(fd, into)
+            submitted.set()
+            try:
+                aio.wait(request)
+                outcome["data"] = into
+            except ValueError as error:  # close() came first: it waited for the read
+                outcome["error"] = str(error)
+        reader = threading.Thread(target=read_all)
+        reader.start()
+        submitted.wait()
+        time.sleep(0.02)  # the reader into its wait (a read takes ~0.2 s)
+        try:
+            aio.close()
+            refused = None
+        except RuntimeError as error:
+            refused = str(error)
+        reader.join()
+        if refused is None:  # no overlap: close() then did what close() does
+            assert outcome.get("error") == "this Aio was closed" or \
+                torch.equal(outcome["data"], data), outcome
+            continue
+        refusals += 1
+        assert "while another thread submits to or waits on this Aio" in refused
+        assert torch.equal(outcome["data"], data)
+        aio.close()  # once the wait returned
+        break
+    assert refusals == 1
+
+
+def test_a_forked_child_refuses_its_parents_aio(slow_read):
+    aio, fd, data = slow_read
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: only the Aio's calls, then out
+        os.close(read)
+        try:
+            aio.submit_read(fd, torch.empty(1024))
+            message = b"accepted"
+        except RuntimeError as error:
+            message = str(error).encode()
+        except BaseException as error:  # noqa: BLE001 - reported to the parent
+            message = repr(error).encode()
+        os.write(write, message)
+        os._exit(0)
+    os.close(write)
+    with os.fdopen(read, "rb") as pipe:
+        message = pipe.read().decode()
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert "made in another process" in message, message
+    # the parent's engine is untouched
+    into = torch.empty(MB << 18)
+    aio.wait(aio.submit_read(fd, into))
+    assert torch.equal(into, data)
