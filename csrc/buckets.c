@@ -58,21 +58,36 @@ static void *zeroed(int64_t count, size_t size)
     return calloc((size_t)(count > 0 ? count : 1), size);
 }
 
+int64_t zero_buckets_needed(int64_t n_units, const int64_t *unit_span,
+                            int64_t bucket_elements)
+{
+    if (n_units < 0 || bucket_elements <= 0 || (n_units > 0 && !unit_span)) {
+        return -1;
+    }
+    int64_t total = 0;
+    for (int64_t u = 0; u < n_units; u++) {
+        if (unit_span[u] < 0) {
+            return -1;
+        }
+        total += unit_span[u] / bucket_elements +
+                 (unit_span[u] % bucket_elements != 0);
+        if (total > ZERO_BUCKETS_MAX_COUNT) { /* before any overflow */
+            return -2;
+        }
+    }
+    return total;
+}
+
 static int plan_arguments_valid(int64_t n_params, const int64_t *param_unit,
                                 const int64_t *param_offset,
                                 const int64_t *param_numel, int64_t n_units,
                                 const int64_t *unit_span,
                                 int64_t bucket_elements)
 {
-    if (n_params < 0 || n_units < 0 || bucket_elements <= 0 ||
+    if (n_params < 0 ||
         (n_params > 0 && (!param_unit || !param_offset || !param_numel)) ||
-        (n_units > 0 && !unit_span)) {
+        zero_buckets_needed(n_units, unit_span, bucket_elements) < 0) {
         return 0;
-    }
-    for (int64_t u = 0; u < n_units; u++) {
-        if (unit_span[u] < 0) {
-            return 0;
-        }
     }
     for (int64_t i = 0; i < n_params; i++) {
         int64_t u = param_unit[i];

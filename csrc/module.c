@@ -13,6 +13,8 @@
  */
 #include "module.h"
 
+#include <string.h>
+
 #include <stdlib.h>
 
 /* ---- reductions and conversions ---------------------------------------- */
@@ -173,12 +175,14 @@ PyDoc_STRVAR(set_simd_doc,
 static PyObject *zero_C_set_simd(PyObject *module, PyObject *arg)
 {
     (void)module;
-    const char *name = PyUnicode_AsUTF8(arg);
+    Py_ssize_t length;
+    const char *name = PyUnicode_AsUTF8AndSize(arg, &length);
     if (!name) {
         return NULL;
     }
     zero_isa isa;
-    if (zero_isa_from_name(name, &isa) != 0) {
+    /* the length too: "avx2\0junk" is no name ("avx2" to C's strcmp) */
+    if ((size_t)length != strlen(name) || zero_isa_from_name(name, &isa) != 0) {
         PyErr_Format(PyExc_ValueError,
                      "name must be 'scalar', 'avx2' or 'avx512', got %R", arg);
         return NULL;

@@ -206,10 +206,12 @@ void args_free(arg_set *set);
  * optional. */
 int take_arg(PyObject *module, cuda_arg *a, const char *name,
              Py_ssize_t index, PyObject *obj, int written, int optional);
-/* A list or tuple argument's items, borrowed. (A tensor is iterable too,
- * so nothing else is accepted.) */
-int list_items(PyObject *obj, const char *name, PyObject ***items,
-               Py_ssize_t *count);
+/* A list or tuple argument as a new tuple (*kept, to release) and its
+ * items and count. A copy, since reading an item can run Python code (its
+ * __dlpack__ or __index__) that changes a list under the reader. (A tensor
+ * is iterable too, so nothing but a list or tuple is accepted.) */
+int list_items(PyObject *obj, const char *name, PyObject **kept,
+               PyObject ***items, Py_ssize_t *count);
 /* take_arg for each item; indexed 0 names them without "[i]" (a single
  * tensor passed as a 1-tuple). */
 int take_list(PyObject *module, cuda_arg *args, const char *name,

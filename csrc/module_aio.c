@@ -548,6 +548,12 @@ static PyObject *Aio_get_in_flight(Aio *self, void *closure)
     return PyLong_FromSsize_t(self->held ? PyDict_Size(self->held) : 0);
 }
 
+static PyObject *Aio_get_busy(Aio *self, void *closure)
+{
+    (void)closure;
+    return PyLong_FromLong(self->users);
+}
+
 static PyMethodDef Aio_methods[] = {
     {"submit_read", (PyCFunction)(void (*)(void))Aio_submit_read,
      METH_VARARGS | METH_KEYWORDS,
@@ -572,6 +578,9 @@ static PyGetSetDef Aio_getset[] = {
      "'io_uring' or 'threads': the backend that runs", NULL},
     {"in_flight", (getter)Aio_get_in_flight, NULL,
      "requests not yet waited for", NULL},
+    {"busy", (getter)Aio_get_busy, NULL,
+     "calls inside the engine now (submits and waits of other threads): "
+     "close() is refused while any is", NULL},
     {NULL},
 };
 

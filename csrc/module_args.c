@@ -6,15 +6,13 @@
  */
 #include "module.h"
 
-#include <float.h>
 #include <math.h>
 #include <stdio.h>
 #include <string.h>
 
-/* Keyword-only arguments without a default start as MISSING: the PyArg
- * format has no "required keyword-only" mark. */
-#define MISSING (-DBL_MAX)
-#define MISSING_INT LLONG_MIN
+/* A required keyword-only argument is looked for in the call itself: the
+ * PyArg format has no "required keyword-only" mark, and a sentinel value
+ * (-DBL_MAX once) read lr=-1.8e308 as "missing" instead of out of range. */
 
 /* [Note: one converter per row] Every row is parsed with "O&": PyArg then
  * takes a (converter, address) pair per row, so a table of any shape is
@@ -70,13 +68,13 @@ static void set_default(const arg_spec *a, char *call)
     int required = (a->flags & ARG_REQUIRED) != 0;
     switch (a->kind) {
     case ARG_DOUBLE:
-        *(double *)at = required ? MISSING : a->initial;
+        *(double *)at = required ? 0.0 : a->initial;
         break;
     case ARG_BOOL:
         *(int *)at = (int)a->initial;
         break;
     case ARG_INT64:
-        *(int64_t *)at = required ? MISSING_INT : (int64_t)a->initial;
+        *(int64_t *)at = required ? 0 : (int64_t)a->initial;
         break;
     default:
         *(PyObject **)at = NULL;
@@ -84,19 +82,15 @@ static void set_default(const arg_spec *a, char *call)
     }
 }
 
-static int is_missing(const arg_spec *a, const char *call)
+/* Row i was not passed, by position or by name. */
+static int is_missing(int i, const arg_spec *a, PyObject *args,
+                      PyObject *kwargs)
 {
-    const void *at = call + a->offset;
-    switch (a->kind) {
-    case ARG_DOUBLE:
-        return *(const double *)at == MISSING;
-    case ARG_INT64:
-        return *(const int64_t *)at == MISSING_INT;
-    case ARG_BOOL:
+    if (args && i < PyTuple_GET_SIZE(args)) {
         return 0;
-    default:
-        return *(PyObject *const *)at == NULL;
     }
+    /* parsed already, so a name here is one of the keywords: no error */
+    return !kwargs || !PyDict_GetItemString(kwargs, a->name);
 }
 
 /* "lr must be ..., got -1.0": the value as Python writes a float. */
@@ -167,11 +161,12 @@ static void build_format(const signature *sig, char *format, size_t size)
     snprintf(format + n, size - n, ":%s", sig->function);
 }
 
-static int check_values(const signature *sig, const char *call)
+static int check_values(const signature *sig, const char *call,
+                        PyObject *args, PyObject *kwargs)
 {
     for (int i = 0; i < sig->count; i++) {
         const arg_spec *a = &sig->args[i];
-        if ((a->flags & ARG_REQUIRED) && is_missing(a, call)) {
+        if ((a->flags & ARG_REQUIRED) && is_missing(i, a, args, kwargs)) {
             PyErr_Format(PyExc_TypeError,
                          "%s() missing required keyword argument '%s'",
                          sig->function, a->name);
@@ -231,5 +226,5 @@ int parse_args(const signature *sig, PyObject *args, PyObject *kwargs,
         return -1;
     }
 #undef PAIR
-    return check_values(sig, base);
+    return check_values(sig, base, args, kwargs);
 }

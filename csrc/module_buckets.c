@@ -228,9 +228,13 @@ static int add_piece(GradBuckets *self, PyObject *owner, int64_t i, int64_t k,
         if (piece->count < GIL_FREE_ELEMENTS) {
             status = land(dst, src, self->zdtype, piece->count);
         } else {
+            /* another thread may reset() or detach() meanwhile, dropping
+             * the buffer's tensor: ours keeps its memory under the copy */
+            PyObject *keep = Py_NewRef(buffer->tensor);
             Py_BEGIN_ALLOW_THREADS
             status = land(dst, src, self->zdtype, piece->count);
             Py_END_ALLOW_THREADS
+            Py_DECREF(keep);
         }
         return status == ZERO_OK ? 0 : (raise_status(status, "accumulate"), -1);
     }

@@ -271,25 +271,29 @@ static zero_cuda_span *spans_of(const arg_set *set, Py_ssize_t count)
 static PyObject *zero_C_cuda_norm_partials(PyObject *module, PyObject *arg)
 {
     (void)module;
-    PyObject **items;
+    PyObject *kept, **items;
     Py_ssize_t count;
-    if (list_items(arg, "numels", &items, &count)) {
+    if (list_items(arg, "numels", &kept, &items, &count)) {
+        Py_XDECREF(kept);
         return NULL;
     }
     long long total = 0;
     for (Py_ssize_t i = 0; i < count; i++) {
         long long n = PyLong_AsLongLong(items[i]);
         if (n == -1 && PyErr_Occurred()) {
+            Py_DECREF(kept);
             return NULL;
         }
         if (n < 0) {
             PyErr_Format(PyExc_ValueError, "numels[%zd] is negative: %lld",
                          i, n);
+            Py_DECREF(kept);
             return NULL;
         }
         int64_t n64 = n;
         total += zero_cuda_norm_partials(&n64, 1);
     }
+    Py_DECREF(kept);
     return PyLong_FromLongLong(total);
 }
 
@@ -432,31 +436,13 @@ static const arg_spec unpack_args[] = {
 static const signature unpack_sig =
     SIGNATURE("cuda_unpack", unpack_args, 2, 2, bucket_call);
 
-/* Where tensor i sits in the bucket: offsets[i], or back to back when
- * offsets is None. Checks that every slice lies inside the bucket. */
-static int bucket_offsets(PyObject *offsets_obj, const arg_set *set,
-                          Py_ssize_t count, const Buffer *bucket,
-                          int64_t *offsets)
+/* Where tensor i sits in the bucket: offsets[i] (items, a tuple's), or
+ * back to back when items is NULL. Checks that every slice lies inside the
+ * bucket. */
+static int place_slices(PyObject *const *items, const arg_set *set,
+                        Py_ssize_t count, const Buffer *bucket,
+                        int64_t *offsets)
 {
-    PyObject **items = NULL;
-    Py_ssize_t n = count;
-    if (offsets_obj && offsets_obj != Py_None) {
-        if (!PyList_Check(offsets_obj) && !PyTuple_Check(offsets_obj)) {
-            PyErr_Format(PyExc_TypeError,
-                         "offsets must be a list or tuple of ints, not "
-                         "%.100s",
-                         Py_TYPE(offsets_obj)->tp_name);
-            return -1;
-        }
-        items = PySequence_Fast_ITEMS(offsets_obj);
-        n = PySequence_Fast_GET_SIZE(offsets_obj);
-        if (n != count) {
-            PyErr_Format(PyExc_ValueError,
-                         "offsets has %zd entries, tensors has %zd", n,
-                         count);
-            return -1;
-        }
-    }
     int64_t next = 0;
     for (Py_ssize_t i = 0; i < count; i++) {
         int64_t at = next;
@@ -479,6 +465,38 @@ static int bucket_offsets(PyObject *offsets_obj, const arg_set *set,
         next = at + numel;
     }
     return 0;
+}
+
+/* place_slices with offsets_obj (None, or a list or tuple of ints), read
+ * from a tuple copy: an item's __index__ may change a list. */
+static int bucket_offsets(PyObject *offsets_obj, const arg_set *set,
+                          Py_ssize_t count, const Buffer *bucket,
+                          int64_t *offsets)
+{
+    if (!offsets_obj || offsets_obj == Py_None) {
+        return place_slices(NULL, set, count, bucket, offsets);
+    }
+    if (!PyList_Check(offsets_obj) && !PyTuple_Check(offsets_obj)) {
+        PyErr_Format(PyExc_TypeError,
+                     "offsets must be a list or tuple of ints, not %.100s",
+                     Py_TYPE(offsets_obj)->tp_name);
+        return -1;
+    }
+    PyObject *kept = PySequence_Tuple(offsets_obj);
+    if (!kept) {
+        return -1;
+    }
+    int status = -1;
+    if (PyTuple_GET_SIZE(kept) != count) {
+        PyErr_Format(PyExc_ValueError,
+                     "offsets has %zd entries, tensors has %zd",
+                     PyTuple_GET_SIZE(kept), count);
+    } else {
+        status = place_slices(PySequence_Fast_ITEMS(kept), set, count, bucket,
+                              offsets);
+    }
+    Py_DECREF(kept);
+    return status;
 }
 
 /* Pack (tensors -> bucket slices) or unpack (bucket slices -> tensors). */

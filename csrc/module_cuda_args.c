@@ -63,19 +63,24 @@ int take_arg(PyObject *module, cuda_arg *a, const char *name,
     return a->buf ? 0 : -1;
 }
 
-/* A list argument's items (a borrowed view) and their count. A tensor is
- * iterable too, so only a list or a tuple is accepted. */
-int list_items(PyObject *obj, const char *name, PyObject ***items,
-               Py_ssize_t *count)
+/* See module.h: a tuple copy, so Python code run while the items are
+ * read cannot change them. */
+int list_items(PyObject *obj, const char *name, PyObject **kept,
+               PyObject ***items, Py_ssize_t *count)
 {
+    *kept = NULL;
     if (!PyList_Check(obj) && !PyTuple_Check(obj)) {
         PyErr_Format(PyExc_TypeError,
                      "%s must be a list or tuple of tensors, not %.100s",
                      name, Py_TYPE(obj)->tp_name);
         return -1;
     }
-    *items = PySequence_Fast_ITEMS(obj);
-    *count = PySequence_Fast_GET_SIZE(obj);
+    *kept = PySequence_Tuple(obj);
+    if (!*kept) {
+        return -1;
+    }
+    *items = PySequence_Fast_ITEMS(*kept);
+    *count = PyTuple_GET_SIZE(*kept);
     if (*count > INT_MAX) {
         PyErr_Format(PyExc_ValueError, "%s has too many tensors", name);
         return -1;
@@ -279,8 +284,8 @@ static int is_absent(const arg_spec *a, PyObject *obj)
  * always did: every list's type first, then every length against the
  * first list's. An optional list left out is not present. */
 static int list_rows(const signature *sig, const void *call,
-                     PyObject **items[], int present[], Py_ssize_t *count,
-                     Py_ssize_t *lists)
+                     PyObject *kept[], PyObject **items[], int present[],
+                     Py_ssize_t *count, Py_ssize_t *lists)
 {
     Py_ssize_t counts[MAX_ROWS] = {0};
     int first = -1;
@@ -289,7 +294,8 @@ static int list_rows(const signature *sig, const void *call,
         const arg_spec *a = &sig->args[r];
         PyObject *obj = row_object(a, call);
         present[r] = a->kind == ARG_TENSORS && !is_absent(a, obj);
-        if (present[r] && list_items(obj, a->name, &items[r], &counts[r])) {
+        if (present[r] &&
+            list_items(obj, a->name, &kept[r], &items[r], &counts[r])) {
             return -1;
         }
     }
@@ -311,8 +317,24 @@ static int list_rows(const signature *sig, const void *call,
     return 0;
 }
 
+static int parse_with_lists(PyObject *module, const signature *sig,
+                            PyObject *args, PyObject *kwargs, void *call,
+                            cuda_tensors *t, PyObject *kept[]);
+
 int parse_cuda_args(PyObject *module, const signature *sig, PyObject *args,
                     PyObject *kwargs, void *call, cuda_tensors *t)
+{
+    PyObject *kept[MAX_ROWS] = {NULL}; /* the lists' tuple copies */
+    int status = parse_with_lists(module, sig, args, kwargs, call, t, kept);
+    for (int r = 0; r < MAX_ROWS; r++) {
+        Py_XDECREF(kept[r]);
+    }
+    return status;
+}
+
+static int parse_with_lists(PyObject *module, const signature *sig,
+                            PyObject *args, PyObject *kwargs, void *call,
+                            cuda_tensors *t, PyObject *kept[])
 {
     PyObject **items[MAX_ROWS] = {NULL};
     int present[MAX_ROWS] = {0};
@@ -320,7 +342,7 @@ int parse_cuda_args(PyObject *module, const signature *sig, PyObject *args,
     memset(t, 0, sizeof *t);
     t->count = 1;
     if (parse_args(sig, args, kwargs, call) != 0 ||
-        list_rows(sig, call, items, present, &t->count, &lists)) {
+        list_rows(sig, call, kept, items, present, &t->count, &lists)) {
         return -1;
     }
     for (int r = 0; r < sig->count; r++) {

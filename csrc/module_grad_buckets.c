@@ -9,10 +9,16 @@
 
 /* ---- GradBuckets -------------------------------------------------------- */
 
-/* A list of ints as a new int64 array of *n entries. */
+/* A list of ints as a new int64 array of *n entries. Read from a tuple
+ * copy: an item's __index__ may change a list while it is read. */
 static int64_t *int64_list(PyObject *list, const char *name, Py_ssize_t *n)
 {
-    PyObject *seq = PySequence_Fast(list, name);
+    if (!PySequence_Check(list)) {
+        PyErr_Format(PyExc_TypeError, "%s must be a sequence of ints, not "
+                     "%.100s", name, Py_TYPE(list)->tp_name);
+        return NULL;
+    }
+    PyObject *seq = PySequence_Tuple(list);
     if (!seq) {
         return NULL;
     }
@@ -118,6 +124,13 @@ static PyObject *GradBuckets_new(PyTypeObject *type, PyObject *args,
         PyErr_SetString(PyExc_ValueError,
                         "param_units, param_offsets and param_numels must be "
                         "of one length");
+    } else if (spans &&
+               zero_buckets_needed(n_units, spans, bucket_elements) == -2) {
+        PyErr_Format(PyExc_ValueError,
+                     "bucket_elements %lld cuts these units into more than "
+                     "%lld buckets: make the buckets larger",
+                     (long long)bucket_elements,
+                     (long long)ZERO_BUCKETS_MAX_COUNT);
     } else if (spans) {
         zero_buckets *plan = NULL;
         zero_status status =

@@ -251,6 +251,17 @@ zero_status zero_stream_triad(float *a, const float *b, const float *c,
  * each piece goes and when each bucket leaves. */
 typedef struct zero_buckets zero_buckets;
 
+/* The most buckets a plan may have: past it, laying them out walked every
+ * one (2^62 elements in buckets of 1 held the GIL for good) and their
+ * bookkeeping alone took gigabytes. A flat group of a billion elements in
+ * buckets of 64 needs fewer. */
+#define ZERO_BUCKETS_MAX_COUNT (INT64_C(1) << 24)
+
+/* The buckets units of these spans need, counted without laying them out;
+ * -1 for a bad argument, -2 past ZERO_BUCKETS_MAX_COUNT. */
+int64_t zero_buckets_needed(int64_t n_units, const int64_t *unit_span,
+                            int64_t bucket_elements);
+
 typedef struct {
     int64_t bucket;       /* the bucket's index */
     int64_t bucket_start; /* where the piece starts in the bucket */

@@ -6,7 +6,6 @@ entry twice; close() during a wait freed the engine and the tensor under
 a transfer still running; a forked child's wait never ended."""
 import os
 import threading
-import time
 
 import pytest
 import torch
@@ -75,42 +74,25 @@ def test_wait_for_everything_beside_a_wait_for_one(slow_read):
 
 
 def test_close_during_another_threads_wait_is_refused(slow_read):
-    _aio, fd, data = slow_read
-    refusals = 0
-    for _ in range(5):  # until close() meets a wait: almost always the first try
-        aio = C.Aio(backend="threads", queue_depth=1, block_size=4096)
-        outcome = {}
-        submitted = threading.Event()
+    aio, fd, data = slow_read
+    outcome = {}
 
-        def read_all():
-            into = torch.empty(MB << 18)  # only the Aio holds it
-            request = aio.submit_read(fd, into)
-            submitted.set()
-            try:
-                aio.wait(request)
-                outcome["data"] = into
-            except ValueError as error:  # close() came first: it waited for the read
-                outcome["error"] = str(error)
-        reader = threading.Thread(target=read_all)
-        reader.start()
-        submitted.wait()
-        time.sleep(0.02)  # the reader into its wait (a read takes ~0.2 s)
-        try:
-            aio.close()
-            refused = None
-        except RuntimeError as error:
-            refused = str(error)
-        reader.join()
-        if refused is None:  # no overlap: close() then did what close() does
-            assert outcome.get("error") == "this Aio was closed" or \
-                torch.equal(outcome["data"], data), outcome
-            continue
-        refusals += 1
-        assert "while another thread submits to or waits on this Aio" in refused
-        assert torch.equal(outcome["data"], data)
-        aio.close()  # once the wait returned
-        break
-    assert refusals == 1
+    def read_all():
+        into = torch.empty(MB << 18)  # only the Aio holds it
+        aio.wait(aio.submit_read(fd, into))
+        outcome["data"] = into
+    reader = threading.Thread(target=read_all)
+    reader.start()
+    while aio.busy == 0 and reader.is_alive():  # until the reader is in its wait
+        pass
+    # the read takes tens of ms in 4 KiB blocks; this thread holds the GIL
+    # from the check to the call, and the reader needs it to leave its wait
+    with pytest.raises(RuntimeError, match="while another thread submits to or waits on "
+                                           "this Aio"):
+        aio.close()
+    reader.join()
+    assert torch.equal(outcome["data"], data) and aio.busy == 0
+    aio.close()  # once the wait returned
 
 
 def test_a_forked_child_refuses_its_parents_aio(slow_read):

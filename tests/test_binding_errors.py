@@ -48,6 +48,20 @@ def test_missing_keyword_is_named():
         _C.adam_step(p, g, m, v, **kw)
 
 
+def test_a_value_at_the_end_of_its_range_is_no_missing_argument():
+    # a sentinel marked "missing" once: these read as never passed
+    p, g, m, v = bufs()
+    with pytest.raises(ValueError, match="lr must be a finite number >= 0, got -1.79"):
+        _C.adam_step(p, g, m, v, **{**KW, "lr": -1.7976931348623157e308})
+    with pytest.raises(ValueError, match="step must be >= 1, got -9223372036854775808"):
+        _C.adam_step(p, g, m, v, **{**KW, "step": -2 ** 63})
+
+
+def test_a_simd_name_with_a_nul_is_refused():
+    with pytest.raises(ValueError, match="name must be 'scalar', 'avx2' or 'avx512'"):
+        _C.set_simd("scalar\0 and more")
+
+
 def test_size_mismatch_names_both():
     p, g, m, v = bufs()
     with pytest.raises(ValueError, match="grad has 63 elements, param has 64"):

@@ -13,6 +13,7 @@ import weakref
 import pytest
 import torch
 
+import zero._C as _C
 from zero._C import GradBuckets
 
 
@@ -256,6 +257,11 @@ def test_bad_arguments_are_named():
         GradBuckets([0], ["a"], [4], [4], 4, **kw)
     with pytest.raises(ValueError, match="dtype must be"):
         GradBuckets([0], [0], [4], [4], 4, **{**kw, "dtype": torch.int64})
+    # more buckets than a plan may have: refused at once (2^62 elements in
+    # buckets of one were walked one by one, holding the GIL for good)
+    with pytest.raises(ValueError, match=r"bucket_elements 1 cuts these units into more "
+                                         r"than 16777216 buckets"):
+        GradBuckets([0], [0], [1], [2 ** 62], 1, **kw)
     core = GradBuckets([0], [0], [4], [4], 4, **kw)
     with pytest.raises(ValueError, match="one byte per parameter"):
         core.reset(b"\x01\x01")
@@ -265,3 +271,28 @@ def test_bad_arguments_are_named():
         core.bucket(1)
     with pytest.raises(TypeError):
         core.hook(0)()  # a hook takes the parameter
+
+
+class _ClearsItsList:
+    """An int whose __index__ empties the list it sits in (the C side read
+    the list's items through pointers the clear freed: a segfault)."""
+
+    def __init__(self, holder, value):
+        self.holder, self.value = holder, value
+
+    def __index__(self):
+        self.holder.clear()
+        return self.value
+
+
+def test_lists_changed_while_read_are_read_as_given():
+    units = []
+    units.extend([_ClearsItsList(units, 0)] + [0] * 7)
+    core = GradBuckets(units, [0, 1, 2, 3, 4, 5, 6, 7], [1] * 8, [8], 4,
+                       owner=Owner(torch.float32), dtype=torch.float32,
+                       tensor_type=torch.Tensor, strided=torch.strided)
+    assert core.count == 2  # the 8 parameters as they were passed
+    numels = []
+    numels.extend([_ClearsItsList(numels, 5)] + [1 << 20] * 7)
+    assert _C.cuda_norm_partials(numels) == \
+        _C.cuda_norm_partials([5] + [1 << 20] * 7)

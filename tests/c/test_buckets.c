@@ -267,6 +267,20 @@ static void test_bad_plans(void)
     CHECK(zero_buckets_create(NULL, 4, units, offsets, numels, 2, spans, 4) ==
               ZERO_ERR_INVALID_ARGUMENT,
           "no out");
+    /* more buckets than a plan may have: refused at once, counted without
+     * walking them (2^62 elements in buckets of 1 walked for good) */
+    const int64_t huge_span[] = {INT64_C(1) << 62};
+    const int64_t one_unit[] = {0}, at_zero[] = {0}, one_numel[] = {1};
+    CHECK(zero_buckets_needed(1, huge_span, 1) == -2 &&
+              zero_buckets_create(&plan, 1, one_unit, at_zero, one_numel, 1,
+                                  huge_span, 1) == ZERO_ERR_INVALID_ARGUMENT,
+          "2^62 buckets");
+    const int64_t at_limit[] = {ZERO_BUCKETS_MAX_COUNT * 3 - 1};
+    CHECK(zero_buckets_needed(1, at_limit, 3) == ZERO_BUCKETS_MAX_COUNT &&
+              zero_buckets_needed(1, at_limit, 2) == -2 &&
+              zero_buckets_needed(2, spans, 4) == 5 &&
+              zero_buckets_needed(1, bad_off, 0) == -1,
+          "bucket counts");
     CHECK(zero_buckets_create(&plan, 0, NULL, NULL, NULL, 0, NULL, 4) == ZERO_OK &&
               zero_buckets_count(plan) == 0 && zero_buckets_next(plan, 1) == -1,
           "an empty plan");
