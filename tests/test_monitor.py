@@ -179,6 +179,11 @@ def test_the_flops_profiler_counts_one_step(tmp_path):
         for tokens, targets in data[2:4]:  # update 2's two micro-batches
             loss_of(plain(tokens), targets).backward()
     assert profiler.done and profiler.report["flops"] == counter.get_total_flops() > 0
+    # each module's row too, named as torch names the plain model's (the
+    # second micro-batch's rows were named from the engine: "Net" held
+    # half of "Net.body"'s count)
+    assert profiler.report["modules"] == {
+        name: sum(ops.values()) for name, ops in counter.get_flop_counts().items()}
     text = report.read_text()
     assert "zero flops profiler: update 2" in text and "GFLOP/s" in text
     assert "body" in text  # the modules' breakdown

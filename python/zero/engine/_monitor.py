@@ -183,18 +183,38 @@ class FlopsProfiler:
                  f"  forward and backward FLOPs of the step: {total:,}",
                  f"  step time (first forward to update): {seconds * 1e3:.2f} ms",
                  f"  achieved: {total / seconds / 1e9:.2f} GFLOP/s"]
+        modules = _model_rooted(self.mode.get_flop_counts(), engine)
         if self.detailed:  # each module's FLOPs (its submodules' included), as counted
-            counts = self.mode.get_flop_counts()
-            for name in sorted(counts, key=lambda n: (n != "Global", n)):
-                ops = counts[name]
-                flops = sum(ops.values())
+            for name in sorted(modules, key=lambda n: (n != "Global", n)):
+                flops = modules[name]
                 if flops and name.count(".") <= self.depth:
                     share = flops / total if total else 0.0
                     lines.append(f"    {name:<40} {flops:>16,} {share:>7.1%}")
-        self.report = {"flops": total, "seconds": seconds, "text": "\n".join(lines)}
+        self.report = {"flops": total, "seconds": seconds, "modules": modules,
+                       "text": "\n".join(lines)}
         if self.output_file:
             with open(self.output_file, "w") as f:
                 f.write(self.report["text"] + "\n")
         else:
             print(self.report["text"], flush=True)
         self.mode, self.done = None, True
+
+
+def _model_rooted(counts, engine) -> dict:
+    """{module name: FLOPs} with every name rooted at the model's class, as
+    torch's counter names a plain model's modules ("Net", "Net.body.0").
+    The counter starts inside the first micro-batch's forward, after the
+    engine's own call began, so it names that micro-batch's modules from
+    the model ("Net.body"), and the later ones' from the engine
+    ("Engine.module.body"): one module in two rows, a parent smaller than
+    its child. The engine's row is its model's, counted again: dropped."""
+    wrapper = type(engine).__name__
+    inner, root = f"{wrapper}.module", type(engine.module).__name__
+    merged = {}
+    for name, ops in counts.items():
+        if name == wrapper:
+            continue
+        if name == inner or name.startswith(inner + "."):
+            name = root + name[len(inner):]
+        merged[name] = merged.get(name, 0) + sum(ops.values())
+    return merged
