@@ -403,3 +403,32 @@ def test_saving_and_loading_a_model_on_a_disk_holds_little_of_it(tmp_path):
     rise, in_files = run_peak_script(SAVE_LOAD_PEAK_SCRIPT, str(tmp_path))
     assert in_files >= 14 * 16 * 2**20
     assert rise < in_files / 2, (rise, in_files)
+
+
+def test_a_load_of_many_small_parameters_drops_pages_by_the_chunk(tmp_path, monkeypatch):
+    """2,000 small parameters with the shard and the states in files: the
+    load drops the pages it read once per _COPY_CHUNK elements copied, not
+    after every parameter's key, since each drop walks every tensor of the
+    checkpoint (8,000 parameters took 53 s to load, 0.16 s to save). The
+    values load whole either way."""
+    from zero.checkpoint import _format
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(4, 4) for _ in range(1000)])
+    place = {"device": "nvme", "nvme_path": str(tmp_path)}
+    engine = zero.initialize(model, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-2),
+                             stage=3, offload_param=place, offload_optimizer=place)
+    engine.backward(engine(torch.randn(2, 4)).square().mean())
+    engine.step()
+    saved = engine.full_state_dict()
+    engine.save_checkpoint(str(tmp_path / "ckpt"))
+    engine.backward(engine(torch.randn(2, 4)).square().mean())
+    engine.step()  # moved on: the load must bring every value back
+    drops = []
+    real = _format.CheckpointReader.drop_pages
+    monkeypatch.setattr(_format.CheckpointReader, "drop_pages",
+                        lambda reader, mappings: (drops.append(1), real(reader, mappings)))
+    engine.load_checkpoint(str(tmp_path / "ckpt"))
+    assert 1 <= len(drops) <= 2, len(drops)  # 6,000 before (2,000 parameters x 3 keys)
+    loaded = engine.full_state_dict()
+    assert all(torch.equal(loaded[k], saved[k]) for k in saved)
+    engine.close()

@@ -213,12 +213,22 @@ def _load_partitions(engine, reader, with_optimizer):
         release_offloaded(engine)
 
 
+def _drop_read_pages(reader, mappings, touched: dict):
+    """A model on a disk: the pages the copies since the last call read
+    (the checkpoint's) and wrote (the groups' files) leave memory."""
+    for fg in touched.values():
+        fg.release_offloaded()
+    touched.clear()
+    reader.drop_pages(mappings)
+
+
 def _read_partitions(engine, reader, with_optimizer):
     for fg in engine.all_groups:
         fg.check_shard_writable()
         fg.settle_copies()
-    # a model on a disk: each copy's pages (the checkpoint's and the
-    # files') are dropped once it is done, so loading holds one piece
+    # a model on a disk: the copies' pages (the checkpoint's and the
+    # files') are dropped every _COPY_CHUNK elements, so loading holds
+    # about that much of them
     on_disk = in_files(engine)
     mappings = reader.file_mappings() if on_disk else None
     pieces = _LocalPieces(engine, reader)
@@ -227,6 +237,10 @@ def _read_partitions(engine, reader, with_optimizer):
     nbytes = sum(4 * (hi - lo) * len(keys) for _fg, _n, lo, hi, _o, keys in targets)
     with bar("loading checkpoint (rank 0's part)", total=nbytes,
              enabled=whole_comm(engine).rank == 0) as progress:
+        # pages dropped every _COPY_CHUNK elements, not after every
+        # parameter's key: each drop walks every group and shard tensor, so
+        # 8,000 small parameters took 53 s to load (0.16 s to save)
+        read, touched = 0, {}
         for fg, name, lo, hi, offset, keys in targets:
             for key in keys:
                 target = fg.states[key] if key != "value" else \
@@ -234,8 +248,13 @@ def _read_partitions(engine, reader, with_optimizer):
                 pieces.read_into(name, key, lo, target[offset:offset + hi - lo])
                 progress.update(4 * (hi - lo))
                 if on_disk:
-                    fg.release_offloaded()
-                    reader.drop_pages(mappings)
+                    read += hi - lo
+                    touched[id(fg)] = fg
+                    if read >= _COPY_CHUNK:
+                        _drop_read_pages(reader, mappings, touched)
+                        read = 0
+        if on_disk:
+            _drop_read_pages(reader, mappings, touched)
     for fg in engine.all_groups:
         if fg.trainable and fg.master is not fg.shard:
             # the parameters: the master rounded, a chunk at a time

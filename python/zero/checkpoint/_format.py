@@ -423,6 +423,7 @@ class CheckpointReader:
         self._verify(meta_file)
         _check_meta(self.meta, meta_file)
         self.index = defaultdict(list)  # name -> [(lo, hi, tensors, offset, file)]
+        self._mapped_tensors = None  # drop_pages's, made once
         for file in self.meta["shards"]:
             self._add_shard(file)
         self._check_overlaps()
@@ -548,13 +549,16 @@ class CheckpointReader:
         mmap=True: they read back from the files if needed again), so that
         loading a checkpoint larger than memory holds no more than what is
         being copied. mappings: file_mappings()."""
-        seen = set()
-        for pieces in self.index.values():
-            for _lo, _hi, tensors, _offset, _file in pieces:
-                for t in tensors.values():
-                    if id(t) not in seen:
-                        seen.add(id(t))
-                        drop_file_mapped_pages(t, mappings)
+        if self._mapped_tensors is None:  # the index does not change
+            seen, self._mapped_tensors = set(), []
+            for pieces in self.index.values():
+                for _lo, _hi, tensors, _offset, _file in pieces:
+                    for t in tensors.values():
+                        if id(t) not in seen:
+                            seen.add(id(t))
+                            self._mapped_tensors.append(t)
+        for t in self._mapped_tensors:
+            drop_file_mapped_pages(t, mappings)
 
     def read_into(self, name: str, key: str, lo: int, out: torch.Tensor):
         """out (1-D, any dtype and device) = elements [lo, lo + out.numel())
