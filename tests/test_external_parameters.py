@@ -189,3 +189,51 @@ def test_unregister_leaves_what_the_engine_found_itself_and_takes_the_engines_ca
     deepspeed.zero.unregister_external_parameter(model.embed, model.shared.weight)
     engine(batches()[0])  # the head's own registrations still stand
     engine.close()
+
+
+def _root_walks_at_initialize(model, **options):
+    """How many times initialize walks the whole model (root.modules())."""
+    walks, real = [0], nn.Module.modules
+
+    def counting(self):
+        walks[0] += self is model
+        return real(self)
+    nn.Module.modules = counting
+    try:
+        engine = zero.initialize(model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                                 stage=3, **options)
+    finally:
+        nn.Module.modules = real
+    engine.close()
+    return walks[0]
+
+
+def test_what_the_engine_finds_costs_no_walk_of_the_model_each():
+    """The engine's own externals (each MultiheadAttention's out_proj, a
+    ParameterList's entries for its owner) are checked against the model's
+    modules kept from one walk, and against a module's list by id: a walk
+    of the model per parameter, and a list scan per entry, made 800 layers
+    take 7 s to initialize and a 40,000-entry ParameterList 20 s."""
+    def layers(n):
+        torch.manual_seed(0)
+        return nn.TransformerEncoder(nn.TransformerEncoderLayer(16, 2, 32, batch_first=True), n,
+                                     enable_nested_tensor=False)
+    assert _root_walks_at_initialize(layers(10), units="module") == \
+        _root_walks_at_initialize(layers(20), units="module")
+    # and a ParameterList's entries still gather around their owner
+    torch.manual_seed(0)
+
+    class Owner(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.entries = nn.ParameterList([nn.Parameter(torch.randn(3)) for _ in range(500)])
+
+        def forward(self, x):
+            return x * torch.stack(list(self.entries)).sum()
+    model, ref = Owner(), Owner()
+    ref.load_state_dict(model.state_dict())
+    engine = zero.initialize(model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                             stage=3)
+    x = torch.randn(4)
+    assert torch.allclose(engine(x), ref(x))
+    engine.close()

@@ -60,7 +60,7 @@ def unregister_external_parameter(module, parameter):
     # another module's its direct ones (Stage3Schedule.__init__)
     own = module.parameters() if schedule.unit_roots.root(module) is module else \
         module._parameters.values()
-    needed = module.__dict__.get(_NEEDED, [])
+    needed = module.__dict__.get(_NEEDED, {}).values()
     still = [schedule.place.get(id(p)) for p in [*own, *kept, *needed] if p is not None]
     if any(e is not None and e[1] is entry[1] for e in still):
         return
@@ -73,9 +73,9 @@ def add_needed_external(schedule, module, parameter):
     """The engine's own finding that `module` reads `parameter` (see
     _NEEDED): gathered around the module's forward, as registered."""
     schedule.add_external(module, parameter)
-    needed = module.__dict__.setdefault(_NEEDED, [])
-    if all(p is not parameter for p in needed):
-        needed.append(parameter)
+    # by id: a list's membership walk made a 40,000-entry ParameterList's
+    # initialize quadratic (20 s)
+    module.__dict__.setdefault(_NEEDED, {}).setdefault(id(parameter), parameter)
 
 
 def _check_types(module, parameter):

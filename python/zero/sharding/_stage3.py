@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import sys
 import warnings
+import weakref
 
 import torch
 from torch import nn
@@ -184,13 +185,23 @@ class Stage3Schedule(UnitGathering, SavedParameters, PassOrder):
         units = self.units_of[module]  # the list itself: add_external extends it
         return lambda: all(u.gathered or u.persistent for _fg, u in units)
 
+    def _in_model(self, module) -> bool:
+        """module is one of the wrapped model's. The model's modules are
+        kept (weakly) from the last walk, walked again only for a module
+        not among them (one added since): a walk per call made a model of
+        800 MultiheadAttention layers take 7 s to initialize."""
+        known = self.__dict__.get("_model_modules")
+        if known is None or module not in known:
+            known = self._model_modules = weakref.WeakSet(self.root.modules())
+        return module in known
+
     def add_external(self, module, param):
         """Gather param's unit around module's forward too (a parameter the
         module uses without registering it, e.g. F.linear(x, other.weight))."""
         if id(param) not in self.place:
             raise ValueError("the parameter is not one the engine partitions (it is not "
                              "in the wrapped model)")
-        if not any(m is module for m in self.root.modules()):
+        if not self._in_model(module):
             raise ValueError(f"{type(module).__name__} is not a module of the wrapped model")
         entry = self.place[id(param)]
         self._in_order = {}
