@@ -23,6 +23,7 @@ from torch import nn
 
 from zero.config._values import require_bool
 from zero.engine._agreement import check_ranks_agree
+from zero.comm._channel_room import check_channel_room
 from zero.comm._comm import Comm, leave_process_group
 from zero.engine._batch_calls import BatchCalls
 from zero.engine._boundary_step import BoundaryStep
@@ -188,6 +189,9 @@ class Engine(BoundaryStep, DeepSpeedQueries, BatchCalls, CheckpointCalls, Engine
         offload = offload_files(config.offload_optimizer, comm)
         shard_files = param_files(config.offload_param,
                                   config.offload_optimizer.chunk_elements, comm)
+        if self.policy.reduces_in_backward:  # [Note: channel room]
+            check_channel_room(comm, sum(1 for params, _names in groups if params),
+                               self.policy.stage)
         self.groups: list[FlatGroup] = []
         for index, (params, names) in enumerate(groups):
             if not params:
