@@ -18,22 +18,12 @@ from __future__ import annotations
 import os
 import resource
 
-from zero.comm import _comm
+from zero.comm._comm import channels_made
 
 # a channel's descriptors beyond one a peer (measured 5 on 2 ranks, 6 on 3)
 CHANNEL_OWN = 4
 # left for the rest of the program (files, sockets, a DataLoader's pipes)
 HEADROOM = 256
-
-
-def channels_made(comm) -> int:
-    """The reduction channels comm.channel() has made for comm's ranks
-    (kept by _comm for the process; none once the default group changed)."""
-    made = _comm._channels
-    if made["world"] is not _comm.dist.group.WORLD:
-        return 0
-    ranks = None if comm.group is None else tuple(comm.global_ranks)
-    return len(made["groups"].get(ranks, []))
 
 
 def _open_descriptors() -> int:
@@ -65,7 +55,8 @@ def check_channel_room(comm, groups: int, stage: int):
     ([Note: channel room]). A collective on every rank of comm."""
     if comm.world == 1:
         return
-    missing = max(0, groups - channels_made(comm))
+    ranks = None if comm.group is None else tuple(comm.global_ranks)
+    missing = max(0, groups - channels_made(ranks))
     need = _open_descriptors() + missing * (comm.world - 1 + CHANNEL_OWN) + HEADROOM
     limit = _room_for(need) if missing else 0
     rows = comm.gather_ints([need if limit and need > limit else 0, limit])

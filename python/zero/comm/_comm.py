@@ -217,6 +217,12 @@ def all_channels() -> list:
     return [g for groups in _channels["groups"].values() for g in groups]
 
 
+def channels_made(ranks) -> int:
+    """Comm.channel's count for `ranks` (None: the default group's) today."""
+    fresh = _channels["world"] is dist.group.WORLD
+    return len(_channels["groups"].get(ranks, [])) if fresh else 0
+
+
 def made_by_zero(group=None) -> bool:
     """Whether `group` (None: the default group) is one zero made."""
     if group is not None and group is not dist.group.WORLD:
@@ -310,8 +316,7 @@ def raise_if_timed_out(error: RuntimeError, op: str, group=None):
     elif (source := deepspeed_group_timeout_source(group)) is not None:
         wait = group_timeout(group)
         where = "the default process group"
-        how = (f"{source}; set it there, or call "
-               "zero.deepspeed.init_distributed(timeout=timedelta) first")
+        how = f"{source}; set it there, or call zero.deepspeed.init_distributed(timeout=...) first"
     else:
         wait = group_timeout(group)
         where = "the process group your code made"
