@@ -432,3 +432,25 @@ def test_a_load_of_many_small_parameters_drops_pages_by_the_chunk(tmp_path, monk
     loaded = engine.full_state_dict()
     assert all(torch.equal(loaded[k], saved[k]) for k in saved)
     engine.close()
+
+
+def test_close_of_many_small_units_trims_the_heap_by_the_byte(tmp_path, monkeypatch):
+    """close() with parameters in files trims the heap every TRIM_BYTES of
+    gathered units it lets go, not after each unit (a trim walks the heap:
+    8,000 small units took 1.8 s to close against 0.4 s), and the model
+    comes back whole either way."""
+    from zero.engine import _handback
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(4, 4) for _ in range(500)])
+    engine = zero.initialize(model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                             stage=3, offload_param={"device": "nvme", "nvme_path": str(tmp_path)},
+                             units="module")
+    engine.backward(engine(torch.randn(2, 4)).square().mean())
+    engine.step()
+    trained = engine.full_state_dict()
+    trims = []
+    real = _handback.release_freed_memory
+    monkeypatch.setattr(_handback, "release_freed_memory", lambda: (trims.append(1), real()))
+    engine.close()
+    assert len(trims) == 1, len(trims)  # 500 before: one a unit
+    assert all(torch.equal(p.detach(), trained[n]) for n, p in model.named_parameters())

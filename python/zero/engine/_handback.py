@@ -8,6 +8,9 @@ import torch
 from zero.offload._mapped import MappedFile, release_freed_memory
 from zero.step._resumed_states import give_back_optimizer_states
 
+# gathered bytes close() lets go between two trims of the heap (restore_params)
+TRIM_BYTES = 64 << 20
+
 
 def hand_back(engine):
     """close()'s work, once (the engine marks itself closed after). What can
@@ -190,6 +193,7 @@ def restore_params(engine, homes):
     shards: the model may be larger than this machine's memory. Those
     kept in host memory apart from a GPU model (offload_param "cpu")
     come back in host memory: the device may not hold the whole model."""
+    freed = 0  # bytes of gathered units let go since the last trim
     for fg in engine.all_groups:
         home = homes.get(id(fg))  # made by param_homes before anything was removed
         for unit in fg.units:
@@ -206,9 +210,16 @@ def restore_params(engine, homes):
                     p.data = home.tensor[start:start + n].view(shape)
                     home.drop(start, start + n)
             unit.gathered = False
-            unit.full = None
             if home is not None:
+                freed += unit.full.numel() * unit.full.element_size()
+            unit.full = None
+            # every TRIM_BYTES, not every unit: a trim walks the heap (8,000
+            # small units took 1.8 s to close, 0.4 s without the trims)
+            if freed >= TRIM_BYTES:
                 release_freed_memory()
+                freed = 0
+    if freed:
+        release_freed_memory()
 
 
 # [Note: dtypes given back] initialize casts the model (parameters and
