@@ -15,9 +15,15 @@ from zero.comm._gather_together import TOGETHER
 from zero.sharding import _flat_group
 
 
-def _train(rank, world, together, threshold):
-    if not together:
-        _flat_group.gathers_together = lambda comm: False
+def _train_both(rank, world, threshold):
+    """(_train's answer with small units gathered together, and without):
+    one launch for both."""
+    together = _train(rank, world, threshold)
+    _flat_group.gathers_together = lambda comm: False
+    return together, _train(rank, world, threshold)
+
+
+def _train(rank, world, threshold):
     model = make_blocks()
     engine = zero.initialize(model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
                              stage=3, stage3_param_persistence_threshold=threshold)
@@ -37,8 +43,7 @@ def _train(rank, world, together, threshold):
 def test_small_units_go_together_and_change_no_number(world, threshold):
     """threshold 0: every unit released, prefetched together; 1e5: every
     unit persistent, refreshed together after each step."""
-    together = harness.run(world, _train, True, threshold)
-    apart = harness.run(world, _train, False, threshold)
+    together, apart = zip(*harness.run(world, _train_both, threshold))
     for (state, gathers, peak), (state_apart, gathers_apart, peak_apart) in zip(together, apart):
         if threshold == 0:
             # the batches' shared buffers count as gathered memory; a
