@@ -48,18 +48,27 @@ def _train(rank, world, reuse):
     return state, gathered, sizes, after_eval, after_unused
 
 
+def _train_each(rank, world):
+    """{reuse distance: _train's answer} for 0 (every unit released), 1,
+    the head's size + 1 and 1e9, one engine after another in one launch."""
+    runs = {0: _train(rank, world, 0)}
+    head = runs[0][2]["head"]
+    for reuse in (1, head + 1, 10**9):
+        runs[reuse] = _train(rank, world, reuse)
+    return runs
+
+
 @pytest.mark.parametrize("world", [2])
 def test_reuse_distance_keeps_the_turn_and_changes_no_number(world):
-    released = harness.run(world, _train, 0)
+    answers = harness.run(world, _train_each)
     # 1: only the unit used next (the head: the forward's last, the
     # backward's first); a head and a bit: the next after it is the head's
     # own forward use again for the last block, so still only the head;
     # 1e9: every unit (a forward's units all come back in its backward)
-    head = released[0][2]["head"]
-    runs = {1: harness.run(world, _train, 1), head + 1: harness.run(world, _train, head + 1),
-            10**9: harness.run(world, _train, 10**9)}
+    head = answers[0][0][2]["head"]
+    runs = {reuse: [mine[reuse] for mine in answers] for reuse in (1, head + 1, 10**9)}
     for rank in range(world):
-        state0, gathered0, sizes, after_eval, after_unused = released[rank]
+        state0, gathered0, sizes, after_eval, after_unused = answers[rank][0]
         assert not any(after_eval) and after_unused == 0
         # the first step records the order; a forward gathers every unit
         # once and so does a backward
@@ -80,4 +89,4 @@ def test_reuse_distance_keeps_the_turn_and_changes_no_number(world):
         ref(every).backward()
         opt.step()
     for name, p in ref.state_dict().items():
-        assert max_rel_error(released[0][0][name], p) < 1e-5, name
+        assert max_rel_error(answers[0][0][0][name], p) < 1e-5, name
