@@ -21,8 +21,9 @@ from test_checkpoint_crashes import WORKER, worker_env  # noqa: E402
 MOST_BOUNDARIES = 40  # a save crosses ~19 on rank 0; the sweep stops past the last
 
 
-def sweep(base, kill_rank, count):
-    """Each rank's JSON lines for N = 0 .. count - 1 (N = 0: nobody killed)."""
+def start_sweep(base, kill_rank, count):
+    """The two ranks' processes of a sweep over N = 0 .. count - 1 (N = 0:
+    nobody killed), started: (processes, their output files)."""
     ports = ",".join(str(free_port()) for _ in range(count))
     procs, logs = [], []
     for rank in range(2):
@@ -35,6 +36,11 @@ def sweep(base, kill_rank, count):
         procs.append(subprocess.Popen([sys.executable, WORKER, "ranks", str(base),
                                        str(kill_rank), ports], env=env, text=True,
                                       stdout=out, stderr=err))
+    return procs, logs
+
+
+def finish_sweep(procs, logs):
+    """Each rank's JSON lines of a started sweep, once it ended."""
     try:
         for p in procs:
             p.wait(timeout=600)
@@ -54,6 +60,11 @@ def sweep(base, kill_rank, count):
     return [[json.loads(line) for line in o.splitlines()] for o, _e in outputs]
 
 
+def sweep(base, kill_rank, count):
+    """Each rank's JSON lines for N = 0 .. count - 1 (N = 0: nobody killed)."""
+    return finish_sweep(*start_sweep(base, kill_rank, count))
+
+
 @pytest.fixture(scope="module")
 def boundaries(tmp_path_factory):
     """Each rank's count of boundaries in the save (nobody killed)."""
@@ -68,13 +79,25 @@ def test_each_rank_crosses_boundaries(boundaries):
     assert boundaries[0] >= 15 and boundaries[1] >= 4
 
 
+@pytest.fixture(scope="module")
+def sweeps(tmp_path_factory, boundaries):
+    """{kill_rank: (its directory, each rank's JSON lines)}: the two sweeps
+    run at once (two pairs of processes: each pair waits on itself half
+    the time), about 1.4x faster than one after the other."""
+    started = {}
+    for kill_rank in (0, 1):
+        base = tmp_path_factory.mktemp(f"kill{kill_rank}")
+        started[kill_rank] = base, start_sweep(base, kill_rank, boundaries[kill_rank] + 1)
+    return {kill_rank: (base, finish_sweep(*run)) for kill_rank, (base, run) in started.items()}
+
+
 @pytest.mark.parametrize("kill_rank", [0, 1])
-def test_a_rank_killed_at_any_boundary_leaves_a_loadable_checkpoint(tmp_path, boundaries,
+def test_a_rank_killed_at_any_boundary_leaves_a_loadable_checkpoint(sweeps, boundaries,
                                                                    kill_rank, monkeypatch):
     for var in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK"):
-        monkeypatch.delenv(var, raising=False)
+        monkeypatch.delenv(var, raising=False)  # the loader below is one process
     count = boundaries[kill_rank]
-    lines = sweep(tmp_path, kill_rank, count + 1)
+    tmp_path, lines = sweeps[kill_rank]
     ended = [{line["n"]: line for line in rank_lines if "status" in line}
              for rank_lines in lines]
     loader = build(seed=7)
