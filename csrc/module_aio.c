@@ -296,6 +296,11 @@ static PyObject *submit(Aio *self, PyObject *args, PyObject *kwargs,
                          nbytes) != 0) {
         goto done;
     }
+    /* the tensor's __dlpack__ and the arguments' __index__ ran Python code,
+     * which may have closed this Aio meanwhile */
+    if (check_usable(self) != 0) {
+        goto done;
+    }
     zero_aio_request request = {(int)call.fd, b->data, nbytes, call.offset,
                                 write};
     int64_t id = -1;

@@ -237,3 +237,14 @@ def test_what_the_engine_finds_costs_no_walk_of_the_model_each():
     x = torch.randn(4)
     assert torch.allclose(engine(x), ref(x))
     engine.close()
+    # after initialize, a module taken out of the model is none of its
+    # modules any more (the walk made for initialize is not kept)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 3), nn.Linear(3, 3))
+    engine = zero.initialize(model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                             stage=3)
+    taken_out = model[2]
+    model[2] = nn.Identity()
+    with pytest.raises(ValueError, match="Linear is not a module of the wrapped model"):
+        deepspeed.zero.register_external_parameter(taken_out, model[0].weight)
+    engine.close()

@@ -422,12 +422,17 @@ static void test_fork(zero_aio_backend backend)
     CHECK(zero_aio_submit(a, &r, &id) == ZERO_OK &&
               zero_aio_wait(a, id, -1, &res) == ZERO_OK,
           "before the fork");
+    /* in flight at the fork (or done, not yet waited for): a wait the
+     * child may not make, with a timeout of 0 so a wrong answer cannot
+     * hang the test (the parent's wait for it comes after) */
+    int64_t pending;
+    CHECK(zero_aio_submit(a, &r, &pending) == ZERO_OK, "submit before the fork");
     pid_t child = fork();
     if (child == 0) {
         int64_t child_id;
         int refused = zero_aio_submit(a, &r, &child_id) ==
                           ZERO_ERR_INVALID_ARGUMENT &&
-                      zero_aio_wait(a, id, 0, &res) ==
+                      zero_aio_wait(a, pending, 0, &res) ==
                           ZERO_ERR_INVALID_ARGUMENT;
         zero_aio_destroy(a);
         _exit(refused ? 0 : 1);
@@ -436,6 +441,9 @@ static void test_fork(zero_aio_backend backend)
     waitpid(child, &status, 0);
     CHECK(WIFEXITED(status) && WEXITSTATUS(status) == 0,
           "%s: the child's submit and wait refused", zero_aio_backend_name(backend));
+    CHECK(zero_aio_wait(a, pending, -1, &res) == ZERO_OK && res.moved == 2 * BLOCK,
+          "%s: the request pending at the fork, in the parent",
+          zero_aio_backend_name(backend));
     CHECK(zero_aio_submit(a, &r, &id) == ZERO_OK &&
               zero_aio_wait(a, id, -1, &res) == ZERO_OK && res.moved == 2 * BLOCK,
           "%s: the parent's engine after the fork", zero_aio_backend_name(backend));

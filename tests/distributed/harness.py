@@ -22,9 +22,11 @@ PORT_ATTEMPTS = 3
 # (multiprocessing's forkserver), not spawned to import them again: about
 # 1.5 s of CPU a worker (torch, and torch.optim's first param group imports
 # torch._dynamo), some 250 workers a suite on 2 cores. The server is a
-# fresh interpreter with nothing of the test process's state; it starts at
-# the first launch, with the environment then, and imports nothing that
-# starts a thread (no process group, no parallel op).
+# fresh interpreter with nothing of the test process's state: no process
+# group, no CUDA, no parallel op run (numpy's OpenBLAS threads, started by
+# the imports, handle a fork themselves). It starts at the first launch
+# and keeps the environment of then: a worker sees an os.environ change
+# made after that only if the test passes it in its arguments.
 multiprocessing.set_forkserver_preload(["torch", "torch._dynamo", "zero"])
 
 

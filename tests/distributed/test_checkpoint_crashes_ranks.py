@@ -21,10 +21,23 @@ from test_checkpoint_crashes import WORKER, worker_env  # noqa: E402
 MOST_BOUNDARIES = 40  # a save crosses ~19 on rank 0; the sweep stops past the last
 
 
-def start_sweep(base, kill_rank, count):
+def distinct_ports(count, taken):
+    """count free ports, none in `taken` (which gets them): two sweeps
+    running at once must not share a rendezvous port."""
+    ports = []
+    while len(ports) < count:
+        port = free_port()
+        if port not in taken:
+            taken.add(port)
+            ports.append(port)
+    return ports
+
+
+def start_sweep(base, kill_rank, count, taken=None):
     """The two ranks' processes of a sweep over N = 0 .. count - 1 (N = 0:
-    nobody killed), started: (processes, their output files)."""
-    ports = ",".join(str(free_port()) for _ in range(count))
+    nobody killed), started: (processes, their output files). taken: ports
+    another sweep running at once holds."""
+    ports = ",".join(str(p) for p in distinct_ports(count, set() if taken is None else taken))
     procs, logs = [], []
     for rank in range(2):
         env = dict(worker_env(), RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank),
@@ -84,10 +97,11 @@ def sweeps(tmp_path_factory, boundaries):
     """{kill_rank: (its directory, each rank's JSON lines)}: the two sweeps
     run at once (two pairs of processes: each pair waits on itself half
     the time), about 1.4x faster than one after the other."""
-    started = {}
+    started, taken = {}, set()
     for kill_rank in (0, 1):
         base = tmp_path_factory.mktemp(f"kill{kill_rank}")
-        started[kill_rank] = base, start_sweep(base, kill_rank, boundaries[kill_rank] + 1)
+        started[kill_rank] = base, start_sweep(base, kill_rank, boundaries[kill_rank] + 1,
+                                               taken)
     return {kill_rank: (base, finish_sweep(*run)) for kill_rank, (base, run) in started.items()}
 
 

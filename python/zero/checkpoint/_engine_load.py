@@ -228,7 +228,8 @@ def _read_partitions(engine, reader, with_optimizer):
         fg.settle_copies()
     # a model on a disk: the copies' pages (the checkpoint's and the
     # files') are dropped every _COPY_CHUNK elements, so loading holds
-    # about that much of them
+    # about that much of them, or one key of one parameter's piece where
+    # that is larger (read_into copies a piece whole)
     on_disk = in_files(engine)
     mappings = reader.file_mappings() if on_disk else None
     pieces = _LocalPieces(engine, reader)

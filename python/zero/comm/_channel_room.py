@@ -69,6 +69,7 @@ def check_channel_room(comm, groups: int, stage: int):
         f"{groups} process groups of their own (about {comm.world - 1 + CHANNEL_OWN} file "
         f"descriptors each on {comm.world} ranks), and rank(s) "
         f"{[r for r, _n, _lim in short]} may open at most "
-        f"{min(lim for _r, _n, lim in short)} (their hard limit): {worst} are needed. "
+        f"{min(lim for _r, _n, lim in short)} (raised as far as they allow): {worst} are "
+        "needed. "
         "Merge the param groups that share their settings (one group a learning rate and "
         f"weight decay), or raise the limit (ulimit -n {worst}) before the launch")

@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import sys
 import warnings
-import weakref
 
 import torch
 from torch import nn
@@ -139,6 +138,10 @@ class Stage3Schedule(UnitGathering, SavedParameters, PassOrder):
                 self.hooks += hook_state_loads(module, units)  # [Note: state dict loads]
         self.hooks += gather_around_backward_hooks(self, root, place)  # in _backward_hooks.py
         self.hooks += watch_uncalled_roots(self, root, roots)  # [Note: roots never called]
+        # the model's modules, walked once for the externals found here (a
+        # walk per parameter made 800 MultiheadAttention layers take 7 s);
+        # later calls walk again: a module may have left the model since
+        self._model_modules = {id(m) for m in root.modules()}
         for module, param in registered_externals(root):  # deepspeed.zero's call, before us
             self.add_external(module, param)
         for module in root.modules():
@@ -153,6 +156,7 @@ class Stage3Schedule(UnitGathering, SavedParameters, PassOrder):
                     # the parameters (Reformer's axial position embeddings)
                     for p in child.parameters():
                         add_needed_external(self, module, p)
+        self._model_modules = None
 
     @staticmethod
     def _mark_leaf_units(entries):
@@ -186,14 +190,12 @@ class Stage3Schedule(UnitGathering, SavedParameters, PassOrder):
         return lambda: all(u.gathered or u.persistent for _fg, u in units)
 
     def _in_model(self, module) -> bool:
-        """module is one of the wrapped model's. The model's modules are
-        kept (weakly) from the last walk, walked again only for a module
-        not among them (one added since): a walk per call made a model of
-        800 MultiheadAttention layers take 7 s to initialize."""
+        """module is one of the wrapped model's (the walk __init__ made,
+        while it runs; else a walk now)."""
         known = self.__dict__.get("_model_modules")
-        if known is None or module not in known:
-            known = self._model_modules = weakref.WeakSet(self.root.modules())
-        return module in known
+        if known is not None:
+            return id(module) in known
+        return any(m is module for m in self.root.modules())
 
     def add_external(self, module, param):
         """Gather param's unit around module's forward too (a parameter the
