@@ -29,20 +29,24 @@ def slow_read(tmp_path):
     os.close(fd)
 
 
+def _wait_for(aio, request, outcomes):
+    """A thread's wait for one request: "waited", or the message that
+    another wait took it."""
+    try:
+        aio.wait(request)
+        outcomes.append("waited")
+    except ValueError as error:
+        outcomes.append(str(error))
+
+
 def test_two_threads_waiting_for_one_request(slow_read):
     aio, fd, data = slow_read
     for _ in range(3):
         into = torch.empty(MB << 18)
         request = aio.submit_read(fd, into)
         outcomes = []
-
-        def wait():
-            try:
-                aio.wait(request)
-                outcomes.append("waited")
-            except ValueError as error:
-                outcomes.append(str(error))
-        threads = [threading.Thread(target=wait) for _ in range(2)]
+        threads = [threading.Thread(target=_wait_for, args=(aio, request, outcomes))
+                   for _ in range(2)]
         for t in threads:
             t.start()
         for t in threads:
@@ -58,14 +62,7 @@ def test_wait_for_everything_beside_a_wait_for_one(slow_read):
     into = torch.empty(MB << 18)
     request = aio.submit_read(fd, into)
     outcomes = []
-
-    def wait_for_one():
-        try:
-            aio.wait(request)
-            outcomes.append("waited")
-        except ValueError as error:  # wait() took it first
-            outcomes.append(str(error))
-    one = threading.Thread(target=wait_for_one)
+    one = threading.Thread(target=_wait_for, args=(aio, request, outcomes))
     one.start()
     aio.wait()  # a request another thread takes is no error for wait()
     one.join()
