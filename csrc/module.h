@@ -257,12 +257,24 @@ int check_no_overlap(extent *extents, Py_ssize_t count);
 Py_ssize_t extents_of_args(const arg_set *set, const cuda_arg *skip,
                            extent *extents);
 int check_args_no_overlap(const arg_set *set);
+/* Where tensor i of set (count tensors) sits in bucket: offsets_obj[i] (a
+ * list or tuple of ints), or back to back when offsets_obj is None; every
+ * slice checked to lie inside the bucket. */
+int bucket_offsets(PyObject *offsets_obj, const arg_set *set,
+                   Py_ssize_t count, const Buffer *bucket, int64_t *offsets);
 
 /* Register the CPU optimizers (module_optim.c), the disk I/O engine's
  * type and aio_info (module_aio.c) and the cuda_* functions
  * (module_cuda.c). */
 int add_optim_functions(PyObject *module);
 int add_aio(PyObject *module);
+/* module_aio_requests.c: the descriptor is open, in a mode that allows the
+ * transfer, and aligned as O_DIRECT needs when opened so (else an error
+ * naming `function`); and the OSError of a failed request, from its
+ * `held` entry (Buffer, fd, offset, nbytes, write) and its result. */
+int check_descriptor(const char *function, int fd, int write,
+                     const Buffer *b, int64_t offset, int64_t nbytes);
+void raise_failure(PyObject *entry, const zero_aio_result *r);
 /* zero._C.GradBuckets and its hook type (module_buckets.c). */
 int add_buckets(PyObject *module);
 int add_cuda_functions(PyObject *module);

@@ -436,69 +436,6 @@ static const arg_spec unpack_args[] = {
 static const signature unpack_sig =
     SIGNATURE("cuda_unpack", unpack_args, 2, 2, bucket_call);
 
-/* Where tensor i sits in the bucket: offsets[i] (items, a tuple's), or
- * back to back when items is NULL. Checks that every slice lies inside the
- * bucket. */
-static int place_slices(PyObject *const *items, const arg_set *set,
-                        Py_ssize_t count, const Buffer *bucket,
-                        int64_t *offsets)
-{
-    int64_t next = 0;
-    for (Py_ssize_t i = 0; i < count; i++) {
-        int64_t at = next;
-        if (items) {
-            at = PyLong_AsLongLong(items[i]);
-            if (at == -1 && PyErr_Occurred()) {
-                return -1;
-            }
-        }
-        int64_t numel = set->args[i].buf->numel;
-        if (at < 0 || at > bucket->numel || numel > bucket->numel - at) {
-            PyErr_Format(PyExc_ValueError,
-                         "tensors[%zd] (%lld elements) at offset %lld does "
-                         "not fit in bucket (%lld elements)",
-                         i, (long long)numel, (long long)at,
-                         (long long)bucket->numel);
-            return -1;
-        }
-        offsets[i] = at;
-        next = at + numel;
-    }
-    return 0;
-}
-
-/* place_slices with offsets_obj (None, or a list or tuple of ints), read
- * from a tuple copy: an item's __index__ may change a list. */
-static int bucket_offsets(PyObject *offsets_obj, const arg_set *set,
-                          Py_ssize_t count, const Buffer *bucket,
-                          int64_t *offsets)
-{
-    if (!offsets_obj || offsets_obj == Py_None) {
-        return place_slices(NULL, set, count, bucket, offsets);
-    }
-    if (!PyList_Check(offsets_obj) && !PyTuple_Check(offsets_obj)) {
-        PyErr_Format(PyExc_TypeError,
-                     "offsets must be a list or tuple of ints, not %.100s",
-                     Py_TYPE(offsets_obj)->tp_name);
-        return -1;
-    }
-    PyObject *kept = PySequence_Tuple(offsets_obj);
-    if (!kept) {
-        return -1;
-    }
-    int status = -1;
-    if (PyTuple_GET_SIZE(kept) != count) {
-        PyErr_Format(PyExc_ValueError,
-                     "offsets has %zd entries, tensors has %zd",
-                     PyTuple_GET_SIZE(kept), count);
-    } else {
-        status = place_slices(PySequence_Fast_ITEMS(kept), set, count, bucket,
-                              offsets);
-    }
-    Py_DECREF(kept);
-    return status;
-}
-
 /* Pack (tensors -> bucket slices) or unpack (bucket slices -> tensors). */
 static PyObject *bucket_copy(PyObject *module, PyObject *args,
                              PyObject *kwargs, const signature *sig)
