@@ -35,6 +35,9 @@ test-c: $(EMULATED_CUDA)
 	$(CC) -std=c11 -O1 -g -Wall -Wextra -Werror -Iinclude $(SANITIZE) -o tests/c/build/test_bucket_gaps \
 		tests/c/test_bucket_gaps.c $(CORE_SOURCES) -lm -lpthread -ldl
 	ASAN_OPTIONS=detect_leaks=1 UBSAN_OPTIONS=print_stacktrace=1 tests/c/build/test_bucket_gaps
+	$(CC) -std=c11 -O1 -g -Wall -Wextra -Werror -Iinclude $(SANITIZE) -o tests/c/build/test_shared_buckets \
+		tests/c/test_shared_buckets.c $(CORE_SOURCES) -lm -lpthread -ldl
+	ASAN_OPTIONS=detect_leaks=1 UBSAN_OPTIONS=print_stacktrace=1 tests/c/build/test_shared_buckets
 	$(CC) -std=c11 -O1 -g -Wall -Wextra -Werror -Iinclude $(SANITIZE) -o tests/c/build/test_cuda \
 		tests/c/test_cuda.c $(CORE_SOURCES) -lm -lpthread -ldl
 	ASAN_OPTIONS=detect_leaks=1 UBSAN_OPTIONS=print_stacktrace=1 tests/c/build/test_cuda $(EMULATED_CUDA)

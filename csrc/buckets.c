@@ -1,6 +1,6 @@
 /* buckets.c: the gradient bucket plan of a flat group and its per-backward
- * counts ([Note: the bucket plan] in zero.h), and the accumulate kernel a
- * gradient lands in its bucket with. The Python binding (module_buckets.c)
+ * counts ([Note: the bucket plan] in zero.h; the copy and accumulate a
+ * piece lands with are elementwise.c's). The Python binding (module_buckets.c)
  * drives it from the post-accumulate-grad hooks; the counts follow what
  * sharding/_buckets.py documents ([Note: expected gradients]).
  */
@@ -15,6 +15,13 @@ struct zero_buckets {
     int64_t *first_piece;    /* [n_params + 1]: pieces of i are [first[i], first[i+1]) */
     zero_bucket_piece *pieces;
     int64_t *bucket_unit, *bucket_start, *bucket_end; /* [n_buckets] */
+    /* [Note: small units share a bucket]: chunks and unit_part are NULL
+     * without it; bucket_last[b] > bucket_unit[b] for a shared bucket, whose
+     * segments are bucket_segment[b] elements; unit_prefix[u]: where a
+     * sharing unit's chunk starts in a segment, -1 for the others */
+    int64_t chunks;
+    int64_t *unit_part, *unit_prefix;       /* [n_units] */
+    int64_t *bucket_last, *bucket_segment;  /* [n_buckets] */
     int64_t *unit_members;   /* [n_units] parameters in each unit */
     int64_t n_pieces;
     int64_t *bucket_first;   /* [n_buckets + 1]: bucket b's pieces are */
@@ -41,6 +48,10 @@ void zero_buckets_destroy(zero_buckets *plan)
     free(plan->bucket_unit);
     free(plan->bucket_start);
     free(plan->bucket_end);
+    free(plan->unit_part);
+    free(plan->unit_prefix);
+    free(plan->bucket_last);
+    free(plan->bucket_segment);
     free(plan->unit_members);
     free(plan->bucket_first);
     free(plan->by_bucket);
@@ -82,12 +93,24 @@ static int plan_arguments_valid(int64_t n_params, const int64_t *param_unit,
                                 const int64_t *param_offset,
                                 const int64_t *param_numel, int64_t n_units,
                                 const int64_t *unit_span,
+                                const int64_t *unit_part, int64_t chunks,
                                 int64_t bucket_elements)
 {
     if (n_params < 0 ||
         (n_params > 0 && (!param_unit || !param_offset || !param_numel)) ||
         zero_buckets_needed(n_units, unit_span, bucket_elements) < 0) {
         return 0;
+    }
+    if (unit_part) { /* every span inside its chunks, their product in range */
+        if (chunks < 1) {
+            return 0;
+        }
+        for (int64_t u = 0; u < n_units; u++) {
+            if (unit_part[u] < 0 || unit_part[u] > INT64_MAX / chunks ||
+                unit_span[u] > chunks * unit_part[u]) {
+                return 0;
+            }
+        }
     }
     for (int64_t i = 0; i < n_params; i++) {
         int64_t u = param_unit[i];
@@ -100,26 +123,83 @@ static int plan_arguments_valid(int64_t n_params, const int64_t *param_unit,
     return 1;
 }
 
+/* The elements all of unit u's chunks take; -1 without chunks. */
+static int64_t chunked_size(const zero_buckets *plan, int64_t u)
+{
+    return plan->unit_part ? plan->chunks * plan->unit_part[u] : -1;
+}
+
 /* Buckets from the last unit's end backwards; returns their number, and
- * fills the ranges when the arrays are given. */
-static int64_t lay_buckets(const zero_buckets *plan, const int64_t *unit_span,
-                           int64_t bucket_elements, int64_t *unit_of,
-                           int64_t *start_of, int64_t *end_of)
+ * fills the plan's bucket arrays when `fill`. Units that fit share buckets
+ * ([Note: small units share a bucket]); the others are cut into ranges of
+ * their spans from the end. */
+static int64_t lay_buckets(zero_buckets *plan, const int64_t *unit_span,
+                           int64_t bucket_elements, int fill)
 {
     int64_t b = 0;
-    for (int64_t u = plan->n_units - 1; u >= 0; u--) {
+    for (int64_t u = plan->n_units - 1; u >= 0;) {
+        int64_t first = u, size = 0;
+        while (first >= 0 && chunked_size(plan, first) >= 0 &&
+               chunked_size(plan, first) <= bucket_elements - size) {
+            size += chunked_size(plan, first);
+            first--;
+        }
+        first++; /* the sharing units are [first, u]; none when first > u */
+        if (first < u) {
+            if (size > 0 && fill) { /* units all empty need no bucket */
+                plan->bucket_unit[b] = first;
+                plan->bucket_last[b] = u;
+                plan->bucket_start[b] = 0;
+                plan->bucket_end[b] = size;
+                plan->bucket_segment[b] = size / plan->chunks;
+                for (int64_t v = first, at = 0; v <= u; v++) {
+                    plan->unit_prefix[v] = at;
+                    at += plan->unit_part[v];
+                }
+            }
+            b += size > 0;
+            u = first - 1;
+            continue;
+        }
         for (int64_t end = unit_span[u]; end > 0;) {
             int64_t start = end > bucket_elements ? end - bucket_elements : 0;
-            if (unit_of) {
-                unit_of[b] = u;
-                start_of[b] = start;
-                end_of[b] = end;
+            if (fill) {
+                plan->bucket_unit[b] = u;
+                plan->bucket_last[b] = u;
+                plan->bucket_start[b] = start;
+                plan->bucket_end[b] = end;
             }
             b++;
             end = start;
         }
+        u--;
     }
     return b;
+}
+
+/* Parameter i's pieces in a bucket its unit shares: one per chunk it
+ * crosses, each at its place in that chunk's segment. Returns the count
+ * after them. */
+static int64_t lay_shared_pieces(zero_buckets *plan, int64_t b, int64_t u,
+                                 int64_t lo, int64_t hi, int64_t total,
+                                 int fill)
+{
+    if (lo >= hi) {
+        return total; /* an empty parameter has none (its unit may be too) */
+    }
+    int64_t part = plan->unit_part[u], segment = plan->bucket_segment[b];
+    for (int64_t r = lo / part; r * part < hi; r++) {
+        int64_t s = lo > r * part ? lo : r * part;
+        int64_t e = hi < (r + 1) * part ? hi : (r + 1) * part;
+        if (fill) {
+            zero_bucket_piece piece = {
+                b, r * segment + plan->unit_prefix[u] + s - r * part, s - lo,
+                e - s};
+            plan->pieces[total] = piece;
+        }
+        total++;
+    }
+    return total;
 }
 
 /* The pieces of every parameter: the buckets of its unit it overlaps. Each
@@ -137,14 +217,21 @@ static int64_t lay_pieces(zero_buckets *plan, const int64_t *param_offset,
         return -1;
     }
     for (int64_t b = plan->n_buckets - 1; b >= 0; b--) {
-        unit_first[plan->bucket_unit[b]] = b;
-        unit_count[plan->bucket_unit[b]]++;
+        for (int64_t u = plan->bucket_unit[b]; u <= plan->bucket_last[b]; u++) {
+            unit_first[u] = b;
+            unit_count[u]++;
+        }
     }
     for (int64_t i = 0; i < plan->n_params; i++) {
         int64_t u = plan->param_unit[i];
         int64_t lo = param_offset[i], hi = lo + param_numel[i];
         if (fill) {
             plan->first_piece[i] = total;
+        }
+        if (plan->unit_prefix && plan->unit_prefix[u] >= 0) {
+            /* a parameter of a non-empty span lies in a bucket */
+            total = lay_shared_pieces(plan, unit_first[u], u, lo, hi, total, fill);
+            continue;
         }
         for (int64_t k = 0; k < unit_count[u]; k++) {
             int64_t b = unit_first[u] + k;
@@ -241,12 +328,28 @@ zero_status zero_buckets_create(zero_buckets **out, int64_t n_params,
                                 const int64_t *unit_span,
                                 int64_t bucket_elements)
 {
+    return zero_buckets_create_chunked(out, n_params, param_unit, param_offset,
+                                       param_numel, n_units, unit_span, NULL, 1,
+                                       bucket_elements);
+}
+
+zero_status zero_buckets_create_chunked(zero_buckets **out, int64_t n_params,
+                                        const int64_t *param_unit,
+                                        const int64_t *param_offset,
+                                        const int64_t *param_numel,
+                                        int64_t n_units,
+                                        const int64_t *unit_span,
+                                        const int64_t *unit_part,
+                                        int64_t chunks,
+                                        int64_t bucket_elements)
+{
     if (!out) {
         return ZERO_ERR_INVALID_ARGUMENT;
     }
     *out = NULL;
     if (!plan_arguments_valid(n_params, param_unit, param_offset, param_numel,
-                              n_units, unit_span, bucket_elements)) {
+                              n_units, unit_span, unit_part, chunks,
+                              bucket_elements)) {
         return ZERO_ERR_INVALID_ARGUMENT;
     }
     zero_buckets *plan = calloc(1, sizeof *plan);
@@ -255,28 +358,42 @@ zero_status zero_buckets_create(zero_buckets **out, int64_t n_params,
     }
     plan->n_params = n_params;
     plan->n_units = n_units;
-    plan->n_buckets = lay_buckets(plan, unit_span, bucket_elements, NULL, NULL,
-                                  NULL);
+    if (unit_part) {
+        plan->chunks = chunks;
+        plan->unit_part = zeroed(n_units, sizeof *plan->unit_part);
+        plan->unit_prefix = zeroed(n_units, sizeof *plan->unit_prefix);
+        if (!plan->unit_part || !plan->unit_prefix) {
+            zero_buckets_destroy(plan);
+            return ZERO_ERR_OUT_OF_MEMORY;
+        }
+        for (int64_t u = 0; u < n_units; u++) {
+            plan->unit_part[u] = unit_part[u];
+            plan->unit_prefix[u] = -1;
+        }
+    }
+    plan->n_buckets = lay_buckets(plan, unit_span, bucket_elements, 0);
     int64_t nb = plan->n_buckets;
     plan->param_unit = zeroed(n_params, sizeof *plan->param_unit);
     plan->first_piece = zeroed(n_params + 1, sizeof *plan->first_piece);
     plan->bucket_unit = zeroed(nb, sizeof *plan->bucket_unit);
     plan->bucket_start = zeroed(nb, sizeof *plan->bucket_start);
     plan->bucket_end = zeroed(nb, sizeof *plan->bucket_end);
+    plan->bucket_last = zeroed(nb, sizeof *plan->bucket_last);
+    plan->bucket_segment = zeroed(nb, sizeof *plan->bucket_segment);
     plan->unit_members = zeroed(n_units, sizeof *plan->unit_members);
     plan->pending = zeroed(nb, sizeof *plan->pending);
     plan->unit_pending = zeroed(n_units, sizeof *plan->unit_pending);
     plan->expected = zeroed(n_params, 1);
     plan->arrived = zeroed(n_params, 1);
     if (!plan->param_unit || !plan->first_piece || !plan->bucket_unit ||
-        !plan->bucket_start || !plan->bucket_end || !plan->unit_members ||
+        !plan->bucket_start || !plan->bucket_end || !plan->bucket_last ||
+        !plan->bucket_segment || !plan->unit_members ||
         !plan->pending || !plan->unit_pending || !plan->expected ||
         !plan->arrived) {
         zero_buckets_destroy(plan);
         return ZERO_ERR_OUT_OF_MEMORY;
     }
-    lay_buckets(plan, unit_span, bucket_elements, plan->bucket_unit,
-                plan->bucket_start, plan->bucket_end);
+    lay_buckets(plan, unit_span, bucket_elements, 1);
     for (int64_t i = 0; i < n_params; i++) {
         plan->param_unit[i] = param_unit[i];
         plan->unit_members[param_unit[i]]++;
@@ -314,6 +431,17 @@ zero_status zero_buckets_range(const zero_buckets *plan, int64_t b,
     *unit = plan->bucket_unit[b];
     *start = plan->bucket_start[b];
     *end = plan->bucket_end[b];
+    return ZERO_OK;
+}
+
+zero_status zero_buckets_units(const zero_buckets *plan, int64_t b,
+                               int64_t *first, int64_t *last)
+{
+    if (!plan || b < 0 || b >= plan->n_buckets || !first || !last) {
+        return ZERO_ERR_INVALID_ARGUMENT;
+    }
+    *first = plan->bucket_unit[b];
+    *last = plan->bucket_last[b];
     return ZERO_OK;
 }
 
@@ -468,64 +596,4 @@ int64_t zero_buckets_sent(const zero_buckets *plan)
 int zero_buckets_started(const zero_buckets *plan)
 {
     return plan && (plan->next_bucket > 0 || plan->arrivals > 0);
-}
-
-/* ---- accumulate and copy --------------------------------------------- */
-
-#define ACCUMULATE_GRAIN 4096
-
-/* What the accumulate and the copy share: one job over [0, n) of one
- * dtype, on the calling thread when small, else split over the pool. */
-typedef struct {
-    const isa_kernels *kernels;
-    char *dst;
-    const char *src;
-    zero_dtype dtype;
-    size_t itemsize;
-} elementwise_job;
-
-static zero_status run_elementwise(void *dst, const void *src, zero_dtype dtype,
-                                   int64_t n, range_fn fn)
-{
-    if (n < 0 || (n > 0 && (!dst || !src))) {
-        return ZERO_ERR_INVALID_ARGUMENT;
-    }
-    if (!dtype_valid(dtype)) {
-        return ZERO_ERR_UNSUPPORTED_DTYPE;
-    }
-    if (n == 0) {
-        return ZERO_OK; /* memcpy must not see NULL, even for 0 bytes */
-    }
-    elementwise_job job = {active_kernels(), dst, src, dtype,
-                           dtype == ZERO_F32 ? 4 : 2};
-    if (n < 8 * ACCUMULATE_GRAIN) {
-        fn(&job, 0, n);
-        return ZERO_OK;
-    }
-    return parallel_for(n, ACCUMULATE_GRAIN, fn, &job);
-}
-
-static void accumulate_range(void *ctx, int64_t begin, int64_t end)
-{
-    const elementwise_job *job = ctx;
-    job->kernels->accumulate(job->dst, job->src, job->dtype, begin, end);
-}
-
-zero_status zero_accumulate(void *dst, const void *src, zero_dtype dtype,
-                            int64_t n)
-{
-    return run_elementwise(dst, src, dtype, n, accumulate_range);
-}
-
-static void copy_range(void *ctx, int64_t begin, int64_t end)
-{
-    const elementwise_job *job = ctx;
-    memcpy(job->dst + (size_t)begin * job->itemsize,
-           job->src + (size_t)begin * job->itemsize,
-           (size_t)(end - begin) * job->itemsize);
-}
-
-zero_status zero_copy(void *dst, const void *src, zero_dtype dtype, int64_t n)
-{
-    return run_elementwise(dst, src, dtype, n, copy_range);
 }

@@ -84,15 +84,28 @@ static PyObject *GradBuckets_new(PyTypeObject *type, PyObject *args,
 {
     static char *keywords[] = {"param_units", "param_offsets", "param_numels",
                                "unit_spans", "bucket_elements", "owner",
-                               "dtype", "tensor_type", "strided", NULL};
-    PyObject *units_obj, *offsets_obj, *numels_obj, *spans_obj, *owner,
-        *dtype, *tensor_type, *strided;
-    long long bucket_elements;
+                               "dtype", "tensor_type", "strided",
+                               "unit_parts", "chunks", NULL};
+    PyObject *units_obj, *offsets_obj, *numels_obj, *spans_obj, *owner = NULL,
+        *dtype = NULL, *tensor_type = NULL, *strided = NULL,
+        *parts_obj = Py_None;
+    long long bucket_elements, chunks = 1;
+    /* keyword-only arguments are optional to the parser: the four required
+     * ones are checked by presence below */
     if (!PyArg_ParseTupleAndKeywords(
-            args, kwargs, "OOOOL$OOOO:GradBuckets", keywords, &units_obj,
+            args, kwargs, "OOOOL|$OOOOOL:GradBuckets", keywords, &units_obj,
             &offsets_obj, &numels_obj, &spans_obj, &bucket_elements, &owner,
-            &dtype, &tensor_type, &strided)) {
+            &dtype, &tensor_type, &strided, &parts_obj, &chunks)) {
         return NULL;
+    }
+    PyObject *required[] = {owner, dtype, tensor_type, strided};
+    for (int k = 0; k < 4; k++) {
+        if (!required[k]) {
+            PyErr_Format(PyExc_TypeError,
+                         "GradBuckets() missing required keyword argument '%s'",
+                         keywords[5 + k]);
+            return NULL;
+        }
     }
     zero_dtype zdtype;
     size_t itemsize;
@@ -114,16 +127,31 @@ static PyObject *GradBuckets_new(PyTypeObject *type, PyObject *args,
         PyErr_SetString(PyExc_TypeError, "tensor_type must be a type");
         return NULL;
     }
-    Py_ssize_t n_params = 0, n_offsets = 0, n_numels = 0, n_units = 0;
+    Py_ssize_t n_params = 0, n_offsets = 0, n_numels = 0, n_units = 0,
+               n_parts = 0;
     int64_t *units = int64_list(units_obj, "param_units", &n_params);
     int64_t *offsets = units ? int64_list(offsets_obj, "param_offsets", &n_offsets) : NULL;
     int64_t *numels = offsets ? int64_list(numels_obj, "param_numels", &n_numels) : NULL;
     int64_t *spans = numels ? int64_list(spans_obj, "unit_spans", &n_units) : NULL;
+    /* [Note: small units share a bucket] when the parts are given */
+    int64_t *parts = NULL;
+    if (spans && parts_obj != Py_None) {
+        parts = int64_list(parts_obj, "unit_parts", &n_parts);
+        if (!parts) {
+            PyMem_Free(spans);
+            spans = NULL;
+        }
+    }
     GradBuckets *self = NULL;
     if (spans && (n_offsets != n_params || n_numels != n_params)) {
         PyErr_SetString(PyExc_ValueError,
                         "param_units, param_offsets and param_numels must be "
                         "of one length");
+    } else if (spans && parts && n_parts != n_units) {
+        PyErr_SetString(PyExc_ValueError,
+                        "unit_parts must hold one part per unit of unit_spans");
+    } else if (spans && parts && chunks < 1) {
+        PyErr_Format(PyExc_ValueError, "chunks must be >= 1, not %lld", chunks);
     } else if (spans &&
                zero_buckets_needed(n_units, spans, bucket_elements) == -2) {
         PyErr_Format(PyExc_ValueError,
@@ -134,14 +162,17 @@ static PyObject *GradBuckets_new(PyTypeObject *type, PyObject *args,
     } else if (spans) {
         zero_buckets *plan = NULL;
         zero_status status =
-            zero_buckets_create(&plan, n_params, units, offsets, numels, n_units,
-                                spans, bucket_elements);
+            zero_buckets_create_chunked(&plan, n_params, units, offsets, numels,
+                                        n_units, spans, parts, chunks,
+                                        bucket_elements);
         if (status == ZERO_ERR_INVALID_ARGUMENT) {
             PyErr_SetString(PyExc_ValueError,
                             "every parameter must lie inside its unit (unit in "
                             "range, offset and numel >= 0, offset + numel <= "
                             "the unit's span), no two may share an element, "
-                            "and bucket_elements must be > 0");
+                            "bucket_elements must be > 0, and each unit's "
+                            "chunks (unit_parts) must be >= 0 and cover its "
+                            "span");
         } else if (status != ZERO_OK) {
             raise_status(status, "GradBuckets");
         } else {
@@ -181,6 +212,7 @@ static PyObject *GradBuckets_new(PyTypeObject *type, PyObject *args,
     PyMem_Free(offsets);
     PyMem_Free(numels);
     PyMem_Free(spans);
+    PyMem_Free(parts);
     return (PyObject *)self;
 }
 
@@ -218,6 +250,20 @@ static PyObject *GradBuckets_bucket(GradBuckets *self, PyObject *arg)
     }
     return Py_BuildValue("(LLL)", (long long)unit, (long long)start,
                          (long long)end);
+}
+
+static PyObject *GradBuckets_bucket_units(GradBuckets *self, PyObject *arg)
+{
+    long long b = PyLong_AsLongLong(arg);
+    if (b == -1 && PyErr_Occurred()) {
+        return NULL;
+    }
+    int64_t first, last;
+    if (zero_buckets_units(self->plan, b, &first, &last) != ZERO_OK) {
+        PyErr_Format(PyExc_IndexError, "bucket %lld out of range", b);
+        return NULL;
+    }
+    return Py_BuildValue("(LL)", (long long)first, (long long)last);
 }
 
 static PyObject *GradBuckets_reset(GradBuckets *self, PyObject *arg)
@@ -336,7 +382,12 @@ static PyMethodDef GradBuckets_methods[] = {
     {"hook", (PyCFunction)GradBuckets_hook, METH_O,
      "hook(i) -> callable\n--\n\nParameter i's post-accumulate-grad hook."},
     {"bucket", (PyCFunction)GradBuckets_bucket, METH_O,
-     "bucket(b) -> (unit, start, end)\n--\n\nBucket b's range of its unit."},
+     "bucket(b) -> (unit, start, end)\n--\n\nBucket b's range of its unit "
+     "(a shared bucket: its first unit and [0, its size))."},
+    {"bucket_units", (PyCFunction)GradBuckets_bucket_units, METH_O,
+     "bucket_units(b) -> (first, last)\n--\n\nThe units bucket b holds: "
+     "first < last for a bucket small units share ([Note: small units share "
+     "a bucket] in csrc/zero.h)."},
     {"reset", (PyCFunction)GradBuckets_reset, METH_O,
      "reset(expected)\n--\n\nA new backward: drop every buffer; expected "
      "(bytes, one per parameter) or None to keep the last."},
@@ -367,7 +418,8 @@ static PyGetSetDef GradBuckets_getset[] = {
 static PyType_Slot GradBuckets_slots[] = {
     {Py_tp_doc,
      "GradBuckets(param_units, param_offsets, param_numels, unit_spans,\n"
-     "bucket_elements, *, owner, dtype, tensor_type, strided): a flat group's\n"
+     "bucket_elements, *, owner, dtype, tensor_type, strided, unit_parts=None,\n"
+     "chunks=1): a flat group's\n"
      "gradient buckets ([Note: the bucket plan] in csrc/zero.h) and the\n"
      "hooks that fill them. owner (held weakly) makes and sends buffers:\n"
      "_new_bucket(b, late), _send_bucket(b, tensor), _unit_arrived(unit),\n"

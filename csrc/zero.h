@@ -248,7 +248,19 @@ zero_status zero_stream_triad(float *a, const float *b, const float *c,
  * every bucket before it has left; a piece for a bucket that has left
  * goes to that bucket's late buffer, reduced at the end of the backward.
  * The caller owns the buffers and the collectives; the plan says where
- * each piece goes and when each bucket leaves. */
+ * each piece goes and when each bucket leaves.
+ *
+ * [Note: small units share a bucket] Stage 3 lays each unit out in
+ * `chunks` chunks of unit_part[u] elements, chunk r being rank r's. A
+ * bucket over a part of one unit costs a collective (a reduce per rank on
+ * gloo) whatever its size, so a model of many small units paid hundreds
+ * a step where stage 2 paid two. Given the parts, consecutive units whose
+ * chunks all fit (chunks * part <= bucket_elements) share one bucket of
+ * at most bucket_elements, laid out rank-major: segment r holds chunk r of
+ * each of its units, lowest unit first. Rank r's segment is then one
+ * contiguous range of its partition (its chunks follow unit by unit), so
+ * the bucket is one reduce per rank, or one reduce-scatter. A unit alone
+ * (no small neighbour) keeps the ranges of its span. */
 typedef struct zero_buckets zero_buckets;
 
 /* The most buckets a plan may have: past it, laying them out walked every
@@ -279,12 +291,28 @@ zero_status zero_buckets_create(zero_buckets **out, int64_t n_params,
                                 const int64_t *param_numel, int64_t n_units,
                                 const int64_t *unit_span,
                                 int64_t bucket_elements);
+/* The same with [Note: small units share a bucket]: unit_part[u] (>= 0,
+ * chunks * unit_part[u] >= unit_span[u]) and chunks >= 1. unit_part NULL
+ * is zero_buckets_create. */
+zero_status zero_buckets_create_chunked(zero_buckets **out, int64_t n_params,
+                                        const int64_t *param_unit,
+                                        const int64_t *param_offset,
+                                        const int64_t *param_numel,
+                                        int64_t n_units,
+                                        const int64_t *unit_span,
+                                        const int64_t *unit_part,
+                                        int64_t chunks,
+                                        int64_t bucket_elements);
 void zero_buckets_destroy(zero_buckets *plan);
 
 int64_t zero_buckets_count(const zero_buckets *plan);
-/* Bucket b's unit and its range [start, end) of the unit's span. */
+/* Bucket b's unit and its range [start, end) of the unit's span; for a
+ * bucket units share, its first unit and [0, its size). */
 zero_status zero_buckets_range(const zero_buckets *plan, int64_t b,
                                int64_t *unit, int64_t *start, int64_t *end);
+/* The units bucket b holds: first == last but for a shared bucket. */
+zero_status zero_buckets_units(const zero_buckets *plan, int64_t b,
+                               int64_t *first, int64_t *last);
 /* Parameter i's pieces, in bucket order; returns their number. */
 int64_t zero_buckets_pieces(const zero_buckets *plan, int64_t param,
                             const zero_bucket_piece **pieces);

@@ -269,8 +269,44 @@ def test_bad_arguments_are_named():
         core.hook(1)
     with pytest.raises(IndexError):
         core.bucket(1)
+    with pytest.raises(IndexError):
+        core.bucket_units(1)
     with pytest.raises(TypeError):
         core.hook(0)()  # a hook takes the parameter
+    # the chunks of [Note: small units share a bucket]
+    with pytest.raises(ValueError, match="one part per unit"):
+        GradBuckets([0], [0], [4], [4], 4, unit_parts=[2, 2], chunks=2, **kw)
+    with pytest.raises(ValueError, match="chunks must be >= 1"):
+        GradBuckets([0], [0], [4], [4], 4, unit_parts=[2], chunks=0, **kw)
+    with pytest.raises(ValueError, match="cover its span"):
+        GradBuckets([0], [0], [4], [4], 4, unit_parts=[1], chunks=2, **kw)
+    with pytest.raises(TypeError, match="unit_parts must hold ints"):
+        GradBuckets([0], [0], [4], [4], 4, unit_parts=["a"], chunks=2, **kw)
+    with pytest.raises(TypeError, match="missing required keyword argument 'owner'"):
+        GradBuckets([0], [0], [4], [4], 4, **{k: v for k, v in kw.items() if k != "owner"})
+
+
+def test_small_units_share_a_bucket_rank_major():
+    """Three units of 2 chunks (parts 3, 2, 2) in one bucket of 14:
+    segment r is chunk r of units 0, 1, 2; each gradient lands at its place
+    in its chunk's segment, the padding zeroed ([Note: small units share a
+    bucket] in csrc/zero.h)."""
+    owner = Owner(torch.float32)
+    owner.sizes = {0: 14}
+    kw = dict(owner=owner, dtype=torch.float32, tensor_type=torch.Tensor,
+              strided=torch.strided)
+    # unit 0: a [0, 5); unit 1: b [0, 4); unit 2: c [0, 3)
+    core = GradBuckets([0, 1, 2], [0, 0, 0], [5, 4, 3], [5, 4, 3], 14,
+                       unit_parts=[3, 2, 2], chunks=2, **kw)
+    assert core.count == 1 and core.bucket(0) == (0, 0, 14) and core.bucket_units(0) == (0, 2)
+    params = [torch.nn.Parameter(torch.zeros(n)) for n in (5, 4, 3)]
+    for i in (2, 1, 0):
+        params[i].grad = torch.arange(1.0, params[i].numel() + 1) * 10 ** i
+        core.hook(i)(params[i])
+    (b, sent), = owner.sent
+    want = torch.tensor([1, 2, 3, 10, 20, 100, 200,  # chunk 0 of units 0, 1, 2
+                         4, 5, 0, 30, 40, 300, 0])    # chunk 1, padding zeroed
+    assert b == 0 and torch.equal(sent, want.float()), sent
 
 
 class _ClearsItsList:

@@ -229,6 +229,18 @@ def make_blocks():
     return Blocks()
 
 
+def blocks_reference(world):
+    """Blocks trained by one process's torch SGD (lr 0.1) on the whole
+    world's batches: its state dict."""
+    ref = make_blocks()
+    opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    for every in blocks_batches(0, world)[1]:
+        opt.zero_grad()
+        ref(every).backward()
+        opt.step()
+    return ref.state_dict()
+
+
 def blocks_batches(rank, world, steps=4):
     """This rank's batches for Blocks, and the whole world's (the reference's)."""
     g = torch.Generator().manual_seed(7)

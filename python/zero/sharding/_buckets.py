@@ -71,14 +71,23 @@ class BucketReducer:
         # of equal size, and one reduce_scatter gives each rank its own
         spans = [u.total if self.scatter and u.total <= bucket_elements else u.span
                  for u in fg.units]
+        # [Note: small units share a bucket] in csrc/zero.h: consecutive
+        # units whose chunks fit share one bucket, rank-major
         self.core = _GradBuckets(units, offsets, numels, spans,
                                  bucket_elements, owner=self, dtype=fg.compute_dtype,
-                                 tensor_type=torch.Tensor, strided=torch.strided)
-        # (unit, start, end) in unit coordinates; 0 = the last unit's end
-        self.buckets = []
+                                 tensor_type=torch.Tensor, strided=torch.strided,
+                                 unit_parts=[u.part for u in fg.units],
+                                 chunks=fg.num_partitions)
+        # (unit, start, end) in unit coordinates (0 = the last unit's end),
+        # or (first unit, 0, size) of a shared bucket; shared[b]: the units
+        # a shared bucket holds, lowest first
+        self.buckets, self.shared = [], {}
         for b in range(self.core.count):
             u, start, end = self.core.bucket(b)
             self.buckets.append((fg.units[u], start, end))
+            first, last = self.core.bucket_units(b)
+            if last > first:
+                self.shared[b] = fg.units[first:last + 1]
         self.on_unit_grads_done = None  # stage 3 releases the unit then
         # [Note: expected gradients] A bucket leaves once every parameter
         # *expected* to get a gradient has one. At first all are expected;
@@ -208,7 +217,9 @@ class BucketReducer:
 
     def _launch(self, b, staging, late=False):
         unit, bs, be = self.buckets[b]
-        if self.scatter and bs == 0 and be == unit.total and self.fg.comm.world > 1:
+        if b in self.shared:
+            works, mine = self._reduce_shared(self.shared[b], staging)
+        elif self.scatter and bs == 0 and be == unit.total and self.fg.comm.world > 1:
             comm = self.fg.reduce_comm
             if self._gloo is None:
                 self._gloo = _backend_for(group_backend(comm.group), staging.device) == "gloo"
@@ -238,6 +249,34 @@ class BucketReducer:
             self.live_elements += staging.numel()
         self.in_flight.append((works, staging, mine))
         self._retire(wait=False)
+
+    def _reduce_shared(self, units, staging):
+        """A bucket units share: segment r is chunk r of each unit, lowest
+        first, so this rank's segment is one range of its partition from
+        the first unit's chunk ([Note: small units share a bucket] in
+        csrc/zero.h). One reduce-scatter (NCCL), one all-reduce (gloo
+        when reducing by scatter: see _launch), else a reduce per rank (on
+        one rank a reduce that only counts, as a unit's own bucket's)."""
+        fg = self.fg
+        world, rank = fg.num_partitions, fg.owner
+        segment = staging.numel() // world
+        at = units[0].shard_offset
+        comm = fg.reduce_comm
+        if self.scatter and world > 1:
+            if self._gloo is None:
+                self._gloo = _backend_for(group_backend(comm.group), staging.device) == "gloo"
+            if self._gloo:
+                mine = staging[rank * segment:(rank + 1) * segment]
+                return [comm.all_reduce_sum(staging, async_op=True)], (mine, at)
+            portion = staging.new_empty(segment)
+            return [comm.reduce_scatter_sum(portion, staging, async_op=True)], (portion, at)
+        works = []
+        for r in range(world):
+            portion = staging[r * segment:(r + 1) * segment]
+            works.append(comm.reduce_sum(portion, dst=r, async_op=True))
+            if r == rank:
+                mine = (portion, at)
+        return works, mine
 
     def _retire(self, wait):
         """Add this rank's reduced portions of the buckets in flight into its
