@@ -3,6 +3,7 @@ rank returns. Tests spawn once per module and run all their scenarios in
 that one launch: starting a process that imports torch costs seconds here."""
 from __future__ import annotations
 
+import importlib.util
 import os
 import pickle
 import random
@@ -28,6 +29,24 @@ PORT_ATTEMPTS = 3
 # and keeps the environment of then: a worker sees an os.environ change
 # made after that only if the test passes it in its arguments.
 multiprocessing.set_forkserver_preload(["torch", "torch._dynamo", "zero"])
+
+
+def _forkserver_imports_this_zero():
+    """Python 3.11's forkserver imports its preload with the sys.path of a
+    fresh interpreter, not the test process's: run from another checkout
+    (a worktree, a bench's "before" tree that puts its python/ first), the
+    workers got the installed zero, silently. The server inherits
+    os.environ when it starts, so PYTHONPATH names this process's zero
+    first (subprocesses a test starts get the same zero)."""
+    spec = importlib.util.find_spec("zero")
+    if spec is None or spec.origin is None:
+        return
+    root = os.path.dirname(os.path.dirname(spec.origin))
+    rest = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p and p != root]
+    os.environ["PYTHONPATH"] = os.pathsep.join([root] + rest)
+
+
+_forkserver_imports_this_zero()
 
 
 def free_port() -> int:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from zero.comm._gather_together import SMALL_UNIT, gather_together
+from zero.comm._gather_together import SMALL_UNIT, gather_small_together, gather_together
 from zero.sharding._param_writes import check_released_untouched, write_in_forward_refusal
 
 _HASH_MOD = (1 << 61) - 1
@@ -45,6 +45,21 @@ class UnitGathering:
             work.on_copied = copied
         for _fg, unit in entries:
             unit.work = work
+
+    def _gather_kept(self, fg, units):
+        """Gather the persistent `units` of fg for good (at construction):
+        the small ones several to a collective where the group gathers
+        together, as the refresh after each step does ([Note: small units
+        gathered together]); the others one by one."""
+        small = [unit for unit in units if self.together(fg, unit)]
+        for unit in small:
+            self._before_gather(fg, unit)
+        gather_small_together(self.comm, small, lambda unit: fg.gather_source(unit.shard_slice))
+        for unit in small:
+            self._gathered(fg, unit)
+        for unit in units:
+            if not self.together(fg, unit):
+                self._gather(fg, unit, async_op=False)
 
     @staticmethod
     def together(fg, unit) -> bool:

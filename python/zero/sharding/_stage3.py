@@ -92,13 +92,15 @@ class Stage3Schedule(UnitGathering, SavedParameters, PassOrder):
         place = {}
         persistence = PersistenceBudget.of(config, root)
         for fg in groups:
+            kept = []
             for unit in fg.units:
                 for p in unit.params:
                     place[id(p)] = (fg, unit)
                 # its parameters' elements (the padded total grows with the world)
                 if persistence.takes(unit):
                     unit.persistent = True
-                    self._gather(fg, unit, async_op=False)
+                    kept.append(unit)
+            self._gather_kept(fg, kept)
             if fg.trainable:
                 fg.reducer.on_unit_grads_done = self._grads_done
         self.place = place
