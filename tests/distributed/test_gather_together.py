@@ -3,7 +3,9 @@ gathered together] in comm/_gather_together.py): on 2 and 3 ranks, a
 prefetch of several small units, and the refresh of the persistent units
 after a step, is one collective instead of one per unit, and the training
 is bit for bit the one with a collective per unit (the same values reach
-the same buffers), which itself matches one process's plain torch run."""
+the same buffers), which itself matches one process's plain torch run.
+Also at construction: small units seeded by one broadcast and the
+persistent ones gathered together ([Note: seeding small units together])."""
 import pytest
 import torch
 
@@ -57,3 +59,38 @@ def test_small_units_go_together_and_change_no_number(world, threshold):
                 assert joined["calls"] < alone["calls"] / 2, (step, joined, alone)
     for name, p in blocks_reference(world).items():
         assert max_rel_error(together[0][0][name], p) < 1e-5, name
+
+
+def _construction_broadcasts(rank, world, threshold):
+    """torch.distributed.broadcast calls while initialize builds Blocks at
+    stage 3 (gloo's gathers are broadcasts too), and the model it built."""
+    import torch.distributed as dist
+    calls, real = [0], dist.broadcast
+
+    def counting(*args, **kwargs):
+        calls[0] += 1
+        return real(*args, **kwargs)
+    dist.broadcast = counting
+    try:
+        model = make_blocks()
+        engine = zero.initialize(model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                                 stage=3, stage3_param_persistence_threshold=threshold)
+    finally:
+        dist.broadcast = real
+    state = engine.full_state_dict()
+    engine.close()
+    return calls[0], state
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_small_units_are_seeded_and_kept_together(world):
+    """[Note: seeding small units together] in sharding/_flat_group.py:
+    Blocks' 7 small units are seeded by one broadcast, not one each, and
+    (the default threshold keeps them all) gathered for good by one
+    gather of `world` broadcasts, not one each; the values are the model's."""
+    ref = make_blocks().state_dict()
+    for threshold, most in ((0, 2), (10**5, 2 + world)):
+        for calls, state in harness.run(world, _construction_broadcasts, threshold):
+            assert calls <= most, (threshold, calls)
+            for name, value in ref.items():
+                assert torch.equal(state[name], value), name
