@@ -94,3 +94,40 @@ def test_small_units_are_seeded_and_kept_together(world):
             assert calls <= most, (threshold, calls)
             for name, value in ref.items():
                 assert torch.equal(state[name], value), name
+
+
+def _checks_a_step(rank, world, threshold):
+    """Comm.gather_ints calls (the matched-gathers check of [Note: matched
+    gathers] in sharding/_gathering.py is one) in each of 3 steps of Blocks."""
+    from zero.comm import _comm
+    calls, real = [0], _comm.Comm.gather_ints
+
+    def counting(self, values):
+        calls[0] += 1
+        return real(self, values)
+    model = make_blocks()
+    engine = zero.initialize(model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                             stage=3, stage3_param_persistence_threshold=threshold)
+    _comm.Comm.gather_ints = counting
+    counts = []
+    try:
+        for ids in blocks_batches(rank, world)[0][:3]:
+            calls[0] = 0
+            engine.backward(engine(ids))
+            engine.step()
+            counts.append(calls[0])
+    finally:
+        _comm.Comm.gather_ints = real
+    engine.close()
+    return counts
+
+
+def test_no_matched_gathers_check_when_nothing_is_released():
+    """Every unit persistent (Blocks under the default threshold): no pass
+    gathers anything, so the check that the ranks gathered the same units
+    is skipped (two small all-gathers a step on gloo); with every unit
+    released it runs after the forward and the backward."""
+    kept = harness.run(2, _checks_a_step, 10**5)
+    released = harness.run(2, _checks_a_step, 0)
+    assert all(counts == [0, 0, 0] for counts in kept), kept
+    assert all(all(n >= 2 for n in counts) for counts in released), released
