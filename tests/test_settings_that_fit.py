@@ -108,6 +108,28 @@ def test_the_stage3_row_covers_what_a_run_gathers(prefetch):
     assert row["host"] >= summary["model_states"] + summary["buckets"]
 
 
+def test_the_stage3_row_covers_the_buckets_of_tiny_units():
+    """Small units share a bucket with their padding ([Note: small units
+    share a bucket] in csrc/zero.h): 500 Linear(4, 4) units hold 20
+    parameters each but 80 laid-out elements, so the rule's buckets, capped
+    by the parameters' count, fell short of the run's 4x over."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(4, 4) for _ in range(500)])
+    options = {"units": "module"}
+    table = zero.settings_that_fit(model, 1, device_memory=0, host_memory=2**30, device="cpu",
+                                   **options)
+    row = next(r for r in table if (r["stage"], r["offload_optimizer"], r["offload_param"]) ==
+               (3, "none", "none"))
+    engine = zero.initialize(model, optimizer=torch.optim.AdamW(model.parameters()), stage=3,
+                             **options)
+    engine.backward(engine(torch.randn(2, 4)).square().mean())
+    engine.step()
+    summary = engine.memory_summary()
+    engine.close()
+    assert summary["buckets"] >= 500 * 80 * 4  # every unit's padded layout, fp32
+    assert row["host"] >= summary["model_states"] + summary["buckets"]
+
+
 def test_the_cpu_counts_everything_as_host_memory():
     model = blocks(256, 2)
     table = zero.settings_that_fit(model, 1, device_memory=0, host_memory=2**30,

@@ -195,7 +195,7 @@ class Config:
     reduce_bucket_size: int = DEFAULT_BUCKET_ELEMENTS
     # how a gradient bucket reaches its owners: "reduce" (one reduce per
     # rank whose partition it overlaps), "reduce_scatter" (one
-    # reduce_scatter for a bucket that holds a whole unit), or "auto"
+    # reduce_scatter for a bucket that holds whole units), or "auto"
     # (reduce_scatter on NCCL, reduce elsewhere: docs/engine.md, "Buckets")
     bucket_reduction: str = "auto"
     overlap_comm: bool = True

@@ -175,11 +175,13 @@ def _estimate(model, optimizer, cfg, world_size, where, staged, shard_on_host, g
                          trainable_params=sum(numel for numel, _ in shapes), estimate=True)
 
 
-def largest_unit(model, optimizer, cfg, world_size) -> int:
-    """Elements of the largest unit stage 3 gathers for `model`, as the
-    engine lays it out (a block by default, units= and the leaf modules
-    taken in, padding included): the running unit settings_that_fit
-    counts. optimizer None: the config's (default AdamW)."""
+def unit_totals(model, optimizer, cfg, world_size) -> tuple:
+    """(the largest unit, the trainable units in all, every unit in all),
+    in elements, as the engine lays stage 3's units out for `model` (a
+    block by default, units= and the leaf modules taken in, padding
+    included): the running unit and the most a run's gradient buckets and
+    gathers can hold, which settings_that_fit counts. optimizer None: the
+    config's (default AdamW)."""
     if optimizer is None:
         optimizer = default_optimizer(cfg, model)
     owners = owners_of(model, unit_roots(model, cfg.units, cfg.stage3_leaf_modules))
@@ -187,9 +189,13 @@ def largest_unit(model, optimizer, cfg, world_size) -> int:
     groups = [params for params, _names in match_param_groups(model, optimizer) if params]
     trainable = {id(p) for params in groups for p in params}
     frozen = [p for p in model.parameters() if id(p) not in trainable and p.is_floating_point()]
-    return max((unit.total for params in groups + ([frozen] if frozen else [])
-                for unit in _layout(params, units_of(params, owners), policy, world_size)),
-               default=0)
+
+    def totals(params):
+        return [unit.total for unit in _layout(params, units_of(params, owners), policy,
+                                               world_size)]
+    trained = [t for params in groups for t in totals(params)]
+    every = trained + (totals(frozen) if frozen else [])
+    return max(every, default=0), sum(trained), sum(every)
 
 
 def _training_device(model, device):

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from zero.engine._engine import DTYPES
-from zero.engine._estimate import estimate_memory, largest_unit
+from zero.engine._estimate import estimate_memory, unit_totals
 from zero.engine._arguments import resolve_config
 from zero.sharding._buckets import MAX_IN_FLIGHT
 
@@ -89,8 +89,7 @@ def settings_that_fit(model, world_size: int = 1, *, device_memory, host_memory,
     cfg = resolve_config(None, None, options.get("precision"),
                          {k: v for k, v in options.items()
                           if k not in ("optimizer", "mesh", "precision")})
-    numel = sum(p.numel() for p in model.parameters())
-    largest = largest_unit(model, options.get("optimizer"), cfg, world_size)
+    units = unit_totals(model, options.get("optimizer"), cfg, world_size)
     table = FitTable()
     for optimizer_place, param_place, stages in _OFFLOADS:
         for stage in stages:
@@ -98,7 +97,7 @@ def settings_that_fit(model, world_size: int = 1, *, device_memory, host_memory,
                 model, world_size, stage=stage, device=device,
                 offload_optimizer=_block(optimizer_place),
                 offload_param=_block(param_place), **options)
-            run = _run_bytes(stage, cfg, numel, largest)
+            run = _run_bytes(stage, cfg, *units)
             on_device = summary["params"] + summary["grads"] + \
                 summary["optimizer_states"] + summary["frozen_params"] + run
             host = summary["host"]
@@ -121,7 +120,7 @@ def _block(place):
         else {"device": place}
 
 
-def _run_bytes(stage, cfg, numel, largest):
+def _run_bytes(stage, cfg, largest, trained, every):
     """What estimate_memory leaves to a run, by rule: the gradient buckets
     of stages 2-3 (MAX_IN_FLIGHT in flight plus the one filling, each
     reduce_bucket_size elements at most, in the compute dtype), and stage
@@ -129,14 +128,18 @@ def _run_bytes(stage, cfg, numel, largest):
     engine lays out, a block by default), stage3_prefetch_bucket_size
     elements ahead of it within stage3_max_live_parameters in all (the
     running unit is gathered whatever the limit), plus the units kept
-    within stage3_max_reuse_distance, which no limit releases. numel: the
-    model's parameters."""
+    within stage3_max_reuse_distance, which no limit releases. Neither
+    holds more than the units it carries, padding included (`trained`:
+    the trainable units' elements, `every`: all units'; unit_totals): a
+    bucket small units share holds their padded chunks ([Note: small units
+    share a bucket] in csrc/zero.h), and stage 2's lays its parameters
+    out with the same gaps."""
     item = DTYPES[cfg.precision].itemsize
     extra = 0
     if stage >= 2:
-        extra += min(numel, (MAX_IN_FLIGHT + 1) * cfg.reduce_bucket_size) * item
+        extra += min(trained, (MAX_IN_FLIGHT + 1) * cfg.reduce_bucket_size) * item
     if stage == 3:
         ahead = min(cfg.stage3_prefetch_bucket_size,
                     max(0, cfg.stage3_max_live_parameters - largest))
-        extra += min(numel, largest + ahead + cfg.stage3_max_reuse_distance) * item
+        extra += min(every, largest + ahead + cfg.stage3_max_reuse_distance) * item
     return extra
