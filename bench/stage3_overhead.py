@@ -39,7 +39,6 @@ sys.path.insert(0, os.path.join(ROOT, "tests", "distributed"))
 
 import zero  # noqa: E402
 from gpt import GPT, GPTConfig, MarkovText  # noqa: E402
-from zero.sharding import _buckets  # noqa: E402
 
 
 def make_stepper(stage, cfg, data, released=False, rank=0, apart=False, reuse=0,
@@ -49,15 +48,17 @@ def make_stepper(stage, cfg, data, released=False, rank=0, apart=False, reuse=0,
     options = {"stage3_param_persistence_threshold": 0} if released and stage == 3 else {}
     if reuse:
         options["stage3_max_reuse_distance"] = reuse
-    real = _buckets._GradBuckets
     if own_buckets:  # the bucket plan without unit parts: no bucket shared
+        from zero.sharding import _buckets  # (imported here: older trees lack it)
+        real = _buckets._GradBuckets
         _buckets._GradBuckets = lambda *a, unit_parts=None, chunks=1, **kw: real(*a, **kw)
     try:
         engine = zero.initialize(model, optimizer=torch.optim.AdamW(model.parameters(), lr=3e-4),
                                  stage=stage, precision="bf16", gradient_clipping=1.0,
                                  **options)
     finally:
-        _buckets._GradBuckets = real
+        if own_buckets:
+            _buckets._GradBuckets = real
     if apart:  # [Note: small units gathered together] off: a collective per unit
         for fg in engine.all_groups:
             fg.gathers_together = False
