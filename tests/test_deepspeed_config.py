@@ -250,6 +250,46 @@ def test_resumed_schedule_continues_at_the_iteration_given():
     assert got == pytest.approx(expected[6:10], rel=1e-12)
 
 
+@pytest.mark.parametrize("kind, old, new", [
+    ("WarmupDecayLR", {"warmup_max_lr": 0.01, "warmup_num_steps": 2, "total_num_steps": 10},
+     {"warmup_max_lr": 0.01, "warmup_num_steps": 2, "total_num_steps": 100}),
+    ("WarmupLR", {"warmup_max_lr": 0.01, "warmup_num_steps": 10},
+     {"warmup_max_lr": 0.001, "warmup_num_steps": 10}),
+    ("WarmupCosineLR", {"warmup_num_steps": 2, "total_num_steps": 10},
+     {"warmup_num_steps": 2, "total_num_steps": 100}),
+    ("OneCycle", {"cycle_min_lr": 0.001, "cycle_max_lr": 0.01, "cycle_first_step_size": 4},
+     {"cycle_min_lr": 0.001, "cycle_max_lr": 0.02, "cycle_first_step_size": 8}),
+])
+def test_a_resumed_config_schedule_follows_the_new_config(tmp_path, kind, old, new):
+    """[Note: a schedule resumes where it stopped, on its new curve]: a job
+    that changes its schedule's parameters and resumes gets the new curve
+    from the saved step, as under DeepSpeed (whose schedules save only
+    last_batch_iteration); the saved curve came back whole before."""
+    def engine(params):
+        torch.manual_seed(0)
+        return zero.initialize(model(), stage=2, config={
+            "optimizer": {"type": "AdamW", "params": {"lr": 0.01}},
+            "scheduler": {"type": kind, "params": params}})
+
+    def train(e, steps):
+        for _ in range(steps):
+            e.backward(e(torch.randn(2, 4)).sum())
+            e.step()
+    saved = engine(old)
+    train(saved, 4)
+    saved.save_checkpoint(str(tmp_path), tag="t")
+    saved.close()
+    resumed = engine(new)
+    resumed.load_checkpoint(str(tmp_path), tag="t")
+    train(resumed, 3)
+    through = engine(new)  # the new schedule from the start, 7 updates
+    train(through, 7)
+    assert resumed.lr_scheduler.last_epoch == through.lr_scheduler.last_epoch == 7
+    assert resumed.get_lr() == pytest.approx(through.get_lr(), rel=1e-12)
+    resumed.close()
+    through.close()
+
+
 @pytest.mark.parametrize("params, message", [
     ({"warmup_num_steps": 0}, "warmup_num_steps must be an integer >= 1"),
     ({"warmup_max_lr": "auto"}, "warmup_max_lr is 'auto'"),

@@ -53,17 +53,29 @@ def _resumed(optimizer, last_batch_iteration: int) -> None:
 
 
 class DeepSpeedStateDict:
-    """load_state_dict takes DeepSpeed's own state dict of these schedules
-    too, {"last_batch_iteration": i} (a checkpoint converted from
-    DeepSpeed by zero.checkpoint.convert_deepspeed): after i + 1 DeepSpeed
-    steps torch's schedule is at last_epoch i + 1, having been stepped
-    i + 2 times (once at construction). state_dict stays torch's."""
+    """[Note: a schedule resumes where it stopped, on its new curve]
+    load_state_dict takes the position only, as DeepSpeed's schedules do
+    (their state is last_batch_iteration alone): the curve stays the one
+    this schedule was built with, from the config of the run that resumes.
+    A job that raises total_num_steps or warmup_max_lr and resumes gets the
+    new curve from the step it stopped at; taking the whole saved state
+    kept the old one, with no word. Both forms load: torch's (what
+    state_dict returns, last_epoch) and DeepSpeed's own
+    {"last_batch_iteration": i} (a checkpoint converted from DeepSpeed by
+    zero.checkpoint.convert_deepspeed): after i + 1 DeepSpeed steps torch's
+    schedule is at last_epoch i + 1, having been stepped i + 2 times (once
+    at construction)."""
 
     def load_state_dict(self, state_dict):
-        if set(state_dict) != {"last_batch_iteration"}:
+        if set(state_dict) == {"last_batch_iteration"}:
+            i = int(state_dict["last_batch_iteration"])
+            last_epoch, step_count = i + 1, i + 2
+        elif "last_epoch" in state_dict:
+            last_epoch = int(state_dict["last_epoch"])
+            step_count = int(state_dict.get("_step_count", last_epoch + 1))
+        else:
             return super().load_state_dict(state_dict)
-        i = int(state_dict["last_batch_iteration"])
-        self.last_epoch, self._step_count = i + 1, i + 2
+        self.last_epoch, self._step_count = last_epoch, step_count
         self._last_lr = list(self.get_lr())
         return None
 
