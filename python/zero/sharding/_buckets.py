@@ -221,9 +221,7 @@ class BucketReducer:
             works, mine = self._reduce_shared(self.shared[b], staging)
         elif self.scatter and bs == 0 and be == unit.total and self.fg.comm.world > 1:
             comm = self.fg.reduce_comm
-            if self._gloo is None:
-                self._gloo = _backend_for(group_backend(comm.group), staging.device) == "gloo"
-            if self._gloo:
+            if self._on_gloo(comm, staging):
                 # gloo's reduce_scatter is an all-reduce inside, and its
                 # handle never reports done until waited on, so every
                 # backward waited STALL_SECONDS for it: the all-reduce
@@ -250,6 +248,13 @@ class BucketReducer:
         self.in_flight.append((works, staging, mine))
         self._retire(wait=False)
 
+    def _on_gloo(self, comm, staging) -> bool:
+        """Whether the buckets' device goes by gloo on comm's group (known
+        at the first launch, then kept)."""
+        if self._gloo is None:
+            self._gloo = _backend_for(group_backend(comm.group), staging.device) == "gloo"
+        return self._gloo
+
     def _reduce_shared(self, units, staging):
         """A bucket units share: segment r is chunk r of each unit, lowest
         first, so this rank's segment is one range of its partition from
@@ -263,9 +268,7 @@ class BucketReducer:
         at = units[0].shard_offset
         comm = fg.reduce_comm
         if self.scatter and world > 1:
-            if self._gloo is None:
-                self._gloo = _backend_for(group_backend(comm.group), staging.device) == "gloo"
-            if self._gloo:
+            if self._on_gloo(comm, staging):
                 mine = staging[rank * segment:(rank + 1) * segment]
                 return [comm.all_reduce_sum(staging, async_op=True)], (mine, at)
             portion = staging.new_empty(segment)
