@@ -218,21 +218,10 @@ class BucketReducer:
     def _launch(self, b, staging, late=False):
         unit, bs, be = self.buckets[b]
         if b in self.shared:
-            works, mine = self._reduce_shared(self.shared[b], staging)
+            works, mine = self._reduce_whole_units(self.shared[b], staging)
         elif self.scatter and bs == 0 and be == unit.total and self.fg.comm.world > 1:
-            comm = self.fg.reduce_comm
-            if self._on_gloo(comm, staging):
-                # gloo's reduce_scatter is an all-reduce inside, and its
-                # handle never reports done until waited on, so every
-                # backward waited STALL_SECONDS for it: the all-reduce
-                # itself, this rank's chunk kept (as fast or faster on
-                # gloo: docs/performance.md, "The bucket reduction on gloo")
-                works = [comm.all_reduce_sum(staging, async_op=True)]
-                mine = (unit.chunk(staging, self.fg.owner), unit.shard_offset)
-            else:
-                portion = staging.new_empty(unit.part)
-                works = [comm.reduce_scatter_sum(portion, staging, async_op=True)]
-                mine = (portion, unit.shard_offset)
+            # one unit's whole padded layout: the same form with one unit
+            works, mine = self._reduce_whole_units([unit], staging)
         else:
             works, mine = [], None
             r = bs // unit.part
@@ -255,13 +244,14 @@ class BucketReducer:
             self._gloo = _backend_for(group_backend(comm.group), staging.device) == "gloo"
         return self._gloo
 
-    def _reduce_shared(self, units, staging):
-        """A bucket units share: segment r is chunk r of each unit, lowest
-        first, so this rank's segment is one range of its partition from
-        the first unit's chunk ([Note: small units share a bucket] in
-        csrc/zero.h). One reduce-scatter (NCCL), one all-reduce (gloo
-        when reducing by scatter: see _launch), else a reduce per rank (on
-        one rank a reduce that only counts, as a unit's own bucket's)."""
+    def _reduce_whole_units(self, units, staging):
+        """A bucket of whole units, rank-major: segment r is chunk r of
+        each unit, lowest first (a bucket units share, [Note: small units
+        share a bucket] in csrc/zero.h, or one unit's padded layout), so
+        this rank's segment is one range of its partition from the first
+        unit's chunk. One reduce-scatter (NCCL), one all-reduce (gloo, when
+        reducing by scatter), else a reduce per rank (on one rank a reduce
+        that only counts, as a range's)."""
         fg = self.fg
         world, rank = fg.num_partitions, fg.owner
         segment = staging.numel() // world
@@ -269,6 +259,11 @@ class BucketReducer:
         comm = fg.reduce_comm
         if self.scatter and world > 1:
             if self._on_gloo(comm, staging):
+                # gloo's reduce_scatter is an all-reduce inside, and its
+                # handle never reports done until waited on, so every
+                # backward waited STALL_SECONDS for it: the all-reduce
+                # itself, this rank's segment kept (as fast or faster on
+                # gloo: docs/performance.md, "The bucket reduction on gloo")
                 mine = staging[rank * segment:(rank + 1) * segment]
                 return [comm.all_reduce_sum(staging, async_op=True)], (mine, at)
             portion = staging.new_empty(segment)

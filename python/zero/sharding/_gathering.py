@@ -51,15 +51,16 @@ class UnitGathering:
         the small ones several to a collective where the group gathers
         together, as the refresh after each step does ([Note: small units
         gathered together]); the others one by one."""
-        small = [unit for unit in units if self.together(fg, unit)]
+        small, alone = [], []
+        for unit in units:
+            (small if self.together(fg, unit) else alone).append(unit)
         for unit in small:
             self._before_gather(fg, unit)
         gather_small_together(self.comm, small, lambda unit: fg.gather_source(unit.shard_slice))
         for unit in small:
             self._gathered(fg, unit)
-        for unit in units:
-            if not self.together(fg, unit):
-                self._gather(fg, unit, async_op=False)
+        for unit in alone:
+            self._gather(fg, unit, async_op=False)
 
     @staticmethod
     def together(fg, unit) -> bool:

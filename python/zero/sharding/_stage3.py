@@ -111,7 +111,6 @@ class Stage3Schedule(UnitGathering, SavedParameters, PassOrder):
         # gathers anything, so neither hooks on saved tensors nor a check
         # that the ranks gathered the same units are needed
         self.gathers_in_passes = not all(u.persistent for fg in groups for u in fg.units)
-        self.saves_through_hooks = self.gathers_in_passes
         self._saving = None  # the saved-tensor hooks, pushed while the root's forward runs
         self._outer = None   # the (pack, unpack) below ours then, if any
         self.reading_state = False  # the engine reads the state dict's names: allowed
@@ -268,7 +267,7 @@ class Stage3Schedule(UnitGathering, SavedParameters, PassOrder):
                     if self.max_reuse > 0:
                         self._release_kept()
                     self._start_pass("forward")
-                if self._saving is None and self.saves_through_hooks:
+                if self._saving is None and self.gathers_in_passes:
                     # hooks pushed around the engine call (torch.utils.checkpoint of
                     # the whole model, save_on_cpu) still get every other tensor
                     self._outer = outer_saved_tensors_hooks()
