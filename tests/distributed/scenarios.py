@@ -246,3 +246,37 @@ def blocks_batches(rank, world, steps=4):
     g = torch.Generator().manual_seed(7)
     every = [torch.randint(0, 32, (2 * world, 8), generator=g) for _ in range(steps)]
     return [b[2 * rank:2 * rank + 2] for b in every], every
+
+
+class GatedBlock(nn.Module):
+    """A residual block whose gate is skipped when told: the module runs on
+    every rank (stage 3 gathers alike), and a gate some ranks skip gets a
+    rank-local gradient (its bucket leaves mid-backward on one rank and at
+    the end on another)."""
+
+    def __init__(self, width):
+        super().__init__()
+        self.linear = nn.Linear(width, width)
+        self.gate = nn.Parameter(torch.randn(width, width) * 0.2)
+
+    def forward(self, x, skip_gate):
+        h = torch.tanh(self.linear(x))
+        if not skip_gate:
+            h = h @ self.gate
+        return x + h
+
+
+class GatedBlocks(nn.Module):
+    """GatedBlocks(layers, width)(x, skipped): the blocks whose index is in
+    `skipped` skip their gates; equal-sized parameters, so mismatched
+    reductions would pair silently."""
+
+    def __init__(self, layers, width):
+        super().__init__()
+        self.blocks = nn.ModuleList(GatedBlock(width) for _ in range(layers))
+        self.head = nn.Linear(width, width)
+
+    def forward(self, x, skipped):
+        for k, block in enumerate(self.blocks):
+            x = block(x, k in skipped)
+        return self.head(x)

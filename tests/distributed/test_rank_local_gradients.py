@@ -9,47 +9,17 @@ with all-gathers (a hang)."""
 import pytest
 import torch
 import torch.nn.functional as F
-from torch import nn
 
 import harness
 from conftest import max_rel_error
+from scenarios import GatedBlocks
 
 WORLD, STEPS, ACCUMULATION, WIDTH, LAYERS = 2, 3, 2, 16, 6
 
 
-class Block(nn.Module):
-    """A residual block whose gate is skipped when told: the module runs on
-    every rank (stage 3 gathers alike), its gate's gradient is rank-local."""
-
-    def __init__(self):
-        super().__init__()
-        self.linear = nn.Linear(WIDTH, WIDTH)
-        self.gate = nn.Parameter(torch.randn(WIDTH, WIDTH) * 0.2)
-
-    def forward(self, x, skip_gate):
-        h = torch.tanh(self.linear(x))
-        if not skip_gate:
-            h = h @ self.gate
-        return x + h
-
-
-class Net(nn.Module):
-    """Equal-sized parameters, so mismatched reductions would pair silently."""
-
-    def __init__(self):
-        super().__init__()
-        self.blocks = nn.ModuleList(Block() for _ in range(LAYERS))
-        self.head = nn.Linear(WIDTH, WIDTH)
-
-    def forward(self, x, skipped):
-        for k, block in enumerate(self.blocks):
-            x = block(x, k in skipped)
-        return self.head(x)
-
-
 def make_model():
     torch.manual_seed(0)
-    return Net()
+    return GatedBlocks(LAYERS, WIDTH)
 
 
 def make_optimizer(model, groups):

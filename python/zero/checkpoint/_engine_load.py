@@ -23,6 +23,7 @@ from zero.checkpoint._extra_states import extra_state_modules, owner_name, set_e
 from zero.checkpoint._format import (LATEST_FILE, META_FILE, STAGING_SUFFIX, CheckpointReader,
                                      resolve_tag, tag_directory_hint)
 from zero.checkpoint._restored_settings import check_restored_settings
+from zero.sharding._groups_together import refresh_params
 from zero.sharding._param_writes import bump_versions
 from zero.sharding._step_agreement import agree, agree_on_call
 from zero.sharding._units import parameter_names, uncompiled
@@ -264,7 +265,7 @@ def _read_partitions(engine, reader, with_optimizer):
                 fg.shard[lo:hi].copy_(fg.master[lo:hi])
                 if on_disk:
                     fg.release_offloaded()
-        fg.all_gather_params()
+    refresh_params(engine.all_groups)  # the small groups together
     with torch.no_grad():
         for name, p in replicated_frozen(engine):
             value = torch.empty(p.numel(), dtype=torch.float32)

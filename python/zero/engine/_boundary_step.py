@@ -18,6 +18,8 @@ import torch
 
 from zero.engine._interrupts import interrupts_held
 from zero.engine._unchanged import check_optimizer_unchanged
+from zero.sharding._buckets import finish_backwards
+from zero.sharding._groups_together import reduce_boundary, refresh_params, sum_across_replicas
 from zero.sharding._param_writes import bump_versions, take_in_parameter_writes
 from zero.sharding._step_agreement import describe_settings
 from zero.step import _step_path
@@ -32,17 +34,18 @@ class BoundaryStep:
         """Reduce the gradients and take the global squared norm (once)."""
         if self._prepared is not None:
             return self._prepared
-        for fg in self.groups:
-            if not self.policy.reduces_in_backward:
+        if not self.policy.reduces_in_backward:
+            for fg in self.groups:
                 fg.gather_stray_grads()
-                fg.reduce_full()
-            elif not fg.reduced_since_step:
-                # No backward reached this rank's hooks since the last step:
-                # still issue the collectives the other ranks issue (this
-                # covers one backward per step; see docs/engine.md).
-                fg.reducer.finish_backward()
+            reduce_boundary(self.groups)  # the small groups together
+        else:
+            # No backward reached this rank's hooks since the last step:
+            # still issue the collectives the other ranks issue (this
+            # covers one backward per step; see docs/engine.md).
+            finish_backwards([fg.reducer for fg in self.groups if not fg.reduced_since_step])
+        for fg in self.groups:
             fg.reduced_since_step = False
-            fg.reduce_across_replicas()
+        sum_across_replicas(self.groups)  # the small groups together
         if self._pipeline is not None:  # a tied head's copies take the same gradient
             self._pipeline.sum_ties(self.groups, self._comm, self.policy.partitions)
         sumsq = self.step_path.squared_norm(self.groups, self._comm,
@@ -138,6 +141,33 @@ class BoundaryStep:
         with interrupts_held():  # the update and its bookkeeping: whole, or not at all
             self._apply_boundary(sumsq, norm, base)
 
+    def _update_groups(self, scale):
+        """Each group's update, then every group's parameters gathered (the
+        small groups together: refresh_params) and their versions bumped.
+        A group whose update raised stops the step with no collective
+        issued: its rank may be the only one that failed, and a gather of
+        other sizes than its peers' would meet theirs (gloo aborts the
+        process then). The step is partly applied, as an offloaded step
+        that fails is (docs/offload.md: load a checkpoint to go on)."""
+        for fg in self.groups:
+            counted = self._spec.counts_as_step(self.optimizer.param_groups[fg.index])
+            fg.step_count += counted
+            try:
+                self.step_path.update(self._spec, self.optimizer,
+                                      self.optimizer.param_groups[fg.index], fg, scale)
+            except BaseException:
+                # a refusal comes before anything changes; a failure in
+                # the middle of a chunked update (files, offload_param)
+                # leaves it partly applied (docs/offload.md)
+                fg.step_count -= counted
+                raise
+            fg.write_back_shard()
+        refresh_params(self.groups)
+        for fg in self.groups:
+            # autograd then refuses a backward through a graph that saved
+            # the old values, as after torch.optim's step
+            bump_versions(fg)
+
     def _apply_boundary(self, sumsq, norm, base):
         """step()'s part from the reduced gradients on: skip or update, gather
         the parameters, count the step, move the schedule, zero the
@@ -159,23 +189,8 @@ class BoundaryStep:
                 fg.settle_copies()  # the update writes what gathers read
             if self._delayed is not None:  # lands at the next boundary
                 self._delayed.launch(self._spec, self.optimizer, self.groups, base * coef)
-            for fg in self.groups if self._delayed is None else ():
-                counted = self._spec.counts_as_step(self.optimizer.param_groups[fg.index])
-                fg.step_count += counted
-                try:
-                    self.step_path.update(self._spec, self.optimizer,
-                                          self.optimizer.param_groups[fg.index], fg, base * coef)
-                except BaseException:
-                    # a refusal comes before anything changes; a failure in
-                    # the middle of a chunked update (files, offload_param)
-                    # leaves it partly applied (docs/offload.md)
-                    fg.step_count -= counted
-                    raise
-                fg.write_back_shard()
-                fg.all_gather_params()
-                # autograd then refuses a backward through a graph that
-                # saved the old values, as after torch.optim's step
-                bump_versions(fg)
+            if self._delayed is None:
+                self._update_groups(base * coef)
             self.global_steps += 1
             # The engine stepped on the optimizer's behalf; torch's schedulers
             # read this flag to warn about stepping before the optimizer.

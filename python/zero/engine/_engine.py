@@ -40,6 +40,7 @@ from zero.engine._unchanged import group_members
 from zero.sharding._copying import ModuleHook
 from zero.sharding._external import remember_external
 from zero.sharding._flat_group import FlatGroup
+from zero.sharding._groups_together import defer_small_groups
 from zero.sharding._outputs import map_tensors
 from zero.offload import _param_staging
 from zero.engine._monitor import Monitor
@@ -214,6 +215,8 @@ class Engine(BoundaryStep, DeepSpeedQueries, BatchCalls, CheckpointCalls, Engine
                 fg.add_state(name, fill)
             self.groups.append(fg)
         self.frozen_group = None
+        if self.policy.reduces_in_backward:  # [Note: small groups' buckets] in _buckets.py
+            defer_small_groups(self.groups, config.reduce_bucket_size)
         # [Note: backward lifecycle] in _backward.py
         self._backward = BackwardLifecycle(self.groups) \
             if self.policy.reduces_in_backward else None

@@ -25,6 +25,7 @@ import weakref
 import torch
 from torch.autograd.graph import register_multi_grad_hook
 
+from zero.sharding._buckets import finish_backwards
 from zero.sharding._outputs import in_function_transform, tensors_in
 
 
@@ -50,8 +51,7 @@ class BackwardLifecycle:
             torch.autograd.Variable._execution_engine.queue_callback(self._end)
 
     def _end(self):
-        for reducer in self.reducers:
-            reducer.finish_backward()
+        finish_backwards(self.reducers)  # one agreement for every group
         for finish in self.after_end:
             finish()
         # only now: an end that raised leaves the backward to be abandoned

@@ -13,7 +13,8 @@ back into this rank's gradient partition.
   - each group reduces on a channel of its own ([Note: reduction channels]
     in _comm.py), apart from the other groups' buckets and stage 3's
     all-gathers: only the order of a group's own buckets must match, and it
-    is fixed;
+    is fixed (the small groups' buckets on gloo wait for the end of the
+    backward and go together: [Note: small groups' buckets]);
   - a parameter that got a gradient on some ranks but not all is never
     expected again, so the ranks launch their buckets at the same points
     once more;
@@ -33,6 +34,7 @@ import torch
 
 from zero._C import GradBuckets as _GradBuckets
 from zero.comm._comm import group_backend
+from zero.comm._reduce_together import reduce_together
 
 # Buckets whose reduction may still be running while backward fills the
 # next: two let communication overlap computation without holding more.
@@ -106,6 +108,9 @@ class BucketReducer:
         self.stalls = 0  # backwards that stopped waiting ([Note: rank-local gradients])
         self.live_elements = 0  # the buckets filling and in flight
         self.on_backward_began = None  # the engine's backward lifecycle
+        # this backward's buckets, held for reduce_deferred; None: each
+        # bucket reduced when it leaves ([Note: small groups' buckets])
+        self.deferred = None
         self.reset_buckets()
         self.peak_bucket_bytes = 0
 
@@ -217,25 +222,48 @@ class BucketReducer:
 
     def _launch(self, b, staging, late=False):
         unit, bs, be = self.buckets[b]
-        if b in self.shared:
-            works, mine = self._reduce_whole_units(self.shared[b], staging)
-        elif self.scatter and bs == 0 and be == unit.total and self.fg.comm.world > 1:
-            # one unit's whole padded layout: the same form with one unit
-            works, mine = self._reduce_whole_units([unit], staging)
-        else:
-            works, mine = [], None
-            r = bs // unit.part
-            while r * unit.part < be:
-                lo, hi = max(bs, r * unit.part), min(be, (r + 1) * unit.part)
-                portion = staging[lo - bs:hi - bs]
-                works.append(self.fg.reduce_comm.reduce_sum(portion, dst=r, async_op=True))
-                if r == self.fg.comm.rank:
-                    mine = (portion, unit.shard_offset + lo - r * unit.part)
-                r += 1
         if late:
             self.live_elements += staging.numel()
+        if self.deferred is not None:
+            self.deferred.append((b, staging))
+            return
+        if self.scatter and (b in self.shared or (bs == 0 and be == unit.total)) and \
+                self.fg.comm.world > 1:
+            # whole units (shared, or one unit's whole padded layout)
+            works, mine = self._scatter_whole_units(self.shared.get(b, [unit]), staging)
+        else:
+            works, mine = [], None
+            for r, portion, at in self.pieces(b, staging):
+                works.append(self.fg.reduce_comm.reduce_sum(portion, dst=r, async_op=True))
+                if at is not None:
+                    mine = (portion, at)
         self.in_flight.append((works, staging, mine))
         self._retire(wait=False)
+
+    def pieces(self, b, staging) -> list:
+        """Bucket b (its buffer `staging`) by destination rank, in rank
+        order: (rank, portion, where the portion lands in this rank's
+        partition, or None on the other ranks). A bucket of whole units
+        ([Note: small units share a bucket] in csrc/zero.h) is laid out
+        rank-major: segment r is chunk r of each unit, lowest first, one
+        range of rank r's partition from the first unit's chunk. A range
+        of a unit splits at its chunks' ends."""
+        unit, bs, be = self.buckets[b]
+        rank = self.fg.comm.rank
+        if b in self.shared:
+            world = self.fg.num_partitions
+            segment = staging.numel() // world
+            at = self.shared[b][0].shard_offset
+            return [(r, staging[r * segment:(r + 1) * segment], at if r == rank else None)
+                    for r in range(world)]
+        out = []
+        r = bs // unit.part
+        while r * unit.part < be:
+            lo, hi = max(bs, r * unit.part), min(be, (r + 1) * unit.part)
+            at = unit.shard_offset + lo - r * unit.part
+            out.append((r, staging[lo - bs:hi - bs], at if r == rank else None))
+            r += 1
+        return out
 
     def _on_gloo(self, comm, staging) -> bool:
         """Whether the buckets' device goes by gloo on comm's group (known
@@ -244,37 +272,24 @@ class BucketReducer:
             self._gloo = _backend_for(group_backend(comm.group), staging.device) == "gloo"
         return self._gloo
 
-    def _reduce_whole_units(self, units, staging):
-        """A bucket of whole units, rank-major: segment r is chunk r of
-        each unit, lowest first (a bucket units share, [Note: small units
-        share a bucket] in csrc/zero.h, or one unit's padded layout), so
-        this rank's segment is one range of its partition from the first
-        unit's chunk. One reduce-scatter (NCCL), one all-reduce (gloo, when
-        reducing by scatter), else a reduce per rank (on one rank a reduce
-        that only counts, as a range's)."""
+    def _scatter_whole_units(self, units, staging):
+        """A bucket of whole units (pieces()' rank-major form) reduced by
+        scatter: one reduce-scatter (NCCL), or one all-reduce on gloo."""
         fg = self.fg
         world, rank = fg.num_partitions, fg.owner
         segment = staging.numel() // world
         at = units[0].shard_offset
         comm = fg.reduce_comm
-        if self.scatter and world > 1:
-            if self._on_gloo(comm, staging):
-                # gloo's reduce_scatter is an all-reduce inside, and its
-                # handle never reports done until waited on, so every
-                # backward waited STALL_SECONDS for it: the all-reduce
-                # itself, this rank's segment kept (as fast or faster on
-                # gloo: docs/performance.md, "The bucket reduction on gloo")
-                mine = staging[rank * segment:(rank + 1) * segment]
-                return [comm.all_reduce_sum(staging, async_op=True)], (mine, at)
-            portion = staging.new_empty(segment)
-            return [comm.reduce_scatter_sum(portion, staging, async_op=True)], (portion, at)
-        works = []
-        for r in range(world):
-            portion = staging[r * segment:(r + 1) * segment]
-            works.append(comm.reduce_sum(portion, dst=r, async_op=True))
-            if r == rank:
-                mine = (portion, at)
-        return works, mine
+        if self._on_gloo(comm, staging):
+            # gloo's reduce_scatter is an all-reduce inside, and its
+            # handle never reports done until waited on, so every
+            # backward waited STALL_SECONDS for it: the all-reduce
+            # itself, this rank's segment kept (as fast or faster on
+            # gloo: docs/performance.md, "The bucket reduction on gloo")
+            mine = staging[rank * segment:(rank + 1) * segment]
+            return [comm.all_reduce_sum(staging, async_op=True)], (mine, at)
+        portion = staging.new_empty(segment)
+        return [comm.reduce_scatter_sum(portion, staging, async_op=True)], (portion, at)
 
     def _retire(self, wait):
         """Add this rank's reduced portions of the buckets in flight into its
@@ -320,16 +335,20 @@ class BucketReducer:
         """End of a backward: reduce what is left, in order; agree with the
         other ranks on which parameters got gradients and which buckets got
         late gradients; reduce the late buckets (zeros where this rank has
-        none), in order; collect."""
+        none), in order; collect. finish_backwards does this for several
+        groups with one agreement."""
+        finish_backwards([self])
+
+    def _send_rest(self) -> list:
+        """The first half of finish_backward: what is left sent, and this
+        rank's flags: per parameter whether it got a gradient, then per
+        bucket whether it got a late one."""
         self.core.send_rest()
         late = set(self.core.late_buckets())
-        flags = list(self.core.arrived()) + [int(b in late) for b in range(len(self.buckets))]
-        if self.fg.comm.world > 1:
-            # host numbers: on the CPU (gloo) where the group allows, so
-            # reading them back does not wait for the GPU
-            flags = torch.tensor(flags, dtype=torch.int32, device=self.fg.comm.scalar_device)
-            self.fg.comm.all_reduce_sum(flags)
-            flags = flags.tolist()
+        return list(self.core.arrived()) + [int(b in late) for b in range(len(self.buckets))]
+
+    def _finish(self, flags):
+        """The second half, given the flags summed over the ranks."""
         for b in range(len(self.buckets)):
             if flags[len(self.fg.params) + b]:
                 buffer = self.core.take_late(b)
@@ -356,6 +375,8 @@ class BucketReducer:
         inside its call back into Python), which the next backward would
         add to."""
         self._retire(wait=True)
+        if self.deferred:
+            self.deferred = []
         self.reset_buckets()
         for p in self.fg.params:
             p.grad = None
@@ -365,6 +386,67 @@ class BucketReducer:
         return self.core.started
 
     # ---- after the step ------------------------------------------------------
+
+
+def finish_backwards(reducers):
+    """End of a backward for each of `reducers` (BucketReducer.finish_backward),
+    their flags agreed in one all-reduce per Comm rather than one a group:
+    a model with many param groups paid one a group at every backward
+    ([Note: small groups reduced together] in comm/_reduce_together.py).
+    Every group sends what is left before the agreement, so each group's
+    channel sees its collectives in the order it did with one group."""
+    flags = [r._send_rest() for r in reducers]
+    by_comm = {}
+    for k, r in enumerate(reducers):
+        if r.fg.comm.world > 1:
+            by_comm.setdefault(id(r.fg.comm), []).append(k)
+    for ks in by_comm.values():
+        comm = reducers[ks[0]].fg.comm
+        # host numbers: on the CPU (gloo) where the group allows, so
+        # reading them back does not wait for the GPU
+        joined = torch.tensor([f for k in ks for f in flags[k]], dtype=torch.int32,
+                              device=comm.scalar_device)
+        comm.all_reduce_sum(joined)
+        joined, at = joined.tolist(), 0
+        for k in ks:
+            flags[k], at = joined[at:at + len(flags[k])], at + len(flags[k])
+    for r, f in zip(reducers, flags):
+        r._finish(f)
+    reduce_deferred(reducers)
+
+
+def reduce_deferred(reducers):
+    """[Note: small groups' buckets] On gloo a bucket's reduction costs its
+    latency when small (about 0.5 ms a collective on 2 CPU ranks), and
+    each param group has buckets of its own: a model with a group or two a
+    layer (layer-wise learning rates) reduced some 55 buckets a step where
+    two groups reduce 4. So the buckets of the small groups
+    (defer_small_groups) are held to the end of the backward and reduced
+    together here, one reduce per rank for all of them, on the first such
+    group's channel, after every group's own reductions: the same point
+    and order on every rank (every bucket of a group leaves in every
+    backward, and the late ones are agreed). Their ranks' sums are the
+    same sums, so the gradients are bit for bit those of a reduction a
+    bucket."""
+    held = [(red, b, staging) for red in reducers if red.deferred for b, staging in red.deferred]
+    if not held:
+        return
+    comm = held[0][0].fg.reduce_comm
+    for dst in range(comm.world):
+        portions, mine = [], []
+        for red, b, staging in held:
+            for r, portion, at in red.pieces(b, staging):
+                if r == dst:
+                    portions.append(portion)
+                    if at is not None:
+                        mine.append((red.fg, portion, at))
+        reduce_together(comm, portions, dst)
+        for fg, portion, at in mine:
+            part = fg.grad_part  # on the host where the partition is
+            part[at:at + portion.numel()].add_(portion.to(part.device))
+    for red in reducers:
+        if red.deferred:
+            red.deferred = []  # (no longer counted live: _finish's reset_buckets)
 
 
 def _complete(works) -> bool:

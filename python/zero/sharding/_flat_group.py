@@ -33,9 +33,10 @@ from zero.sharding._partitioned_init import take_values
 from zero.offload._mapped import release_freed_memory
 from zero.offload._nvme import whole_pages
 from zero.offload._param_staging import host_buffer
-from zero.comm._gather_together import gather_small_together, gathers_together
+from zero.comm._gather_together import gathers_together
 from zero.sharding._buckets import BucketReducer
 from zero.sharding._group_grads import GroupGradients
+from zero.sharding._groups_together import refresh_params
 from zero.sharding._units import Unit, lay_out
 
 # how far around a faulting page Linux maps a file's pages in (its default
@@ -413,22 +414,25 @@ class FlatGroup(GroupGradients):
 
     def all_gather_params(self):
         """Refresh the gathered units from the updated shard (stages 1-2:
-        the whole group; stage 3: the persistent units)."""
+        the whole group; stage 3: the persistent units). The engine
+        refreshes all its groups at once (refresh_params)."""
+        refresh_params([self])
+
+    def units_to_refresh(self) -> list:
+        """The units all_gather_params refreshes: none where nothing is
+        partitioned."""
         if self.num_partitions == 1 and not self.policy.partitions_params:
-            return
-        units = [u for u in self.units if u.gathered]
-        if self.policy.partitions_params and self.gathers_together:
-            # stage 3's persistent units are small: one collective for many
-            units = gather_small_together(self.comm, units,
-                                          lambda u: self.gather_source(u.shard_slice))
-        for unit in units:
-            mine = self.gather_source(unit.shard_slice)
-            if not self.policy.partitions_params and mine.device.type != "cpu":
-                # it aliases unit.full, which NCCL's all-gather may not
-                # read from; gloo's broadcasts leave it in place
-                mine = mine.clone()
-            self.comm.all_gather_into(unit.full, mine)
-        self.drop_param_pages()  # the chunks just read ([Note: shard on a disk])
+            return []
+        return [u for u in self.units if u.gathered]
+
+    def refresh_unit(self, unit):
+        """One unit's `full` gathered from every rank's updated chunk."""
+        mine = self.gather_source(unit.shard_slice)
+        if not self.policy.partitions_params and mine.device.type != "cpu":
+            # it aliases unit.full, which NCCL's all-gather may not
+            # read from; gloo's broadcasts leave it in place
+            mine = mine.clone()
+        self.comm.all_gather_into(unit.full, mine)
 
     def gather_master(self) -> torch.Tensor:
         """The full fp32 master in the unsharded layout, on every rank, in

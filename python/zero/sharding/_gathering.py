@@ -46,21 +46,23 @@ class UnitGathering:
         for _fg, unit in entries:
             unit.work = work
 
-    def _gather_kept(self, fg, units):
-        """Gather the persistent `units` of fg for good (at construction):
-        the small ones several to a collective where the group gathers
-        together, as the refresh after each step does ([Note: small units
-        gathered together]); the others one by one."""
-        small, alone = [], []
-        for unit in units:
-            (small if self.together(fg, unit) else alone).append(unit)
-        for unit in small:
+    def _gather_kept(self, entries):
+        """Gather the persistent units, (fg, unit) `entries` of every
+        group, for good (at construction): the small ones several to a
+        collective where their groups gather together, as the refresh after
+        each step does ([Note: small units gathered together]); the others
+        one by one."""
+        small = [(fg, unit) for fg, unit in entries if self.together(fg, unit)]
+        owner = {id(unit): fg for fg, unit in small}
+        for fg, unit in small:
             self._before_gather(fg, unit)
-        gather_small_together(self.comm, small, lambda unit: fg.gather_source(unit.shard_slice))
-        for unit in small:
+        gather_small_together(self.comm, [unit for _fg, unit in small],
+                              lambda unit: owner[id(unit)].gather_source(unit.shard_slice))
+        for fg, unit in small:
             self._gathered(fg, unit)
-        for unit in alone:
-            self._gather(fg, unit, async_op=False)
+        for fg, unit in entries:
+            if id(unit) not in owner:
+                self._gather(fg, unit, async_op=False)
 
     @staticmethod
     def together(fg, unit) -> bool:

@@ -91,18 +91,18 @@ class Stage3Schedule(UnitGathering, SavedParameters, PassOrder):
 
         place = {}
         persistence = PersistenceBudget.of(config, root)
+        kept = []  # every group's: gathered together (many param groups)
         for fg in groups:
-            kept = []
             for unit in fg.units:
                 for p in unit.params:
                     place[id(p)] = (fg, unit)
                 # its parameters' elements (the padded total grows with the world)
                 if persistence.takes(unit):
                     unit.persistent = True
-                    kept.append(unit)
-            self._gather_kept(fg, kept)
+                    kept.append((fg, unit))
             if fg.trainable:
                 fg.reducer.on_unit_grads_done = self._grads_done
+        self._gather_kept(kept)
         self.place = place
         # persistent units too: their saved tensors' versions checked (hooks: released only)
         self.unit_by_storage = {storage_key(unit.full): (fg, unit) for fg in groups

@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import threading
 
+from zero.sharding._groups_together import refresh_params
 from zero.sharding._param_writes import bump_versions
 
 
@@ -122,7 +123,8 @@ class DelayedUpdate:
         groups, self._groups = self._groups, []
         for fg in groups:
             fg.take_delayed_params()
-            fg.all_gather_params()
+        refresh_params(groups)  # the small groups together
+        for fg in groups:
             bump_versions(fg)
 
     def finish(self):
