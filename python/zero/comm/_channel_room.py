@@ -1,7 +1,9 @@
 """Room for the reduction channels, agreed by every rank before they are made.
 
 [Note: channel room] Stages 2-3 reduce each param group on a process group
-of its own ([Note: reduction channels] in _comm.py). On gloo each costs
+of its own ([Note: reduction channels] in _comm.py), but the small groups
+on gloo, which share one ([Note: small groups' buckets] in
+sharding/_buckets.py). On gloo each costs
 every rank a connection to each other rank and a few descriptors of its
 own (measured: 5 a channel on 2 ranks, 6 on 3), kept for the process. A
 layer-wise learning-rate recipe (a group per layer and kind: 160 groups
@@ -49,14 +51,15 @@ def _room_for(need: int) -> int:
     return soft
 
 
-def check_channel_room(comm, groups: int, stage: int):
-    """Raise RuntimeError on every rank of comm when `groups` reduction
-    channels would take more descriptors than some rank may open
-    ([Note: channel room]). A collective on every rank of comm."""
+def check_channel_room(comm, groups: int, stage: int, channels: int):
+    """Raise RuntimeError on every rank of comm when `channels` reduction
+    channels (for `groups` param groups) would take more descriptors than
+    some rank may open ([Note: channel room]). A collective on every rank
+    of comm."""
     if comm.world == 1:
         return
     ranks = None if comm.group is None else tuple(comm.global_ranks)
-    missing = max(0, groups - channels_made(ranks))
+    missing = max(0, channels - channels_made(ranks))
     need = _open_descriptors() + missing * (comm.world - 1 + CHANNEL_OWN) + HEADROOM
     limit = _room_for(need) if missing else 0
     rows = comm.gather_ints([need if limit and need > limit else 0, limit])
@@ -66,7 +69,7 @@ def check_channel_room(comm, groups: int, stage: int):
     worst = max(n for _r, n, _lim in short)
     raise RuntimeError(
         f"zero: {groups} param groups at stage {stage} reduce their gradients on "
-        f"{groups} process groups of their own (about {comm.world - 1 + CHANNEL_OWN} file "
+        f"{channels} process groups of their own (about {comm.world - 1 + CHANNEL_OWN} file "
         f"descriptors each on {comm.world} ranks), and rank(s) "
         f"{[r for r, _n, _lim in short]} may open at most "
         f"{min(lim for _r, _n, lim in short)} (raised as far as they allow): {worst} are "

@@ -40,7 +40,7 @@ from zero.engine._unchanged import group_members
 from zero.sharding._copying import ModuleHook
 from zero.sharding._external import remember_external
 from zero.sharding._flat_group import FlatGroup
-from zero.sharding._groups_together import defer_small_groups
+from zero.sharding._groups_together import ReductionChannels
 from zero.sharding._outputs import map_tensors
 from zero.offload import _param_staging
 from zero.engine._monitor import Monitor
@@ -190,17 +190,24 @@ class Engine(BoundaryStep, DeepSpeedQueries, BatchCalls, CheckpointCalls, Engine
         offload = offload_files(config.offload_optimizer, comm)
         shard_files = param_files(config.offload_param,
                                   config.offload_optimizer.chunk_elements, comm)
-        if self.policy.reduces_in_backward:  # [Note: channel room]
+        channels = None
+        if self.policy.reduces_in_backward:
+            # stages 2-3 reduce buckets mid-backward, each group on its own
+            # channel but the small groups', which share one ([Note:
+            # reduction channels] in _comm.py; [Note: small groups'
+            # buckets] in _buckets.py); room for them first ([Note: channel room])
+            channels = ReductionChannels(
+                comm, [(params, units_of(params, owners)) for params, _names in groups if params],
+                config.reduce_bucket_size, config.bucket_reduction,
+                comm.world if self.policy.partitions else 1)
             check_channel_room(comm, sum(1 for params, _names in groups if params),
-                               self.policy.stage)
+                               self.policy.stage, channels.count)
         self.groups: list[FlatGroup] = []
         for index, (params, names) in enumerate(groups):
             if not params:
                 continue
-            # stages 2-3 reduce buckets mid-backward, each group on its own
-            # channel: see [Note: reduction channels] in _comm.py
-            reduce_comm = comm.channel(len(self.groups)) \
-                if self.policy.reduces_in_backward else None
+            reduce_comm = comm.channel(channels.channel[len(self.groups)]) \
+                if channels is not None else None
             fg = FlatGroup(index, params, names, self.compute_dtype, comm, self.policy,
                            config.reduce_bucket_size, units=units_of(params, owners),
                            device=self.device,
@@ -215,8 +222,8 @@ class Engine(BoundaryStep, DeepSpeedQueries, BatchCalls, CheckpointCalls, Engine
                 fg.add_state(name, fill)
             self.groups.append(fg)
         self.frozen_group = None
-        if self.policy.reduces_in_backward:  # [Note: small groups' buckets] in _buckets.py
-            defer_small_groups(self.groups, config.reduce_bucket_size)
+        if channels is not None:  # [Note: small groups' buckets] in _buckets.py
+            channels.defer(self.groups)
         # [Note: backward lifecycle] in _backward.py
         self._backward = BackwardLifecycle(self.groups) \
             if self.policy.reduces_in_backward else None

@@ -421,13 +421,14 @@ def reduce_deferred(reducers):
     each param group has buckets of its own: a model with a group or two a
     layer (layer-wise learning rates) reduced some 55 buckets a step where
     two groups reduce 4. So the buckets of the small groups
-    (defer_small_groups) are held to the end of the backward and reduced
-    together here, one reduce per rank for all of them, on the first such
-    group's channel, after every group's own reductions: the same point
-    and order on every rank (every bucket of a group leaves in every
-    backward, and the late ones are agreed). Their ranks' sums are the
-    same sums, so the gradients are bit for bit those of a reduction a
-    bucket."""
+    (ReductionChannels in _groups_together.py says which) are held to the
+    end of the backward and reduced together here, one reduce per rank for
+    all of them, after every group's own reductions, on the one channel
+    those groups share (40 small groups open one process group, not 40):
+    the same point and order on every rank (every bucket of a group leaves
+    in every backward, and the late ones are agreed). Their ranks' sums
+    are the same sums, so the gradients are bit for bit those of a
+    reduction a bucket."""
     held = [(red, b, staging) for red in reducers if red.deferred for b, staging in red.deferred]
     if not held:
         return

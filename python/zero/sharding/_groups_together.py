@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from zero.comm._gather_together import SMALL_UNIT, TOGETHER, gather_small_together
 from zero.comm._reduce_together import reduces_together, all_reduce_together, reduce_together
+from zero.sharding._units import lay_out
 
 
 def reduce_boundary(groups):
@@ -69,25 +70,56 @@ def refresh_params(groups):
         fg.drop_param_pages()  # the chunks just read ([Note: shard on a disk])
 
 
-def defer_small_groups(groups, bucket_elements):
-    """Stages 2-3 with several param groups: which groups' buckets wait for
-    the end of the backward, to be reduced together ([Note: small groups'
-    buckets] in _buckets.py). On gloo (as reduce_together's), reducing by
-    reduce per rank; groups of at most SMALL_UNIT gradient elements each,
-    together at most TOGETHER and one bucket's size (they are held
-    meanwhile); two at least, in group order, the same on every rank."""
-    reducers = [fg.reducer for fg in _sharing_a_comm(groups) if fg.reducer is not None]
-    chosen, held = [], 0
-    for red in reducers:
-        size = sum(end - start for _unit, start, end in red.buckets)
-        if red.scatter or not reduces_together(red.fg.reduce_comm) or size > SMALL_UNIT or \
-                held + size > min(TOGETHER, bucket_elements):
-            continue
-        chosen.append(red)
-        held += size
-    for red in chosen if len(chosen) > 1 else ():
-        red.deferred = []
-    return len(chosen) if len(chosen) > 1 else 0
+class ReductionChannels:
+    """Stages 2-3: which param groups' buckets wait for the end of the
+    backward, to be reduced together ([Note: small groups' buckets] in
+    _buckets.py), and the channel each group reduces on ([Note: reduction
+    channels] in comm/_comm.py): one a group, and one for all the waiting
+    groups (their collectives go at one point of the backward, in one
+    order). Worked out before the groups are built, from their layouts, so
+    that check_channel_room counts the channels before any is made.
+    A group waits on gloo (as reduce_together's), reducing by reduce per
+    rank, when its layout holds at most SMALL_UNIT elements, and the
+    waiting groups hold at most TOGETHER and one bucket's size in all;
+    two at least; in group order, the same on every rank.
+    `layouts`: each group's (params, unit index lists or None)."""
+
+    def __init__(self, comm, layouts, bucket_elements, reduction, num_partitions):
+        sizes = [laid_out_elements(params, units, num_partitions) for params, units in layouts]
+        eligible = reduces_together(comm) and reduction != "reduce_scatter"
+        self.deferred, held = [], 0
+        for size in sizes:
+            waits = eligible and size <= SMALL_UNIT and \
+                held + size <= min(TOGETHER, bucket_elements)
+            self.deferred.append(waits)
+            held += size if waits else 0
+        if sum(self.deferred) < 2:
+            self.deferred = [False] * len(sizes)
+        self.channel, shared, made = [], None, 0
+        for waits in self.deferred:
+            if waits and shared is not None:
+                self.channel.append(shared)
+                continue
+            shared = made if waits else shared
+            self.channel.append(made)
+            made += 1
+        self.count = made
+
+    def defer(self, groups):
+        """Mark the waiting groups' reducers (groups: built in the order
+        of the layouts)."""
+        for fg, waits in zip(groups, self.deferred):
+            if waits:
+                assert not fg.reducer.scatter, "a group reduced by scatter cannot wait"
+                fg.reducer.deferred = []
+
+
+def laid_out_elements(params, units, num_partitions) -> int:
+    """The elements of a group's layout, padding included (what its
+    buckets hold at most): FlatGroup's lay_out of the same units."""
+    units = units or [list(range(len(params)))]
+    ordered = [params[i] for members in units for i in members]
+    return sum(unit.total for unit in lay_out(ordered, [len(m) for m in units], num_partitions))
 
 
 def _sharing_a_comm(groups) -> list:
