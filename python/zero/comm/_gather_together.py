@@ -1,5 +1,7 @@
 """Several small all-gathers as one, on gloo: stage 3's prefetch of small
-units and its refresh of the persistent ones after a step (issue 22 item 2).
+units and its refresh of the persistent ones after a step (issue 22 item 2),
+and the refresh of the small param groups at stages 1-2 (a group is one
+unit there: sharding/_groups_together.py).
 
 [Note: small units gathered together] On gloo a gather is one broadcast per
 rank, and a small one costs its latency, not its bytes: measured on 2 CPU

@@ -10,11 +10,14 @@ elements, [Note: small units gathered together]), so a model with 28 groups
 paid 28 or 56 of them a step where two groups pay 2 or 4. Tensors of at
 most SMALL_UNIT elements go together instead: laid end to end (one copy),
 reduced as one tensor, and copied back (on the destination rank alone for
-a reduce). A batch holds at most TOGETHER elements. The sum of each element
-is the same sum over the same ranks, so the result is bit for bit the
-separate reductions'. comm_summary counts the same elements in one call.
-NCCL keeps a collective a tensor (its launches are cheap, and it reduces in
-place)."""
+a reduce). A batch holds at most TOGETHER elements. Each element's sum is
+the sum over the same ranks: on 2 ranks one addition, bit for bit the
+separate reductions'; on 3 or more gloo adds in an order that depends on
+where the element sits in the tensor, so within rounding of them (every
+rank gets the same bits either way). The joined copy is a transient of
+the step, counted nowhere (as a gather's batch after a step). comm_summary
+counts the same elements in one call. NCCL keeps a collective a tensor
+(its launches are cheap, and it reduces in place)."""
 from __future__ import annotations
 
 import torch

@@ -148,8 +148,12 @@ class BoundaryStep:
         issued: its rank may be the only one that failed, and a gather of
         other sizes than its peers' would meet theirs (gloo aborts the
         process then). The step is partly applied, as an offloaded step
-        that fails is (docs/offload.md: load a checkpoint to go on)."""
-        for fg in self.groups:
+        that fails is (docs/offload.md): the groups updated before hold
+        their new chunks beside their peers' old ones (before the groups
+        went together, each was gathered as it was updated, which kept
+        the ranks alike when all of them failed at the same group), so a
+        run goes on from a checkpoint, whose load gathers every group."""
+        for done, fg in enumerate(self.groups):
             counted = self._spec.counts_as_step(self.optimizer.param_groups[fg.index])
             fg.step_count += counted
             try:
@@ -160,6 +164,8 @@ class BoundaryStep:
                 # the middle of a chunked update (files, offload_param)
                 # leaves it partly applied (docs/offload.md)
                 fg.step_count -= counted
+                for changed in self.groups[:done + 1]:
+                    bump_versions(changed)  # a graph that saved them is stale
                 raise
             fg.write_back_shard()
         refresh_params(self.groups)

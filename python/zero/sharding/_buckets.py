@@ -426,9 +426,10 @@ def reduce_deferred(reducers):
     all of them, after every group's own reductions, on the one channel
     those groups share (40 small groups open one process group, not 40):
     the same point and order on every rank (every bucket of a group leaves
-    in every backward, and the late ones are agreed). Their ranks' sums
-    are the same sums, so the gradients are bit for bit those of a
-    reduction a bucket."""
+    in every backward, and the late ones are agreed). Each element's sum
+    is over the same ranks: bit for bit a reduction a bucket on 2 ranks,
+    within rounding of it on more ([Note: small groups reduced together]
+    in comm/_reduce_together.py)."""
     held = [(red, b, staging) for red in reducers if red.deferred for b, staging in red.deferred]
     if not held:
         return

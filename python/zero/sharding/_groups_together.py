@@ -1,10 +1,12 @@
 """The collectives of a step that every flat group issues, for all the
-groups at once: the boundary reduction of stages 0-1 and the refresh of the
-parameters after an update. A model with many param groups (layer-wise
-learning rates: two a layer) then pays for a few collectives a step on
-gloo, not a few a group ([Note: small groups reduced together] in
+groups at once: the boundary reduction of stages 0-1, the replicas' sum of
+hybrid sharding, the refresh of the parameters after an update, and which
+groups' buckets wait for the end of the backward on one shared channel
+(stages 2-3: ReductionChannels). A model with many small param groups
+(layer-wise learning rates: two a layer) then pays for a few collectives a
+step on gloo, not a few a group ([Note: small groups reduced together] in
 comm/_reduce_together.py; [Note: small units gathered together] in
-comm/_gather_together.py)."""
+comm/_gather_together.py; [Note: small groups' buckets] in _buckets.py)."""
 from __future__ import annotations
 
 from zero.comm._gather_together import SMALL_UNIT, TOGETHER, gather_small_together
