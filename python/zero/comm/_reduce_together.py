@@ -57,13 +57,7 @@ def small_batches(tensors):
 def all_reduce_together(comm, tensors):
     """Sum each of `tensors` over the ranks, in place: the small ones
     together ([Note: small groups reduced together])."""
-    for batch in small_batches(tensors):
-        if len(batch) == 1:
-            comm.all_reduce_sum(batch[0])
-            continue
-        joined = torch.cat([t.reshape(-1) for t in batch])
-        comm.all_reduce_sum(joined)
-        _copy_back(joined, batch)
+    _together(tensors, comm.all_reduce_sum, copy_back=True)
 
 
 def reduce_together(comm, tensors, dst: int):
@@ -71,19 +65,20 @@ def reduce_together(comm, tensors, dst: int):
     ones together ([Note: small groups reduced together]). The other ranks'
     tensors are left as they were (a reduce may have used them as scratch
     on some backends; none of their callers reads them after)."""
+    _together(tensors, lambda t: comm.reduce_sum(t, dst=dst), copy_back=comm.rank == dst)
+
+
+def _together(tensors, reduce, copy_back):
+    """reduce(t) each batch of small_batches(tensors): a batch of one in
+    place, a larger one laid end to end, and copied back where asked."""
     for batch in small_batches(tensors):
         if len(batch) == 1:
-            comm.reduce_sum(batch[0], dst=dst)
+            reduce(batch[0])
             continue
         joined = torch.cat([t.reshape(-1) for t in batch])
-        comm.reduce_sum(joined, dst=dst)
-        if comm.rank == dst:
-            _copy_back(joined, batch)
-
-
-def _copy_back(joined, batch):
-    at = 0
-    for t in batch:
-        n = t.numel()
-        t.view(-1).copy_(joined[at:at + n])
-        at += n
+        reduce(joined)
+        if copy_back:
+            at = 0
+            for t in batch:
+                t.view(-1).copy_(joined[at:at + t.numel()])
+                at += t.numel()

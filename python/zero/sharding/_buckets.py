@@ -331,18 +331,10 @@ class BucketReducer:
             pause = min(2 * pause, 1e-3)
         return True
 
-    def finish_backward(self):
-        """End of a backward: reduce what is left, in order; agree with the
-        other ranks on which parameters got gradients and which buckets got
-        late gradients; reduce the late buckets (zeros where this rank has
-        none), in order; collect. finish_backwards does this for several
-        groups with one agreement."""
-        finish_backwards([self])
-
     def _send_rest(self) -> list:
-        """The first half of finish_backward: what is left sent, and this
-        rank's flags: per parameter whether it got a gradient, then per
-        bucket whether it got a late one."""
+        """The first half of a backward's end (finish_backwards): what is
+        left sent, and this rank's flags: per parameter whether it got a
+        gradient, then per bucket whether it got a late one."""
         self.core.send_rest()
         late = set(self.core.late_buckets())
         return list(self.core.arrived()) + [int(b in late) for b in range(len(self.buckets))]
@@ -389,8 +381,11 @@ class BucketReducer:
 
 
 def finish_backwards(reducers):
-    """End of a backward for each of `reducers` (BucketReducer.finish_backward),
-    their flags agreed in one all-reduce per Comm rather than one a group:
+    """End of a backward for each of `reducers`: reduce what is left, in
+    order; agree with the other ranks on which parameters got gradients
+    and which buckets got late gradients; reduce the late buckets (zeros
+    where this rank has none), in order; collect. The flags are agreed in
+    one all-reduce per Comm rather than one a group:
     a model with many param groups paid one a group at every backward
     ([Note: small groups reduced together] in comm/_reduce_together.py).
     Every group sends what is left before the agreement, so each group's

@@ -36,7 +36,6 @@ from zero.offload._param_staging import host_buffer
 from zero.comm._gather_together import gathers_together
 from zero.sharding._buckets import BucketReducer
 from zero.sharding._group_grads import GroupGradients
-from zero.sharding._groups_together import refresh_params
 from zero.sharding._units import Unit, lay_out
 
 # how far around a faulting page Linux maps a file's pages in (its default
@@ -412,15 +411,10 @@ class FlatGroup(GroupGradients):
                 self._register(name, t)
         return self.buffers
 
-    def all_gather_params(self):
-        """Refresh the gathered units from the updated shard (stages 1-2:
-        the whole group; stage 3: the persistent units). The engine
-        refreshes all its groups at once (refresh_params)."""
-        refresh_params([self])
-
     def units_to_refresh(self) -> list:
-        """The units all_gather_params refreshes: none where nothing is
-        partitioned."""
+        """The units refreshed from the updated shard after an update
+        (refresh_params: stages 1-2 the whole group, stage 3 the persistent
+        units); none where nothing is partitioned."""
         if self.num_partitions == 1 and not self.policy.partitions_params:
             return []
         return [u for u in self.units if u.gathered]

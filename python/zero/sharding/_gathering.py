@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import torch
 
-from zero.comm._gather_together import SMALL_UNIT, gather_small_together, gather_together
+from zero.comm._gather_together import SMALL_UNIT, gather_together
+from zero.sharding._groups_together import gather_entries_together
 from zero.sharding._param_writes import check_released_untouched, write_in_forward_refusal
 
 _HASH_MOD = (1 << 61) - 1
@@ -53,15 +54,13 @@ class UnitGathering:
         each step does ([Note: small units gathered together]); the others
         one by one."""
         small = [(fg, unit) for fg, unit in entries if self.together(fg, unit)]
-        owner = {id(unit): fg for fg, unit in small}
         for fg, unit in small:
             self._before_gather(fg, unit)
-        gather_small_together(self.comm, [unit for _fg, unit in small],
-                              lambda unit: owner[id(unit)].gather_source(unit.shard_slice))
+        gather_entries_together(self.comm, small)  # all small: none left
         for fg, unit in small:
             self._gathered(fg, unit)
         for fg, unit in entries:
-            if id(unit) not in owner:
+            if not self.together(fg, unit):
                 self._gather(fg, unit, async_op=False)
 
     @staticmethod

@@ -53,23 +53,30 @@ def sum_across_replicas(groups):
 
 def refresh_params(groups):
     """After an update: each group's gathered units refreshed from its
-    updated shard (FlatGroup.all_gather_params: stages 1-2 the whole group,
+    updated shard (FlatGroup.units_to_refresh: stages 1-2 the whole group,
     stage 3 the persistent units), the small ones of every group gathered
     together where the group allows (gloo, the shard read where it lies)."""
     entries = [(fg, unit) for fg in groups for unit in fg.units_to_refresh()]
     shared = _sharing_a_comm([fg for fg in groups if fg.gathers_together])
-    owner = {id(unit): fg for fg, unit in entries if fg in shared}
-    if owner:
-        rest = gather_small_together(shared[0].comm,
-                                     [unit for fg, unit in entries if id(unit) in owner],
-                                     lambda u: owner[id(u)].gather_source(u.shard_slice))
-        left = {id(unit) for unit in rest}
-        entries = [(fg, unit) for fg, unit in entries
-                   if id(unit) not in owner or id(unit) in left]
+    if shared:
+        entries = [(fg, unit) for fg, unit in entries if fg not in shared] + \
+            gather_entries_together(shared[0].comm,
+                                    [(fg, unit) for fg, unit in entries if fg in shared])
     for fg, unit in entries:
         fg.refresh_unit(unit)
     for fg in groups:
         fg.drop_param_pages()  # the chunks just read ([Note: shard on a disk])
+
+
+def gather_entries_together(comm, entries) -> list:
+    """Gather the small units of the (fg, unit) `entries`, of any groups,
+    several to a collective ([Note: small units gathered together] in
+    comm/_gather_together.py), each from its group's shard; returns the
+    entries left to gather one by one (units over SMALL_UNIT), in order."""
+    owner = {id(unit): fg for fg, unit in entries}
+    rest = gather_small_together(comm, [unit for _fg, unit in entries],
+                                 lambda unit: owner[id(unit)].gather_source(unit.shard_slice))
+    return [(owner[id(unit)], unit) for unit in rest]
 
 
 class ReductionChannels:
