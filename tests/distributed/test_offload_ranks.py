@@ -80,13 +80,13 @@ def train(rank, world, stage, nvme_path, staged=False, param_path=None):
 
 
 def both_ways(rank, world):
-    directory = tempfile.mkdtemp(prefix=f"zero-nvme-r{rank}-")
-    runs = {stage: (train(rank, world, stage, None), train(rank, world, stage, directory),
-                    train(rank, world, stage, None, staged=True))
-            for stage in (1, 2, 3)}
-    # stage 3 with the parameter shard in a file too, with the states and alone
-    runs[3] += (train(rank, world, 3, directory, param_path=directory),
-                train(rank, world, 3, None, param_path=directory))
+    with tempfile.TemporaryDirectory(prefix=f"zero-nvme-r{rank}-") as directory:
+        runs = {stage: (train(rank, world, stage, None), train(rank, world, stage, directory),
+                        train(rank, world, stage, None, staged=True))
+                for stage in (1, 2, 3)}
+        # stage 3 with the parameter shard in a file too, with the states and alone
+        runs[3] += (train(rank, world, 3, directory, param_path=directory),
+                    train(rank, world, 3, None, param_path=directory))
     return runs
 
 
@@ -136,11 +136,15 @@ def prefetched_chunks(rank, world):
     layer's forward takes a moment, so the prefetched gathers are done by
     the next layer's; the shard's resident bytes are read there, at every
     layer from the third."""
-    import time
-    import zero
     torch.manual_seed(0)
     model = nn.Sequential(*[nn.Linear(256, 256) for _ in range(12)])
-    directory = tempfile.mkdtemp(prefix=f"zero-prefetch-r{rank}-")
+    with tempfile.TemporaryDirectory(prefix=f"zero-prefetch-r{rank}-") as directory:
+        return _prefetched_chunks_in(directory, model)
+
+
+def _prefetched_chunks_in(directory, model):
+    import time
+    import zero
     engine = zero.initialize(model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
                              stage=3, stage3_param_persistence_threshold=0,
                              offload_param={"device": "nvme", "nvme_path": directory})
@@ -271,9 +275,13 @@ def close_with_one_rank_short_of_room(rank, world, fail):
     (RLIMIT_FSIZE, as `ulimit -f`), so its file fails (EFBIG). Every rank
     must raise at once and train on; a second close(), with room, closes.
     Returns (the errors of the first close, the state after the second)."""
+    with tempfile.TemporaryDirectory(prefix=f"zero-close-r{rank}-") as directory:
+        return _close_short_of_room_in(directory, rank, fail)
+
+
+def _close_short_of_room_in(directory, rank, fail):
     import resource
     import zero
-    directory = tempfile.mkdtemp(prefix=f"zero-close-r{rank}-")
     model = mlp()
     engine = zero.initialize(model, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-2),
                              stage=3, stage3_param_persistence_threshold=0, timeout=60,

@@ -37,10 +37,15 @@ class Model(nn.Module):
 
 
 def train(rank, world, precision, params=None, states=None):
+    with tempfile.TemporaryDirectory(prefix=f"zero-params-r{rank}-") as directory:
+        return _train_in(directory, rank, precision, params, states)
+
+
+def _train_in(directory, rank, precision, params, states):
     import zero
     from engine_cases import offload_options, place_apart
     place_apart(params=params is not None, states=states is not None)
-    options = offload_options(tempfile.mkdtemp(prefix=f"zero-params-r{rank}-"), params, states)
+    options = offload_options(directory, params, states)
     torch.manual_seed(0)
     model = Model()
     optimizer = torch.optim.AdamW(
