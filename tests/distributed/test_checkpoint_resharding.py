@@ -172,7 +172,7 @@ def test_a_failed_save_raises_on_every_rank(legs):
     with open(f"{root}/failure/latest") as f:
         assert f.read() == "good"
     # directories apart: refused on both ranks before anything is published
-    assert "1 of the 2 shard files the ranks wrote are not in" in apart0 and \
+    assert "1 of the 2 files the ranks wrote are not in" in apart0 and \
         "a shared filesystem" in apart0, apart0
     assert apart1 == "saving the checkpoint failed on 1 other rank(s); see their errors"
     assert not os.path.exists(f"{root}/failure/apart")

@@ -19,6 +19,7 @@ from zero._progress import bar
 from zero.checkpoint._engine_parts import (all_ok, checkpoint_name, holds_a_part, in_files,
                                            param_shapes, release_offloaded, replicated_frozen,
                                            whole_comm)
+from zero.checkpoint._client_states import client_state_for
 from zero.checkpoint._extra_states import extra_state_modules, owner_name, set_extra_states
 from zero.checkpoint._format import (LATEST_FILE, META_FILE, STAGING_SUFFIX, CheckpointReader,
                                      resolve_tag, tag_directory_hint)
@@ -395,6 +396,8 @@ def load(engine, load_dir, tag=None, load_optimizer_states=True,
         _check_buffers(engine, meta)
         check_restored_settings(engine, meta, with_optimizer, load_module_only,
                                 load_lr_scheduler_states)
+        whole = whole_comm(engine)
+        client_state, client_warning = client_state_for(reader, whole.rank, whole.world)
     except Exception as e:  # raised on every rank, before anything changes
         error = e
     all_ok(engine, error, "loading")
@@ -442,4 +445,6 @@ def load(engine, load_dir, tag=None, load_optimizer_states=True,
                 for group, lr in zip(engine.optimizer.param_groups,
                                      getattr(engine.lr_scheduler, "_last_lr", None) or []):
                     group["lr"] = lr
-    return path, meta["client_state"]
+    if client_warning is not None and whole.rank == 0:
+        warnings.warn(client_warning, RuntimeWarning, stacklevel=3)
+    return path, client_state

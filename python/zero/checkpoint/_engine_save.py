@@ -20,6 +20,7 @@ from zero.checkpoint._engine_parts import (all_ok, checkpoint_name, holds_a_part
                                            in_files, in_whole_tensors, param_shapes,
                                            release_offloaded, replicated_frozen, shard_index,
                                            whole_comm)
+from zero.checkpoint._client_states import client_files, differ, digest, write_own
 from zero.checkpoint._extra_states import extra_state_modules, owner_name, snapshot
 from zero.checkpoint._format import (FORMAT, META_FILE, REPLICATED_GROUP, VERSION, check_plain,
                                      check_tag, shard_file, staging_directory)
@@ -245,7 +246,7 @@ def _save_agreed(engine, save_dir, tag, save_id, client_state, save_latest, erro
     """The save's writes, each step agreed over the ranks; `error` is rank
     0's from preparing the staging directory."""
     comm, whole = engine._comm, whole_comm(engine)
-    meta = None
+    meta, own_digest = None, 0
     # [Note: a save replaces a tag whole] in checkpoint/_writes.py
     staging = staging_directory(save_dir, tag)
     try:  # this rank's checks and shard; a failure is raised on every rank by all_ok
@@ -253,6 +254,8 @@ def _save_agreed(engine, save_dir, tag, save_id, client_state, save_latest, erro
             raise error
         client_state = {} if client_state is None else client_state
         check_plain(client_state, "client_state")
+        if engine.stage == 3:  # [Note: per-rank client_state]
+            own_digest = digest(client_state)
         scheduler_state = engine.lr_scheduler.state_dict() if engine.lr_scheduler else None
         check_plain(scheduler_state, "lr_scheduler.state_dict()")
         os.makedirs(staging, exist_ok=True)
@@ -276,6 +279,14 @@ def _save_agreed(engine, save_dir, tag, save_id, client_state, save_latest, erro
     except Exception as e:
         error = e
     all_ok(engine, error)
+    if engine.stage == 3 and differ(whole, own_digest):
+        try:
+            write_own(staging, whole.rank, save_id, client_state)
+            if meta is not None:
+                meta["client_states"] = client_files(whole.world)
+        except Exception as e:
+            error = e
+        all_ok(engine, error)
     stages = None
     if holds_a_part(engine):  # every stage's parameters, into one meta
         stages = whole.gather_objects((engine._pipeline.index, _stage_part(meta))
@@ -286,7 +297,7 @@ def _save_agreed(engine, save_dir, tag, save_id, client_state, save_latest, erro
         if whole.rank == 0:
             if stages is not None:
                 meta.update(_merged_stages([part for part in stages if part is not None]))
-            _check_shards_seen(staging, meta["shards"])
+            _check_shards_seen(staging, meta["shards"] + meta.get("client_states", []))
             write_file(meta, os.path.join(staging, META_FILE))
             publish(save_dir, tag)
     except Exception as e:
@@ -304,14 +315,15 @@ def _save_agreed(engine, save_dir, tag, save_id, client_state, save_latest, erro
 
 
 def _check_shards_seen(staging, shards):
-    """Rank 0, before it publishes: every rank's shard is in the directory
+    """Rank 0, before it publishes: every rank's shard (and client_state
+    file, [Note: per-rank client_state]) is in the directory
     it sees. Ranks that save into directories of their own (a path on each
     machine's local disk) wrote theirs elsewhere; publishing would make
     `latest` name a checkpoint that cannot load, found only at the load."""
     missing = [f for f in shards if not os.path.isfile(os.path.join(staging, f))]
     if missing:
         raise RuntimeError(
-            f"save_checkpoint: {len(missing)} of the {len(shards)} shard files the ranks wrote "
+            f"save_checkpoint: {len(missing)} of the {len(shards)} files the ranks wrote "
             f"are not in {staging} as rank 0 sees it ({', '.join(missing[:3])}"
             f"{', ...' if len(missing) > 3 else ''}): save_dir must be one directory every "
             "rank sees (a shared filesystem across machines, not each machine's local disk). "

@@ -12,6 +12,9 @@ the engine's flat layout, so it loads at any world size and any stage:
                                        one rank's partitions, whole, plus
                                        "pieces": which elements of which
                                        parameter sit where in them
+    <save_dir>/<tag>/zero_client_RRRRR.pt
+                                       stage 3: a rank's own client_state
+                                       ([Note: per-rank client_state])
 
 A piece is (parameter name, lo, hi, offset): elements [lo, hi) of the
 flattened parameter are at [offset, offset + hi - lo) of the partition
@@ -57,6 +60,12 @@ _SEQUENCES = (list, tuple, torch.Size)
 
 def shard_file(rank: int) -> str:
     return f"zero_shard_{rank:05d}.pt"
+
+
+def client_file(rank: int) -> str:
+    """A rank's own client_state, where a stage-3 save's ranks gave
+    different ones ([Note: per-rank client_state] in _client_states.py)."""
+    return f"zero_client_{rank:05d}.pt"
 
 
 def check_plain(value, where: str, _inside=()):
@@ -284,9 +293,10 @@ def _check_meta(meta, file):
     params = _field(meta, "params", dict, file, top)
     _check_params(params, file)
     # plain names: a shard is read from the tag directory only
-    if not all(isinstance(f, str) and f not in ("", ".", "..") and os.path.basename(f) == f
-               for f in _field(meta, "shards", list, file, top)):
-        raise _damaged(file, "its 'shards' is not a list of file names")
+    for key in ("shards", "client_states") if "client_states" in meta else ("shards",):
+        if not all(isinstance(f, str) and f not in ("", ".", "..") and
+                   os.path.basename(f) == f for f in _field(meta, key, list, file, top)):
+            raise _damaged(file, f"its {key!r} is not a list of file names")
     buffers = _field(meta, "buffers", dict, file, top)
     for key, t in buffers.items():
         _check_record(t, file, f"buffers[{key!r}]", floating=False)
@@ -420,7 +430,7 @@ class CheckpointReader:
         self.meta = self._load(META_FILE)
         _check_header(self.meta, meta_file)
         self._verified = set()  # files whose bytes matched their checksums
-        self._verify(meta_file)
+        self.verify(meta_file)
         _check_meta(self.meta, meta_file)
         self.index = defaultdict(list)  # name -> [(lo, hi, tensors, offset, file)]
         self._mapped_tensors = None  # drop_pages's, made once
@@ -428,13 +438,20 @@ class CheckpointReader:
             self._add_shard(file)
         self._check_overlaps()
 
-    def _add_shard(self, file):
+    def read_file(self, file, mmap=False) -> dict:
+        """One of the save's files besides the meta, checked to be zero's
+        and of the same save."""
         full = os.path.join(self.path, file)
-        shard = self._load(file, mmap=True)
-        _check_header(shard, full)
-        if shard.get("save_id") != self.meta.get("save_id"):
+        obj = self._load(file, mmap=mmap)
+        _check_header(obj, full)
+        if obj.get("save_id") != self.meta.get("save_id"):
             raise ValueError(f"{full!r} belongs to another save than {META_FILE} (a save into "
                              "this tag that did not finish?); load another checkpoint")
+        return obj
+
+    def _add_shard(self, file):
+        full = os.path.join(self.path, file)
+        shard = self.read_file(file, mmap=True)
         params = self.meta["params"]
         for gi, group in enumerate(_field(shard, "groups", list, full, "the shard")):
             where = f"groups[{gi}]"
@@ -498,7 +515,7 @@ class CheckpointReader:
                 raise runs_code(full) from None
             raise unreadable(full, error) from None
 
-    def _verify(self, file):
+    def verify(self, file):
         """Refuse a file whose bytes differ from the CRC-32 torch.save wrote
         for each record (_zip_checksums.py): a changed byte in a tensor's
         data loaded as a wrong number. A shard is checked the first time a
@@ -528,7 +545,7 @@ class CheckpointReader:
             if key not in tensors:
                 raise ValueError(f"checkpoint file {file!r} has no {key!r} for parameter "
                                  f"'{name}'; load another checkpoint")
-            self._verify(file)
+            self.verify(file)
             found.append((a, b, _stretch(tensors[key], offset + a - p_lo, b - a, file)))
             covered += b - a
         if covered != hi - lo:
