@@ -118,8 +118,48 @@ def _gathered_apart(rank, case):
     return error
 
 
+def _recovered_by_zero_grad(rank, directory, stage):
+    """Rank 0 saves alone while rank 1 trains on: both refused. Then
+    zero_grad() and three steps on every rank, as the refusal says.
+    Returns (refusal, errors of the steps after, final state, batches)."""
+    import torch
+    engine = _engine(stage)
+    batches = [torch.randn(4, 6, generator=torch.Generator().manual_seed(10 * k + rank))
+               for k in range(5)]
+
+    def train(k):
+        engine.backward(engine(batches[k]).square().mean())
+        engine.step()
+    train(0)
+    refusal = _attempt(lambda: engine.save_checkpoint(directory) if rank == 0 else train(1))
+    engine.zero_grad()
+    errors = [_attempt(lambda: train(k)) for k in (2, 3, 4)]
+    state = engine.full_state_dict()
+    engine.close()
+    return refusal, errors, state
+
+
+def _reference_of_recovery():
+    """One process: the average gradient of both ranks' batches 0, 2, 3, 4."""
+    import torch
+    from torch import nn
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for k in (0, 2, 3, 4):
+        opt.zero_grad()
+        for rank in (0, 1):
+            x = torch.randn(4, 6, generator=torch.Generator().manual_seed(10 * k + rank))
+            (model(x).square().mean() / 2).backward()
+        opt.step()
+    return model.state_dict()
+
+
 def divergent(rank, world, directory):
     out = {}
+    for stage in (0, 1):
+        out["recovered", stage] = _recovered_by_zero_grad(
+            rank, os.path.join(directory, f"recovered{stage}"), stage)
     for case in ("params", "modifier"):
         out["gathered", case] = _gathered_apart(rank, case)
     for stage in (0, 1, 3):
@@ -148,6 +188,22 @@ def test_a_step_skipped_at_other_batches_raises_on_both(results, stage):
             assert re.search(f"and {1 + rank} backwards of engine \\d+ at update 1", error), error
         else:  # caught before by the forward's agreement: a collective there
             assert ("step()" if rank == 0 else "forward 3 of engine") in error, error
+
+
+@pytest.mark.parametrize("stage", [0, 1])
+def test_training_goes_on_after_a_refused_call_and_zero_grad(results, stage):
+    """Before, rank 1's backward before the refused call stayed counted
+    at stages 0-1 (zero_grad() did not reset the count), so every later
+    step() was refused as taken at another number of backwards."""
+    from conftest import max_rel_error
+    reference = _reference_of_recovery()
+    for rank, out in enumerate(results):
+        refusal, errors, state = out["recovered", stage]
+        assert refusal is not None and "not in the same engine call" in refusal and \
+            "engine.zero_grad() on every rank" in refusal, refusal
+        assert errors == [None, None, None], errors
+        for key, value in reference.items():
+            assert max_rel_error(state[key], value) <= 1e-5, (rank, key)
 
 
 @pytest.mark.parametrize("call", ["eval", "generate"])

@@ -386,6 +386,11 @@ class Engine(BoundaryStep, DeepSpeedQueries, BatchCalls, CheckpointCalls, Engine
         comes here too."""
         self._check_open()
         self._zero_grad_calls += 1  # agreed at the step: see step()
+        # the gradients of the backwards counted so far are gone: the step
+        # compares the backwards since (a backward one rank made before a
+        # call the ranks were refused together, then zero_grad() on every
+        # rank, left the ranks' counts apart for good at stages 0-1)
+        self._backwards = 0
         self._abandon_unfinished_backward()
         # a norm taken of the dropped gradients must not clip the next step
         self._prepared, self._clip_norm = None, None

@@ -84,7 +84,8 @@ def different_calls(call: str) -> RuntimeError:
         "save_checkpoint(), load_checkpoint(), clip_grad_norm_(), zero.GatheredParameters "
         "and, at stage 3, the forward are collectives: call them on every rank alike (not "
         "under `if rank == 0`), and step() as often on each. Nothing was taken in or "
-        "updated")
+        "updated; engine.zero_grad() on every rank drops the gradients of the backwards "
+        "the ranks made since, and training goes on from there")
 
 
 def other_rank_refused() -> RuntimeError:
