@@ -19,6 +19,7 @@ said of them (tests/data/deepspeed_losses.json):
   tensor-parallel files, the output onto the input."""
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -264,6 +265,34 @@ def test_loading_deepspeeds_directory_names_the_converter(monkeypatch):
                        "python -m zero.checkpoint.from_deepspeed"):
         engine.load_checkpoint(str(CHECKPOINTS / "world2-stage2"))
     engine.close()
+
+
+def test_deepspeeds_tag_directory_or_one_without_latest_is_named_not_skipped(
+        monkeypatch, tmp_path):
+    """Before, both were taken for a directory that holds no checkpoint yet:
+    load_checkpoint warned and returned (None, None), and training started
+    from scratch; consolidate's "pass tag=" led nowhere. The printed command
+    converts them as it stands."""
+    no_launcher(monkeypatch)
+    without_latest = copy_of(tmp_path)
+    os.remove(without_latest / "latest")
+    tag_dir = CHECKPOINTS / "world2-stage2" / "global_step6"
+    model = torch.nn.Linear(2, 2)
+    engine = zero.initialize(model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+    for source, tag in ((tag_dir, None), (without_latest, None), (tag_dir, "global_step6")):
+        for load in (engine.load_checkpoint, consolidate):
+            with pytest.raises(FileNotFoundError, match="is a DeepSpeed checkpoint") as caught:
+                load(str(source), tag=tag)
+    engine.close()
+    said = str(caught.value)
+    assert "--tag" not in said
+    with pytest.raises(FileNotFoundError) as caught:
+        consolidate(str(without_latest))
+    printed = re.search(r"python -m zero\.checkpoint\.from_deepspeed (.*?), then", str(caught.value))
+    args = printed.group(1).replace("OUT_DIR", str(tmp_path / "out")).split()
+    assert "--tag" in args
+    assert command(*args).returncode == 0
+    assert consolidate(str(tmp_path / "out"))["model"]
 
 
 def test_two_conversions_of_one_checkpoint_are_one_save(tmp_path):

@@ -34,7 +34,9 @@ from collections import OrderedDict, defaultdict
 
 import torch
 
-from zero.checkpoint._refused_files import holds_code, not_an_archive, runs_code, unreadable
+from zero.checkpoint._refused_files import (deepspeed_refusal, deepspeed_tags,
+                                            holds_deepspeed_files, holds_code,
+                                            not_an_archive, runs_code, unreadable)
 from zero.checkpoint._storage_sizes import storage_size_mismatch
 from zero.checkpoint._zip_checksums import damaged_record
 from zero.offload._mapped import drop_file_mapped_pages, file_mappings
@@ -154,9 +156,10 @@ def inside(root, path) -> bool:
 
 def tag_directory_hint(save_dir) -> str:
     """The checkpoint directory given as one of its tag directories
-    (ckpt/global_step5 for ckpt/) is an easy slip: say so."""
+    (ckpt/global_step5 for ckpt/) is an easy slip: say so. A DeepSpeed
+    checkpoint directory (or tag directory) is named as one."""
     if not os.path.isfile(os.path.join(save_dir, META_FILE)):
-        return ""
+        return deepspeed_refusal(save_dir) if deepspeed_tags(save_dir) else ""
     parent, name = os.path.split(os.path.abspath(save_dir))
     return (f"{save_dir!r} is itself a checkpoint's tag directory (it holds {META_FILE}): "
             f"pass its parent {parent!r} and the tag {name!r} (tag= in Python, --tag on the "
@@ -214,12 +217,8 @@ def resolve_tag(save_dir, tag=None) -> str:
         raise ValueError(f"{path!r} is a link to a directory outside {save_dir!r}; a "
                          "checkpoint is read from inside its directory only")
     if not os.path.isfile(os.path.join(path, META_FILE)):
-        if os.path.isdir(path) and any(f.endswith("_model_states.pt") for f in os.listdir(path)):
-            raise FileNotFoundError(
-                f"{path!r} is a DeepSpeed checkpoint, not a zero one: DeepSpeed's files are "
-                "pickles, which zero never loads as they are (they may run code). Convert it "
-                f"once: python -m zero.checkpoint.from_deepspeed {save_dir} OUT_DIR "
-                "--trust-pickle, then load OUT_DIR (docs/deepspeed.md)")
+        if holds_deepspeed_files(path):
+            raise FileNotFoundError(deepspeed_refusal(save_dir))
         hint = tag_directory_hint(save_dir)
         raise FileNotFoundError(f"{path!r} holds no zero checkpoint ({META_FILE} is missing)"
                                 + (f"; {hint}" if hint else ""))

@@ -1,10 +1,12 @@
 """How a checkpoint file zero cannot read is named: damaged (truncated,
 not an archive), in torch's legacy format, or holding objects that would
-run code. Nothing here unpickles anything: a bare pickle's opcodes are
+run code; and a DeepSpeed checkpoint given where a zero one is read.
+Nothing here unpickles anything: a bare pickle's opcodes are
 read with pickletools, never run, and torch's weights-only refusal is
 told from damaged bytes by the CRCs the writer recorded."""
 from __future__ import annotations
 
+import os
 import pickle
 import pickletools
 
@@ -64,3 +66,39 @@ def holds_code(file, error) -> bool:
         return damaged_record(file) is None
     except ValueError:  # an archive too damaged to check: damaged
         return False
+
+
+def holds_deepspeed_files(path) -> bool:
+    try:
+        return os.path.isdir(path) and any(f.endswith("_model_states.pt")
+                                           for f in os.listdir(path))
+    except OSError:
+        return False
+
+
+def deepspeed_tags(save_dir) -> list:
+    """save_dir itself when it is a DeepSpeed tag directory, else the tag
+    directories in it that hold DeepSpeed's files (a DeepSpeed checkpoint
+    directory, with or without its `latest`)."""
+    if holds_deepspeed_files(save_dir):
+        return [save_dir]
+    try:
+        with os.scandir(save_dir) as entries:
+            return sorted(e.path for e in entries if holds_deepspeed_files(e.path))
+    except OSError:
+        return []
+
+
+def deepspeed_refusal(save_dir) -> str:
+    """What to do with a DeepSpeed checkpoint given where a zero one is
+    read: convert it (zero never unpickles DeepSpeed's files as they are),
+    naming a tag when the directory has no `latest` to say which."""
+    tags = deepspeed_tags(save_dir)
+    which = "" if tags == [save_dir] or os.path.exists(os.path.join(save_dir, "latest")) \
+        or not tags else f" --tag {os.path.basename(tags[-1])}"
+    found = "" if not which else \
+        f" (it has no 'latest'; its tags: {', '.join(os.path.basename(t) for t in tags)})"
+    return (f"{save_dir!r} is a DeepSpeed checkpoint, not a zero one{found}: DeepSpeed's "
+            "files are pickles, which zero never loads as they are (they may run code). "
+            f"Convert it once: python -m zero.checkpoint.from_deepspeed {save_dir} OUT_DIR"
+            f"{which} --trust-pickle, then load OUT_DIR (docs/deepspeed.md)")
