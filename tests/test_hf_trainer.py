@@ -231,6 +231,37 @@ def test_other_wrappers_of_the_model_are_refused(one_process, tmp_path, setting)
         ZeroTrainer(llama(), args, train_dataset=token_data(), zero_options={"stage": 2})
 
 
+@pytest.mark.parametrize("variable", ["ACCELERATE_USE_FSDP", "ACCELERATE_USE_DEEPSPEED"])
+def test_accelerate_set_up_for_another_wrapper_is_refused(one_process, tmp_path, monkeypatch,
+                                                          variable):
+    """An accelerate config (or an earlier TrainingArguments(fsdp=...) in
+    this process, a notebook's earlier cell) set accelerate up for FSDP:
+    the Trainer failed inside accelerate's FSDP set-up, past zero's checks."""
+    from zero.integrations.hf import ZeroTrainer
+    args = training_args(tmp_path)  # (transformers refuses DeepSpeed's without it installed)
+    monkeypatch.setenv(variable, "true")
+    with pytest.raises(ValueError, match=f"{variable}=true in the environment"):
+        ZeroTrainer(model=llama(), args=args, train_dataset=token_data(),
+                    zero_options={"stage": 3})
+
+
+def test_a_refused_fsdp_says_what_it_exported_and_the_advice_then_trains(one_process,
+                                                                         tmp_path):
+    """The refusal's advice followed in the same process (a notebook)."""
+    import os
+    from zero.integrations.hf import ZeroTrainer
+    with pytest.raises(ValueError, match="exported ACCELERATE_USE_FSDP=true") as refused:
+        ZeroTrainer(model=llama(), args=training_args(tmp_path, fsdp="full_shard"),
+                    train_dataset=token_data(), zero_options={"stage": 2})
+    assert "del os.environ['ACCELERATE_USE_FSDP']" in str(refused.value)
+    del os.environ["ACCELERATE_USE_FSDP"]
+    trainer = ZeroTrainer(model=llama(), args=training_args(tmp_path), train_dataset=token_data(),
+                          zero_options={"stage": 3})
+    trainer.train()
+    assert trainer.state.global_step > 0
+    trainer.engine.close()
+
+
 def test_model_init_trains_again_with_a_new_engine(one_process, tmp_path):
     """Trainer.train with model_init makes a new model each time (a
     hyperparameter search, a notebook re-run): each gets its own engine."""

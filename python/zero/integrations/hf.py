@@ -185,7 +185,8 @@ class ZeroTrainerMixin:
         if self.args.fp16 or self.args.bf16:
             raise ValueError("TrainingArguments fp16/bf16 turn on torch autocast; with "
                              "ZeroTrainer set zero_options={'precision': 'bf16'} (or 'fp16') "
-                             "instead, and leave fp16/bf16 False")
+                             "instead, and leave fp16/bf16 False" +
+                             _exported("ACCELERATE_MIXED_PRECISION"))
         for flag in ("fp16_full_eval", "bf16_full_eval"):
             if getattr(self.args, flag, False):
                 raise ValueError(f"TrainingArguments.{flag} casts the model for evaluation, "
@@ -471,13 +472,20 @@ class ZeroTrainer(ZeroTrainerMixin, Trainer):
     """A transformers.Trainer trained by zero (see ZeroTrainerMixin)."""
 
 
+def _exported(variable) -> str:
+    """The refused TrainingArguments exported `variable` already, which the
+    next Trainer of this process (a notebook's next cell) would read."""
+    if variable not in os.environ:
+        return ""
+    return (f"; these TrainingArguments exported {variable}={os.environ[variable]} into this "
+            f"process's environment: del os.environ[{variable!r}] before the next Trainer")
+
+
 def _refuse_other_wrappers(training_args):
     """TrainingArguments that hand the model to another wrapper than the
     engine. The Trainer compiles and wraps in accelerate's prepare(), which
     never sees the model once the engine wraps it: torch_compile=True
     trained uncompiled, silently."""
-    if training_args is None:  # the Trainer's defaults: none of these
-        return
     if getattr(training_args, "torch_compile", False):
         raise ValueError("TrainingArguments.torch_compile: ZeroTrainer's engine wraps the "
                          "model, so the Trainer's compile step never runs and the model would "
@@ -485,8 +493,22 @@ def _refuse_other_wrappers(training_args):
     if getattr(training_args, "fsdp", None):
         raise ValueError("TrainingArguments.fsdp: FSDP and ZeroTrainer each shard the model; "
                          "use one. With ZeroTrainer set zero_options={'stage': 3} for "
-                         "sharded parameters, and leave fsdp unset")
+                         "sharded parameters, and leave fsdp unset" +
+                         _exported("ACCELERATE_USE_FSDP"))
     if getattr(training_args, "deepspeed", None):
         raise ValueError("TrainingArguments.deepspeed: ZeroTrainer reads a DeepSpeed config "
                          "itself; pass it as zero_options={'config': <path or dict>} and leave "
                          "TrainingArguments.deepspeed unset")
+    # after the arguments' own checks, which name the cause: accelerate
+    # reads these from the environment (an accelerate config, or an earlier
+    # TrainingArguments(fsdp=... / deepspeed=...) in this process, which
+    # exports them) and would wrap the model itself
+    for variable, what in (("ACCELERATE_USE_FSDP", "FSDP"),
+                           ("ACCELERATE_USE_DEEPSPEED", "DeepSpeed")):
+        if os.environ.get(variable, "").strip().lower() in ("1", "true", "yes", "y", "on"):
+            raise ValueError(
+                f"{variable}={os.environ[variable]} in the environment: accelerate would set "
+                f"the Trainer up for {what} (an accelerate config says so, or an earlier "
+                f"TrainingArguments in this process exported it), and {what} and ZeroTrainer "
+                f"each shard the model. Unset it (del os.environ[{variable!r}], or leave "
+                f"{what} out of the accelerate config) and use ZeroTrainer's zero_options")
