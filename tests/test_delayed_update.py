@@ -281,7 +281,7 @@ def test_memory_summary_and_estimate_count_the_two_partitions():
 
 
 def test_refusals():
-    with pytest.raises(ValueError, match="delayed_update needs the states offloaded"):
+    with pytest.raises(ValueError, match="delayed_update needs the states apart"):
         zero.Config(offload_optimizer={"device": "none", "delayed_update": True})
     with pytest.raises(ValueError, match="delayed_update must be True or False"):
         zero.Config(offload_optimizer={"device": "cpu", "delayed_update": 1})

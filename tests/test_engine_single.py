@@ -1285,3 +1285,23 @@ def test_torch_export_of_released_parameters_is_refused_by_name():
     engine.close()
     exported = torch.export.export(model, (x,))
     assert torch.allclose(exported.module()(x), expected, atol=1e-6)
+
+
+@pytest.mark.parametrize("precision,dtype,advised", [("bf16", torch.float16, "fp16"),
+                                                     ("fp32", torch.bfloat16, "bf16")])
+def test_16_bit_parameters_of_another_dtype_warn_with_advice_that_applies(precision, dtype,
+                                                                           advised):
+    """At precision="bf16" the warning about fp16 parameters advised
+    precision="bf16", the setting already given (advice hunt)."""
+    import warnings
+    m = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+    m[1].to(dtype)
+    with pytest.warns(RuntimeWarning, match=f'to compute in their dtype pass precision="{advised}"'):
+        zero.initialize(m, optimizer=torch.optim.SGD(m.parameters(), lr=0.1),
+                        precision=precision).close()
+    with warnings.catch_warnings():  # the advice followed: no warning
+        warnings.simplefilter("error")
+        engine = zero.initialize(m, optimizer=torch.optim.SGD(m.parameters(), lr=0.1),
+                                 precision=advised)
+    assert m[0].weight.dtype == m[1].weight.dtype == dtype
+    engine.close()

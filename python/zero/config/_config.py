@@ -119,9 +119,10 @@ class OffloadOptimizer:
                 raise ValueError(f"offload_optimizer.{name} must be True or False, got "
                                  f"{getattr(self, name)!r}")
         if self.delayed_update and self.device == "none":
-            raise ValueError("offload_optimizer.delayed_update needs the states offloaded "
-                             "(device 'cpu' or 'nvme'): it overlaps their host update with "
-                             "the GPU's next forward and backward")
+            raise ValueError("offload_optimizer.delayed_update needs the states apart from "
+                             "the model: device 'nvme' (its disk reads and writes overlap the "
+                             "next forward and backward), or for a model on a GPU 'cpu' too "
+                             "(the host update overlaps the GPU's)")
 
 
 @dataclass(frozen=True)

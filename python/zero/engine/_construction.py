@@ -194,5 +194,6 @@ def warn_if_narrowed(dtypes: dict, compute_dtype):
         warnings.warn(
             f"zero: {len(names)} {dtype} parameter(s) ({names[0]!r} the first) are cast to "
             f"{compute_dtype}, the engine's compute dtype (precision), which trains the whole "
-            "model in one dtype; to compute in 16 bits pass precision=\"bf16\" (or \"fp16\"). "
+            "model in one dtype; to compute in their dtype pass "
+            f"precision=\"{'bf16' if dtype == torch.bfloat16 else 'fp16'}\". "
             f"close() gives them back as {dtype}", RuntimeWarning, stacklevel=4)
