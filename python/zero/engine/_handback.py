@@ -185,6 +185,20 @@ def param_homes(engine) -> dict:
             for fg in engine.all_groups if fg.param_files is not None}
 
 
+# [Note: a resize kept] A parameter given data of another shape since
+# initialize (HF's resize_token_embeddings, p.data = a larger tensor),
+# which the engine refuses to train, is left as the user made it by close():
+# the engine's values of it have the old shape, and writing them back
+# undid the resize silently (a new initialize then trained the old shape
+# under a config that says the new one). Its optimizer states keep the old
+# shape: a new engine for it needs a new optimizer (initialize says so
+# before it closes the old engine).
+def resized(p, shape) -> bool:
+    """Whether p holds data of another shape than the engine's `shape` (a
+    released stage-3 placeholder holds none)."""
+    return p.numel() != 0 and tuple(p.shape) != tuple(shape)
+
+
 def restore_params(engine, homes):
     """Stage 3: give every parameter its full values again, in plain
     tensors of its own, so the model works without the engine (a
@@ -197,9 +211,15 @@ def restore_params(engine, homes):
     for fg in engine.all_groups:
         home = homes.get(id(fg))  # made by param_homes before anything was removed
         for unit in fg.units:
+            # [Note: a resize kept] before the gather re-points them
+            kept = {j: p.data for j, (p, shape) in enumerate(zip(unit.params, unit.shapes))
+                    if resized(p, shape)}
             engine._schedule.ensure(fg, unit)
-            for p, off, n, shape in zip(unit.params, unit.offsets, unit.numels,
-                                        unit.shapes):
+            for j, (p, off, n, shape) in enumerate(zip(unit.params, unit.offsets, unit.numels,
+                                                       unit.shapes)):
+                if j in kept:
+                    p.data = kept[j]
+                    continue
                 values = unit.full[off:off + n]
                 if home is None:
                     p.data = values.view(shape).to(
@@ -271,6 +291,8 @@ def restore_dtypes(engine):
             if dtype is None:
                 continue
             values, in_file = masters.get(id(p), (None, False))
+            if values is not None and resized(p, values.shape):
+                values = None  # [Note: a resize kept]
             if values is None and (p.dtype == dtype or id(p) in filed):
                 if id(p) not in filed and _views_more(p):
                     # a view of the engine's flat buffer (the master itself:

@@ -20,6 +20,7 @@ from zero.config._config import Config, check_nvme_path
 from zero.engine._arguments import default_optimizer, resolve_config
 from zero.engine._disk_room import check_disk_room
 from zero.engine._engine import Engine
+from zero.engine._handback import resized
 
 
 # initialize's arguments that only training reads
@@ -192,16 +193,57 @@ def _check_states_kept(previous, optimizer):
     optimizer then refuses a new initialize), so one given again would be
     refused only after the engine that held its states was gone."""
     if previous._closed or optimizer is None or optimizer is not previous.optimizer or \
-            previous._comm.everyone.world == 1 or \
             not any(fg.step_count > 0 for fg in previous.groups):
+        return
+    unfit = _states_that_would_not_fit(previous, optimizer)
+    if unfit:
+        raise ValueError(f"zero.initialize again with the live engine's optimizer: {unfit}. "
+                         "The engine is left as it was (train on with it), and so is the "
+                         "optimizer")
+    if previous._comm.everyone.world == 1:
         return
     raise ValueError(
         "zero.initialize again on a model whose live engine trains it, with that engine's "
         f"optimizer, on {previous._comm.everyone.world} ranks: closing it would leave the "
         "optimizer's states partitioned over the ranks, and a new engine could not take them. "
         "The engine is left as it was: train on with it, or save_checkpoint() it, close() "
-        "it and load the checkpoint into the new engine (or give the new engine a new "
-        "optimizer)")
+        "it, and give the new engine a new optimizer and load the checkpoint into it (or "
+        "load consolidate(checkpoint)['optimizer'] into this optimizer first)")
+
+
+def _states_that_would_not_fit(previous, optimizer) -> str:
+    """What the optimizer's states, once close() gives them back, could
+    not be laid out for: a parameter resized since (its states keep the old
+    shape), or one that trains now beside stepped ones in its param group
+    (one step count per group cannot start it afresh, where torch keeps one
+    per parameter). Found before the old engine is closed: the new one's
+    refusal came after, with the working engine gone."""
+    trained = {id(p): (fg, j) for fg in previous.groups if fg.step_count > 0
+               for j, p in enumerate(fg.params)}
+    shapes = {id(p): shape for fg in previous.all_groups for unit in fg.units
+              for p, shape in zip(unit.params, unit.shapes)}
+    names = {id(p): name for name, p in previous.module.named_parameters()}
+    for index, group in enumerate(optimizer.param_groups):
+        params = group["params"]
+        if not any(id(p) in trained for p in params):
+            continue  # no states: its parameters start afresh together
+        for p in params:
+            name = names.get(id(p), "a parameter")
+            if id(p) in trained and resized(p, shapes[id(p)]):
+                return (f"parameter '{name}' was resized since the engine was made "
+                        f"({tuple(shapes[id(p)])} -> {tuple(p.shape)}) and the optimizer's "
+                        "states for it keep the old shape (torch's optimizer would not take "
+                        "them either): give zero.initialize a new optimizer")
+            if id(p) not in trained and p.requires_grad and p.is_floating_point():
+                step = trained[next(id(q) for q in params if id(q) in trained)][0].step_count
+                return (f"parameter '{name}' trains now but did not when the engine was made, "
+                        f"and its param group {index} has states at step {step}: zero keeps "
+                        "one step count per param group, so it cannot start this parameter "
+                        "afresh beside them (torch keeps one per parameter). Build the "
+                        "optimizer with the parameters you will unfreeze in param groups of "
+                        "their own (a group without states starts afresh, as torch's would), "
+                        "or give zero.initialize a new optimizer")
+    return ""
 
 
 def _check_not_wrapped(model):

@@ -129,7 +129,9 @@ def _check_every_parameter(engine):
             raise RuntimeError(
                 f"parameter '{name}' requires grad, but was frozen (or not in the model) at "
                 "zero.initialize, so the engine does not train it. Call zero.initialize "
-                "again after changing which parameters train (DeepSpeed too builds its "
+                "again after changing which parameters train: with this optimizer where the "
+                "parameters that now train sit in param groups of their own (a group without "
+                "states starts afresh), else with a new optimizer (DeepSpeed too builds its "
                 "partitions once, at initialize, and does not follow a later change; zero "
                 "refuses rather than train other parameters than you set)")
         if trained and not p.requires_grad:

@@ -196,7 +196,9 @@ def _cast_error(name, p, unit, j) -> RuntimeError:
             f"{tuple(unit.shapes[j])}: it was resized after zero.initialize (p.data = a tensor "
             "of another shape; HF's resize_token_embeddings does this). The engine laid out "
             "its partitions and optimizer states for the shapes at initialize: resize before "
-            "zero.initialize, or call it again after (a closed engine's model is a plain one)")
+            "zero.initialize, or call it again after with a new optimizer (the states of this "
+            "one keep the old shape; the old engine's close() leaves the resized parameter "
+            "as it is)")
     return RuntimeError(
         f"parameter '{name}' is now {p.dtype} {tuple(p.shape)} on {p.device}, but the engine "
         f"trains it as {unit.full.dtype} {tuple(unit.shapes[j])} on {unit.full.device}: the "

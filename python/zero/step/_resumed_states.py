@@ -175,7 +175,8 @@ class _StatesLeftBehind:
         "was closed (gathering them whole on every rank could need more memory than the run "
         "had), so it holds none: its step(), state_dict() and a new zero.initialize would "
         "start them afresh. Save them with engine.save_checkpoint() before close() and load "
-        "them into a new engine (engine.load_checkpoint), or as torch state dicts "
+        "them into a new engine with a new optimizer (engine.load_checkpoint), or as torch "
+        "state dicts "
         "(zero.checkpoint.consolidate) with optimizer.load_state_dict(), which lifts this")
 
     def __init__(self, optimizer):
