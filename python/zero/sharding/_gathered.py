@@ -46,6 +46,7 @@ class GatheredParameters:
         self.enabled = require_bool(enabled, "enabled")
         self._units = []
         self._saving = []  # saved-tensor hooks pushed for the block
+        self._written_before = set()  # (id(group), parameter index) written before entry
 
     def __enter__(self):
         if not self.enabled:
@@ -143,9 +144,19 @@ class GatheredParameters:
         # modifier are agreed with it: ranks that listed other parameters
         # paired their gathers (wrong values on one, silently), and other
         # modifier ranks waited in each other's broadcasts
+        # With a modifier rank, a listed parameter written before entry on
+        # some ranks only (refused by a step as writes that differ) is left
+        # to the modifier's values, which replace it on every rank on
+        # leaving: the refusal's advice, followed after it, was refused
+        # again, and so was every collective after it
         units = [(place.fg.index, place.unit.index) for place in self._units]
-        take_in_parameter_writes(self._groups(), self._call_text(
-            f"entering with the units {units}, modifier_rank {self.modifier_rank}"))
+        left_out = frozenset((fg.index, unit.members.start + j)
+                             for fg, unit, j in self._listed) \
+            if self.modifier_rank is not None else frozenset()
+        passed_over = take_in_parameter_writes(self._groups(), self._call_text(
+            f"entering with the units {units}, modifier_rank {self.modifier_rank}"),
+            left_out=left_out)
+        self._written_before = {(id(fg), unit.members.start + j) for fg, unit, j in passed_over}
 
     def _groups(self) -> list:
         return list({id(place.fg): place.fg for place in self._units}.values())
@@ -179,7 +190,10 @@ class GatheredParameters:
         values = self._values(unit, j)
         if fg.comm.dp_world > 1:
             fg.comm.everyone.broadcast(values, src=self.modifier_rank)
-        write_into_partition(fg, unit, j, before)
+        # a write from before entry: every element that differs from the
+        # master is the modifier's, not only those changed inside
+        written_before = (id(fg), unit.members.start + j) in self._written_before
+        write_into_partition(fg, unit, j, None if written_before else before)
         # taken in now: not a change for the next step to find ([Note:
         # parameter writes] in _param_writes.py)
         fg.seen_versions[unit.members.start + j] = unit.params[j]._version

@@ -94,15 +94,19 @@ def check_parameters_in_place(groups):
 
 
 def take_in_parameter_writes(groups, call: str, refusal: Exception | None = None,
-                             settings: str = ""):
+                             settings: str = "", left_out=frozenset()) -> list:
     """Before a step or a read of the partitions: see [Note: parameter
     writes]. A collective where the groups span several ranks: the ranks
     agree that they are in the same `call` (its name and the engine's
     counts), on what was written, on `settings` (describe_settings of the
     step's param groups) and on whether any refuses ([Note: writes agreed]
     in _step_agreement.py). `refusal` is the caller's own check's error on
-    this rank, raised once the ranks have compared notes."""
-    problem, written = refusal, []
+    this rank, raised once the ranks have compared notes. left_out: keys
+    (group index, parameter index in the group) whose writes are neither
+    compared nor taken in, returned instead as (group, unit, index in unit):
+    zero.GatheredParameters' modifier rank's values replace them on every
+    rank."""
+    problem, written, passed_over = refusal, [], []
     # an update computed on another thread ([Note: delayed update] in
     # step/_delayed.py) lands here, once every rank is here
     delayed = [d for d in {id(fg.delayed): fg.delayed for fg in groups
@@ -116,6 +120,10 @@ def take_in_parameter_writes(groups, call: str, refusal: Exception | None = None
         try:
             check_parameters_in_place(groups)
             written = _writes(groups)
+            if left_out:
+                passed_over = [w for w in written
+                               if (w[0].index, w[1].members.start + w[2]) in left_out]
+                written = [w for w in written if w not in passed_over]
         except RuntimeError as error:  # raised once the ranks have compared notes
             problem = error
     if problem is None and written and any(d.pending for d in delayed):
@@ -149,6 +157,7 @@ def take_in_parameter_writes(groups, call: str, refusal: Exception | None = None
     for fg, unit, j in written:
         write_into_partition(fg, unit, j, None)
         fg.seen_versions[unit.members.start + j] = unit.params[j]._version
+    return passed_over
 
 
 def _writes(groups) -> list:
