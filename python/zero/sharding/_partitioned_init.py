@@ -441,8 +441,9 @@ def sharded_record(param):
         if stored.item() != 0 or param._version != getattr(record, "version", param._version):
             raise RuntimeError(
                 f"a parameter of shape {tuple(param.shape)} built in zero.partitioned_init() "
-                "was written after the context closed; the write would be lost. Write it "
-                "inside the context, or after zero.initialize through "
+                "was written after the context closed; the write would be lost. Build the "
+                "model again (this one keeps the lost write) and write it inside the "
+                "context, or after zero.initialize through "
                 "zero.GatheredParameters(..., modifier_rank=0)")
     return record
 
