@@ -37,6 +37,8 @@ import zipfile
 
 import torch
 
+from zero.checkpoint._refused_files import holds_deepspeed_files
+
 SAFE_MODULES = ("torch", "collections", "builtins", "_codecs")
 MODEL_STATES = "mp_rank_00_model_states.pt"
 STAGE3_MODEL_STATES = re.compile(r"^zero_pp_rank_(\d+)_mp_rank_00_model_states\.pt$")
@@ -127,7 +129,7 @@ def load_pickle(path: str):
 def tag_directory(ds_dir: str, tag: str | None) -> str:
     """The directory of one DeepSpeed checkpoint: `ds_dir`/<tag>, the tag
     from `latest` when none is given; or `ds_dir` itself when it is one."""
-    if tag is None and os.path.isdir(ds_dir) and _is_tag_directory(ds_dir):
+    if tag is None and holds_deepspeed_files(ds_dir):
         return ds_dir
     if tag is None:
         latest = os.path.join(ds_dir, "latest")
@@ -140,14 +142,10 @@ def tag_directory(ds_dir: str, tag: str | None) -> str:
     if not tag or os.sep in tag or tag in (".", ".."):
         raise ValueError(f"tag {tag!r} does not name a directory inside {ds_dir!r}")
     path = os.path.join(ds_dir, tag)
-    if not os.path.isdir(path) or not _is_tag_directory(path):
+    if not holds_deepspeed_files(path):
         raise FileNotFoundError(f"{path!r} is not a DeepSpeed checkpoint directory (no "
                                 "*_model_states.pt in it)")
     return path
-
-
-def _is_tag_directory(path: str) -> bool:
-    return any(f.endswith("_model_states.pt") for f in os.listdir(path))
 
 
 def model_states_files(path: str) -> list:
