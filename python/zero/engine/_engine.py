@@ -35,7 +35,8 @@ from zero.engine._construction import (apply_aio, broadcast_buffer, cast_module,
 from zero.engine._handback import forget_dropped, hand_back, record_dtypes
 from zero.engine._reports import EngineReports
 from zero.engine._not_copied import NotCopied
-from zero.engine._routes import call_alive, guard_optimizer, on_each_grad
+from zero.engine._routes import (call_alive, guard_optimizer, mark_every_rank_runs_every_layer,
+                                 on_each_grad)
 from zero.engine._unchanged import group_members
 from zero.sharding._copying import ModuleHook
 from zero.sharding._external import remember_external
@@ -267,6 +268,8 @@ class Engine(BoundaryStep, DeepSpeedQueries, BatchCalls, CheckpointCalls, Engine
         dropped.atexit = False  # at exit nothing trains on
         take_in_optimizer_states(optimizer, self.groups, resumed)
         guard_optimizer(self)
+        if self._schedule is not None and self._comm.world > 1:
+            mark_every_rank_runs_every_layer(self)
         record_parameters(self.all_groups)
 
     @property

@@ -140,3 +140,27 @@ def on_each_grad(engine, fg, body):
             if target is not None:
                 call_alive(me, body, target, i)
         engine._hooks.append(p.register_post_accumulate_grad_hook(hook))
+
+
+# [Note: every rank runs every layer] HuggingFace models that skip layers
+# at random in training (LayerDrop: wav2vec2's and HuBERT's configs drop a
+# tenth of their layers) run every layer on every rank when
+# `is_fsdp_managed_module(module)` or DeepSpeed's ZeRO-3 says the parameters
+# are gathered by collectives. At stage 3 over several ranks a layer one
+# rank skips left the other's gathers unmatched: gloo aborted the process.
+# The engine marks the model's modules as FSDP marks those it manages, with
+# `_fsdp_use_orig_params` beside it, so that torch.compile treats them as
+# FSDP's (parameters not guarded as constants) rather than refusing them;
+# HF's generate and Seq2SeqTrainer then turn synced_gpus on by themselves.
+# LayerDrop is then off in effect, as under DeepSpeed's ZeRO-3 and FSDP.
+# close() takes the marks away; a mark already there (a module FSDP marked
+# before) is left alone.
+_IN_STEP_MARKS = ("_is_fsdp_managed_module", "_fsdp_use_orig_params")
+
+
+def mark_every_rank_runs_every_layer(engine):
+    for module in engine.module.modules():
+        for name in _IN_STEP_MARKS:
+            if name not in module.__dict__:
+                module.__dict__[name] = True
+                engine._hooks.append(AttributeRemoval(module, name))
