@@ -76,6 +76,28 @@ def test_fp16_writes_the_loss_scale(tmp_path):
     assert [v for _, v in scales] == [256.0, 256.0]
 
 
+def test_skipped_fp16_steps_advance_the_samples_as_deepspeed_counts_them(tmp_path):
+    """A scale of 2^32 overflows fp16 at once: the first boundaries' steps
+    are skipped. DeepSpeed counts their samples all the same; before, every
+    skipped boundary wrote its events at the step before again (0, 0, ...)."""
+    config = ds_config(tmp_path, csv_monitor={"enabled": True, "output_path": str(tmp_path),
+                                              "job_name": "skips"},
+                       fp16={"enabled": True, "initial_scale_power": 32})
+    train(config, steps=4)
+    _, scales = read_csv(tmp_path / "skips" / "Train_Samples_loss_scale.csv")
+    assert [s for s, _ in scales] == [8, 16, 24, 32]
+    assert scales[0][1] > scales[-1][1]  # halved at the skipped steps
+
+
+def test_monitor_files_go_to_the_job_name_without_an_output_path(tmp_path, monkeypatch):
+    """DeepSpeed 0.19.8 writes ./<job_name>/ when output_path is not given
+    (its default is ""); zero wrote ./csv_monitor_logs/<job_name>/."""
+    monkeypatch.chdir(tmp_path)
+    train(ds_config(tmp_path, csv_monitor={"enabled": True, "job_name": "plain"}), steps=1)
+    assert (tmp_path / "plain" / "Train_Samples_lr.csv").is_file()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["plain"]
+
+
 def wandb_history(directory):
     """The history records of the offline run in `directory`: its .wandb
     file is LevelDB's log format (32 KiB blocks of records, each with a

@@ -125,10 +125,14 @@ class DeepSpeedQueries:
 
     @property
     def global_samples(self) -> int | None:
-        """Samples of the updates applied so far (global_steps x
-        train_batch_size); None when the micro batch size is unknown."""
+        """Samples of the accumulation boundaries so far, as DeepSpeed counts
+        them: a boundary whose fp16 step was skipped counts too ((global_steps
+        + skipped_steps) x train_batch_size; global_steps counted the applied
+        updates only, so a run's first skipped steps wrote the monitor's
+        events at one step again and again). None when the micro batch size
+        is unknown."""
         batch = self.train_batch_size()
-        return None if batch is None else self.global_steps * batch
+        return None if batch is None else (self.global_steps + self.skipped_steps) * batch
 
     def fp16_enabled(self) -> bool:
         return self.config.precision == "fp16"

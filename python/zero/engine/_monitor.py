@@ -5,10 +5,11 @@
 
 [Note: monitor events] As DeepSpeed's engine writes them, on the global
 rank 0 only, at each accumulation boundary, with the global samples so far
-(global_steps x train_batch_size; the update count when the batch size is
-unknown) as the step:
+(boundaries, a skipped fp16 step's too, x train_batch_size; the boundary
+count when the batch size is unknown) as the step:
 - Train/Samples/train_loss: the mean of the losses given to backward()
-  since the last boundary (as computed, before any fp16 scale);
+  since the last boundary (as computed, before any fp16 scale); DeepSpeed's
+  pipeline engine writes it, its plain engine does not;
 - Train/Samples/lr: the first param group's learning rate after the step;
 - Train/Samples/loss_scale: the fp16 loss scale, with fp16.
 The loss is read with .item() at the boundary only: one synchronisation a
@@ -46,7 +47,7 @@ class Monitor:
 
     def after_step(self, engine):
         step = engine.global_samples
-        step = engine.global_steps if step is None else step
+        step = engine.global_steps + engine.skipped_steps if step is None else step
         events = []
         if self.losses:
             events.append(("Train/Samples/train_loss",
@@ -67,9 +68,12 @@ class Monitor:
             writer.close()
 
 
-def _log_dir(block, kind):
-    path = block.get("output_path") or ""
-    return os.path.join(path or f"{kind}_logs", block.get("job_name") or "DeepSpeedJobName")
+def _log_dir(block):
+    """output_path/job_name, as DeepSpeed 0.19.8's monitors make it: without
+    an output_path, ./DeepSpeedJobName (it wrote ./<kind>_logs/... before,
+    where a `tensorboard --logdir DeepSpeedJobName` found nothing)."""
+    return os.path.join(block.get("output_path") or "", block.get("job_name") or
+                        "DeepSpeedJobName")
 
 
 class _Tensorboard:
@@ -80,7 +84,7 @@ class _Tensorboard:
             raise ValueError("tensorboard is enabled in the config but the tensorboard "
                              f"package is not installed ({error}): pip install tensorboard, "
                              "or set tensorboard.enabled to false") from None
-        self.writer = SummaryWriter(log_dir=_log_dir(block, "tensorboard"))
+        self.writer = SummaryWriter(log_dir=_log_dir(block))
 
     def write(self, events):
         for tag, value, step in events:
@@ -97,7 +101,7 @@ class _Csv:
     (step, the tag's last part) and a row per event."""
 
     def __init__(self, block):
-        self.directory = _log_dir(block, "csv_monitor")
+        self.directory = _log_dir(block)
         os.makedirs(self.directory, exist_ok=True)
         self.started = set()
 
