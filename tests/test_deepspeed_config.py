@@ -688,7 +688,7 @@ def test_optimizer_blocks_and_old_switches_are_read_as_deepspeed_reads_them():
             optimizer_from_config(block, params)
     with pytest.warns(DeprecationWarning):
         cfg = zero.Config.from_deepspeed({"zero_optimization": {
-            "stage": 3, "cpu_offload": "false", "cpu_offload_params": "false"}})
+            "stage": 3, "cpu_offload": "false", "cpu_offload_param": "false"}})
     assert cfg.offload_optimizer.device == "none" and cfg.offload_param.device == "none"
 
 

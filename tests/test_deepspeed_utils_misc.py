@@ -92,3 +92,48 @@ def test_log_dist_logs_on_the_listed_ranks(logged, one_process_group):
     utils.log_dist("all", ranks=[-1], level=logging.WARNING)
     utils.log_dist("below the level", ranks=[0], level=logging.DEBUG)
     assert logged.getvalue() == "[Rank 0] mine\n[Rank 0] all\n"
+
+
+@pytest.fixture
+def own_handler_output(monkeypatch):
+    """What the logger's own stdout handler prints, levels restored after."""
+    handler, = [h for h in utils.logger.handlers if isinstance(h, logging.StreamHandler)]
+    out = io.StringIO()
+    monkeypatch.setattr(handler, "stream", out)
+    yield out
+    utils.set_log_level_from_string("warning")
+
+
+def test_the_configs_log_level_sets_the_logger_and_its_handler(own_handler_output,
+                                                               monkeypatch):
+    """DeepSpeed's engine applies "log_level" to its logger and handlers;
+    zero ignored the key, so a script's own logger.info lines never showed.
+    The handler starts at WARNING as DeepSpeed's does: setLevel on the
+    logger alone shows nothing more."""
+    from engine_cases import no_launcher
+    no_launcher(monkeypatch)
+    utils.logger.setLevel(logging.INFO)
+    utils.logger.info("logger alone")
+    assert own_handler_output.getvalue() == ""
+    model = nn.Linear(4, 2)
+    config = {"train_micro_batch_size_per_gpu": 2, "log_level": "info",
+              "optimizer": {"type": "SGD", "params": {"lr": 0.1}}}
+    # (dist_init_required=False: the engine's own group, left at destroy())
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
+                                      config=config, dist_init_required=False)
+    assert utils.get_current_level() == logging.INFO
+    utils.logger.info("after initialize")
+    assert own_handler_output.getvalue().endswith("after initialize\n")
+    engine.destroy()
+    with pytest.raises(ValueError, match="log_level 'loud' is not one of"):
+        deepspeed.initialize(model=model, model_parameters=model.parameters(),
+                             config={**config, "log_level": "loud"}, dist_init_required=False)
+    assert not dist.is_initialized()
+
+
+def test_once_calls_log_each_message_once(logged):
+    for _ in range(3):
+        utils.log_dist_once("dist once", ranks=[0])
+        utils.logger.warning_once("warned once")
+        utils.logger.log_dist_once("dist once", ranks=[0])
+    assert logged.getvalue() == "[Rank -1] dist once\nwarned once\n"

@@ -9,11 +9,11 @@ must be able to read every file (a shared filesystem across machines).
 from __future__ import annotations
 
 import os
-import warnings
 
 import torch
 from torch import nn
 
+from zero._warnings import warn_user
 from zero.config._values import require_bool
 from zero._progress import bar
 from zero.checkpoint._engine_parts import (all_ok, checkpoint_name, holds_a_part, in_files,
@@ -375,9 +375,8 @@ def _same_checkpoint_everywhere(engine, path, meta):
 def load(engine, load_dir, tag=None, load_optimizer_states=True,
          load_lr_scheduler_states=True, load_module_only=False):
     if _nothing_to_load(engine, load_dir, tag):
-        warnings.warn(f"load_checkpoint: {os.fspath(load_dir)!r} holds no checkpoint yet; "
-                      "nothing was loaded (returned None, None, as DeepSpeed does)",
-                      RuntimeWarning, stacklevel=3)
+        warn_user(f"load_checkpoint: {os.fspath(load_dir)!r} holds no checkpoint yet; "
+                  "nothing was loaded (returned None, None, as DeepSpeed does)", RuntimeWarning)
         return None, None
     with_optimizer = load_optimizer_states and not load_module_only
     error = None
@@ -446,5 +445,5 @@ def load(engine, load_dir, tag=None, load_optimizer_states=True,
                                      getattr(engine.lr_scheduler, "_last_lr", None) or []):
                     group["lr"] = lr
     if client_warning is not None and whole.rank == 0:
-        warnings.warn(client_warning, RuntimeWarning, stacklevel=3)
+        warn_user(client_warning, RuntimeWarning)
     return path, client_state

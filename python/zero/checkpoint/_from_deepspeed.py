@@ -14,10 +14,10 @@ from __future__ import annotations
 
 import os
 import zlib
-import warnings
 
 import torch
 
+from zero._warnings import warn_user
 from zero._progress import bar
 from zero._version import __version__
 from zero.checkpoint._deepspeed_files import (StandIn, load_pickle, model_states_files,
@@ -229,7 +229,7 @@ def _zero_files(c, path) -> tuple:
     scheduler, why = _plain_or_dropped(ms.get("lr_scheduler"), "lr_scheduler")
     dropped += [why] if why else []
     for why in dropped:
-        warnings.warn(f"not converted (a zero checkpoint keeps plain values only): {why}")
+        warn_user(f"not converted (a zero checkpoint keeps plain values only): {why}")
     fp16 = bool((ds_config.get("fp16") or {}).get("enabled"))
     bf16 = bool((ds_config.get("bf16") or {}).get("enabled"))
     scaler = loss_scaler_state(c["scaler"]) if fp16 else None

@@ -11,11 +11,11 @@ import datetime
 import os
 import sys
 import time
-import warnings
 
 import torch
 import torch.distributed as dist
 
+from zero._warnings import warn_user
 from zero.comm._handles import AllOf, Watched
 from zero.comm._host_staging import ranks_share_a_gpu, run_staged, warn_host_staged
 from zero.comm._launcher_env import check_not_half_launched
@@ -245,9 +245,9 @@ def _settle_timeout(timeout):
     if ours and wait != _timeout["value"]:
         change = getattr(dist.distributed_c10d, "_set_pg_timeout", None)
         if change is None:  # torch older than 2.3
-            warnings.warn(f"zero: the process groups zero made keep their timeout of "
-                          f"{_duration(_timeout['value'])}: torch {torch.__version__} cannot "
-                          f"change it to {_duration(wait)}", RuntimeWarning, stacklevel=3)
+            warn_user(f"zero: the process groups zero made keep their timeout of "
+                      f"{_duration(_timeout['value'])}: torch {torch.__version__} cannot "
+                      f"change it to {_duration(wait)}", RuntimeWarning)
             return
         for group in ours:
             change(wait, group)

@@ -24,10 +24,10 @@ GPU is; tests/gpu/test_shared_gpu_ranks.py runs it on one GPU."""
 from __future__ import annotations
 
 import os
-import warnings
 
 import torch
 
+from zero._warnings import warn_user
 from zero.comm._handles import StagedWork, copy_back
 from zero.comm._launcher_env import local_world_size
 
@@ -52,11 +52,10 @@ def warn_host_staged(backend: str):
     if not _warned["staged"]:
         _warned["staged"] = True
         why = " (ranks share a GPU here, which NCCL refuses)" if ranks_share_a_gpu() else ""
-        warnings.warn(f"zero: the model is on a GPU and the process group's backend "
-                      f"{backend!r} has no NCCL for its tensors{why}: each collective copies "
-                      "them to host memory and runs on gloo, which is correct but slower than "
-                      "NCCL (docs/engine.md, \"Ranks that share a GPU\")", RuntimeWarning,
-                      stacklevel=5)
+        warn_user(f"zero: the model is on a GPU and the process group's backend "
+                  f"{backend!r} has no NCCL for its tensors{why}: each collective copies "
+                  "them to host memory and runs on gloo, which is correct but slower than "
+                  "NCCL (docs/engine.md, \"Ranks that share a GPU\")", RuntimeWarning)
 
 
 def host_copy(tensor: torch.Tensor, with_values: bool = True) -> torch.Tensor:

@@ -28,9 +28,10 @@ optimizer's values for the first update after the resume.
 from __future__ import annotations
 
 import math
-import warnings
 
 from torch.optim.lr_scheduler import LRScheduler
+
+from zero._warnings import warn_user
 
 BETA2_WHILE_CYCLING = 0.99  # DeepSpeed's OneCycle sets it
 
@@ -117,9 +118,8 @@ class DeepSpeedOneCycle(DeepSpeedStateDict, LRScheduler):
         self.min_moms, self.max_moms = min_moms, max_moms
         self.cycle_momentum = cycle_momentum and "betas" in optimizer.defaults
         if cycle_momentum and not self.cycle_momentum:
-            warnings.warn(f"OneCycle: cycle_momentum is off because "
-                          f"{type(optimizer).__name__} has no betas (as in DeepSpeed)",
-                          stacklevel=3)
+            warn_user(f"OneCycle: cycle_momentum is off because "
+                      f"{type(optimizer).__name__} has no betas (as in DeepSpeed)")
         _resumed(optimizer, last_batch_iteration)
         super().__init__(optimizer, last_epoch=last_batch_iteration)
 

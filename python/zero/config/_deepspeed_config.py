@@ -75,7 +75,8 @@ _IGNORED = {
     "steps_per_print", "wall_clock_breakdown", "dump_state", "prescale_gradients",
     "gradient_predivide_factor", "zero_allow_untested_optimizer",
     "zero_force_ds_cpu_optimizer",
-    # DeepSpeed's own logging, timers and garbage-collection pauses
+    # DeepSpeed's own timers and garbage-collection pauses; "log_level" is
+    # zero.deepspeed.initialize's (its logger's level), not the engine's
     "log_level", "timers", "disable_python_gc",
     # its pre-ZeRO gather switch; zero's stages gather as they need
     "disable_allgather",

@@ -6,8 +6,8 @@ key). Disabled blocks are dropped before anything is read: a block whose
 from __future__ import annotations
 
 import difflib
-import warnings
 
+from zero._warnings import warn_user
 from zero.config._values import deepspeed_bool
 
 # DeepSpeed keys (dotted) zero refuses when enabled or set, with the reason
@@ -136,15 +136,15 @@ def take_cpu_offload(zero_block: dict) -> dict:
     params/pin_memory companions likewise."""
     block = dict(zero_block)
     old = block.pop("cpu_offload", None)
-    params = block.pop("cpu_offload_params", None)
+    params = block.pop("cpu_offload_param", None)
     block.pop("cpu_offload_use_pin_memory", None)
     if old is not None or params is not None:
-        warnings.warn("zero_optimization.cpu_offload is deprecated (in DeepSpeed too): write "
-                      '"offload_optimizer": {"device": "cpu"} (and "offload_param" for '
-                      "cpu_offload_params)", DeprecationWarning, stacklevel=5)
+        warn_user("zero_optimization.cpu_offload is deprecated (in DeepSpeed too): write "
+                  '"offload_optimizer": {"device": "cpu"} (and "offload_param" for '
+                  "cpu_offload_param)", DeprecationWarning)
     # "false" as DeepSpeed reads it, not by Python's truth (a non-empty string)
     old = deepspeed_bool(old, "zero_optimization.cpu_offload") if old is not None else None
-    params = deepspeed_bool(params, "zero_optimization.cpu_offload_params") \
+    params = deepspeed_bool(params, "zero_optimization.cpu_offload_param") \
         if params is not None else None
     if old and "offload_optimizer" not in block:
         block["offload_optimizer"] = {"device": "cpu"}
@@ -187,10 +187,9 @@ def warn_unread_monitor(block):
         return
     asked = [k for k, v in block.items() if isinstance(v, dict) and v.get("enabled") is True]
     if asked:
-        warnings.warn(f"monitor_config.{asked[0]} is enabled, but \"monitor_config\" is not a "
-                      "key DeepSpeed reads (it ignores it, and so does zero): write "
-                      f"\"{asked[0]}\" at the top level of the config to log",
-                      UserWarning, stacklevel=5)
+        warn_user(f"monitor_config.{asked[0]} is enabled, but \"monitor_config\" is not a "
+                  "key DeepSpeed reads (it ignores it, and so does zero): write "
+                  f"\"{asked[0]}\" at the top level of the config to log", UserWarning)
 
 
 def refusal(keys: list, known: list) -> ValueError:

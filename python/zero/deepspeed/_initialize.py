@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import json
 import os
-import warnings
 
 import torch
 
+from zero._warnings import warn_user
 from zero.config._config import Config
 from zero.deepspeed._distributed import init_distributed
+from zero.deepspeed.utils._logging import set_log_level_from_string
 from zero.engine._initialize import initialize as zero_initialize
 from zero.optim._from_config import optimizer_from_config
 
@@ -60,11 +61,9 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None,
         optimizer = optimizer_from_config(cfg.optimizer,
                                           params if params is not None else model.parameters())
     elif optimizer is None:
-        warnings.warn(
-            "deepspeed.initialize: no optimizer and no \"optimizer\" block in the config. "
-            "DeepSpeed builds an engine that cannot step; zero's needs an optimizer, so it "
-            "uses torch.optim.AdamW(lr=1e-3): engine.step() would train with it",
-            UserWarning, stacklevel=2)
+        warn_user("deepspeed.initialize: no optimizer and no \"optimizer\" block in the config. "
+                  "DeepSpeed builds an engine that cannot step; zero's needs an optimizer, so it "
+                  "uses torch.optim.AdamW(lr=1e-3): engine.step() would train with it", UserWarning)
     layout = None
     if mpu is not None:  # [Note: mpu]: its groups exist once the process group does
         from zero.parallel._mpu import MegatronParallel
@@ -103,7 +102,13 @@ def _config(args, config, config_params) -> Config:
     if isinstance(source, (str, os.PathLike)):
         with open(source) as f:
             source = json.load(f)
-    return Config.from_deepspeed(source)
+    cfg = Config.from_deepspeed(source)
+    # DeepSpeed's logger (and its handler) at the config's level, as its
+    # engine sets it: a script's own logger.info and log_dist lines show
+    level = source.get("log_level") if isinstance(source, dict) else None
+    if level is not None:
+        set_log_level_from_string(level)
+    return cfg
 
 
 def _take_local_rank(args):

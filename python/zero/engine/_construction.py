@@ -4,10 +4,9 @@ units stage 3 makes of them, the files offload puts them in, and rank 0's
 values of what is not partitioned."""
 from __future__ import annotations
 
-import warnings
-
 import torch
 
+from zero._warnings import warn_user
 from zero.sharding._partitioned_init import sharded_record, take_values
 from zero.sharding._shared_memory import first_shared_pair, memory_span, shared_memory_error
 from zero.sharding._units import parameter_names
@@ -171,18 +170,15 @@ def warn_if_narrowed(dtypes: dict, compute_dtype):
     wide = [name for (kind, name), dtype in dtypes.items()
             if kind == "parameter" and dtype == torch.float64]
     if wide:
-        warnings.warn(
-            f"zero: {len(wide)} float64 parameter(s) ({wide[0]!r} the first) train in "
-            f"float32 master weights and compute in {compute_dtype}: the engine keeps no "
-            "float64 copy. close() gives them back as float64", RuntimeWarning, stacklevel=4)
+        warn_user(f"zero: {len(wide)} float64 parameter(s) ({wide[0]!r} the first) train in "
+                  f"float32 master weights and compute in {compute_dtype}: the engine keeps no "
+                  "float64 copy. close() gives them back as float64", RuntimeWarning)
     wide = [name for (kind, name), dtype in dtypes.items()
             if kind == "buffer" and dtype == torch.float64]
     if wide and compute_dtype.itemsize == 2:
-        warnings.warn(
-            f"zero: {len(wide)} float64 buffer(s) ({wide[0]!r} the first) are cast to "
-            f"{compute_dtype} with the rest of the model (precision); at precision=\"fp32\" "
-            "they would keep float64. close() gives them back as float64", RuntimeWarning,
-            stacklevel=4)
+        warn_user(f"zero: {len(wide)} float64 buffer(s) ({wide[0]!r} the first) are cast to "
+                  f"{compute_dtype} with the rest of the model (precision); at precision=\"fp32\" "
+                  "they would keep float64. close() gives them back as float64", RuntimeWarning)
     # 16-bit parameters computed in another dtype: a bf16 part of an fp32
     # model doubles its bytes as fp32; fp16 in bf16 keeps fewer digits
     others = {}
@@ -191,9 +187,9 @@ def warn_if_narrowed(dtypes: dict, compute_dtype):
                 dtype != compute_dtype:
             others.setdefault(dtype, []).append(name)
     for dtype, names in others.items():
-        warnings.warn(
-            f"zero: {len(names)} {dtype} parameter(s) ({names[0]!r} the first) are cast to "
-            f"{compute_dtype}, the engine's compute dtype (precision), which trains the whole "
-            "model in one dtype; to compute in their dtype pass "
-            f"precision=\"{'bf16' if dtype == torch.bfloat16 else 'fp16'}\". "
-            f"close() gives them back as {dtype}", RuntimeWarning, stacklevel=4)
+        wanted = "bf16" if dtype == torch.bfloat16 else "fp16"
+        warn_user(f"zero: {len(names)} {dtype} parameter(s) ({names[0]!r} the first) are "
+                  f"cast to {compute_dtype}, the engine's compute dtype (precision), which "
+                  "trains the whole model in one dtype; to compute in their dtype pass "
+                  f"precision=\"{wanted}\" (a DeepSpeed config: \"{wanted}\": {{\"enabled\": "
+                  f"true}}). close() gives them back as {dtype}", RuntimeWarning)

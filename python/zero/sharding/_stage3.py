@@ -38,12 +38,12 @@ the order recorded on earlier passes.
 from __future__ import annotations
 
 import sys
-import warnings
 
 import torch
 from torch import nn
 from torch.autograd.graph import register_multi_grad_hook, saved_tensors_hooks
 
+from zero._warnings import warn_user
 from zero.sharding._backward_hooks import gather_around_backward_hooks
 from zero.sharding._copying import ModuleHook
 from zero.sharding._external import add_needed_external, registered_externals
@@ -372,13 +372,11 @@ class Stage3Schedule(UnitGathering, SavedParameters, PassOrder):
             readers say so with `reading_state`.)"""
             if self.reading_state or all(u.gathered or u.persistent for _fg, u in units):
                 return
-            warnings.warn(
-                "zero stage 3: state_dict() holds empty placeholders for the parameters "
-                "released after use, so a checkpoint saved from it lacks them. Use "
-                "engine.full_state_dict() (a collective: every rank calls it, and it returns "
-                "copies) or engine.save_checkpoint(); within zero.GatheredParameters(...) "
-                "the listed parameters are whole (copy what you keep).",
-                RuntimeWarning, stacklevel=2)
+            warn_user("zero stage 3: state_dict() holds empty placeholders for the parameters "
+                      "released after use, so a checkpoint saved from it lacks them. Use "
+                      "engine.full_state_dict() (a collective: every rank calls it, and it returns "
+                      "copies) or engine.save_checkpoint(); within zero.GatheredParameters(...) "
+                      "the listed parameters are whole (copy what you keep).", RuntimeWarning)
         return warn_if_released
 
     def _hook_before_accumulate(self, fg, unit):

@@ -18,10 +18,10 @@ coefficient and the fp16 skip decision are made on the host from it.
 from __future__ import annotations
 
 import contextlib
-import warnings
 
 import torch
 
+from zero._warnings import warn_user
 from zero._C import Buffer, cpu_info, sum_squares
 from zero.step._torch_update import adam as torch_adam
 from zero.step._hyperparameters import check_group_settings
@@ -279,8 +279,8 @@ def step_path_for(device: torch.device):
         if reason is None:
             return CudaStep(device)
         # stacklevel: the user's initialize() call
-        warnings.warn(f"zero's CUDA kernels cannot run here ({reason}); the optimizer step "
-                      "runs as torch ops instead, which is slower", RuntimeWarning, stacklevel=4)
+        warn_user(f"zero's CUDA kernels cannot run here ({reason}); the optimizer step "
+                  "runs as torch ops instead, which is slower", RuntimeWarning)
         return TorchStep(device)
     raise NotImplementedError(f"zero trains models on cpu or cuda devices, not {device.type}")
 
