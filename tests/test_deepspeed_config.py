@@ -727,3 +727,16 @@ def test_a_zero_block_that_is_no_block_and_a_file_that_is_no_utf8_are_named(tmp_
     path.write_bytes(b'{"train_batch_size": "\xff"}')
     with pytest.raises(ValueError, match=r"ds.json' is not valid JSON \(UTF-8\)"):
         zero.Config.from_deepspeed(str(path))
+
+
+def test_wall_clock_breakdown_on_says_it_prints_nothing():
+    """DeepSpeed prints its timers with it on; zero has none, and said
+    nothing (logs hunt). Off, or left out: no word."""
+    import warnings
+    with pytest.warns(UserWarning, match="wall_clock_breakdown is on, but zero keeps no"):
+        zero.Config.from_deepspeed({"train_micro_batch_size_per_gpu": 2,
+                                    "wall_clock_breakdown": True})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        zero.Config.from_deepspeed({"train_micro_batch_size_per_gpu": 2,
+                                    "wall_clock_breakdown": False})

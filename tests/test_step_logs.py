@@ -52,7 +52,21 @@ def test_comms_logger_prints_each_step_and_the_totals(capsys):
         calls = sum(c["ops"][op]["calls"] for c in comms)
         total = sum(c["ops"][op]["bytes"] for c in comms) / MIB
         assert re.search(rf"^{op}\s+{calls}\s+{total:.3f}\s", table, re.M), (op, table)
-    engine.close()  # prints the totals once more
+    stats = deepspeed.comm.log_summary(return_dict=True)  # DeepSpeed 0.19.8's signature
+    for op in comms[0]["ops"]:
+        assert stats["summary"][op] == {
+            "count": sum(c["ops"][op]["calls"] for c in comms),
+            "total_bytes": sum(c["ops"][op]["bytes"] for c in comms)}
+    assert stats["metadata"]["world_size"] == 1 and stats["straggler_analysis"] is None
+    capsys.readouterr()
+    engine.close()  # nothing new since the table was printed: not printed again
+    assert "comms over" not in capsys.readouterr().out
+
+
+def test_close_prints_the_totals_the_script_never_printed(capsys):
+    engine, _, _ = run(config(comms_logger={"enabled": True}))
+    capsys.readouterr()
+    engine.close()
     assert capsys.readouterr().out.startswith("comms over 3 step(s):")
 
 

@@ -14,7 +14,8 @@ from typing import Any
 from zero.config._values import _enabled, _enabled_or_kept, _number, _seconds, auto_refused
 from zero.config._deepspeed_keys import (MONITORS, drop_disabled, drop_inert,
                                          drop_inert_zero, refusal, stage3_names,
-                                         take_cpu_offload, warn_unread_monitor)
+                                         take_cpu_offload, warn_no_timers,
+                                         warn_unread_monitor)
 
 
 def read_deepspeed(config) -> dict:
@@ -171,6 +172,7 @@ def translate(ds: dict) -> dict:
     # a block whose "enabled" is false runs nothing: accepted whatever it holds
     top = drop_inert(drop_disabled(top, _enabled_or_kept))
     warn_unread_monitor(top.get("monitor_config"))
+    warn_no_timers(top.get("wall_clock_breakdown"))
     zero_block = drop_inert_zero(take_cpu_offload(stage3_names(zero_block)))
     if top.get("memory_breakdown") is True:  # DeepSpeed's switch, a block here
         top["memory_breakdown"] = {"enabled": True}

@@ -192,6 +192,17 @@ def warn_unread_monitor(block):
                   f"\"{asked[0]}\" at the top level of the config to log", UserWarning)
 
 
+def warn_no_timers(value):
+    """wall_clock_breakdown on: DeepSpeed prints its forward, backward and
+    step times and adds them to the monitor; zero keeps no such timers, so
+    it says so once rather than print nothing without a word."""
+    if value is True:
+        warn_user("wall_clock_breakdown is on, but zero keeps no wall-clock timers: nothing "
+                  "is printed or logged for it (time the loop yourself; the flops_profiler "
+                  "block times one step, engine.comm_summary() counts the collectives)",
+                  UserWarning)
+
+
 def refusal(keys: list, known: list) -> ValueError:
     """The error for config keys zero does not take, each said to be a
     DeepSpeed key zero does not support (why, what instead) or not a

@@ -8,6 +8,7 @@ last, on the rank that logs (global rank 0); elsewhere, and without a
 comms_logger, nothing."""
 from __future__ import annotations
 
+import datetime
 import functools
 import os
 
@@ -54,10 +55,22 @@ def get_local_rank() -> int:
     return int(os.environ.get("LOCAL_RANK", 0))
 
 
-def log_summary(show_straggler=False):
+def log_summary(show_straggler=False, return_dict=False):
     """The comms logger's table: per operation, calls, total MiB and MiB a
     step. show_straggler (DeepSpeed's per-rank latency spread) is accepted
-    and not reported: zero counts bytes, not latencies."""
+    and not reported: zero counts bytes, not latencies. return_dict=True
+    also returns {"summary": {operation: {"count", "total_bytes"}},
+    "straggler_analysis": None, "metadata": {"world_size", "rank",
+    "timestamp"}}: DeepSpeed's keys, with zero's counts under "summary"
+    (DeepSpeed's holds latencies by message size)."""
     logger = latest_comms_logger()
     if logger is not None:
         logger.log_summary()
+    if not return_dict:
+        return None
+    totals = logger.totals if logger is not None else {}
+    return {"summary": {op: {"count": t["calls"], "total_bytes": t["bytes"]}
+                        for op, t in sorted(totals.items())},
+            "straggler_analysis": None,
+            "metadata": {"world_size": get_world_size(), "rank": get_rank(),
+                         "timestamp": datetime.datetime.now().isoformat()}}

@@ -36,6 +36,7 @@ class CommsLogger:
         self.ops = set(ops) if ops else None if block.get("prof_all", True) else set()
         self.write = write
         self.totals, self.steps = {}, 0
+        self.printed_at = 0  # the steps counted when the table was last printed
 
     def after_step(self, engine):
         global _latest
@@ -52,6 +53,7 @@ class CommsLogger:
                 f"{op} {f['calls']} calls {f['bytes'] / MIB:.3f} MiB" for op, f in ops.items()))
 
     def log_summary(self):
+        self.printed_at = self.steps
         rows = [f"{'operation':<24}{'calls':>10}{'total MiB':>14}{'MiB a step':>14}"]
         for op, total in sorted(self.totals.items()):
             rows.append(f"{op:<24}{total['calls']:>10}{total['bytes'] / MIB:>14.3f}"
@@ -59,7 +61,10 @@ class CommsLogger:
         self.write(f"comms over {self.steps} step(s):\n" + "\n".join(rows))
 
     def close(self):
-        if self.steps:
+        # the table once more only for steps it has not shown (a script that
+        # printed it with log_summary() before destroy() got it twice;
+        # DeepSpeed's destroy() prints nothing)
+        if self.steps > self.printed_at:
             self.log_summary()
 
 
