@@ -254,10 +254,21 @@ static int zero_C_exec(PyObject *module)
     }
     const char *bad_env = zero_isa_env_error();
     if (bad_env) {
+        /* the paths this CPU runs, named in the warning: "scalar, avx2" */
+        char runs[64] = "";
+        for (int isa = 0; isa < ZERO_ISA_COUNT; isa++) {
+            if (zero_isa_supported((zero_isa)isa)) {
+                if (runs[0]) {
+                    strncat(runs, ", ", sizeof runs - strlen(runs) - 1);
+                }
+                strncat(runs, zero_isa_name((zero_isa)isa), sizeof runs - strlen(runs) - 1);
+            }
+        }
         if (PyErr_WarnFormat(PyExc_RuntimeWarning, 1,
-                             "%s=%s is not a SIMD path this CPU can run "
-                             "(choose scalar, avx2 or avx512); using %s",
-                             ZERO_SIMD_ENV, bad_env,
+                             "%s=%s is not a SIMD path zero has that this CPU "
+                             "can run (zero has scalar, avx2 and avx512; this CPU "
+                             "runs %s); using %s",
+                             ZERO_SIMD_ENV, bad_env, runs,
                              zero_isa_name(zero_isa_active())) != 0) {
             return -1;
         }

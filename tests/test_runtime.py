@@ -38,6 +38,7 @@ def test_unknown_environment_value_warns_and_falls_back():
     out = run_python("import warnings; warnings.simplefilter('always');"
                      "import zero; print(zero.cpu_info()['simd'])", ZERO_SIMD="avx9000")
     assert "ZERO_SIMD=avx9000 is not a SIMD path" in out.stderr
+    assert f"this CPU runs {', '.join(zero.cpu_info()['available'])}" in out.stderr
     assert out.stdout.strip() == zero.cpu_info()["best"]
 
 
