@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 
+from zero.engine._carried_counts import leave_counts
 from zero.offload._mapped import MappedFile, release_freed_memory
 from zero.step._resumed_states import give_back_optimizer_states
 
@@ -26,6 +27,7 @@ def hand_back(engine):
         engine._schedule.remove()
         restore_params(engine, homes)
     restore_dtypes(engine)
+    leave_counts(engine)  # [Note: counts carried across close]
     give_back_optimizer_states(engine.optimizer, engine.groups, engine._comm.world)
     if engine._tensor_parallel is not None:  # DTensor parameters again
         engine._tensor_parallel.restore(engine.optimizer)

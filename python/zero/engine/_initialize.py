@@ -18,6 +18,7 @@ from zero.config._schedulers import scheduler_from_config
 from zero.step._threads import share_cores_among_local_ranks
 from zero.config._config import Config, check_nvme_path
 from zero.engine._arguments import default_optimizer, resolve_config
+from zero.engine._carried_counts import take_counts
 from zero.engine._disk_room import check_disk_room
 from zero.engine._engine import Engine
 from zero.engine._handback import resized
@@ -152,6 +153,7 @@ def initialize(model: nn.Module, *, optimizer=None, stage=None, precision=None,
                              "model first (parallelize_module(model, mesh['tp'], plan), or "
                              "zero.parallel.parallelize_gpt / parallelize_llama)")
         cfg = settle_batch_sizes(cfg, comm.dp_world)
+        from_config = lr_scheduler is None and bool(cfg.scheduler)
         if lr_scheduler is None and cfg.scheduler:
             lr_scheduler = scheduler_from_config(cfg.scheduler, optimizer)
         elif isinstance(lr_scheduler, type):  # its step is a function of the class
@@ -171,6 +173,8 @@ def initialize(model: nn.Module, *, optimizer=None, stage=None, precision=None,
         engine = Engine(model, optimizer, cfg, comm, created, lr_scheduler,
                         tensor_parallel=tensor_parallel, pipeline=pipeline,
                         inference=_inference)
+        engine._scheduler_from_config = from_config
+        take_counts(engine)  # [Note: counts carried across close]
         model._zero_engine = EngineRef(engine)
         if cfg.stage != 3:  # its frozen parameters stay whole, in no group
             for p in model.parameters():
