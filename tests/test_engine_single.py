@@ -1305,3 +1305,29 @@ def test_16_bit_parameters_of_another_dtype_warn_with_advice_that_applies(precis
                                  precision=advised)
     assert m[0].weight.dtype == m[1].weight.dtype == dtype
     engine.close()
+
+
+@pytest.mark.parametrize("stage", [0, 2, 3])
+@pytest.mark.parametrize("call", ["to_meta", "half", "to_empty"])
+def test_moving_or_casting_the_engine_is_refused_before_anything_changes(stage, call):
+    """engine.to("meta") lost every value and ended in torch's device error
+    at the next forward; a cast was refused only at the next step."""
+    def engine_and_twin():
+        torch.manual_seed(0)
+        m = nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 2))
+        return m, zero.initialize(m, optimizer=torch.optim.SGD(m.parameters(), lr=0.1),
+                                  stage=stage, stage3_param_persistence_threshold=0)
+    (m, engine), (_, twin) = engine_and_twin(), engine_and_twin()
+    attempt = {"to_meta": lambda: engine.to("meta"), "half": engine.half,
+               "to_empty": lambda: engine.to_empty(device="meta")}[call]
+    with pytest.raises(RuntimeError, match="would move or cast the engine's parameters"):
+        attempt()
+    assert engine.to("cpu") is engine and engine.float() is engine  # nothing to change
+    x = torch.randn(3, 4)
+    for e in (engine, twin):
+        e.backward(e(x).square().mean())
+        e.step()
+    ours, theirs = engine.full_state_dict(), twin.full_state_dict()
+    assert all(torch.equal(ours[k], theirs[k]) for k in theirs)
+    engine.close()
+    twin.close()

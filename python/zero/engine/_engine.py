@@ -379,6 +379,29 @@ class Engine(BoundaryStep, DeepSpeedQueries, BatchCalls, CheckpointCalls, Engine
         return f"{call} of engine {self.serial} at update {self.global_steps}, micro-step " \
             f"{self.micro_steps}"
 
+    def _apply(self, fn, recurse=True):
+        """engine.to(...), .half(), .cuda(), .to_empty(...) go through here
+        (nn.Module's). The engine's parameters live in its buffers on its
+        device and in its compute dtype: a move or cast replaced them with
+        tensors the engine does not know (a meta device lost every value,
+        and the next forward ended in torch's device error). Refused
+        before anything changes; a call that changes nothing goes on."""
+        seen = set()
+        for p in self.module.parameters():
+            kind = (p.dtype, p.device)
+            if kind in seen:
+                continue
+            seen.add(kind)
+            out = fn(torch.empty(0, dtype=p.dtype, device=p.device))
+            if isinstance(out, torch.Tensor) and (out.dtype, out.device) != kind:
+                raise RuntimeError(
+                    f"this would move or cast the engine's parameters ({p.dtype} on "
+                    f"{p.device} -> {out.dtype} on {out.device}), which live in its buffers "
+                    "and partitions: nothing was changed. Choose the device and the compute "
+                    "dtype at zero.initialize (device=, precision=), or close() the engine "
+                    "first (the model is a plain one then)")
+        return super()._apply(fn, recurse)
+
     def zero_grad(self, set_to_none: bool = True):
         """Zero the gradients. set_to_none is taken for torch's signature
         and not followed: at stages 0-1 each .grad is a view of the flat
