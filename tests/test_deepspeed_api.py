@@ -112,6 +112,27 @@ def test_the_config_comes_from_args(one_process, tmp_path):
     engine.close()
 
 
+def test_the_old_deepscale_config_argument_is_read_with_a_warning(one_process, tmp_path,
+                                                                 monkeypatch):
+    """DeepSpeed reads --deepscale_config and logs that it is deprecated;
+    zero read it without a word."""
+    import io
+    from zero.deepspeed import utils
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps(CONFIG))
+    parser = deepspeed.add_config_arguments(__import__("argparse").ArgumentParser())
+    args = parser.parse_args(["--deepscale", "--deepscale_config", str(path)])
+    import logging
+    handler, = [h for h in utils.logger.handlers if isinstance(h, logging.StreamHandler)]
+    out = io.StringIO()
+    monkeypatch.setattr(handler, "stream", out)
+    torch.manual_seed(0)
+    engine, *_ = deepspeed.initialize(args=args, model=Net())
+    assert engine.config.gradient_clipping == 0.5
+    assert "--deepscale_config is deprecated" in out.getvalue()
+    engine.close()
+
+
 @pytest.mark.parametrize("arguments,error,match", [
     ({}, ValueError, "no DeepSpeed config"),
     ({"config": CONFIG, "config_params": CONFIG}, ValueError, "not both"),

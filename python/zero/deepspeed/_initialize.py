@@ -10,7 +10,7 @@ import torch
 from zero._warnings import warn_user
 from zero.config._config import Config
 from zero.deepspeed._distributed import init_distributed
-from zero.deepspeed.utils._logging import set_log_level_from_string
+from zero.deepspeed.utils._logging import logger, set_log_level_from_string
 from zero.engine._initialize import initialize as zero_initialize
 from zero.optim._from_config import optimizer_from_config
 
@@ -89,8 +89,11 @@ def _config(args, config, config_params) -> Config:
     source = config if config is not None else config_params
     from_args = None
     if args is not None:
-        from_args = getattr(args, "deepspeed_config", None) or \
-            getattr(args, "deepscale_config", None)
+        from_args = getattr(args, "deepspeed_config", None)
+        if from_args is None and getattr(args, "deepscale_config", None) is not None:
+            from_args = args.deepscale_config
+            logger.warning("--deepscale_config is deprecated (in DeepSpeed too); use "
+                           "--deepspeed_config")
     if source is not None and from_args is not None:
         raise ValueError("deepspeed.initialize: a config was passed and args.deepspeed_config "
                          f"names {from_args!r} too; give one (DeepSpeed refuses both)")
