@@ -75,3 +75,46 @@ def test_a_new_optimizer_starts_the_counts_afresh():
     engine = zero.initialize(model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
     assert engine.global_steps == 0
     engine.close()
+
+
+def test_a_static_loss_scale_is_not_carried_into_a_dynamic_engine():
+    """A static scale is the config's, not a state to go on from (review)."""
+    torch.manual_seed(0)
+    model = nn.Linear(4, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    base = {"train_micro_batch_size_per_gpu": 2}
+    engine = zero.initialize(model, optimizer=optimizer,
+                             config={**base, "fp16": {"enabled": True, "loss_scale": 4}})
+    engine.backward(engine(torch.randn(2, 4)).float().sum())
+    engine.step()
+    engine.close()
+    engine = zero.initialize(model, optimizer=optimizer, config={
+        **base, "fp16": {"enabled": True, "initial_scale_power": 16}})
+    assert engine.loss_scale == 2.0 ** 16 and engine.global_steps == 1
+    engine.close()
+
+
+def test_warmup_to_the_groups_own_rate_goes_on_after_close():
+    """WarmupLR without warmup_max_lr warms up to each group's own lr: built
+    again after close(), it took the warmed-up rate of then for the peak and
+    stayed at 61% of it for good (review)."""
+    def lrs(close_before=None):
+        torch.manual_seed(0)
+        model = nn.Linear(4, 2)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        cfg = {"train_micro_batch_size_per_gpu": 2,
+               "scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 6}}}
+        engine = zero.initialize(model, optimizer=optimizer, config=cfg)
+        seen = []
+        for k in range(8):
+            if k == close_before:
+                engine.close()
+                engine = zero.initialize(model, optimizer=optimizer, config=cfg)
+            engine.backward(engine(torch.randn(2, 4)).sum())
+            engine.step()
+            seen.append(engine.get_lr()[0])
+        engine.close()
+        return seen
+    whole = lrs()
+    assert whole[-1] == pytest.approx(0.1)
+    assert lrs(close_before=3) == whole

@@ -180,6 +180,23 @@ def test_a_write_in_gathered_parameters_lands_after_the_update():
     engine.close()
 
 
+def test_a_write_before_a_modifier_block_is_refused_while_an_update_is_pending():
+    """The block's agreement leaves a listed parameter's earlier write to
+    the modifier's values; with an update pending it must still refuse it
+    (the update lands over it), as a step does: it was dropped without a
+    word (review). Stage 2: at stage 3 the released parameter's write is
+    refused as such."""
+    engine = delayed_engine(2)
+    engine_run(engine, batches("cpu", ACCUMULATION))
+    assert engine._delayed.pending
+    with torch.no_grad():
+        engine.module.head.bias.fill_(0.125)
+    with pytest.raises(RuntimeError, match="delayed_update: parameter.*head.bias.*dropped"):
+        with zero.GatheredParameters([engine.module.head.bias], modifier_rank=0):
+            pass
+    engine.close()
+
+
 def test_an_in_place_write_between_steps_is_refused_and_dropped():
     engine = delayed_engine(2)
     engine_run(engine, batches("cpu", ACCUMULATION))

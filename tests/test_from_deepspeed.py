@@ -295,6 +295,18 @@ def test_deepspeeds_tag_directory_or_one_without_latest_is_named_not_skipped(
     assert consolidate(str(tmp_path / "out"))["model"]
 
 
+def test_the_newest_tag_is_advised_by_the_numbers_in_the_names(monkeypatch, tmp_path):
+    """global_step9 and global_step10 and no 'latest': the advice named
+    global_step9, sorted as text (review)."""
+    ds = copy_of(tmp_path)
+    os.remove(ds / "latest")
+    shutil.copytree(ds / "global_step6", ds / "global_step10")
+    os.rename(ds / "global_step6", ds / "global_step9")
+    with pytest.raises(FileNotFoundError, match=r"its tags: global_step9, global_step10\).*"
+                                                r"--tag global_step10 "):
+        consolidate(str(ds))
+
+
 def test_two_conversions_of_one_checkpoint_are_one_save(tmp_path):
     """Each machine converting its own copy (node-local disks) made save
     ids of their own, and load_checkpoint, which compares the ranks' save

@@ -43,7 +43,17 @@ def _train(rank, world):
     model = _wav2vec2(layerdrop=0.5)
     engine = zero.initialize(model, optimizer=torch.optim.SGD(model.parameters(), lr=1e-4),
                              stage=3, stage3_param_persistence_threshold=0, timeout=60)
-    marked = model.wav2vec2.encoder.__dict__.get("_is_fsdp_managed_module")
+    import copy
+    import pickle
+    marked = bool(model.wav2vec2.encoder.__dict__.get("_is_fsdp_managed_module"))
+    # a copy or pickle of the model is a plain one: an EMA twin marked would
+    # make its generate() on one rank wait in a collective for the others
+    with zero.GatheredParameters(list(model.parameters())):
+        # (the model itself has a weight_norm parametrization, which torch
+        # pickles through state_dict() only: a layer of it is pickled)
+        layer = model.wav2vec2.encoder.layers[0]
+        copied = [copy.deepcopy(model).wav2vec2.encoder._is_fsdp_managed_module,
+                  pickle.loads(pickle.dumps(layer))._is_fsdp_managed_module]
     torch.manual_seed(rank)  # each rank's LayerDrop draws its own
     for step in range(STEPS):
         x, labels = _batch(step, rank)
@@ -51,7 +61,7 @@ def _train(rank, world):
         engine.step()
     state = engine.full_state_dict()
     engine.close()
-    return state, marked, "_is_fsdp_managed_module" in model.wav2vec2.encoder.__dict__
+    return state, marked, copied, "_is_fsdp_managed_module" in model.wav2vec2.encoder.__dict__
 
 
 def _reference():
@@ -69,8 +79,9 @@ def _reference():
 
 def test_layerdrop_runs_every_layer_on_every_rank_at_stage_3():
     reference = _reference()
-    for state, marked, left_marked in harness.run(2, _train, timeout=300):
-        assert marked is True and not left_marked  # marked while trained, not after close()
+    for state, marked, copied, left_marked in harness.run(2, _train, timeout=300):
+        assert marked and not left_marked  # marked while trained, not after close()
+        assert copied == [False, False]
         for key, value in reference.items():
             # relative to the tensor's largest value, and absolute for the
             # key projection's bias, which stays at rounding noise (1e-15)

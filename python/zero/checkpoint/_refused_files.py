@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import pickle
 import pickletools
+import re
 
 from zero.checkpoint._zip_checksums import damaged_record
 
@@ -76,15 +77,23 @@ def holds_deepspeed_files(path) -> bool:
         return False
 
 
+def _numbers_in_order(path):
+    """global_step9 before global_step10: the digits compared as numbers."""
+    return [(0, int(part), "") if part.isdigit() else (1, 0, part)
+            for part in re.split(r"(\d+)", os.path.basename(path))]
+
+
 def deepspeed_tags(save_dir) -> list:
     """save_dir itself when it is a DeepSpeed tag directory, else the tag
     directories in it that hold DeepSpeed's files (a DeepSpeed checkpoint
-    directory, with or without its `latest`)."""
+    directory, with or without its `latest`), oldest first by the numbers
+    in their names."""
     if holds_deepspeed_files(save_dir):
         return [save_dir]
     try:
         with os.scandir(save_dir) as entries:
-            return sorted(e.path for e in entries if holds_deepspeed_files(e.path))
+            return sorted((e.path for e in entries if holds_deepspeed_files(e.path)),
+                          key=_numbers_in_order)
     except OSError:
         return []
 

@@ -68,9 +68,14 @@ class DeepSpeedWarmup(_DeepSpeedSchedule):
 
     def __init__(self, optimizer, min_lr, max_lr, warmup_steps, warmup_type, total_steps=None,
                  last_batch_iteration=-1):
-        # max_lr None: each group's own lr (WarmupLR without warmup_max_lr)
+        # max_lr None: each group's own lr (WarmupLR without warmup_max_lr):
+        # the one it had before any schedule moved it ("initial_lr", which
+        # torch's schedulers keep in the group), so a schedule built again
+        # on the same optimizer (a new initialize after close()) does not
+        # take a warmed-up rate for the peak ([Note: counts carried across
+        # close])
         self.min_lr = min_lr
-        self.max_lrs = [group["lr"] if max_lr is None else max_lr
+        self.max_lrs = [group.get("initial_lr", group["lr"]) if max_lr is None else max_lr
                         for group in optimizer.param_groups]
         self.total_steps = total_steps
         super().__init__(optimizer, warmup_steps, warmup_type, last_batch_iteration)

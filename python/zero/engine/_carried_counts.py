@@ -33,7 +33,9 @@ def leave_counts(engine) -> None:
     optimizer.__dict__[_KEY] = {
         "global_steps": engine.global_steps, "micro_steps": engine.micro_steps,
         "skipped_steps": engine.skipped_steps,
-        "loss_scaler": engine.loss_scaler.state_dict() if engine.loss_scaler else None,
+        # a static scale is the config's, not a state to go on from
+        "loss_scaler": engine.loss_scaler.state_dict()
+        if engine.loss_scaler is not None and engine.loss_scaler.dynamic else None,
         "lr_scheduler": (type(scheduler).__name__, scheduler.state_dict())
         if scheduler is not None else None}
 

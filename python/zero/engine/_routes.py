@@ -154,13 +154,35 @@ def on_each_grad(engine, fg, body):
 # HF's generate and Seq2SeqTrainer then turn synced_gpus on by themselves.
 # LayerDrop is then off in effect, as under DeepSpeed's ZeRO-3 and FSDP.
 # close() takes the marks away; a mark already there (a module FSDP marked
-# before) is left alone.
+# before) is left alone. A copy or pickle of the model (an EMA twin, a
+# torch.save) is a plain model and carries False: as True it made the
+# copy's generate() alone on one rank wait in a collective for the others.
 _IN_STEP_MARKS = ("_is_fsdp_managed_module", "_fsdp_use_orig_params")
+
+
+class _WhileTrained:
+    """True on the engine's own modules; False in a copy or a pickle."""
+    __slots__ = ()
+
+    def __bool__(self):
+        return True
+
+    def __copy__(self):
+        return False
+
+    def __deepcopy__(self, memo):
+        return False
+
+    def __reduce__(self):
+        return bool, ()
+
+
+_WHILE_TRAINED = _WhileTrained()
 
 
 def mark_every_rank_runs_every_layer(engine):
     for module in engine.module.modules():
         for name in _IN_STEP_MARKS:
             if name not in module.__dict__:
-                module.__dict__[name] = True
+                module.__dict__[name] = _WHILE_TRAINED
                 engine._hooks.append(AttributeRemoval(module, name))

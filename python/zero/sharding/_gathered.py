@@ -180,7 +180,11 @@ class GatheredParameters:
         with torch.no_grad():
             for fg, unit, j, before in self._listed:
                 self._values(unit, j).copy_(before)
-                fg.seen_versions[unit.members.start + j] = unit.params[j]._version
+                # a write from before entry stays a write the next
+                # collective compares (marked seen, it was never taken in,
+                # and a rank's write stayed on that rank alone, silently)
+                if (id(fg), unit.members.start + j) not in self._written_before:
+                    fg.seen_versions[unit.members.start + j] = unit.params[j]._version
 
     @staticmethod
     def _values(unit, j):

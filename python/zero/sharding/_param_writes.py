@@ -126,8 +126,9 @@ def take_in_parameter_writes(groups, call: str, refusal: Exception | None = None
                 written = [w for w in written if w not in passed_over]
         except RuntimeError as error:  # raised once the ranks have compared notes
             problem = error
-    if problem is None and written and any(d.pending for d in delayed):
-        problem = delayed[0].refuse_writes(written)
+    # (the writes left out too: the pending update would land over them)
+    if problem is None and (written or passed_over) and any(d.pending for d in delayed):
+        problem = delayed[0].refuse_writes(written + passed_over)
     if groups and groups[0].comm.dp_world > 1:
         verdict = agree(groups[0].comm, call, hash_writes(written), hash_settings(settings),
                         refused=problem is not None)
