@@ -280,3 +280,30 @@ class GatedBlocks(nn.Module):
         for k, block in enumerate(self.blocks):
             x = block(x, k in skipped)
         return self.head(x)
+
+
+def small_mlp():
+    """The 6-8-3 MLP of the tests of ranks going different ways."""
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3))
+
+
+def small_mlp_batch(k, rank):
+    """Batch k of `rank` for small_mlp."""
+    return torch.randn(4, 6, generator=torch.Generator().manual_seed(10 * k + rank))
+
+
+def small_mlp_reference(batches, world=2, before=None):
+    """One process of torch SGD (lr 0.1) over the mean loss of every rank's
+    small_mlp_batch for each k in `batches`; before(model, k), if given,
+    runs first at each k. Returns the state dict."""
+    model = small_mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for k in batches:
+        if before is not None:
+            before(model, k)
+        opt.zero_grad()
+        for rank in range(world):
+            (model(small_mlp_batch(k, rank)).square().mean() / world).backward()
+        opt.step()
+    return model.state_dict()

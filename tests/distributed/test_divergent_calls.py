@@ -14,6 +14,7 @@ import re
 import pytest
 
 import harness
+import scenarios
 
 
 def _attempt(function):
@@ -124,8 +125,7 @@ def _recovered_by_zero_grad(rank, directory, stage):
     Returns (refusal, errors of the steps after, final state, batches)."""
     import torch
     engine = _engine(stage)
-    batches = [torch.randn(4, 6, generator=torch.Generator().manual_seed(10 * k + rank))
-               for k in range(5)]
+    batches = [scenarios.small_mlp_batch(k, rank) for k in range(5)]
 
     def train(k):
         engine.backward(engine(batches[k]).square().mean())
@@ -137,22 +137,6 @@ def _recovered_by_zero_grad(rank, directory, stage):
     state = engine.full_state_dict()
     engine.close()
     return refusal, errors, state
-
-
-def _reference_of_recovery():
-    """One process: the average gradient of both ranks' batches 0, 2, 3, 4."""
-    import torch
-    from torch import nn
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3))
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    for k in (0, 2, 3, 4):
-        opt.zero_grad()
-        for rank in (0, 1):
-            x = torch.randn(4, 6, generator=torch.Generator().manual_seed(10 * k + rank))
-            (model(x).square().mean() / 2).backward()
-        opt.step()
-    return model.state_dict()
 
 
 def divergent(rank, world, directory):
@@ -196,7 +180,8 @@ def test_training_goes_on_after_a_refused_call_and_zero_grad(results, stage):
     at stages 0-1 (zero_grad() did not reset the count), so every later
     step() was refused as taken at another number of backwards."""
     from conftest import max_rel_error
-    reference = _reference_of_recovery()
+    # one process: the average gradient of both ranks' batches 0, 2, 3, 4
+    reference = scenarios.small_mlp_reference((0, 2, 3, 4))
     for rank, out in enumerate(results):
         refusal, errors, state = out["recovered", stage]
         assert refusal is not None and "not in the same engine call" in refusal and \

@@ -6,6 +6,7 @@ mixing two models); the same write on every rank is taken in."""
 import pytest
 
 import harness
+import scenarios
 
 STAGES = [0, 1, 2, 3]
 
@@ -81,17 +82,14 @@ def _one_rank_write_then_the_advice(rank, world, stage, precision):
     it (nothing written inside: rank 1's value from before is the one to
     keep), and two steps. Returns (refusal, errors, state)."""
     import torch
-    from torch import nn
     import zero
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3))
+    model = scenarios.small_mlp()
     engine = zero.initialize(model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
                              stage=stage, precision=precision,
                              stage3_param_persistence_threshold=100)
 
     def step(k):
-        x = torch.randn(4, 6, generator=torch.Generator().manual_seed(10 * k + rank))
-        engine.backward(engine(x).float().square().mean())
+        engine.backward(engine(scenarios.small_mlp_batch(k, rank)).float().square().mean())
         engine.step()
     step(0)
     if rank == 1:
@@ -117,24 +115,6 @@ def _one_rank_write_then_the_advice(rank, world, stage, precision):
     return refusal, errors, state
 
 
-def _reference_of_the_advice():
-    import torch
-    from torch import nn
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3))
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    for k in (0, 2, 3):
-        if k == 2:
-            with torch.no_grad():
-                model[2].weight.fill_(0.25)
-        opt.zero_grad()
-        for rank in (0, 1):
-            x = torch.randn(4, 6, generator=torch.Generator().manual_seed(10 * k + rank))
-            (model(x).square().mean() / 2).backward()
-        opt.step()
-    return model.state_dict()
-
-
 @pytest.mark.parametrize("stage,precision", [(0, "fp32"), (1, "fp32"), (2, "fp32"),
                                              (2, "bf16")])
 def test_a_refused_one_rank_write_is_settled_by_the_advised_modifier_rank(stage, precision):
@@ -143,8 +123,14 @@ def test_a_refused_one_rank_write_is_settled_by_the_advised_modifier_rank(stage,
     same message. bf16: rank 1's value reaches every rank's fp32 master (a
     write from before the block is taken whole, not only what changed
     inside it); tolerance 2^-7, the compute dtype's rounding of a step."""
+    import torch
     from conftest import max_rel_error
-    reference = _reference_of_the_advice()
+
+    def rank_1s_write(model, k):
+        if k == 2:
+            with torch.no_grad():
+                model[2].weight.fill_(0.25)
+    reference = scenarios.small_mlp_reference((0, 2, 3), before=rank_1s_write)
     results = harness.run(2, _one_rank_write_then_the_advice, stage, precision, timeout=240)
     tolerance = 1e-5 if precision == "fp32" else 2.0 ** -7
     for rank, (refusal, errors, state) in enumerate(results):
@@ -160,16 +146,13 @@ def _advice_whose_block_raises(rank, world, stage):
     block's undo marked it taken in, and the ranks trained on different
     weights, silently; review). The second block settles it."""
     import torch
-    from torch import nn
     import zero
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3))
+    model = scenarios.small_mlp()
     engine = zero.initialize(model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
                              stage=stage, stage3_param_persistence_threshold=100)
 
     def step(k):
-        x = torch.randn(4, 6, generator=torch.Generator().manual_seed(10 * k + rank))
-        engine.backward(engine(x).float().square().mean())
+        engine.backward(engine(scenarios.small_mlp_batch(k, rank)).float().square().mean())
         engine.step()
 
     def attempt(call):

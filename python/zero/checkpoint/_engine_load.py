@@ -372,6 +372,24 @@ def _same_checkpoint_everywhere(engine, path, meta):
                          "'latest'. Nothing was loaded")
 
 
+def set_counts(engine, micro_steps, global_steps, skipped_steps):
+    """The engine's counters from a save (or a closed engine): saved at a
+    boundary, the next micro-step starts an accumulation window also when
+    this engine accumulates over another count (a global batch kept at
+    another world size)."""
+    accumulation = engine.config.gradient_accumulation_steps
+    engine.micro_steps = -(-micro_steps // accumulation) * accumulation
+    engine.global_steps = global_steps
+    engine.skipped_steps = skipped_steps
+
+
+def take_schedule_lrs(engine):
+    """Each param group at the learning rate its restored schedule says."""
+    for group, lr in zip(engine.optimizer.param_groups,
+                         getattr(engine.lr_scheduler, "_last_lr", None) or []):
+        group["lr"] = lr
+
+
 def load(engine, load_dir, tag=None, load_optimizer_states=True,
          load_lr_scheduler_states=True, load_module_only=False):
     if _nothing_to_load(engine, load_dir, tag):
@@ -421,14 +439,9 @@ def load(engine, load_dir, tag=None, load_optimizer_states=True,
     elif not load_module_only:
         _reset_optimizer(engine)
     if not load_module_only:
-        # saved at a boundary: the next micro-step starts an accumulation
-        # window also when this engine accumulates over another count (a
-        # global batch kept at another world size)
-        accumulation = engine.config.gradient_accumulation_steps
-        engine.micro_steps = -(-meta["engine"]["micro_steps"] // accumulation) * accumulation
-        engine.global_steps = meta["engine"]["global_steps"]
-        # checkpoints written before it was recorded: none known
-        engine.skipped_steps = meta["engine"].get("skipped_steps", 0)
+        # checkpoints written before skipped_steps was recorded: none known
+        set_counts(engine, meta["engine"]["micro_steps"], meta["engine"]["global_steps"],
+                   meta["engine"].get("skipped_steps", 0))
         if engine.loss_scaler is not None and meta["loss_scaler"] is not None:
             engine.loss_scaler.load_state_dict(meta["loss_scaler"])
         if load_lr_scheduler_states and engine.lr_scheduler is not None and \
@@ -441,9 +454,7 @@ def load(engine, load_dir, tag=None, load_optimizer_states=True,
                 # the schedule's last step, on a plateau, was replaced by
                 # the schedule's: one update at another lr, and a StepLR,
                 # which multiplies the group's lr, lost it for good)
-                for group, lr in zip(engine.optimizer.param_groups,
-                                     getattr(engine.lr_scheduler, "_last_lr", None) or []):
-                    group["lr"] = lr
+                take_schedule_lrs(engine)
     if client_warning is not None and whole.rank == 0:
         warn_user(client_warning, RuntimeWarning)
     return path, client_state

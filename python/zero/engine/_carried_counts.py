@@ -20,6 +20,8 @@ nothing here either.
 """
 from __future__ import annotations
 
+from zero.checkpoint._engine_load import set_counts, take_schedule_lrs
+
 _KEY = "_zero_engine_counts"
 
 
@@ -47,16 +49,12 @@ def take_counts(engine) -> None:
         else None
     if carried is None:
         return
-    accumulation = engine.config.gradient_accumulation_steps
-    engine.micro_steps = -(-carried["micro_steps"] // accumulation) * accumulation
-    engine.global_steps = carried["global_steps"]
-    engine.skipped_steps = carried["skipped_steps"]
+    set_counts(engine, carried["micro_steps"], carried["global_steps"],
+               carried["skipped_steps"])
     if engine.loss_scaler is not None and carried["loss_scaler"] is not None:
         engine.loss_scaler.load_state_dict(carried["loss_scaler"])
     schedule = carried["lr_scheduler"]
     if schedule is not None and getattr(engine, "_scheduler_from_config", False) and \
             type(engine.lr_scheduler).__name__ == schedule[0]:
         engine.lr_scheduler.load_state_dict(schedule[1])
-        for group, lr in zip(engine.optimizer.param_groups,
-                             getattr(engine.lr_scheduler, "_last_lr", None) or []):
-            group["lr"] = lr
+        take_schedule_lrs(engine)
