@@ -138,3 +138,17 @@ def test_adapter_layers_that_read_their_base_layer_train_as_in_torch(case):
     for name, p in ref.named_parameters():
         if p.requires_grad:  # Adam amplifies rounding on near-cancelling elements
             assert max_rel_error(full[name], p) <= 1e-4, name  # (DoRA's lora_A: 1.1e-5)
+
+
+def test_peft_counts_the_parameters_of_a_stage_3_model():
+    """PEFT counts a released parameter by its `ds_numel` ([Note: DeepSpeed's
+    parameter attributes]): without it, print_trainable_parameters said 0
+    of 0 at stage 3."""
+    model = lora_gpt2()
+    counts = model.get_nb_trainable_parameters()
+    engine = zero.initialize(model, optimizer=torch.optim.AdamW(
+        [p for p in model.parameters() if p.requires_grad]), stage=3,
+        stage3_param_persistence_threshold=0)
+    assert all(p.numel() == 0 for p in model.parameters())  # every one released
+    assert model.get_nb_trainable_parameters() == counts
+    engine.close()

@@ -47,6 +47,8 @@ from zero.offload import _param_staging
 from zero.engine._monitor import Monitor
 from zero.step._loss_scaler import DynamicLossScaler
 from zero.step._registry import fresh_states, spec_for
+from zero.sharding._ds_attributes import mark_partitioned
+from zero.sharding._param_marks import mark
 from zero.sharding._param_writes import Place, check_parameters_in_place, record_parameters
 from zero.step._resumed_states import (describe_held, held_optimizer_states,
                                        take_in_optimizer_states)
@@ -160,7 +162,7 @@ class Engine(BoundaryStep, DeepSpeedQueries, BatchCalls, CheckpointCalls, Engine
                 # released parameters hold no values now: say so to the
                 # next initialize instead of training empty placeholders
                 for p in module.parameters():
-                    p._zero_lost = True
+                    mark(p, "_zero_lost", True)
             raise
         # registered last: a failed __init__ leaves through initialize's
         # error path, not here too. A dropped engine leaves its group (a
@@ -249,7 +251,9 @@ class Engine(BoundaryStep, DeepSpeedQueries, BatchCalls, CheckpointCalls, Engine
         for fg in self.all_groups:
             for unit in fg.units:
                 for p in unit.params:
-                    p._zero_place = Place(fg, unit, self._schedule, me)
+                    mark(p, "_zero_place", Place(fg, unit, self._schedule, me))
+        if self._schedule is not None:
+            mark_partitioned(self.all_groups)  # [Note: DeepSpeed's parameter attributes]
         if not self.policy.reduces_in_backward:
             for fg in self.groups:
                 if fg.accumulate_by_hook:

@@ -7,6 +7,8 @@ import torch
 
 from zero.engine._carried_counts import leave_counts
 from zero.offload._mapped import MappedFile, release_freed_memory
+from zero.sharding._ds_attributes import unmark_partitioned
+from zero.sharding._param_marks import DEEPSPEED_MARKS, mark
 from zero.step._resumed_states import give_back_optimizer_states
 
 # gathered bytes close() lets go between two trims of the heap (restore_params)
@@ -37,6 +39,8 @@ def hand_back(engine):
     for fg in engine.all_groups:
         for p in fg.params:
             p.__dict__.pop("_zero_place", None)
+    unmark_partitioned(engine.all_groups)
+    for fg in engine.all_groups:
         if fg.offload is not None:  # its windows and descriptors
             fg.offload.close()
         if fg.param_files is not None:
@@ -114,8 +118,10 @@ def forget_dropped(hooks, groups, unplace, schedule=None):
                 if place is None or place.engine() is not None:
                     continue
                 if schedule is not None and not place.unit.gathered and p.numel() == 0:
-                    p._zero_lost = True  # the next initialize says so by name
+                    mark(p, "_zero_lost", True)  # the next initialize says so by name
                 del p.__dict__["_zero_place"]
+                for name in DEEPSPEED_MARKS:
+                    p.__dict__.pop(name, None)
     if schedule is not None:
         schedule.remove()
         schedule.pool = None

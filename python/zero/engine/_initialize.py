@@ -10,6 +10,7 @@ from torch import nn
 
 from zero.comm._comm import Comm, join_process_group, leave_process_group
 from zero.sharding._copying import EngineRef
+from zero.sharding._param_marks import mark
 from zero.parallel._mesh import resolve_mesh
 from zero.parallel._pipeline import PipelineLayout
 from zero.parallel._tensor_parallel import localize
@@ -179,7 +180,7 @@ def initialize(model: nn.Module, *, optimizer=None, stage=None, precision=None,
         if cfg.stage != 3:  # its frozen parameters stay whole, in no group
             for p in model.parameters():
                 if "_zero_place" not in p.__dict__:
-                    p._zero_held_whole = weakref.ref(engine)
+                    mark(p, "_zero_held_whole", weakref.ref(engine))
         return engine
     except BaseException:
         if engine is None:

@@ -25,6 +25,8 @@ from __future__ import annotations
 
 import torch
 
+from zero.sharding._ds_attributes import AVAILABLE, NOT_AVAILABLE
+
 ALIGN = 16  # chunk sizes are multiples of 16 elements (64-byte rows)
 # Each parameter starts at a multiple of 64 elements: GEMM libraries run
 # slower on operands that start mid-cache-line.
@@ -61,6 +63,7 @@ class Unit:
         self.active = 0                   # forwards running that need it
         self._placeholder = None
         self._spare = None                # see _take_spare
+        self.says_status = False          # params carry ds_status ([Note: DeepSpeed's parameter attributes])
 
     def chunk(self, t, r):
         return t[r * self.part:(r + 1) * self.part]
@@ -94,6 +97,11 @@ class Unit:
             views = self._views = self._attached.setdefault(self._layout, [
                 full[off:off + n].view(shape) for off, n, shape in
                 zip(self.offsets, self.numels, self.shapes)])
+        if self.says_status:
+            for p, view in zip(self.params, views):
+                p.data = view
+                p.ds_status = AVAILABLE
+            return
         for p, view in zip(self.params, views):
             p.data = view
 
@@ -115,8 +123,14 @@ class Unit:
         if self._placeholder is None:
             self._placeholder = torch.empty(0, dtype=self.full.dtype,
                                             device=self.full.device)
-        for p in self.params:
-            p.data = self._placeholder
+        placeholder = self._placeholder
+        if self.says_status:
+            for p in self.params:
+                p.data = placeholder
+                p.ds_status = NOT_AVAILABLE
+        else:
+            for p in self.params:
+                p.data = placeholder
         self.gathered = False
         storage = self.full.untyped_storage()
         # holders: `full`, `storage` here and the parameter views ([Note:

@@ -1,0 +1,1 @@
+"""deepspeed.runtime.zero: see partition_parameters."""
