@@ -10,6 +10,7 @@ import torch
 
 from zero.comm._host_staging import ranks_share_a_gpu
 from zero.comm._world import init_world_group, world_group_exists
+from zero.deepspeed.utils._logging import logger
 
 
 def init_distributed(dist_backend=None, auto_mpi_discovery=True, distributed_port=29500,
@@ -17,8 +18,8 @@ def init_distributed(dist_backend=None, auto_mpi_discovery=True, distributed_por
                      dist_init_required=None, config=None, rank=-1, world_size=-1,
                      timeout_from="init_distributed(timeout=...)"):
     """Make torch.distributed's default group, as DeepSpeed's call does:
-    nothing when one exists (unless dist_init_required=True, which it
-    refuses then, as torch would); the backend NCCL where CUDA is
+    nothing when one exists (dist_init_required=True too: DeepSpeed logs
+    that the backend is initialized already and goes on); the backend NCCL where CUDA is
     available, else gloo, and gloo where ranks share a GPU (which NCCL
     refuses; zero stages their collectives through host memory). The
     timeout, when not given, is DeepSpeed's: DEEPSPEED_TIMEOUT minutes,
@@ -29,9 +30,11 @@ def init_distributed(dist_backend=None, auto_mpi_discovery=True, distributed_por
     discovery (auto_mpi_discovery under mpirun) is not done: launch with
     torchrun or deepspeed's launcher, which set those variables."""
     if world_group_exists():
-        if dist_init_required:
-            raise RuntimeError("init_distributed(dist_init_required=True): torch.distributed "
-                               "is initialized already")
+        # DeepSpeed's rule, dist_init_required=True included: the group there
+        # is used (DeepSpeed-Chat calls init_distributed(), then initialize(...,
+        # dist_init_required=True))
+        if verbose and int(os.environ.get("RANK", "0")) == 0:
+            logger.info("Distributed backend already initialized")
         return
     if dist_init_required is False:
         return

@@ -34,6 +34,7 @@ from zero.engine._construction import (apply_aio, broadcast_buffer, cast_module,
                                        param_files, units_of, warn_if_narrowed)
 from zero.engine._handback import forget_dropped, hand_back, record_dtypes
 from zero.engine._reports import EngineReports
+from zero.engine._module_attributes import ModuleAttributes
 from zero.engine._not_copied import NotCopied
 from zero.engine._routes import (call_alive, guard_optimizer, mark_every_rank_runs_every_layer,
                                  on_each_grad)
@@ -66,7 +67,7 @@ _SERIALS = collections.defaultdict(itertools.count)  # Engine.serial by the rank
 
 
 class Engine(BoundaryStep, DeepSpeedQueries, BatchCalls, CheckpointCalls, EngineReports,
-             NotCopied, nn.Module):
+             NotCopied, ModuleAttributes, nn.Module):
     """What zero.initialize returns: the model wrapped for ZeRO training.
     Call it as the model (inputs are cast to the compute dtype), then
     engine.backward(loss) and engine.step(). Its attributes: module,
