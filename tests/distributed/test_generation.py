@@ -44,17 +44,22 @@ def generate(rank, world):
     # engine.generate gathers once and runs no collective until it ends:
     # no synced_gpus, each rank stops at its own length
     once = engine.generate(prompt(rank), max_new_tokens=NEW_TOKENS[rank], do_sample=False)
+    # without a cache too: HF's generate, left to itself, syncs the ranks on
+    # a model carrying FSDP's marks, and its synced loop without a cache
+    # failed on the rank that finished first (a mask one longer than the ids)
+    no_cache = engine.generate(prompt(rank), max_new_tokens=NEW_TOKENS[rank], do_sample=False,
+                               use_cache=False)
     # unit by unit (a model that does not fit gathered): synced_gpus is set for the caller
     units = engine.generate(prompt(rank), max_new_tokens=NEW_TOKENS[rank], do_sample=False,
                             gather="units")
     engine.close()
-    return out, once, units
+    return out, once, no_cache, units
 
 
 def test_generation_with_ranks_finishing_apart():
     results = harness.run(2, generate, timeout=180)
     model = tiny_gpt2()
-    for rank, (out, once, units) in enumerate(results):
+    for rank, (out, once, no_cache, units) in enumerate(results):
         with torch.no_grad():
             expected = model.generate(prompt(rank), max_new_tokens=NEW_TOKENS[rank],
                                       do_sample=False)
@@ -62,3 +67,7 @@ def test_generation_with_ranks_finishing_apart():
         assert torch.equal(out, expected), rank
         assert torch.equal(once, expected), rank
         assert torch.equal(units, expected), rank
+        with torch.no_grad():
+            expected = model.generate(prompt(rank), max_new_tokens=NEW_TOKENS[rank],
+                                      do_sample=False, use_cache=False)
+        assert torch.equal(no_cache, expected), rank

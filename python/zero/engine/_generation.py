@@ -33,6 +33,7 @@ hybrid engine of DeepSpeed-Chat).
 from __future__ import annotations
 
 import contextlib
+import inspect
 import os
 
 import torch
@@ -87,11 +88,25 @@ def generate(engine, args, kwargs, generate_fn=None, gather="auto"):
                             "f(model, *args, **kwargs)")
         if units and engine._comm.everyone.world > 1:
             kwargs.setdefault("synced_gpus", True)  # each forward gathers with collectives
+        elif schedule is not None and _takes_synced_gpus(generate_fn):
+            # gathered whole: no collective in the loop, so ranks stop apart.
+            # HF's generate would sync by itself at stage 3 on several ranks
+            # (the modules carry FSDP's marks: [Note: every rank runs every
+            # layer]): an all-reduce a token, and without a cache its synced
+            # loop failed on a rank that finished first
+            kwargs.setdefault("synced_gpus", False)
     with torch.no_grad():
         if schedule is None or units:  # gathered for good (stages 0-2), or by the hooks
             return generate_fn(module, *args, **kwargs)
         with _GatheredForGeneration(list(module.parameters())), _suspended(schedule):
             return generate_fn(module, *args, **kwargs)
+
+
+def _takes_synced_gpus(generate_fn) -> bool:
+    try:
+        return "synced_gpus" in inspect.signature(generate_fn).parameters
+    except (TypeError, ValueError):  # no signature to read (a builtin)
+        return False
 
 
 class _GatheredForGeneration(GatheredParameters):
