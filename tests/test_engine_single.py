@@ -583,12 +583,22 @@ def test_parameter_missing_from_optimizer_is_named():
                                                      lr=0.1))
 
 
-def test_no_sync_refused_at_stage_2():
-    m = model()
+def test_no_sync_refused_at_stage_2_with_advice_that_works():
+    m, ref = model(), model()
     engine = zero.initialize(m, optimizer=torch.optim.SGD(m.parameters(), lr=0.1), stage=2)
-    with pytest.raises(RuntimeError, match="no_sync.. cannot be used with stage 2"):
+    with pytest.raises(RuntimeError, match="no_sync.. cannot be used with stage 2.*leave "
+                       "no_sync.. out: backward.. several times, then step.., sums"):
         with engine.no_sync():
             pass
+    opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    batches = torch.randn(3, 4, 6, generator=torch.Generator().manual_seed(5))
+    for x in batches:  # the advice, followed: three backwards, one step
+        engine.backward(engine(x).square().sum())
+        ref(x).square().sum().backward()
+    engine.step()
+    opt.step()
+    for (name, ours), theirs in zip(engine.full_state_dict().items(), ref.parameters()):
+        assert torch.allclose(ours, theirs, rtol=1e-5, atol=1e-6), name
     engine.close()
 
 

@@ -365,7 +365,11 @@ class Engine(BoundaryStep, DeepSpeedQueries, BatchCalls, CheckpointCalls, Engine
         2 and 3 reduce every backward, so they refuse (as DeepSpeed does)."""
         if self.policy.reduces_in_backward:
             raise RuntimeError(f"no_sync() cannot be used with stage {self.stage}: its "
-                               "gradients are reduced during every backward")
+                               "gradients are reduced into the partitions during every "
+                               "backward (as DeepSpeed's). To accumulate, leave no_sync() "
+                               "out: backward() several times, then step(), sums the "
+                               "gradients at every stage (or set gradient_accumulation_steps "
+                               "and call step() after each backward)")
         self._in_no_sync = True
         try:
             yield

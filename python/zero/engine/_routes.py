@@ -8,6 +8,8 @@ from __future__ import annotations
 import types
 import weakref
 
+from zero.engine._dcp_preparation import undo_dcp_preparation
+
 
 def call_alive(engine_ref, function, *args):
     """function(engine, *args) for a hook that holds its engine weakly; nothing
@@ -99,8 +101,11 @@ def guard_optimizer(engine):
     removed by close()."""
     me = weakref.ref(engine)
 
-    def refuse(*_args, **_kwargs):
+    def refuse(optimizer, *_args, **_kwargs):
         if me() is not None:  # a dropped engine leaves the optimizer to the user
+            dcp = undo_dcp_preparation(optimizer)  # [Note: DCP's preparation]
+            if dcp is not None:
+                raise RuntimeError(dcp)
             raise RuntimeError("this optimizer is driven by a zero Engine: call "
                                "engine.step(), not optimizer.step()")
     engine._hooks.append(engine.optimizer.register_step_pre_hook(refuse))
