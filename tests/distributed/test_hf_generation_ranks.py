@@ -3,8 +3,10 @@ stage 3 on 2 gloo ranks, where the ranks' batches end generating at other
 steps (a logits processor ends rank 0's at its first token): every
 generated token's forward gathers with collectives, so the rank that
 stopped first left the other gathering alone, and gloo aborted. The mixin
-turns synced_gpus on (transformers does for DeepSpeed's ZeRO-3 and FSDP
-only); the predictions equal the plain Seq2SeqTrainer's under DDP."""
+gathers the model whole for each batch where it fits (no collective while
+generating; without a cache too, where HF's synced loop fails), and
+otherwise generates unit by unit with synced_gpus on; the predictions
+equal the plain Seq2SeqTrainer's under DDP either way."""
 import pytest
 
 import harness
@@ -53,10 +55,13 @@ def _ending_on_rank_0():
     return LogitsProcessorList([EndsOnRank0()])
 
 
-def _predictions(rank, world, directory):
+def _predictions(rank, world, directory, gather, use_cache):
     import numpy as np
     from transformers import Seq2SeqTrainer, Seq2SeqTrainingArguments
+    import zero.engine._generation as generation
     from zero.integrations.hf import ZeroTrainerMixin
+    if gather == "units":  # the whole model does not fit gathered (as far as it knows)
+        generation.available_memory = lambda device: 0
 
     class ZeroSeq2SeqTrainer(ZeroTrainerMixin, Seq2SeqTrainer):
         pass
@@ -67,7 +72,8 @@ def _predictions(rank, world, directory):
             per_device_eval_batch_size=3, report_to=[], use_cpu=True, disable_tqdm=True,
             dataloader_num_workers=0, save_strategy="no", ddp_timeout=120)
     rows = _rows()
-    generation = {"max_new_tokens": 12, "logits_processor": _ending_on_rank_0()}
+    generation = {"max_new_tokens": 12, "logits_processor": _ending_on_rank_0(),
+                  "use_cache": use_cache}
     plain = Seq2SeqTrainer(model=_t5(), args=arguments("plain"))
     expected = plain.predict(rows, **generation).predictions
     model = _t5()
@@ -79,6 +85,9 @@ def _predictions(rank, world, directory):
     return bool(np.array_equal(expected, got)), got.shape
 
 
-def test_generation_that_ends_apart_equals_the_plain_trainers(tmp_path):
-    for same, shape in harness.run(2, _predictions, str(tmp_path), timeout=240):
+@pytest.mark.parametrize("gather,use_cache", [("whole", True), ("whole", False),
+                                               ("units", True)])
+def test_generation_that_ends_apart_equals_the_plain_trainers(tmp_path, gather, use_cache):
+    for same, shape in harness.run(2, _predictions, str(tmp_path), gather, use_cache,
+                                   timeout=240):
         assert same and shape[0] == 12

@@ -98,8 +98,24 @@ def generate(engine, args, kwargs, generate_fn=None, gather="auto"):
     with torch.no_grad():
         if schedule is None or units:  # gathered for good (stages 0-2), or by the hooks
             return generate_fn(module, *args, **kwargs)
-        with _GatheredForGeneration(list(module.parameters())), _suspended(schedule):
+        with gathered_whole(engine):
             return generate_fn(module, *args, **kwargs)
+
+
+def gathers_whole(engine) -> bool:
+    """gather="auto"'s choice at stage 3, agreed by every rank (a
+    collective): whether the whole model fits gathered on each."""
+    return _whole_fits_everywhere(engine)
+
+
+@contextlib.contextmanager
+def gathered_whole(engine):
+    """Every parameter gathered once and the schedule's hooks set aside
+    (engine.generate's whole-model way), for a caller that runs the
+    model's generate itself: the HF trainer's prediction_step."""
+    with _GatheredForGeneration(list(engine.module.parameters())), \
+            _suspended(engine._schedule):
+        yield
 
 
 def _takes_synced_gpus(generate_fn) -> bool:

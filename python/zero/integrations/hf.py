@@ -42,6 +42,7 @@ import torch
 from transformers import Trainer
 
 from zero.config._config import Config
+from zero.engine._generation import gathered_whole, gathers_whole
 from zero.engine._initialize import initialize
 from zero.step._registry import SPECS
 from zero.config._schedulers import SCHEDULER_TYPES, scheduler_from_config
@@ -139,13 +140,13 @@ def _check_optimizer_type(kind, optim: str) -> None:
                          "the type out of the config")
 
 
-def _synced_generation(kwargs: dict, stored: dict) -> dict:
-    """prediction_step's keyword arguments with synced_gpus=True: its
+def _synced_generation(kwargs: dict, stored: dict, synced: bool) -> dict:
+    """prediction_step's keyword arguments with synced_gpus=synced: its
     generation arguments are the ones given, else those predict() or
     evaluate() stored (Seq2SeqTrainer reads those only when none are
     given, which synced_gpus alone would be)."""
     given = {k: v for k, v in kwargs.items() if k != "ignore_keys"}
-    out = {**(given or stored), "synced_gpus": True}
+    out = {**(given or stored), "synced_gpus": synced}
     if "ignore_keys" in kwargs:
         out["ignore_keys"] = kwargs["ignore_keys"]
     return out
@@ -226,17 +227,28 @@ class ZeroTrainerMixin:
         return super().evaluation_loop(*args, **kwargs)
 
     def prediction_step(self, *args, **kwargs):
-        if self._generates_by_units() and "synced_gpus" not in kwargs:
-            kwargs = _synced_generation(kwargs, getattr(self, "_gen_kwargs", None) or {})
-        with vocabulary_parallel(self.model):
+        whole = contextlib.nullcontext()
+        if self._generates_at_stage_3() and "synced_gpus" not in kwargs:
+            # [Note: generation]: gathered whole once for the batch where the
+            # model fits (as engine.generate's "auto"), no collective until
+            # it ends; else unit by unit, every rank in step (synced_gpus)
+            by_units = not gathers_whole(self.engine)
+            if not by_units:
+                whole = gathered_whole(self.engine)
+            kwargs = _synced_generation(kwargs, getattr(self, "_gen_kwargs", None) or {},
+                                        synced=by_units)
+        with whole, vocabulary_parallel(self.model):
             return plain(super().prediction_step(*args, **kwargs))
 
-    def _generates_by_units(self) -> bool:
+    def _generates_at_stage_3(self) -> bool:
         """Seq2SeqTrainer's predict_with_generate at stage 3 over several
-        ranks: each generated token's forward gathers with collectives, so
-        a rank whose batch ended first stopped gathering while the others
-        went on, and gloo aborted. transformers turns synced_gpus on for
-        DeepSpeed's ZeRO-3 and FSDP only."""
+        ranks. Unit by unit, each generated token's forward gathers with
+        collectives, so a rank whose batch ended first stopped gathering
+        while the others went on, and gloo aborted; with synced_gpus (which
+        HF turns on by itself under the stage-3 marks) a cacheless
+        generation failed on a size mismatch in HF's synced loop. Gathered
+        whole, neither arises, and the model is gathered once a batch
+        instead of once a token."""
         engine = self.engine
         return getattr(self.args, "predict_with_generate", False) and engine is not None and \
             not engine._closed and engine._schedule is not None and \
