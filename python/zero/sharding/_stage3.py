@@ -244,7 +244,9 @@ class Stage3Schedule(UnitGathering, SavedParameters, PassOrder):
                 "pass, so they ran different modules (rank-dependent control flow inside the "
                 "model). Each module's gather is a collective: every rank must run the same "
                 "modules in the same order (a mixture of experts: name its block in "
-                "stage3_leaf_modules). The values of this pass are not to be trusted.")
+                "stage3_leaf_modules; LayerDrop drawn per rank, as BART's, OPT's or "
+                "Whisper's encoder_layerdrop/decoder_layerdrop: set it to 0). The values of "
+                "this pass are not to be trusted.")
 
     # ---- hooks ------------------------------------------------------------------
 
