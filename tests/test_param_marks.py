@@ -84,3 +84,65 @@ def test_persistent_units_say_available_and_stage_2_has_no_ds_attributes():
     engine = zero.initialize(model, optimizer=torch.optim.AdamW(model.parameters()), stage=2)
     assert not any(hasattr(p, "ds_id") for p in model.parameters())  # as DeepSpeed's
     engine.close()
+
+
+class StatefulParameter(nn.Parameter):
+    """A Parameter subclass with state of its own, copied through its own
+    __getstate__/__setstate__ (as quantized parameters of some libraries)."""
+
+    def __new__(cls, data, requires_grad=True, scale=1.0):
+        self = torch.Tensor._make_subclass(cls, data, requires_grad)
+        self.scale = scale
+        return self
+
+    def __getstate__(self):
+        return {**self.__dict__, "data": self.data, "requires_grad": self.requires_grad}
+
+    def __setstate__(self, state):
+        self.requires_grad = state["requires_grad"]
+        self.scale = state["scale"]
+        self.data = state["data"]
+
+    def __copy__(self):
+        new = type(self).__new__(type(self), self.data, self.requires_grad)
+        new.__setstate__(self.__getstate__())
+        return new
+
+
+@pytest.mark.parametrize("stage", [0, 2, 3])
+def test_a_parameter_class_with_its_own_state_copies_as_before_and_after(stage):
+    """The marks' __getstate__ defers to the class's and only leaves the
+    marks out; close() takes it off with the last mark."""
+    model = two_layers()
+    model[0].weight = StatefulParameter(model[0].weight.detach().clone(), stage == 0, 2.0)
+    engine = zero.initialize(model, optimizer=torch.optim.AdamW(
+        [p for p in model.parameters() if p.requires_grad]), stage=stage)
+    with zero.GatheredParameters(list(model.parameters())):
+        expected = model[0].weight.detach().clone()
+        copied = copy.copy(model[0].weight)
+        assert type(copied) is StatefulParameter and copied.scale == 2.0
+        assert torch.equal(copied, expected)
+        assert not any(k.startswith(("_zero_", "ds_")) or k == "__getstate__"
+                       for k in vars(copied))
+    engine.close()
+    assert sorted(vars(model[0].weight)) == ["scale"]  # nothing of the engine's left
+    assert copy.copy(model[0].weight).scale == 2.0
+
+
+def test_ds_status_equals_deepspeeds_own_enum():
+    """A script that kept DeepSpeed's import of ZeroParamStatus (DeepSpeed
+    installed beside zero) compares with that enum's members."""
+    import enum
+
+    class ZeroParamStatus(enum.Enum):  # as deepspeed.runtime.zero.partition_parameters has it
+        AVAILABLE = 1
+        NOT_AVAILABLE = 2
+        INFLIGHT = 3
+    model = two_layers()
+    engine = zero.initialize(model, optimizer=torch.optim.AdamW(model.parameters()), stage=3,
+                             stage3_param_persistence_threshold=0)
+    status = model[0].weight.ds_status
+    assert status == ZeroParamStatus.NOT_AVAILABLE and ZeroParamStatus.NOT_AVAILABLE == status
+    assert status != ZeroParamStatus.AVAILABLE and not (status != ZeroParamStatus.NOT_AVAILABLE)
+    assert status in {ZeroParamStatus.NOT_AVAILABLE: 0}  # hashed alike
+    engine.close()

@@ -8,7 +8,7 @@ import torch
 from zero.engine._carried_counts import leave_counts
 from zero.offload._mapped import MappedFile, release_freed_memory
 from zero.sharding._ds_attributes import unmark_partitioned
-from zero.sharding._param_marks import DEEPSPEED_MARKS, mark
+from zero.sharding._param_marks import DEEPSPEED_MARKS, mark, unmark
 from zero.step._resumed_states import give_back_optimizer_states
 
 # gathered bytes close() lets go between two trims of the heap (restore_params)
@@ -38,8 +38,12 @@ def hand_back(engine):
         resume()
     for fg in engine.all_groups:
         for p in fg.params:
-            p.__dict__.pop("_zero_place", None)
+            unmark(p, "_zero_place")
     unmark_partitioned(engine.all_groups)
+    for p in engine.module.parameters():  # frozen ones a stage 0-2 engine kept whole
+        held = p.__dict__.get("_zero_held_whole")
+        if held is not None and held() in (engine, None):
+            unmark(p, "_zero_held_whole")
     for fg in engine.all_groups:
         if fg.offload is not None:  # its windows and descriptors
             fg.offload.close()
@@ -119,9 +123,8 @@ def forget_dropped(hooks, groups, unplace, schedule=None):
                     continue
                 if schedule is not None and not place.unit.gathered and p.numel() == 0:
                     mark(p, "_zero_lost", True)  # the next initialize says so by name
-                del p.__dict__["_zero_place"]
-                for name in DEEPSPEED_MARKS:
-                    p.__dict__.pop(name, None)
+                for name in ("_zero_place", *DEEPSPEED_MARKS):
+                    unmark(p, name)
     if schedule is not None:
         schedule.remove()
         schedule.pool = None

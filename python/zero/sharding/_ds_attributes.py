@@ -27,10 +27,21 @@ from zero.sharding._param_marks import DEEPSPEED_MARKS, mark, unmark
 
 
 class ZeroParamStatus(enum.Enum):
-    """DeepSpeed's names and values (deepspeed.runtime.zero.partition_parameters)."""
+    """DeepSpeed's names and values (deepspeed.runtime.zero.partition_parameters).
+    A member equals DeepSpeed's own member of the same name too: a script
+    ported by its `import deepspeed` line alone, on a machine where
+    DeepSpeed is installed, still compares p.ds_status with DeepSpeed's
+    enum (DeepSpeed-Chat's save then found nothing to gather)."""
     AVAILABLE = 1
     NOT_AVAILABLE = 2
     INFLIGHT = 3
+
+    def __eq__(self, other):
+        return self is other or (type(other).__name__ == "ZeroParamStatus" and
+                                 isinstance(other, enum.Enum) and other.name == self.name)
+
+    def __hash__(self):
+        return hash(self.name)
 
 
 AVAILABLE, NOT_AVAILABLE = ZeroParamStatus.AVAILABLE, ZeroParamStatus.NOT_AVAILABLE

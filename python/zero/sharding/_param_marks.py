@@ -34,7 +34,12 @@ def mark(param, name: str, value) -> None:
 
 
 def unmark(param, name: str) -> None:
-    param.__dict__.pop(name, None)
+    """Take mark `name` off; with the last one, the __getstate__ too."""
+    state = param.__dict__
+    state.pop(name, None)
+    if isinstance(state.get("__getstate__"), _StateWithoutMarks) and \
+            not any(is_mark(k) for k in state if k != "__getstate__"):
+        del state["__getstate__"]
 
 
 def is_mark(name: str) -> bool:
@@ -42,8 +47,9 @@ def is_mark(name: str) -> bool:
 
 
 class _StateWithoutMarks:
-    """A marked parameter's __getstate__: its attributes but the marks
-    (None when nothing is left, as torch's own for a bare Parameter)."""
+    """A marked parameter's __getstate__: what its class's __getstate__
+    gives (object's: the __dict__; a Parameter subclass may have its own,
+    with its own __setstate__), less the marks."""
     __slots__ = ("_param",)
 
     def __init__(self, param):
@@ -53,7 +59,12 @@ class _StateWithoutMarks:
         param = self._param()
         if param is None:
             return None
-        return {k: v for k, v in param.__dict__.items() if not is_mark(k)} or None
+        state = type(param).__getstate__(param)
+        if isinstance(state, dict):
+            return {k: v for k, v in state.items() if not is_mark(k)}
+        if isinstance(state, tuple) and len(state) == 2 and isinstance(state[0], dict):
+            return ({k: v for k, v in state[0].items() if not is_mark(k)}, state[1])
+        return state
 
     def __deepcopy__(self, memo):
         return None
