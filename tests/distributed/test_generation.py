@@ -71,3 +71,35 @@ def test_generation_with_ranks_finishing_apart():
             expected = model.generate(prompt(rank), max_new_tokens=NEW_TOKENS[rank],
                                       do_sample=False, use_cache=False)
         assert torch.equal(no_cache, expected), rank
+
+
+def tiny_lora_gpt2():
+    import peft
+    model = peft.get_peft_model(tiny_gpt2(), peft.LoraConfig(
+        r=4, target_modules=["c_attn"], fan_in_fan_out=True, lora_dropout=0.0))
+    return model.eval()
+
+
+def generate_wrapped(rank, world):
+    """A PEFT model's generate(*args, **kwargs) hands synced_gpus to HF's
+    as well: engine.generate's default reaches it through the wrapper."""
+    import zero
+    model = tiny_lora_gpt2()
+    engine = zero.initialize(model, optimizer=torch.optim.AdamW(
+        [p for p in model.parameters() if p.requires_grad]), stage=3,
+        stage3_param_persistence_threshold=0)
+    out = engine.generate(input_ids=prompt(rank), max_new_tokens=NEW_TOKENS[rank],
+                          do_sample=False, use_cache=False)
+    engine.close()
+    return out
+
+
+def test_generation_of_a_wrapped_model_with_ranks_finishing_apart():
+    pytest.importorskip("peft")
+    results = harness.run(2, generate_wrapped, timeout=180)
+    model = tiny_lora_gpt2()
+    for rank, out in enumerate(results):
+        with torch.no_grad():
+            expected = model.generate(input_ids=prompt(rank), max_new_tokens=NEW_TOKENS[rank],
+                                      do_sample=False, use_cache=False)
+        assert torch.equal(out, expected), rank

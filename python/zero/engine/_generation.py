@@ -88,7 +88,7 @@ def generate(engine, args, kwargs, generate_fn=None, gather="auto"):
                             "f(model, *args, **kwargs)")
         if units and engine._comm.everyone.world > 1:
             kwargs.setdefault("synced_gpus", True)  # each forward gathers with collectives
-        elif schedule is not None and _takes_synced_gpus(generate_fn):
+        elif schedule is not None and _takes_synced_gpus(module, generate_fn):
             # gathered whole: no collective in the loop, so ranks stop apart.
             # HF's generate would sync by itself at stage 3 on several ranks
             # (the modules carry FSDP's marks: [Note: every rank runs every
@@ -118,11 +118,27 @@ def gathered_whole(engine):
         yield
 
 
-def _takes_synced_gpus(generate_fn) -> bool:
+def _takes_synced_gpus(module, generate_fn) -> bool:
+    """Whether the model's generate takes HF's synced_gpus: named, or
+    through **kwargs of a wrapper that hands them to a HuggingFace model's
+    (PEFT's generate(*args, **kwargs), TRL's value-head models)."""
     try:
-        return "synced_gpus" in inspect.signature(generate_fn).parameters
+        params = inspect.signature(generate_fn).parameters
     except (TypeError, ValueError):  # no signature to read (a builtin)
         return False
+    if "synced_gpus" in params:
+        return True
+    return any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()) and \
+        _wraps_hf_generation(module)
+
+
+def _wraps_hf_generation(module) -> bool:
+    base = getattr(module, "get_base_model", None)  # PEFT's
+    inner = [module, base() if callable(base) else None,
+             getattr(module, "pretrained_model", None)]  # TRL's value heads
+    return any(m is not None and any(c.__name__ == "GenerationMixin" and
+                                     c.__module__.startswith("transformers")
+                                     for c in type(m).__mro__) for m in inner)
 
 
 class _GatheredForGeneration(GatheredParameters):
