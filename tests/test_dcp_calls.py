@@ -1,12 +1,14 @@
-"""torch.distributed.checkpoint's get_state_dict on an engine's model and
-optimizer: refused with what to save with instead, and the run goes on as
-if it had not been called ([Note: DCP's preparation] in
-engine/_dcp_preparation.py: DCP set every lr to 0 before the refusal, and
-a script that caught the error trained on at lr 0)."""
+"""torch.distributed.checkpoint's get_state_dict, get_optimizer_state_dict
+and set_optimizer_state_dict on an engine's model and optimizer (its own,
+or the HF Trainer's stand-in): refused with what to save or load with
+instead, and the run goes on as if they had not been called ([Note: DCP's
+preparation] in engine/_dcp_preparation.py: DCP set every lr to 0 before
+the refusal, and a script that caught the error trained on at lr 0)."""
 import pytest
 import torch
 from torch import nn
-from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, get_state_dict
+from torch.distributed.checkpoint.state_dict import (get_optimizer_state_dict, get_state_dict,
+                                                     set_optimizer_state_dict)
 
 import zero
 
@@ -26,15 +28,33 @@ def train(engine, x, y):
     engine.step()
 
 
+def load_into(model, optimizer):
+    set_optimizer_state_dict(model, optimizer, {"state": {}, "param_groups": [
+        {"lr": 0.5, "params": [0, 1]}, {"lr": 0.5, "params": [2, 3]}]})
+
+
+def trainers_optimizer(engine):
+    """What the HF Trainer's optimizer is under ZeroTrainerMixin: a
+    stand-in whose step is engine.step()."""
+    from zero.integrations.hf import _EngineOptimizer
+    return _EngineOptimizer(engine)
+
+
 @pytest.mark.parametrize("stage", [1, 2, 3])
-@pytest.mark.parametrize("call", [get_state_dict, get_optimizer_state_dict])
-def test_dcp_refusal_leaves_the_run_as_it_was(stage, call):
+@pytest.mark.parametrize("call,says", [(get_state_dict, "engine.save_checkpoint"),
+                                       (get_optimizer_state_dict, "engine.save_checkpoint"),
+                                       (load_into, "engine.load_checkpoint")])
+@pytest.mark.parametrize("optimizer", ["its own", "the Trainer's"])
+def test_dcp_refusal_leaves_the_run_as_it_was(stage, call, says, optimizer):
     engine, x, y = engine_and_batch(stage)
     twin, _, _ = engine_and_batch(stage)
     train(engine, x, y)
     train(twin, x, y)
-    with pytest.raises(RuntimeError, match="engine.save_checkpoint"):
-        call(engine.module, engine.optimizer)
+    given = engine.optimizer if optimizer == "its own" else trainers_optimizer(engine)
+    # (stage 1 keeps .grad, so DCP skips its preparation and meets the
+    # refusal of optimizer.state_dict(), which names save_checkpoint)
+    with pytest.raises(RuntimeError, match=says if stage > 1 else "engine.save_checkpoint"):
+        call(engine.module, given)
     assert [g["lr"] for g in engine.optimizer.param_groups] == [1e-2, 3e-3]
     train(engine, x, y)  # caught, trained on: as if never called
     train(twin, x, y)

@@ -42,6 +42,7 @@ import torch
 from transformers import Trainer
 
 from zero.config._config import Config
+from zero.engine._dcp_preparation import refuse_if_dcp, undo_dcp_preparation
 from zero.engine._generation import gathered_whole, gathers_whole
 from zero.engine._initialize import initialize
 from zero.step._registry import SPECS
@@ -79,6 +80,9 @@ class _EngineOptimizer(torch.optim.Optimizer):
     def step(self, closure=None):
         if closure is not None:
             raise ValueError("the zero engine's step takes no closure")
+        dcp = undo_dcp_preparation(self)  # [Note: DCP's preparation]
+        if dcp is not None:
+            raise RuntimeError(dcp)
         self.engine.step()
         self.after_step()
 
@@ -86,10 +90,12 @@ class _EngineOptimizer(torch.optim.Optimizer):
         self.engine.zero_grad(set_to_none)
 
     def state_dict(self):
+        refuse_if_dcp("state_dict")  # [Note: DCP's preparation]
         groups = [{k: v for k, v in g.items() if k != "params"} for g in self.param_groups]
         return {"state": {}, "param_groups": groups}
 
     def load_state_dict(self, state_dict):
+        refuse_if_dcp("load_state_dict")
         groups = state_dict["param_groups"]
         if len(groups) != len(self.param_groups):
             raise ValueError(f"state_dict has {len(groups)} param groups, the optimizer "
