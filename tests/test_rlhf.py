@@ -118,7 +118,8 @@ def test_the_three_steps_on_two_ranks(tmp_path):
 
 def test_ema_averages_the_actors_weights(monkeypatch):
     """PPOSettings(ema=d): after each iteration ema = d ema + (1 - d) weights,
-    starting from the first iteration's weights."""
+    starting from the weights before PPO's first update (DeepSpeed-Chat's
+    EMA copy of the actor starts there)."""
     import zero
     from zero.rlhf import PPOSettings, PPOTrainer, ScalarHeadModel
     no_launcher(monkeypatch)
@@ -136,14 +137,18 @@ def test_ema_averages_the_actors_weights(monkeypatch):
     ppo = PPOTrainer(actor, critic, reference, reward,
                      PPOSettings(response_length=example.RESPONSE, ema=0.75))
     prompts = example.Task(seed=3).prompts(8)
+    before = actor.full_state_dict()
     ppo.step(prompts)
     first = actor.full_state_dict()
-    assert all(torch.equal(ppo.ema_state[k], v) for k, v in first.items())
+    expected = {k: 0.75 * v + 0.25 * first[k] for k, v in before.items()}
+    for key, value in expected.items():
+        assert torch.allclose(ppo.ema_state[key], value, atol=1e-7), key
     ppo.step(prompts)
     second = actor.full_state_dict()
     moved = 0.0
     for key, value in second.items():
-        assert torch.allclose(ppo.ema_state[key], 0.75 * first[key] + 0.25 * value, atol=1e-7)
+        assert torch.allclose(ppo.ema_state[key], 0.75 * expected[key] + 0.25 * value,
+                              atol=1e-7), key
         moved += float((value - first[key]).abs().sum())
     assert moved > 0  # the actor trained in between
     for engine in (actor, critic, reference, reward):

@@ -56,10 +56,20 @@ def gae(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: 
     return advantages, advantages + values
 
 
-def whiten(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    mean = masked_mean(x, mask)
-    var = masked_mean((x - mean) ** 2, mask)
-    return (x - mean) * torch.rsqrt(var + 1e-8) * mask
+def whiten(x: torch.Tensor, mask: torch.Tensor, sum_over_ranks=None) -> torch.Tensor:
+    """x's masked elements made mean 0 and variance 1 (population). With
+    sum_over_ranks (an in-place sum of a tensor over the data-parallel
+    ranks) the mean and variance are those of every rank's batch together,
+    so an iteration on N ranks is the one on their batches as one."""
+    totals = torch.stack([(x * mask).sum(), mask.sum()])
+    if sum_over_ranks is not None:
+        sum_over_ranks(totals)
+    count = totals[1].clamp(min=1)
+    mean = totals[0] / count
+    squares = (((x - mean) ** 2) * mask).sum().reshape(1)
+    if sum_over_ranks is not None:
+        sum_over_ranks(squares)
+    return (x - mean) * torch.rsqrt(squares[0] / count + 1e-8) * mask
 
 
 def policy_loss(logprobs, old_logprobs, advantages, mask, clip: float) -> torch.Tensor:

@@ -17,7 +17,10 @@ actor is gathered once per generation, not once per token.
    states before each of them, the reward model's score of the whole
    sequence; the per-token reward is -kl_coef (log p_actor - log p_ref),
    with the score (clipped to +-clip_reward) added at the last token;
-   advantages by GAE (gamma, lam), whitened over the batch;
+   advantages by GAE (gamma, lam), whitened over the batch of every
+   data-parallel rank together (before, each rank's own: an iteration on
+   2 ranks was not the one on their batches as one, its actor 0.4-0.6
+   relative apart after an iteration);
 3. training, ppo_epochs times over the batch (in
    gradient_accumulation_steps micro-batches per engine): the actor on the
    clipped policy loss, the critic on the clipped value loss;
@@ -94,6 +97,12 @@ class PPOTrainer:
         self.pad_token_id, self.eos_token_id = pad_token_id, eos_token_id
         self.ema_state = None
 
+    def _sum_over_ranks(self, tensor):
+        """tensor summed in place over the actor engine's ranks (its
+        group; a tensor-parallel rank's copy of the batch counts in both
+        sums of a mean alike, so it changes no mean or variance)."""
+        self.actor._comm.everyone.all_reduce_sum(tensor)
+
     # ---- 1. generation -----------------------------------------------------------
 
     def generate(self, prompts, attention_mask=None) -> tuple:
@@ -142,7 +151,7 @@ class PPOTrainer:
         rewards[torch.arange(len(last)), last] += scores.clamp(-s.clip_reward, s.clip_reward)
         advantages, returns = gae(rewards, values, action_mask, s.gamma, s.lam)
         if s.whiten_advantages:
-            advantages = whiten(advantages, action_mask)
+            advantages = whiten(advantages, action_mask, self._sum_over_ranks)
         return {"sequences": sequences, "attention_mask": mask, "prompt_length": p,
                 "logprobs": logprobs, "values": values, "advantages": advantages,
                 "returns": returns, "action_mask": action_mask, "scores": scores,
@@ -154,6 +163,12 @@ class PPOTrainer:
 
     def train(self, experience: dict) -> dict:
         start = time.perf_counter()
+        if self.settings.ema is not None and self.ema_state is None:
+            # the average starts from the weights before PPO's first update,
+            # as DeepSpeed-Chat's EMA copy of the actor does (it started from
+            # those after the first iteration's)
+            self.ema_state = {k: v.detach().float().clone()
+                              for k, v in self.actor.full_state_dict().items()}
         actor_losses, critic_losses = [], []
         for _ in range(self.settings.ppo_epochs):
             actor_losses += self._epoch(self.actor, experience, self._actor_loss)
@@ -197,9 +212,6 @@ class PPOTrainer:
     def _update_ema(self):
         decay = self.settings.ema
         state = self.actor.full_state_dict()
-        if self.ema_state is None:
-            self.ema_state = {k: v.detach().float().clone() for k, v in state.items()}
-            return
         for key, value in state.items():
             self.ema_state[key].mul_(decay).add_(value.float(), alpha=1 - decay)
 
