@@ -234,3 +234,47 @@ def test_ppo_settings_are_checked_by_name(setting, value):
     from zero.rlhf import PPOSettings
     with pytest.raises(ValueError, match=f"PPOSettings.{setting} must be"):
         PPOSettings(**{"response_length": 2, setting: value})
+
+
+def test_a_left_padded_prompt_scores_as_it_does_alone(monkeypatch):
+    """With a left-padded prompt (its attention mask 0 on the pads) the
+    actor's and reference's log-probabilities, the critic's values and the
+    reward model's score of a row are those of the row without its pads,
+    as HuggingFace's generate sampled it (it counts positions over the
+    mask): scored at other positions, a padded row's log-probabilities were
+    0.3 nats off, and the policy ratio was not the sampling policy's."""
+    import copy
+
+    import zero
+    from zero.rlhf import PPOSettings, PPOTrainer, ScalarHeadModel
+    no_launcher(monkeypatch)
+    example = load_example("rlhf_example_padding")
+    torch.manual_seed(0)
+    actor_model = example.tiny_gpt2()
+    reference = zero.inference(copy.deepcopy(actor_model), stage=3)
+    reward = zero.inference(ScalarHeadModel.from_causal_lm(example.tiny_gpt2()), stage=3)
+    critic_model = ScalarHeadModel.from_causal_lm(example.tiny_gpt2())
+    actor = zero.initialize(actor_model, optimizer=torch.optim.SGD(actor_model.parameters(),
+                                                                   lr=0.1), stage=3)
+    critic = zero.initialize(critic_model, optimizer=torch.optim.SGD(
+        critic_model.parameters(), lr=0.1), stage=3)
+    ppo = PPOTrainer(actor, critic, reference, reward,
+                     PPOSettings(response_length=example.RESPONSE), pad_token_id=example.PAD)
+    prompts = example.Task(seed=3).prompts(2)
+    padded = prompts.clone()
+    padded[0, :2] = example.PAD  # row 0: a prompt two tokens shorter, padded on the left
+    mask = torch.ones_like(padded)
+    mask[0, :2] = 0
+    torch.manual_seed(1)
+    both = ppo.make_experience(padded, mask)
+    alone_prompt = both["sequences"][:1, 2:example.PROMPT]
+    response = both["sequences"][:1, example.PROMPT:]
+    # row 0 again without its pads, scored on the same response
+    monkeypatch.setattr(ppo, "generate", lambda prompts, attention_mask=None: (
+        torch.cat([alone_prompt, response], 1), torch.ones(1, alone_prompt.shape[1] +
+                                                           response.shape[1], dtype=torch.long)))
+    alone = ppo.make_experience(alone_prompt)
+    for key in ("logprobs", "values", "scores"):
+        assert torch.allclose(both[key][0], alone[key][0], atol=1e-5), key
+    for engine in (actor, critic, reference, reward):
+        engine.close()

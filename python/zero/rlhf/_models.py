@@ -7,6 +7,8 @@ The reward model scores a whole sequence by its last real token's number
 position's number as the value of the state before the next token."""
 from __future__ import annotations
 
+import inspect
+
 import torch
 from torch import nn
 
@@ -37,9 +39,24 @@ class ScalarHeadModel(nn.Module):
                              "LlamaForCausalLM, ...)")
         return cls(backbone, lm.config.hidden_size)
 
-    def forward(self, input_ids, attention_mask=None):
-        hidden = self.backbone(input_ids=input_ids, attention_mask=attention_mask)[0]
+    def forward(self, input_ids, attention_mask=None, position_ids=None):
+        extra = {} if position_ids is None else {"position_ids": position_ids}
+        hidden = self.backbone(input_ids=input_ids, attention_mask=attention_mask, **extra)[0]
         return self.head(hidden).squeeze(-1).float()
+
+
+def takes_position_ids(model) -> bool:
+    """Whether model's forward takes position_ids (HuggingFace's models
+    do; a ScalarHeadModel does when its backbone does)."""
+    if isinstance(model, ScalarHeadModel):
+        model = model.backbone
+    base = getattr(model, "get_base_model", None)  # PEFT's: its forward passes them on
+    if callable(base):
+        model = base()
+    try:
+        return "position_ids" in inspect.signature(model.forward).parameters
+    except (TypeError, ValueError, AttributeError):
+        return False
 
 
 def last_token_index(attention_mask: torch.Tensor) -> torch.Tensor:
