@@ -269,8 +269,16 @@ static int grad_arrived(GradBuckets *self, PyObject *owner, int64_t i,
     }
     int error = 0;
     if (grad == Py_None) {
-        PyErr_SetString(PyExc_RuntimeError,
-                        "a parameter's gradient hook ran without a gradient");
+        /* torch ran the engine's post-accumulate hook with .grad None: a
+           hook registered before it (the script's) dropped the gradient,
+           as an optimizer stepped inside backward does */
+        PyErr_Format(PyExc_RuntimeError,
+                     "the engine's gradient hook of parameter %lld of its group found "
+                     ".grad None: a post-accumulate-grad hook registered before "
+                     "zero.initialize set it to None (an optimizer stepped in backward "
+                     "does). At stages 2-3 the engine takes each gradient in its own hook "
+                     "and steps the parameters itself: remove that hook, or use stage 0-1",
+                     (long long)i);
         error = -1;
     }
     const char *data = NULL;

@@ -60,6 +60,18 @@ def test_world_one_matches_torch_with_plain_backward(stage):
     engine.close()
 
 
+def step_and_match_torch(engine, ref, opt, x):
+    """engine.step() beside torch's step on x's loss: the weights agree
+    (then the engine closes)."""
+    engine.step()
+    ref(x).square().mean().backward()
+    opt.step()
+    full = engine.full_state_dict()
+    for k, v in ref.state_dict().items():
+        assert max_rel_error(full[k], v) <= 1e-5, k
+    engine.close()
+
+
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_gradients_set_by_hand_are_taken_or_refused(stage):
     """torch.autograd.grad, then p.grad = g, then step: stages 0-1 take
@@ -84,13 +96,34 @@ def test_gradients_set_by_hand_are_taken_or_refused(stage):
         assert all(torch.equal(before[k], after[k]) for k in before)
         engine.zero_grad()
         engine.backward(engine(x).square().mean())  # backward, as the error says
-    engine.step()
-    ref(x).square().mean().backward()
-    opt.step()
-    full = engine.full_state_dict()
-    for k, v in ref.state_dict().items():
-        assert max_rel_error(full[k], v) <= 1e-5, k
-    engine.close()
+    step_and_match_torch(engine, ref, opt, x)
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_a_frozen_parameters_gradient_set_by_hand_is_refused(stage):
+    """A parameter that does not require grad, in the optimizer, given a
+    .grad by hand: torch.optim steps it; the engine trains only what
+    required grad at initialize, and dropped the gradient silently at every
+    stage. Refused by name, nothing changed; without the .grad the step is
+    torch's."""
+    m, ref = model(), model()
+    for net in (m, ref):
+        net[0].weight.requires_grad_(False)
+    engine = zero.initialize(m, optimizer=torch.optim.SGD(m.parameters(), lr=0.1), stage=stage,
+                             stage3_param_persistence_threshold=0)
+    opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    x = torch.randn(4, 6, generator=torch.Generator().manual_seed(1))
+    engine.backward(engine(x).square().mean())
+    before = engine.full_state_dict()
+    if stage < 3:  # (a released placeholder refuses a .grad of the weight's shape itself)
+        m[0].weight.grad = torch.ones(m[0].weight.shape)
+        with pytest.raises(RuntimeError, match="parameter '0.weight' does not require grad but "
+                                               "has a .grad set by hand"):
+            engine.step()
+        after = engine.full_state_dict()
+        assert all(torch.equal(before[k], after[k]) for k in before)
+        m[0].weight.grad = None  # as the error says
+    step_and_match_torch(engine, ref, opt, x)
 
 
 @pytest.mark.parametrize("stage, options", [
@@ -1341,3 +1374,38 @@ def test_moving_or_casting_the_engine_is_refused_before_anything_changes(stage, 
     assert all(torch.equal(ours[k], theirs[k]) for k in theirs)
     engine.close()
     twin.close()
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+@pytest.mark.parametrize("when", ["before", "after", "never"])
+def test_a_scripts_post_accumulate_hook_is_named_once_at_stages_2_3(stage, when):
+    """[Note: the script's post-accumulate hooks]: at stages 2-3 such a hook
+    sees .grad None (registered after initialize) or one backward's part
+    (before); the engine names it once, at initialize or the first step.
+    Stages 0-1 keep .grad as torch does, and say nothing."""
+    import warnings
+    m = model()
+    seen = []
+
+    def hook(p):
+        seen.append(p.grad is None)
+    if when == "before":
+        m[0].weight.register_post_accumulate_grad_hook(hook)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        engine = zero.initialize(m, optimizer=torch.optim.SGD(m.parameters(), lr=0.1),
+                                 stage=stage, stage3_param_persistence_threshold=0)
+        if when == "after":
+            m[0].weight.register_post_accumulate_grad_hook(hook)
+        for seed in range(3):
+            x = torch.randn(4, 6, generator=torch.Generator().manual_seed(seed))
+            engine.backward(engine(x).square().mean())
+            engine.step()
+    named = [w for w in caught if "post-accumulate-grad hook of the script's" in str(w.message)]
+    expected = 1 if stage >= 2 and when != "never" else 0
+    assert len(named) == expected, [str(w.message) for w in caught]
+    if expected:
+        assert "parameter '0.weight'" in str(named[0].message)
+        assert named[0].filename == __file__  # the script's line, not zero's
+    assert seen == ([stage >= 2 and when == "after"] * 3 if when != "never" else [])
+    engine.close()

@@ -36,9 +36,10 @@ from zero.engine._handback import forget_dropped, hand_back, record_dtypes
 from zero.engine._reports import EngineReports
 from zero.engine._module_attributes import ModuleAttributes
 from zero.engine._not_copied import NotCopied
+from zero.engine._script_grad_hooks import warn_of_script_post_accumulate_hooks
 from zero.engine._routes import (call_alive, guard_optimizer, mark_every_rank_runs_every_layer,
                                  on_each_grad)
-from zero.engine._unchanged import group_members
+from zero.engine._unchanged import frozen_in_optimizer, group_members
 from zero.sharding._copying import ModuleHook
 from zero.sharding._external import remember_external
 from zero.sharding._flat_group import FlatGroup
@@ -247,6 +248,7 @@ class Engine(BoundaryStep, DeepSpeedQueries, BatchCalls, CheckpointCalls, Engine
                                             self._backward, self._unit_roots)
         self._param_groups_seen = len(optimizer.param_groups)
         self._group_members_seen = group_members(optimizer.param_groups)  # _unchanged.py
+        self._frozen_in_optimizer = frozen_in_optimizer(optimizer.param_groups, module)
         self._params_at_initialize = frozenset(map(id, module.parameters()))
         me = weakref.ref(self)
         for fg in self.all_groups:
@@ -266,6 +268,9 @@ class Engine(BoundaryStep, DeepSpeedQueries, BatchCalls, CheckpointCalls, Engine
                 fg.reducer.on_backward_began = self._backward.begin
                 for i, p in enumerate(fg.params):
                     self._hooks.append(p.register_post_accumulate_grad_hook(fg.reducer.hook(i)))
+            # [Note: the script's post-accumulate hooks]
+            self._script_hooks_named = self._script_hooks_checked = False
+            warn_of_script_post_accumulate_hooks(self)
             if self._schedule is None:
                 self._hook_root_for_backward()
         dropped = weakref.finalize(self, forget_dropped, self._hooks, self.all_groups,

@@ -21,6 +21,8 @@ from functools import partial
 from itertools import chain
 from operator import attrgetter, is_not
 
+from zero.engine._script_grad_hooks import warn_of_script_post_accumulate_hooks
+
 _REQUIRES_GRAD, _GRAD = attrgetter("requires_grad"), attrgetter("grad")
 _CHILDREN, _PARAMETERS = attrgetter("_modules"), attrgetter("_parameters")
 _IS_SET = partial(is_not, None)
@@ -37,6 +39,11 @@ def check_optimizer_unchanged(engine):
     _check_group_members(engine, groups)
     if engine.policy.reduces_in_backward:
         _check_no_grads_set_by_hand(engine)
+    if engine._frozen_in_optimizer:
+        _check_frozen_without_grads(engine._frozen_in_optimizer)
+    if engine.policy.reduces_in_backward and not engine._script_hooks_checked:
+        engine._script_hooks_checked = True  # at the first step only: a walk of every parameter
+        warn_of_script_post_accumulate_hooks(engine)
     for fg in engine.groups:
         missing = set(engine._spec.states(groups[fg.index])) - set(fg.states)
         if missing:
@@ -50,6 +57,28 @@ def check_optimizer_unchanged(engine):
     _check_every_parameter(engine)
     modules = list(engine.module.modules())
     engine._unchanged_snapshot = (modules, _describe(modules))
+
+
+def frozen_in_optimizer(param_groups, module) -> list:
+    """(name, parameter) of each parameter that does not require grad in
+    the optimizer's groups (usually none: scripts pass the trainable ones)."""
+    names = {id(p): name for name, p in module.named_parameters()}
+    return [(names.get(id(p), "?"), p) for group in param_groups for p in group["params"]
+            if not p.requires_grad]
+
+
+def _check_frozen_without_grads(frozen):
+    """A frozen parameter in the optimizer with a .grad set by hand: torch.optim
+    steps any parameter with a .grad, the engine only those that required grad
+    at initialize, so the step dropped the gradient silently, at every stage."""
+    for name, p in frozen:
+        if p.grad is not None and not p.requires_grad:
+            raise RuntimeError(
+                f"parameter '{name}' does not require grad but has a .grad set by hand "
+                "(p.grad = ...): torch.optim would step it with that gradient; the engine "
+                "trains only the parameters that required grad at zero.initialize, so the "
+                "step would ignore it. Set requires_grad=True before zero.initialize (it "
+                "then takes its gradient from backward), or leave its .grad None")
 
 
 def group_members(param_groups) -> list:
