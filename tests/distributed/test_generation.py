@@ -103,3 +103,62 @@ def test_generation_of_a_wrapped_model_with_ranks_finishing_apart():
             expected = model.generate(input_ids=prompt(rank), max_new_tokens=NEW_TOKENS[rank],
                                       do_sample=False, use_cache=False)
         assert torch.equal(out, expected), rank
+
+
+def tiny_draft():
+    torch.manual_seed(5)  # other weights than the main model's
+    from transformers import GPT2Config, GPT2LMHeadModel
+    return GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=4, vocab_size=64,
+                                      n_positions=32, eos_token_id=None, bos_token_id=None,
+                                      pad_token_id=0)).eval()
+
+
+def generate_assisted(rank, world):
+    """Assisted decoding with a stage-3 draft model (a zero.inference
+    engine, given as it is): gathered whole beside the main model, so
+    ranks stop apart (its forwards gathered with collectives, and its own
+    inner generate synced by itself: the longer rank waited for good)."""
+    import zero
+    model = tiny_gpt2()
+    engine = zero.initialize(model, optimizer=torch.optim.AdamW(model.parameters()), stage=3,
+                             stage3_param_persistence_threshold=0)
+    draft = zero.inference(tiny_draft(), stage=3, stage3_param_persistence_threshold=0)
+    out = engine.generate(prompt(rank)[:1], max_new_tokens=NEW_TOKENS[rank], do_sample=False,
+                          assistant_model=draft)  # (HF assists a batch of one)
+    draft.close()
+    engine.close()
+    return out
+
+
+def test_assisted_generation_with_a_stage_3_draft_and_ranks_finishing_apart():
+    results = harness.run(2, generate_assisted, timeout=180)
+    model, draft = tiny_gpt2(), tiny_draft()
+    for rank, out in enumerate(results):
+        with torch.no_grad():
+            expected = model.generate(prompt(rank)[:1], max_new_tokens=NEW_TOKENS[rank],
+                                      do_sample=False, assistant_model=draft)
+        assert torch.equal(out, expected), rank
+
+
+def generate_other_ways(rank, world):
+    import zero
+    model = tiny_gpt2()
+    engine = zero.initialize(model, optimizer=torch.optim.AdamW(model.parameters()), stage=3,
+                             stage3_param_persistence_threshold=0, timeout=60)
+    try:
+        engine.generate(prompt(rank), max_new_tokens=3, do_sample=False,
+                        gather=["whole", "units"][rank])
+    except RuntimeError as error:
+        return str(error)
+    finally:
+        engine.close()
+    return None
+
+
+def test_ranks_that_generate_other_ways_are_refused_together():
+    """gather= differing between ranks paired one's whole-model gather with
+    the other's unit gathers (a wait for the timeout): refused on every
+    rank by the call's agreement, which names it."""
+    for rank, error in enumerate(harness.run(2, generate_other_ways, timeout=120)):
+        assert error is not None and "not in the same engine call" in error, rank
+        assert f"gather={['whole', 'units'][rank]!r}" in error, error

@@ -79,7 +79,8 @@ def generate(engine, args, kwargs, generate_fn=None, gather="auto"):
     units = schedule is not None and (gather == "units" or
                                       gather == "auto" and not _whole_fits_everywhere(engine))
     if schedule is not None and gather != "auto" and engine._comm.everyone.world > 1:
-        _agree_on_generate(engine, False)
+        _agree_on_generate(engine, False, gather)
+    assistant = _assistant_engine(kwargs)
     if generate_fn is None:
         generate_fn = getattr(type(module), "generate", None)
         if generate_fn is None:
@@ -98,8 +99,29 @@ def generate(engine, args, kwargs, generate_fn=None, gather="auto"):
     with torch.no_grad():
         if schedule is None or units:  # gathered for good (stages 0-2), or by the hooks
             return generate_fn(module, *args, **kwargs)
-        with gathered_whole(engine):
+        # a stage-3 assistant (assisted decoding's draft model) gathered whole
+        # too: its forwards gathered with collectives, and ranks that stopped
+        # apart ran different numbers of them (the longer waited for good)
+        with gathered_whole(engine), \
+                (gathered_whole(assistant) if assistant is not None else contextlib.nullcontext()):
             return generate_fn(module, *args, **kwargs)
+
+
+def _assistant_engine(kwargs):
+    """HF's assisted decoding takes a draft model as `assistant_model`: an
+    engine given there becomes its model (HF reads the model's config);
+    returns the stage-3 engine that partitions the draft, if any."""
+    assistant = kwargs.get("assistant_model")
+    if assistant is None:
+        return None
+    owner = None
+    if hasattr(assistant, "_schedule") and isinstance(getattr(assistant, "module", None),
+                                                      torch.nn.Module):
+        owner, kwargs["assistant_model"] = assistant, assistant.module
+    elif isinstance(assistant, torch.nn.Module):
+        place = next((p.__dict__.get("_zero_place") for p in assistant.parameters()), None)
+        owner = place.engine() if place is not None else None
+    return owner if owner is not None and owner._schedule is not None else None
 
 
 def gathers_whole(engine) -> bool:
@@ -152,16 +174,17 @@ class _GatheredForGeneration(GatheredParameters):
 def _whole_fits_everywhere(engine) -> bool:
     """whole_fits on every rank (they must all gather the same way)."""
     fits = whole_fits(engine)
-    return _agree_on_generate(engine, not fits) == 0 and fits
+    return _agree_on_generate(engine, not fits, "auto") == 0 and fits
 
 
-def _agree_on_generate(engine, refused: bool) -> int:
+def _agree_on_generate(engine, refused: bool, gather: str) -> int:
     """At stage 3 generation gathers with collectives: a generate() on some
     ranks only (rank 0 alone, after training) met the others' next call
     and aborted in gloo or waited out the timeout. Agreed first, as every
     collective engine call is ([Note: writes agreed]); how many other
     ranks refused (here: lack the memory to gather the whole model)."""
-    return agree_on_call(engine._comm.everyone, engine.call_text("generate()"), refused)
+    return agree_on_call(engine._comm.everyone, engine.call_text(f"generate(gather={gather!r})"),
+                         refused)
 
 
 @contextlib.contextmanager

@@ -162,15 +162,26 @@ def on_each_grad(engine, fg, body):
 # before) is left alone. A copy or pickle of the model (an EMA twin, a
 # torch.save) is a plain model and carries False: as True it made the
 # copy's generate() alone on one rank wait in a collective for the others.
+# While the model is gathered whole (engine.generate's way: the schedule
+# suspended, no collective in a forward) the marks read False too: HF's
+# generate synced the ranks by itself there, including an assisted
+# decoding's draft model's inner generate, which no synced_gpus=False of
+# the caller reaches (the longer rank then waited in its all-reduce).
 _IN_STEP_MARKS = ("_is_fsdp_managed_module", "_fsdp_use_orig_params")
 
 
 class _WhileTrained:
-    """True on the engine's own modules; False in a copy or a pickle."""
-    __slots__ = ()
+    """True on the engine's own modules while its forwards gather with
+    collectives; False while it is gathered whole, and in a copy or a
+    pickle."""
+    __slots__ = ("_schedule",)
+
+    def __init__(self, schedule):
+        self._schedule = weakref.ref(schedule)
 
     def __bool__(self):
-        return True
+        schedule = self._schedule()
+        return schedule is not None and not schedule.suspended
 
     def __copy__(self):
         return False
@@ -182,12 +193,10 @@ class _WhileTrained:
         return bool, ()
 
 
-_WHILE_TRAINED = _WhileTrained()
-
-
 def mark_every_rank_runs_every_layer(engine):
+    mark = _WhileTrained(engine._schedule)
     for module in engine.module.modules():
         for name in _IN_STEP_MARKS:
             if name not in module.__dict__:
-                module.__dict__[name] = _WHILE_TRAINED
+                module.__dict__[name] = mark
                 engine._hooks.append(AttributeRemoval(module, name))
