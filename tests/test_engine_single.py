@@ -118,7 +118,7 @@ def test_a_frozen_parameters_gradient_set_by_hand_is_refused(stage):
     if stage < 3:  # (a released placeholder refuses a .grad of the weight's shape itself)
         m[0].weight.grad = torch.ones(m[0].weight.shape)
         with pytest.raises(RuntimeError, match="parameter '0.weight' does not require grad but "
-                                               "has a .grad set by hand"):
+                                               "has a .grad \\(set by hand"):
             engine.step()
         after = engine.full_state_dict()
         assert all(torch.equal(before[k], after[k]) for k in before)

@@ -74,8 +74,8 @@ def _check_frozen_without_grads(frozen):
     for name, p in frozen:
         if p.grad is not None and not p.requires_grad:
             raise RuntimeError(
-                f"parameter '{name}' does not require grad but has a .grad set by hand "
-                "(p.grad = ...): torch.optim would step it with that gradient; the engine "
+                f"parameter '{name}' does not require grad but has a .grad (set by hand: "
+                "p.grad = ...): torch.optim would step it with that gradient; the engine "
                 "trains only the parameters that required grad at zero.initialize, so the "
                 "step would ignore it. Set requires_grad=True before zero.initialize (it "
                 "then takes its gradient from backward), or leave its .grad None")
@@ -140,10 +140,15 @@ def _describe(modules):
     return list(map(id, children)), list(map(id, params)), list(map(_REQUIRES_GRAD, params))
 
 
+def _trained_by(engine, p) -> bool:
+    place = getattr(p, "_zero_place", None)
+    return place is not None and place.engine() is engine and place.fg.trainable
+
+
 def _check_every_parameter(engine):
     for name, p in engine.module.named_parameters():
         place = getattr(p, "_zero_place", None)
-        trained = place is not None and place.engine() is engine and place.fg.trainable
+        trained = _trained_by(engine, p)
         if p.requires_grad and place is None and p.is_floating_point() and \
                 id(p) not in engine._params_at_initialize:
             raise RuntimeError(
@@ -155,6 +160,12 @@ def _check_every_parameter(engine):
                 "initialize); to load values into the parameters the engine trains, "
                 "load_state_dict without assign=True")
         if p.requires_grad and not trained and p.is_floating_point():
+            # the backward before this refused step gave them gradients no
+            # step takes: dropped, or a later step (the parameters frozen
+            # again) found them as gradients on frozen parameters
+            for q in engine.module.parameters():
+                if q.requires_grad and not _trained_by(engine, q):
+                    q.grad = None
             raise RuntimeError(
                 f"parameter '{name}' requires grad, but was frozen (or not in the model) at "
                 "zero.initialize, so the engine does not train it. Call zero.initialize "
