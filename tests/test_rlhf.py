@@ -278,3 +278,45 @@ def test_a_left_padded_prompt_scores_as_it_does_alone(monkeypatch):
         assert torch.allclose(both[key][0], alone[key][0], atol=1e-5), key
     for engine in (actor, critic, reference, reward):
         engine.close()
+
+
+@pytest.mark.parametrize("padding", ["left", "right"])
+def test_scoring_reads_the_logits_generation_sampled_from(monkeypatch, padding):
+    """The actor's log-probabilities of its sampled tokens, as scoring
+    computes them, are generate()'s own logits' (its output_logits), with
+    prompts padded either way: position ids follow HF's rule (counted over
+    the mask, a pad at 1). A right-padded prompt's first response token was
+    scored 0.011 nats off before, a left-padded one's 0.29."""
+    import zero
+    from zero.rlhf import PPOSettings, PPOTrainer, ScalarHeadModel
+    no_launcher(monkeypatch)
+    example = load_example("rlhf_example_positions")
+    torch.manual_seed(0)
+    actor_model = example.tiny_gpt2()
+    actor = zero.initialize(actor_model, optimizer=torch.optim.SGD(actor_model.parameters(),
+                                                                   lr=0.1), stage=3)
+    critic_model = ScalarHeadModel.from_causal_lm(example.tiny_gpt2())
+    critic = zero.initialize(critic_model, optimizer=torch.optim.SGD(
+        critic_model.parameters(), lr=0.1), stage=3)
+    reference = zero.inference(example.tiny_gpt2(), stage=3)
+    reward = zero.inference(ScalarHeadModel.from_causal_lm(example.tiny_gpt2()), stage=3)
+    ppo = PPOTrainer(actor, critic, reference, reward,
+                     PPOSettings(response_length=example.RESPONSE), pad_token_id=example.PAD)
+    prompts = example.Task(seed=3).prompts(2)
+    mask = torch.ones_like(prompts)
+    pads = slice(0, 2) if padding == "left" else slice(example.PROMPT - 1, example.PROMPT)
+    prompts[0, pads], mask[0, pads] = example.PAD, 0
+    out = actor.generate(input_ids=prompts, attention_mask=mask, do_sample=False,
+                         max_new_tokens=example.RESPONSE, min_new_tokens=example.RESPONSE,
+                         pad_token_id=example.PAD, output_logits=True,
+                         return_dict_in_generate=True)
+    sampled = torch.stack([torch.log_softmax(l.float(), -1) for l in out.logits], 1)
+    response = out.sequences[:, example.PROMPT:]
+    expected = sampled.gather(-1, response[..., None])[..., 0]
+    full_mask = torch.cat([mask, torch.ones_like(response)], 1)
+    monkeypatch.setattr(ppo, "generate", lambda p, attention_mask=None: (out.sequences,
+                                                                         full_mask))
+    experience = ppo.make_experience(prompts, mask)
+    assert torch.allclose(experience["logprobs"], expected, atol=1e-5)
+    for engine in (actor, critic, reference, reward):
+        engine.close()

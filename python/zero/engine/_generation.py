@@ -81,6 +81,16 @@ def generate(engine, args, kwargs, generate_fn=None, gather="auto"):
     if schedule is not None and gather != "auto" and engine._comm.everyone.world > 1:
         _agree_on_generate(engine, False, gather)
     assistant = _assistant_engine(kwargs)
+    if units and "assistant_model" in kwargs and engine._comm.everyone.world > 1:
+        # unit by unit the ranks must stay in step (synced_gpus), and
+        # HuggingFace's synced loop fails with assisted decoding on the rank
+        # that finishes first (a plain model too: max_new_tokens -1)
+        raise ValueError(
+            "engine.generate(assistant_model=...) unit by unit on several ranks: every rank "
+            "must then run as many forwards (synced_gpus), and HuggingFace's assisted "
+            "decoding fails in that loop on the rank that finishes first. Gather the model "
+            "whole (gather=\"whole\", which needs it to fit), or generate without the "
+            "assistant")
     if generate_fn is None:
         generate_fn = getattr(type(module), "generate", None)
         if generate_fn is None:
@@ -96,14 +106,15 @@ def generate(engine, args, kwargs, generate_fn=None, gather="auto"):
             # layer]): an all-reduce a token, and without a cache its synced
             # loop failed on a rank that finished first
             kwargs.setdefault("synced_gpus", False)
-    with torch.no_grad():
+    # a stage-3 assistant (assisted decoding's draft model) is gathered whole
+    # whatever the main model's way: its forwards gathered with collectives,
+    # and ranks that stopped apart ran different numbers of them (the longer
+    # waited for good, or gloo aborted on the sizes)
+    drafting = gathered_whole(assistant) if assistant is not None else contextlib.nullcontext()
+    with torch.no_grad(), drafting:
         if schedule is None or units:  # gathered for good (stages 0-2), or by the hooks
             return generate_fn(module, *args, **kwargs)
-        # a stage-3 assistant (assisted decoding's draft model) gathered whole
-        # too: its forwards gathered with collectives, and ranks that stopped
-        # apart ran different numbers of them (the longer waited for good)
-        with gathered_whole(engine), \
-                (gathered_whole(assistant) if assistant is not None else contextlib.nullcontext()):
+        with gathered_whole(engine):
             return generate_fn(module, *args, **kwargs)
 
 

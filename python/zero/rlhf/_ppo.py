@@ -99,9 +99,9 @@ class PPOTrainer:
         self.ema_state = None
 
     def _sum_over_ranks(self, tensor):
-        """tensor summed in place over the actor engine's ranks (its
-        group; a tensor-parallel rank's copy of the batch counts in both
-        sums of a mean alike, so it changes no mean or variance)."""
+        """tensor summed in place over the actor engine's data-parallel
+        ranks (its group; tensor-parallel ranks, which share a batch, are
+        not in it)."""
         self.actor._comm.everyone.all_reduce_sum(tensor)
 
     # ---- 1. generation -----------------------------------------------------------
@@ -239,7 +239,11 @@ def _inputs(model, sequences, mask) -> dict:
     GPT-2), so the ratio of the policy loss was not the sampling policy's."""
     inputs = {"input_ids": sequences, "attention_mask": mask}
     if takes_position_ids(getattr(model, "module", model)):
-        inputs["position_ids"] = (mask.long().cumsum(dim=1) - 1).clamp(min=0)
+        # HF's rule (prepare_inputs_for_generation): a pad's position is 1,
+        # which a right-padded prompt's last pad (whose logits score the
+        # first response token) was sampled at
+        positions = mask.long().cumsum(dim=1) - 1
+        inputs["position_ids"] = positions.masked_fill_(mask == 0, 1)
     return inputs
 
 
