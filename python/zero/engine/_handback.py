@@ -36,15 +36,14 @@ def hand_back(engine):
     resume = getattr(engine.optimizer, "_resume_after_engine", None)  # zero.optim's
     if resume is not None:
         resume()
-    for fg in engine.all_groups:
-        for p in fg.params:
-            unmark(p, "_zero_place")
     unmark_partitioned(engine.all_groups)
     for p in engine.module.parameters():  # frozen ones a stage 0-2 engine kept whole
         held = p.__dict__.get("_zero_held_whole")
         if held is not None and held() in (engine, None):
             unmark(p, "_zero_held_whole")
     for fg in engine.all_groups:
+        for p in fg.params:
+            unmark(p, "_zero_place")
         if fg.offload is not None:  # its windows and descriptors
             fg.offload.close()
         if fg.param_files is not None:

@@ -38,8 +38,7 @@ from dataclasses import dataclass
 import torch
 
 from zero.rlhf._losses import gae, masked_mean, policy_loss, token_logprobs, value_loss, whiten
-from zero.rlhf._models import takes_position_ids
-from zero.rlhf._models import sequence_scores
+from zero.rlhf._models import sequence_scores, takes_position_ids
 
 
 @dataclass
@@ -97,6 +96,25 @@ class PPOTrainer:
         self.settings = settings
         self.pad_token_id, self.eos_token_id = pad_token_id, eos_token_id
         self.ema_state = None
+        # which models take position ids, read once: a signature a forward
+        self._positioned = {id(m): takes_position_ids(getattr(m, "module", m))
+                            for m in (actor, critic, reference, reward)}
+
+    def _inputs(self, model, sequences, mask) -> dict:
+        """A forward's inputs over sampled sequences: the ids, the mask, and,
+        where the model takes them, position ids counted over the mask, as
+        HuggingFace's generate counts them for left-padded prompts. Without
+        them a left-padded row was scored and trained at other positions than
+        it was sampled at (its log-probabilities 0.29 nats off in a tiny
+        GPT-2), so the ratio of the policy loss was not the sampling policy's."""
+        inputs = {"input_ids": sequences, "attention_mask": mask}
+        if self._positioned[id(model)]:
+            # HF's rule (prepare_inputs_for_generation): a pad's position is 1,
+            # which a right-padded prompt's last pad (whose logits score the
+            # first response token) was sampled at
+            positions = mask.long().cumsum(dim=1) - 1
+            inputs["position_ids"] = positions.masked_fill_(mask == 0, 1)
+        return inputs
 
     def _sum_over_ranks(self, tensor):
         """tensor summed in place over the actor engine's data-parallel
@@ -139,12 +157,12 @@ class PPOTrainer:
         sequences, mask = self.generate(prompts, attention_mask)
         generated = time.perf_counter()
         p = prompts.shape[1]
-        logprobs = token_logprobs(self.actor(**_inputs(self.actor, sequences, mask)).logits,
-                                  sequences, p)
+        logprobs = token_logprobs(
+            self.actor(**self._inputs(self.actor, sequences, mask)).logits, sequences, p)
         ref_logprobs = token_logprobs(
-            self.reference(**_inputs(self.reference, sequences, mask)).logits, sequences, p)
-        values = self.critic(**_inputs(self.critic, sequences, mask))[:, p - 1:-1]
-        scores = sequence_scores(self.reward(**_inputs(self.reward, sequences, mask)), mask)
+            self.reference(**self._inputs(self.reference, sequences, mask)).logits, sequences, p)
+        values = self.critic(**self._inputs(self.critic, sequences, mask))[:, p - 1:-1]
+        scores = sequence_scores(self.reward(**self._inputs(self.reward, sequences, mask)), mask)
         action_mask = mask[:, p:].float()
         kl = (logprobs - ref_logprobs) * action_mask
         rewards = -s.kl_coef * kl
@@ -198,7 +216,7 @@ class PPOTrainer:
         return losses
 
     def _actor_loss(self, batch) -> torch.Tensor:
-        logits = self.actor(**_inputs(self.actor, batch["sequences"],
+        logits = self.actor(**self._inputs(self.actor, batch["sequences"],
                                       batch["attention_mask"])).logits
         logprobs = token_logprobs(logits, batch["sequences"], batch["prompt_length"])
         return policy_loss(logprobs, batch["logprobs"], batch["advantages"],
@@ -206,7 +224,8 @@ class PPOTrainer:
 
     def _critic_loss(self, batch) -> torch.Tensor:
         p = batch["prompt_length"]
-        values = self.critic(**_inputs(self.critic, batch["sequences"], batch["attention_mask"]))
+        values = self.critic(**self._inputs(self.critic, batch["sequences"],
+                                            batch["attention_mask"]))
         return value_loss(values[:, p - 1:-1], batch["values"], batch["returns"],
                           batch["action_mask"], self.settings.clip_value)
 
@@ -228,23 +247,6 @@ class PPOTrainer:
                      generation_s=experience["generation_s"],
                      scoring_s=experience["scoring_s"], sequences=experience["sequences"])
         return stats
-
-
-def _inputs(model, sequences, mask) -> dict:
-    """A forward's inputs over sampled sequences: the ids, the mask, and,
-    where the model takes them, position ids counted over the mask, as
-    HuggingFace's generate counts them for left-padded prompts. Without
-    them a left-padded row was scored and trained at other positions than
-    it was sampled at (its log-probabilities 0.29 nats off in a tiny
-    GPT-2), so the ratio of the policy loss was not the sampling policy's."""
-    inputs = {"input_ids": sequences, "attention_mask": mask}
-    if takes_position_ids(getattr(model, "module", model)):
-        # HF's rule (prepare_inputs_for_generation): a pad's position is 1,
-        # which a right-padded prompt's last pad (whose logits score the
-        # first response token) was sampled at
-        positions = mask.long().cumsum(dim=1) - 1
-        inputs["position_ids"] = positions.masked_fill_(mask == 0, 1)
-    return inputs
 
 
 @contextlib.contextmanager

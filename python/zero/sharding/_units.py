@@ -63,7 +63,7 @@ class Unit:
         self.active = 0                   # forwards running that need it
         self._placeholder = None
         self._spare = None                # see _take_spare
-        self.says_status = False          # params carry ds_status ([Note: DeepSpeed's parameter attributes])
+        self.says_status = False          # ds_status ([Note: DeepSpeed's parameter attributes])
 
     def chunk(self, t, r):
         return t[r * self.part:(r + 1) * self.part]
@@ -97,13 +97,14 @@ class Unit:
             views = self._views = self._attached.setdefault(self._layout, [
                 full[off:off + n].view(shape) for off, n, shape in
                 zip(self.offsets, self.numels, self.shapes)])
-        if self.says_status:
-            for p, view in zip(self.params, views):
-                p.data = view
-                p.ds_status = AVAILABLE
-            return
         for p, view in zip(self.params, views):
             p.data = view
+        if self.says_status:
+            self._say_status(AVAILABLE)
+
+    def _say_status(self, status):
+        for p in self.params:
+            p.ds_status = status
 
     def release(self, pool=None):
         """Free the gathered values (see [Note: released parameters]), or
@@ -123,14 +124,10 @@ class Unit:
         if self._placeholder is None:
             self._placeholder = torch.empty(0, dtype=self.full.dtype,
                                             device=self.full.device)
-        placeholder = self._placeholder
+        for p in self.params:
+            p.data = self._placeholder
         if self.says_status:
-            for p in self.params:
-                p.data = placeholder
-                p.ds_status = NOT_AVAILABLE
-        else:
-            for p in self.params:
-                p.data = placeholder
+            self._say_status(NOT_AVAILABLE)
         self.gathered = False
         storage = self.full.untyped_storage()
         # holders: `full`, `storage` here and the parameter views ([Note:
