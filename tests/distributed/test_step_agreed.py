@@ -39,6 +39,13 @@ def disturbed_steps(rank, world):
             ("a frozen parameter", lambda: model[2].bias.requires_grad_(False),
              lambda: model[2].bias.requires_grad_(True)),
         ]
+        hooked = []  # [Note: optimizer step hooks]: a pre-hook that raises refuses
+
+        def failing_hook(_optimizer, _args, _kwargs):
+            raise KeyError("the user's step pre-hook")
+        disturbances.append(("a pre-hook that raises",
+                             lambda: hooked.append(optimizer.register_step_pre_hook(failing_hook)),
+                             lambda: hooked.pop().remove()))
         if stage == 2:  # stages 0-1 take a hand-set .grad in; stage 3's is a placeholder
             # set after the backward (one set before it is added to, as in torch)
             disturbances.append(("a gradient set by hand", None,
@@ -53,7 +60,7 @@ def disturbed_steps(rank, world):
             try:
                 step(by_hand)
                 errors.append((what, None))
-            except (RuntimeError, ValueError) as e:
+            except (RuntimeError, ValueError, KeyError) as e:
                 errors.append((what, f"{type(e).__name__}: {e}"))
             if rank == 1:
                 put_back()
@@ -80,11 +87,12 @@ def test_a_step_refused_or_changed_on_one_rank_stops_every_rank(results, stage):
         assert steps == 2, (rank, steps)
         by_what = dict(errors)
         assert all(by_what.values()), (rank, errors)
-        refused = ["a refused setting", "a frozen parameter"] + \
+        refused = ["a refused setting", "a frozen parameter", "a pre-hook that raises"] + \
             (["a gradient set by hand"] if stage == 2 else [])
         if rank == 1:
             assert "nesterov" in by_what["a refused setting"]
             assert "requires_grad=False" in by_what["a frozen parameter"]
+            assert "the user's step pre-hook" in by_what["a pre-hook that raises"]
             if stage == 2:
                 assert "'2.bias' has a .grad set outside backward" in \
                     by_what["a gradient set by hand"]

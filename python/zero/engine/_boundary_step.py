@@ -17,6 +17,7 @@ import numbers
 import torch
 
 from zero.engine._interrupts import interrupts_held
+from zero.engine._optimizer_step_hooks import run_post_hooks, run_pre_hooks
 from zero.engine._unchanged import check_optimizer_unchanged
 from zero.sharding._buckets import finish_backwards
 from zero.sharding._groups_together import reduce_boundary, refresh_params, sum_across_replicas
@@ -115,12 +116,15 @@ class BoundaryStep:
             refusal, settings = unscaled, ""
             try:
                 if refusal is None:
+                    # [Note: optimizer step hooks]: before the checks, which
+                    # then see what a hook set (a learning rate)
+                    run_pre_hooks(self.optimizer)
                     check_optimizer_unchanged(self)
                     _step_path.check_every_group(self._spec, self.optimizer, self.groups)
                 if self._comm.dp_world > 1:  # compared over every data-parallel rank
                     settings = describe_settings(self.optimizer.param_groups,
                                                  [fg.index for fg in self.groups])
-            except (RuntimeError, ValueError, TypeError) as error:
+            except Exception as error:  # noqa: BLE001 - a hook's too: raised on every rank
                 refusal = error
             # the zero_grad() calls since the last update too: one made on
             # some ranks only drops gradients there alone (at stages 2-3
@@ -180,6 +184,7 @@ class BoundaryStep:
         gradients."""
         max_norm = self._clip_norm or self.config.gradient_clipping
         self._prepared, self._clip_norm = None, None
+        failure = None
         overflow = not math.isfinite(sumsq)
         self.step_was_skipped = overflow and (self.loss_scaler is not None or
                                               self.config.check_grad_overflow)
@@ -201,8 +206,16 @@ class BoundaryStep:
             # The engine stepped on the optimizer's behalf; torch's schedulers
             # read this flag to warn about stepping before the optimizer.
             self.optimizer._opt_called = True
+            failure = run_post_hooks(self.optimizer)  # [Note: optimizer step hooks]
             if self.lr_scheduler is not None:
-                self.lr_scheduler.step()
+                try:
+                    self.lr_scheduler.step()
+                except Exception as error:  # noqa: BLE001 - raised below
+                    failure = failure or error
+        # The update is applied: what user code raised above (a post-hook,
+        # the scheduler: OneCycleLR past its total_steps) is raised once
+        # the rest is done. Raised at once, it left the gradients in place,
+        # and the next step added them to its own
         self._step_applied = not self.step_was_skipped
         self._global_grad_norm = norm
         self.zero_grad()
@@ -219,3 +232,5 @@ class BoundaryStep:
             replicate.log.reset()
         if self._monitor is not None:
             self._monitor.after_step(self)
+        if failure is not None:
+            raise failure

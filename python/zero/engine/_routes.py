@@ -9,6 +9,7 @@ import types
 import weakref
 
 from zero.engine._dcp_preparation import undo_dcp_preparation
+from zero.engine._optimizer_step_hooks import ENGINE_HOOK
 
 
 def call_alive(engine_ref, function, *args):
@@ -108,6 +109,7 @@ def guard_optimizer(engine):
                 raise RuntimeError(dcp)
             raise RuntimeError("this optimizer is driven by a zero Engine: call "
                                "engine.step(), not optimizer.step()")
+    setattr(refuse, ENGINE_HOOK, True)  # engine.step() passes it over ([Note: optimizer step hooks])
     engine._hooks.append(engine.optimizer.register_step_pre_hook(refuse))
     release = getattr(engine.optimizer, "_release_buffers", None)
     if release is not None:
