@@ -770,3 +770,41 @@ def test_pipeline_stages_meta_keeps_each_groups_step_count():
     assert [g["step"] for g in merged["groups"]] == [7, 7]
     assert [g["param_names"] for g in merged["groups"]] == [["a.0", "a.1"], ["b.0"]]
     assert [g["states"] for g in merged["groups"]] == [["exp_avg"], ["exp_avg"]]
+
+
+@pytest.mark.parametrize("by_engine", [True, False])
+def test_numpy_learning_rates_save_and_resume_as_plain_floats(tmp_path, by_engine):
+    """A LambdaLR written with numpy makes every lr a numpy.float64 (a float
+    subclass); the first save_checkpoint refused it, whether the engine or
+    the script stepped the scheduler. Now saved as the float of the same
+    value, and the resumed run ends where the uninterrupted one does."""
+    def run(first, count, load=False, save=False):
+        torch.manual_seed(0)
+        model = Net()
+        opt = make_optimizer("adamw", model.parameters())
+        sched = torch.optim.lr_scheduler.LambdaLR(
+            opt, lambda step: 0.5 * (1 + np.cos(np.pi * step / STEPS)))
+        engine = zero.initialize(model, optimizer=opt, stage=2,
+                                 lr_scheduler=sched if by_engine else None)
+        if load:
+            engine.load_checkpoint(tmp_path)
+            if not by_engine:
+                # (the script's own file of numpy floats: torch's weights_only refuses it)
+                sched.load_state_dict(torch.load(tmp_path / "sched.pt", weights_only=False))
+        data = batches("cpu", STEPS)
+        for tokens, targets in data[first:first + count]:
+            engine.backward(loss_of(engine(tokens), targets))
+            engine.step()
+            if not by_engine:
+                sched.step()
+        assert type(opt.param_groups[0]["lr"]) is np.float64 or load
+        if save:
+            engine.save_checkpoint(tmp_path)
+            torch.save(sched.state_dict(), tmp_path / "sched.pt")
+        return finish(engine)
+    expected, expected_facts = run(0, STEPS)
+    run(0, 3, save=True)
+    state, facts = run(3, STEPS - 3, load=True)
+    assert facts == expected_facts
+    for key, value in expected.items():
+        assert torch.equal(state[key], value), key

@@ -23,7 +23,7 @@ from zero.checkpoint._engine_parts import (all_ok, checkpoint_name, holds_a_part
 from zero.checkpoint._client_states import client_files, differ, digest, write_own
 from zero.checkpoint._extra_states import extra_state_modules, owner_name, snapshot
 from zero.checkpoint._format import (FORMAT, META_FILE, REPLICATED_GROUP, VERSION, check_plain,
-                                     check_tag, shard_file, staging_directory)
+                                     check_tag, plain_numbers, shard_file, staging_directory)
 from zero.checkpoint._writes import (discard_replaced, discard_staging, prepare_staging, publish,
                                      write_file, write_latest)
 from zero.offload._mapped import PagesDroppedMeanwhile
@@ -101,7 +101,7 @@ def _meta(engine, client_state, scheduler_state, shard_files) -> dict:
     states = {fg.index: sorted(fg.states) for fg in engine.groups}
     groups = []
     for gi, group in enumerate(optimizer.param_groups):
-        hyper = {k: v for k, v in group.items() if k != "params"}
+        hyper = plain_numbers({k: v for k, v in group.items() if k != "params"})
         check_plain(hyper, f"optimizer.param_groups[{gi}]")
         groups.append({"param_names": [checkpoint_name(engine, names[id(p)])
                                        for p in group["params"]],
@@ -256,7 +256,8 @@ def _save_agreed(engine, save_dir, tag, save_id, client_state, save_latest, erro
         check_plain(client_state, "client_state")
         if engine.stage == 3:  # [Note: per-rank client_state]
             own_digest = digest(client_state)
-        scheduler_state = engine.lr_scheduler.state_dict() if engine.lr_scheduler else None
+        scheduler_state = plain_numbers(engine.lr_scheduler.state_dict()) \
+            if engine.lr_scheduler else None
         check_plain(scheduler_state, "lr_scheduler.state_dict()")
         os.makedirs(staging, exist_ok=True)
         try:

@@ -107,6 +107,24 @@ def check_plain(value, where: str, _inside=()):
                         "dicts of them (so it loads with torch.load(weights_only=True))")
 
 
+def plain_numbers(value):
+    """value with every number of a non-plain type (numpy's float64, a
+    float subclass; its float32 or int64) made the plain float or int of
+    the same value, in dicts, lists and tuples alike. For what torch and
+    the script compute for the engine to keep (the param groups' learning
+    rates, a scheduler's state): a LambdaLR written with np.cos made every
+    lr a numpy.float64, and the first save_checkpoint, hours in, refused it."""
+    kind = type(value)
+    if kind in _DICTS:
+        return kind((k, plain_numbers(v)) for k, v in value.items())
+    if kind in (list, tuple):
+        return kind(plain_numbers(v) for v in value)
+    if kind in PLAIN_TYPES or isinstance(value, (bool, torch.Tensor)) or \
+            not isinstance(value, numbers.Real):
+        return value
+    return int(value) if isinstance(value, numbers.Integral) else float(value)
+
+
 def check_tag(tag, saving: bool = False) -> str:
     """A tag names a directory inside the checkpoint directory, never a
     path out of it (an absolute path, or one through '..'), nor one of the
