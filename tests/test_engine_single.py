@@ -566,6 +566,10 @@ def test_a_setting_the_update_cannot_honour_is_refused_by_name(setting, error, m
     engine.step()
     assert engine.global_steps == 1
     engine.close()
+    # set before initialize: refused there, not after the first forward and backward
+    opt.param_groups[1].update(setting)
+    with pytest.raises(error, match=f"^optimizer param group 1: {message}"):
+        zero.initialize(m, optimizer=opt, stage=2)
 
 
 def test_parameters_that_share_memory_are_refused_by_name():

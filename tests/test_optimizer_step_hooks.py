@@ -227,3 +227,32 @@ def test_post_hooks_do_not_run_on_a_skipped_fp16_step():
     assert engine.skipped_steps >= 1 and applied >= 10
     assert len(posts) == applied
     engine.close()
+
+
+def test_step_passes_deepspeeds_lr_kwargs_and_refuses_a_closure():
+    """DeepSpeed's engine.step(lr_kwargs=...) hands them to the scheduler's
+    step(); torch's optimizer.step(closure) habit got "step() takes 1
+    positional argument"."""
+    class Scaled(torch.optim.lr_scheduler.LRScheduler):
+        def __init__(self, optimizer):
+            self.factor = 1.0
+            super().__init__(optimizer)
+
+        def step(self, factor=1.0):
+            self.factor = factor
+            super().step()
+
+        def get_lr(self):
+            return [base * self.factor for base in self.base_lrs]
+    model, opt, _ref, _ref_opt = twins(0)
+    engine = engine_of(model, opt, 0, lr_scheduler=Scaled(opt))
+    (tokens, targets), = batches("cpu", 1)
+    engine.backward(loss_of(engine(tokens), targets))
+    with pytest.raises(TypeError, match="takes no closure"):
+        engine.step(lambda: 0.0)
+    with pytest.raises(TypeError, match="lr_kwargs must be a dict .* got float"):
+        engine.step(0.5)
+    assert engine.global_steps == 0
+    engine.step(lr_kwargs={"factor": 0.5})
+    assert engine.global_steps == 1 and opt.param_groups[0]["lr"] == pytest.approx(5e-3)
+    engine.close()

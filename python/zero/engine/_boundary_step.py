@@ -84,14 +84,23 @@ class BoundaryStep:
         self._clip_norm = float(max_norm)
         return self._prepare_boundary()[1]
 
-    def step(self):
+    def step(self, lr_kwargs=None):
         """At the accumulation boundary: reduce the gradients over the
         ranks, clip (gradient_clipping, or clip_grad_norm_'s max_norm),
         update this rank's partition (fp16: skipped on overflow), gather the
-        new parameters, step the lr scheduler and zero the gradients.
+        new parameters, step the lr scheduler (with DeepSpeed's lr_kwargs,
+        a dict of its step()'s keyword arguments) and zero the gradients.
         Before it, only counts the micro-step. A collective: every rank
         calls it as often; what would refuse the step on one rank refuses
         it on every rank, before anything changes."""
+        if callable(lr_kwargs):  # torch's optimizer.step(closure) habit
+            raise TypeError("engine.step() takes no closure: compute the loss, call "
+                            "engine.backward(loss), then engine.step() (optimizers that "
+                            "re-evaluate the loss, as LBFGS, are not supported)")
+        if lr_kwargs is not None and not isinstance(lr_kwargs, dict):
+            raise TypeError(f"lr_kwargs must be a dict of keyword arguments for the lr "
+                            f"scheduler's step(), got {type(lr_kwargs).__name__}")
+        self._lr_kwargs = lr_kwargs or {}
         self._check_open()
         self._check_trains("step")
         self._step_applied = False  # until a boundary's update is applied
@@ -209,7 +218,7 @@ class BoundaryStep:
             failure = run_post_hooks(self.optimizer)  # [Note: optimizer step hooks]
             if self.lr_scheduler is not None:
                 try:
-                    self.lr_scheduler.step()
+                    self.lr_scheduler.step(**self._lr_kwargs)
                 except Exception as error:  # noqa: BLE001 - raised below
                     failure = failure or error
         # The update is applied: what user code raised above (a post-hook,

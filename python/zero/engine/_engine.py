@@ -60,7 +60,7 @@ from zero.sharding._stage3 import Stage3Schedule
 from zero.sharding._unit_roots import unit_roots
 from zero.step import _step_path
 from zero.step._delayed import delayed_update_for
-from zero.step._step_path import step_path_for
+from zero.step._step_path import check_settings_at_initialize, step_path_for
 from zero.config._config import Config
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -93,6 +93,7 @@ class Engine(BoundaryStep, DeepSpeedQueries, BatchCalls, CheckpointCalls, Engine
         # a parallel/_mpu.MegatronParallel: a model split by hand, Megatron's way
         self._mpu = None
         self._spec = spec_for(optimizer)
+        check_settings_at_initialize(optimizer)
         self.compute_dtype = DTYPES[config.precision]
         self.device = comm.device  # the model's; every buffer lives there
         # chosen before any hook is installed: a failure leaves no trace

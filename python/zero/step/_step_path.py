@@ -56,6 +56,17 @@ def check_every_group(spec, optimizer, groups):
                               "updated") from None
 
 
+def check_settings_at_initialize(optimizer):
+    """What check_group_settings refuses at every step (differentiable=True,
+    an lr of "0.01"), refused by initialize too: found first at step(), it
+    came after a whole forward and backward."""
+    for index, group in enumerate(optimizer.param_groups):
+        try:
+            check_group_settings(group)
+        except (ValueError, TypeError) as error:
+            raise type(error)(f"optimizer param group {index}: {error}") from None
+
+
 def chunk_buffers(fg, lo, hi, windows):
     """C Buffers over elements [lo, hi) of a group's update operands: the
     RAM window where `windows` has one (offload files, staging), else the
