@@ -193,3 +193,37 @@ def test_a_raising_advised_block_leaves_the_write_refused(stage):
         assert said[3] is None, said[3]
     import torch
     assert torch.equal(w0, w1)
+
+
+def _renormalized_rows(rank, world, stage):
+    """nn.Embedding(max_norm=...) renormalizes the rows each rank looks up,
+    in place in the forward: other rows on each rank (data parallelism)."""
+    import torch
+    from torch import nn
+    import zero
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Embedding(20, 4, max_norm=1.0), nn.Flatten(), nn.Linear(12, 2))
+    with torch.no_grad():
+        model[0].weight.mul_(3)  # rows above max_norm: the forward writes them
+    engine = zero.initialize(model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                             stage=stage, stage3_param_persistence_threshold=0)
+    ids = torch.arange(3).reshape(1, 3) + 10 * rank
+    engine.backward(engine(ids).square().mean())
+    try:
+        engine.step()
+        said = None
+    except RuntimeError as e:
+        said = str(e)
+    engine.close()
+    return said
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+def test_rows_renormalized_apart_by_max_norm_are_named(stage):
+    """The refusal named a write the script never made and advised loading
+    the state dict alike; now it names max_norm and what to do."""
+    said = harness.run(2, _renormalized_rows, stage, timeout=240)
+    for text in said:
+        assert text is not None and "'0.weight' was written in the forward" in text, text
+        assert "nn.Embedding (or EmbeddingBag) with max_norm" in text
+        assert "set max_norm=None" in text

@@ -58,6 +58,7 @@ from zero.sharding._backward import BackwardLifecycle
 from zero.sharding._policy import StagePolicy
 from zero.sharding._stage3 import Stage3Schedule
 from zero.sharding._unit_roots import unit_roots
+from zero.sharding._units import written_in_forward
 from zero.step import _step_path
 from zero.step._delayed import delayed_update_for
 from zero.step._step_path import check_settings_at_initialize, step_path_for
@@ -251,6 +252,9 @@ class Engine(BoundaryStep, DeepSpeedQueries, BatchCalls, CheckpointCalls, Engine
         self._group_members_seen = group_members(optimizer.param_groups)  # _unchanged.py
         self._frozen_in_optimizer = frozen_in_optimizer(optimizer.param_groups, module)
         self._params_at_initialize = frozenset(map(id, module.parameters()))
+        renormed = written_in_forward(module)  # named when the ranks' writes differ
+        for fg in self.all_groups:
+            fg.renormed_in_forward = renormed
         me = weakref.ref(self)
         for fg in self.all_groups:
             for unit in fg.units:

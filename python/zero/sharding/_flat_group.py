@@ -91,6 +91,9 @@ class FlatGroup(GroupGradients):
         self.index = index
         self.params = [params[i] for i in order]
         self.names = [names[i] for i in order]
+        # ids of the model's parameters its forward writes (Embedding's
+        # max_norm): set by the engine, named when ranks' writes differ
+        self.renormed_in_forward = frozenset()
         self.comm = comm
         self.reduce_comm = reduce_comm or comm
         self.policy = policy

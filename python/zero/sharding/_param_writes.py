@@ -181,6 +181,17 @@ def _writes(groups) -> list:
 
 def _writes_differ(groups, written) -> RuntimeError:
     names = [fg.names[unit.members.start + j] for fg, unit, j in written]
+    renormed = [name for (fg, unit, j), name in zip(written, names)
+                if id(unit.params[j]) in fg.renormed_in_forward]
+    if renormed:
+        return RuntimeError(
+            f"parameter '{renormed[0]}' was written in the forward and not alike on every "
+            "rank: it is the weight of an nn.Embedding (or EmbeddingBag) with max_norm, whose "
+            "rows torch renormalizes in place as each rank looks them up, so the ranks' "
+            "copies come apart with their data (DDP lets them drift apart silently). Each rank "
+            "keeps its own slice of one model here: set max_norm=None (a penalty on the rows' "
+            "norms in the loss does the same alike on every rank), or train on one rank. "
+            "Nothing was taken in")
     listed = ", ".join(f"'{n}'" for n in names[:4]) + (" ..." if len(names) > 4 else "")
     return RuntimeError(
         "parameters were written since the last step, and not alike on every rank (this "
