@@ -3,7 +3,9 @@ DeepSpeed's module-level call, made in a module's __init__ before any
 engine exists, for a forward that reads another module's weight without
 calling it. Stage 3 with every unit released then gathers it around that
 forward and its backward; training equals plain torch (SGD, fp32). Without
-the call the read finds the placeholder (torch's shape error)."""
+the call, the read by attribute (`self.embed.weight`) inside the forward
+finds it released, and the engine registers and gathers it then, as
+DeepSpeed does ([Note: parameters read by attribute])."""
 import copy
 
 import pytest
@@ -41,6 +43,17 @@ class Net(nn.Module):
         return self.head(torch.tanh(self.body(self.embed(ids))))
 
 
+def released_twins(cls):
+    """A model of `cls` under a stage-3 engine with every unit released,
+    and its twin with torch's SGD."""
+    torch.manual_seed(0)
+    model = cls()
+    reference = copy.deepcopy(model)
+    engine = zero.initialize(model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                             stage=3, **RELEASED)
+    return model, reference, torch.optim.SGD(reference.parameters(), lr=0.1), engine
+
+
 def batches():
     g = torch.Generator().manual_seed(1)
     return [torch.randint(0, 16, (4, 5), generator=g) for _ in range(3)]
@@ -51,7 +64,7 @@ def train(model, step):
         step(model(ids).float().logsumexp(-1).mean())
 
 
-@pytest.mark.parametrize("when", ["in __init__", "after initialize"])
+@pytest.mark.parametrize("when", ["in __init__", "after initialize", "never"])
 def test_a_registered_external_parameter_trains_as_torch(when):
     torch.manual_seed(0)
     model = Net(register=when == "in __init__")
@@ -79,14 +92,27 @@ def test_a_registered_external_parameter_trains_as_torch(when):
         torch.testing.assert_close(state[name], value, rtol=1e-6, atol=1e-6, msg=name)
 
 
-def test_without_the_call_the_read_finds_the_placeholder():
+@pytest.mark.parametrize("grad", [True, False])
+def test_without_the_call_the_read_registers_it_on_the_running_module(grad):
+    """The head's forward read the placeholder: torch's shape error
+    ("size mismatch ... vec (0)"), under no_grad (an evaluation) too. The
+    head holds no parameter of its own, so it has no hooks: the read is
+    registered on the innermost hooked module running, the model itself."""
     torch.manual_seed(0)
     model = Net(register=False)
+    reference = copy.deepcopy(model)
     engine = zero.initialize(model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
                              stage=3, **RELEASED)
-    with pytest.raises(RuntimeError):
-        engine(batches()[0])
+    schedule = engine._schedule
+    assert model.head not in schedule.units_of and schedule.units_of[model] == []
+    with torch.set_grad_enabled(grad):
+        for ids in batches():
+            torch.testing.assert_close(engine(ids), reference(ids))
+    embed_unit = schedule.place[id(model.embed.weight)][1]
+    assert [u for _fg, u in schedule.units_of[model]] == [embed_unit]
+    assert not embed_unit.gathered
     engine.close()
+    assert type(model.embed._parameters) is dict  # as it was
 
 
 def test_bad_arguments_are_named():
@@ -120,12 +146,7 @@ class SharedNet(nn.Module):
 
 
 def test_unregister_takes_the_gather_away_once_nothing_registered_needs_it():
-    torch.manual_seed(0)
-    model = SharedNet()
-    reference = copy.deepcopy(model)
-    opt = torch.optim.SGD(reference.parameters(), lr=0.1)
-    engine = zero.initialize(model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
-                             stage=3, **RELEASED)
+    model, reference, opt, engine = released_twins(SharedNet)
     # the weight, still registered, keeps the unit both lie in
     deepspeed.zero.unregister_external_parameter(model.head, model.shared.bias)
     # a module's own parameter registered on it and unregistered: still its own
@@ -141,8 +162,10 @@ def test_unregister_takes_the_gather_away_once_nothing_registered_needs_it():
     for name, value in reference.state_dict().items():
         torch.testing.assert_close(state[name], value, rtol=1e-6, atol=1e-6, msg=name)
     deepspeed.zero.unregister_external_parameter(model.head, model.shared.weight)
-    with pytest.raises(RuntimeError):  # the read finds the placeholder again
-        engine(batches()[0])
+    unit = engine._schedule.place[id(model.shared.weight)][1]
+    assert all(u is not unit for _fg, u in engine._schedule.units_of[model.head])
+    engine(batches()[0])  # the read by attribute finds it again
+    assert any(u is unit for _fg, u in engine._schedule.units_of[model.head])
     engine.close()
 
 
@@ -154,8 +177,7 @@ def test_unregister_before_initialize_and_twice():
         deepspeed.zero.unregister_external_parameter(model.head, model.embed.weight)
     engine = zero.initialize(model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
                              stage=3, **RELEASED)
-    with pytest.raises(RuntimeError):  # as if never registered
-        engine(batches()[0])
+    assert model.head not in engine._schedule.units_of  # as if never registered
     engine.close()
     with pytest.raises(TypeError, match="parameter must be a torch.nn.Parameter"):
         deepspeed.zero.unregister_external_parameter(model.head, torch.zeros(1))
@@ -248,3 +270,36 @@ def test_what_the_engine_finds_costs_no_walk_of_the_model_each():
     with pytest.raises(ValueError, match="Linear is not a module of the wrapped model"):
         deepspeed.zero.register_external_parameter(taken_out, model[0].weight)
     engine.close()
+
+
+class PenalizedNet(nn.Module):
+    """Adds a penalty on a child's weight to what it returns, reading the
+    weight by attribute after the child ran (and released it)."""
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(16, 8)
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, ids):
+        out = torch.tanh(self.fc(self.embed(ids))).logsumexp(-1).mean()
+        return out + 0.1 * self.fc.weight.pow(2).sum()
+
+
+def test_a_penalty_read_by_attribute_after_the_child_ran_trains_as_torch():
+    """The penalty read the released placeholder: 0.0 (a sum over nothing),
+    then torch's error in the backward ("PowBackward0 returned an invalid
+    gradient")."""
+    model, reference, opt, engine = released_twins(PenalizedNet)
+    for ids in batches():
+        opt.zero_grad()
+        expected = reference(ids)
+        expected.backward()
+        opt.step()
+        loss = engine(ids)
+        torch.testing.assert_close(loss, expected)
+        engine.backward(loss)
+        engine.step()
+    state = engine.full_state_dict()
+    engine.close()
+    for name, value in reference.state_dict().items():
+        torch.testing.assert_close(state[name], value, rtol=1e-6, atol=1e-6, msg=name)

@@ -22,8 +22,9 @@ from zero.checkpoint._engine_parts import (all_ok, checkpoint_name, holds_a_part
                                            whole_comm)
 from zero.checkpoint._client_states import client_files, differ, digest, write_own
 from zero.checkpoint._extra_states import extra_state_modules, owner_name, snapshot
-from zero.checkpoint._format import (FORMAT, META_FILE, REPLICATED_GROUP, VERSION, check_plain,
-                                     check_tag, plain_numbers, shard_file, staging_directory)
+from zero.checkpoint._format import (FORMAT, META_FILE, REPLICATED_GROUP, VERSION, check_tag,
+                                     shard_file, staging_directory)
+from zero.checkpoint._plain_values import check_plain, plain_numbers
 from zero.checkpoint._writes import (discard_replaced, discard_staging, prepare_staging, publish,
                                      write_file, write_latest)
 from zero.offload._mapped import PagesDroppedMeanwhile

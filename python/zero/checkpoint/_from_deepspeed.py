@@ -25,8 +25,9 @@ from zero.checkpoint._deepspeed_files import (StandIn, load_pickle, model_states
 from zero.checkpoint._deepspeed_layout import (fail, loss_scaler_state, module_entries,
                                                read_stage_0, read_stage_1_2, read_stage_3,
                                                stage_3_frozen)
-from zero.checkpoint._format import (FORMAT, META_FILE, REPLICATED_GROUP, VERSION, check_plain,
-                                     check_tag, shard_file, staging_directory)
+from zero.checkpoint._format import (FORMAT, META_FILE, REPLICATED_GROUP, VERSION, check_tag,
+                                     shard_file, staging_directory)
+from zero.checkpoint._plain_values import check_plain
 from zero.checkpoint._writes import (discard_replaced, discard_staging, prepare_staging, publish,
                                      write_file, write_latest)
 from zero.step._registry import SPECS

@@ -44,6 +44,7 @@ from torch import nn
 from torch.autograd.graph import register_multi_grad_hook, saved_tensors_hooks
 
 from zero._warnings import warn_user
+from zero.sharding._attribute_reads import watch_parameter_reads
 from zero.sharding._backward_hooks import gather_around_backward_hooks
 from zero.sharding._copying import ModuleHook
 from zero.sharding._external import add_needed_external, registered_externals
@@ -115,6 +116,7 @@ class Stage3Schedule(UnitGathering, SavedParameters, PassOrder):
         self._outer = None   # the (pack, unpack) below ours then, if any
         self.reading_state = False  # the engine reads the state dict's names: allowed
         self.entered = []    # per hooked module: forwards whose pre-hook ran, not yet ended
+        self.running = []    # the hooked modules whose forwards run, innermost last
         self.root = root
         self.modules = []
         self.units_of = {}
@@ -143,6 +145,7 @@ class Stage3Schedule(UnitGathering, SavedParameters, PassOrder):
                 self.hooks += hook_state_loads(module, units)  # [Note: state dict loads]
         self.hooks += gather_around_backward_hooks(self, root, place)  # in _backward_hooks.py
         self.hooks += watch_uncalled_roots(self, root, roots)  # [Note: roots never called]
+        self.hooks += watch_parameter_reads(self, root)  # [Note: parameters read by attribute]
         # the model's modules, walked once for the externals found here (a
         # walk per parameter made 800 MultiheadAttention layers take 7 s);
         # later calls walk again: a module may have left the model since
@@ -217,6 +220,20 @@ class Stage3Schedule(UnitGathering, SavedParameters, PassOrder):
         elif all(u is not entry[1] for _fg, u in self.units_of[module]):
             self.units_of[module].append(entry)
 
+    def read_in_forward(self, param):
+        """[Note: parameters read by attribute]: param, of a released unit,
+        read by attribute while a forward runs: from now on gathered
+        around the innermost running module's forward, and gathered now."""
+        entry = self.place.get(id(param))
+        if entry is None or self.removed or self.suspended:
+            return
+        fg, unit = entry
+        module = self.running[-1]
+        if all(u is not unit for _fg, u in self.units_of[module]):
+            add_needed_external(self, module, param)
+            unit.active += 1  # as the module's pre-forward counted it: its post-forward ends it
+        self.ensure(fg, unit)
+
     # ---- agreement between ranks ------------------------------------------------
 
     def _agree_on_forward(self):
@@ -263,6 +280,7 @@ class Stage3Schedule(UnitGathering, SavedParameters, PassOrder):
                     not self.in_backward and self.comm.world > 1:  # outermost, entering
                 self._agree_on_forward()
             self.entered[index] += 1
+            self.running.append(module)
             if module is self.modules[0] and self.root_depth == 1:  # not a recursive call
                 self.abandon_if_unfinished()
                 if not self.in_backward:
@@ -294,6 +312,8 @@ class Stage3Schedule(UnitGathering, SavedParameters, PassOrder):
             # collective its peers, still gathering, would never join
             failed = output is None and sys.exc_info()[1] is not None
             self.entered[index] -= 1
+            if self.running and self.running[-1] is module:
+                self.running.pop()
             # a root that calls itself: the inner call is an ordinary module
             outermost = is_root and self.root_depth == 0
             if outermost:
@@ -451,6 +471,7 @@ class Stage3Schedule(UnitGathering, SavedParameters, PassOrder):
         its own and not taken for a recursive call."""
         self._pop_saved_tensors_hooks()
         self.entered = [0] * len(self.entered)
+        self.running = []
         self.phase = None
         for fg in self.groups:
             for unit in fg.units:
