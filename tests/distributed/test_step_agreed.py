@@ -139,6 +139,13 @@ def calls_on_one_rank(rank, world):
             engine.backward(engine(x).square().mean())
             engine.step()
             errors.append(_attempt(engine.full_state_dict if rank == 0 else lambda: engine(x)))
+            engine.zero_grad()  # as the refusal advises: then training goes on
+
+            def train_again():
+                engine.backward(engine(x).square().mean())
+                engine.step()
+            errors.append(_attempt(train_again))
+            errors.append(_attempt(train_again))
         elif call == "gathered":
             def block():
                 with zero.GatheredParameters([model[0].weight], modifier_rank=0):
@@ -188,12 +195,16 @@ def test_a_collective_call_on_one_rank_raises_on_both(one_rank_calls, stage, cal
 
 def test_a_call_on_one_rank_met_by_a_stage3_forward_raises_on_both(one_rank_calls):
     """full_state_dict on rank 0 alone while rank 1 trains on: before, its
-    all-reduce met rank 1's gathers and both waited for good."""
+    all-reduce met rank 1's gathers and both waited for good. After
+    zero_grad() on both, training goes on."""
     for rank, out in enumerate(one_rank_calls):
-        [error] = out[3, "train_on"]
+        error, *after = out[3, "train_on"]
         assert error is not None and "not in the same engine call" in error, (rank, error)
         assert ("full_state_dict()" if rank == 0 else "(grad, train)") in error
         assert rank == 0 or "forward 2 of engine" in error
+        # rank 1's refused forward was counted on rank 1 alone: every later
+        # forward was refused, though the message said training goes on
+        assert after == [None, None], (rank, after)
 
 
 @pytest.mark.parametrize("stage", [0, 2])

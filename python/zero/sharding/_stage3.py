@@ -247,7 +247,13 @@ class Stage3Schedule(UnitGathering, SavedParameters, PassOrder):
         self.forwards += 1
         mode = f"{'grad' if torch.is_grad_enabled() else 'no grad'}, " \
             f"{'train' if self.modules[0].training else 'eval'}"
-        agree_on_call(self.comm, f"forward {self.forwards} of engine {self.serial} ({mode})")
+        try:
+            agree_on_call(self.comm, f"forward {self.forwards} of engine {self.serial} ({mode})")
+        except BaseException:
+            # refused: this forward never ran, so it is not counted (counted
+            # on one rank alone, every later forward was refused)
+            self.forwards -= 1
+            raise
 
     def _check_same_gathers(self):
         """Raise if another rank gathered other units in this pass (see
