@@ -26,7 +26,7 @@ from zero.checkpoint._format import (FORMAT, META_FILE, REPLICATED_GROUP, VERSIO
                                      shard_file, staging_directory)
 from zero.checkpoint._plain_values import check_plain, plain_numbers
 from zero.checkpoint._writes import (discard_replaced, discard_staging, prepare_staging, publish,
-                                     write_file, write_latest)
+                                     unpublish, write_file, write_latest)
 from zero.offload._mapped import PagesDroppedMeanwhile
 from zero.sharding._param_writes import take_in_parameter_writes
 from zero.sharding._units import parameter_names, uncompiled
@@ -218,8 +218,10 @@ def save(engine, save_dir, tag=None, client_state=None, save_latest=True) -> str
     # too): before the per-rank work. The tag is in it: ranks that saved
     # under tags of their own each waited for the others' shards in its
     # own directory, and blamed the filesystem
-    take_in_parameter_writes(engine.all_groups,
-                             engine.call_text(f"save_checkpoint(tag={tag!r})"), refusal)
+    # save_latest too: it decides whether one more agreement runs, and
+    # differing ranks went on one collective apart
+    take_in_parameter_writes(engine.all_groups, engine.call_text(
+        f"save_checkpoint(tag={tag!r}, save_latest={save_latest!r})"), refusal)
     path = os.path.join(save_dir, tag)
     error, lock = None, None
     whole = whole_comm(engine)
@@ -311,6 +313,10 @@ def _save_agreed(engine, save_dir, tag, save_id, client_state, save_latest, erro
                 write_latest(save_dir, tag)
         except Exception as e:
             error = e
+            try:  # the tag as it was: `latest` named it, and the save failed
+                unpublish(save_dir, tag)
+            except OSError:
+                pass  # the new tag stays, whole; the error still says the save failed
         all_ok(engine, error)
     if whole.rank == 0:
         discard_replaced(save_dir, tag)

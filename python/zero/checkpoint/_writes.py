@@ -248,6 +248,19 @@ def publish(save_dir, tag):
     sync_directory(save_dir)
 
 
+def unpublish(save_dir, tag):
+    """publish undone, for a save that fails after it (its `latest`): the
+    new <tag> goes back to staging, to be discarded with it, and the
+    previous <tag>, if there was one, returns; so a failed save leaves the
+    directory as it found it."""
+    final = os.path.join(save_dir, tag)
+    os.rename(final, staging_directory(save_dir, tag))
+    replaced = replaced_directory(save_dir, tag)
+    if os.path.lexists(replaced):
+        os.rename(replaced, final)
+    sync_directory(save_dir)
+
+
 def discard_replaced(save_dir, tag):
     _remove_tree(replaced_directory(save_dir, tag))
 
