@@ -1113,25 +1113,32 @@ def test_deepspeed_engine_queries():
     engine.close()
 
 
+@pytest.mark.parametrize("bad", ["nan input", "loss times 1e30"])
 @pytest.mark.parametrize("check", [True, False])
-def test_bf16_check_grad_overflow_skips_a_nonfinite_step(check):
+def test_bf16_check_grad_overflow_skips_a_nonfinite_step(check, bad):
     """DeepSpeed's bf16.check_grad_overflow: a step whose gradients hold a
     nan is skipped (weights and states untouched); without it the step is
-    taken and the weights go nan, as in torch."""
+    taken and the weights go nan, as in torch. So is one whose gradient
+    norm's square overflows fp32 (the core sums squares in double: such a
+    step was taken, Adam's second moments became inf, and the weights never
+    moved again)."""
     m = model()
     config = {"bf16": {"enabled": True, "check_grad_overflow": check},
               "zero_optimization": {"stage": 2}}
     engine = zero.initialize(m, optimizer=torch.optim.AdamW(m.parameters(), lr=0.1),
                              config=config)
     before = engine.full_state_dict()
-    bad = torch.randn(3, 6)
-    bad[0, 0] = float("nan")
-    engine.backward(engine(bad).float().sum())
+    x = torch.randn(3, 6)
+    if bad == "nan input":
+        x[0, 0] = float("nan")
+    engine.backward(engine(x).float().sum() * (1e30 if bad == "loss times 1e30" else 1.0))
     engine.step()
     after = engine.full_state_dict()
     finite = all(bool(v.isfinite().all()) for v in after.values())
+    # unchecked, the huge step is taken, clipped to norm 1 (the config's
+    # gradient_clipping), so it stays finite
     assert (engine.was_step_applied(), engine.skipped_steps, finite) == \
-        ((False, 1, True) if check else (True, 0, False))
+        ((False, 1, True) if check else (True, 0, bad != "nan input"))
     if check:
         assert all(torch.equal(before[k], after[k]) for k in before)
         engine.backward(engine(torch.randn(3, 6)).float().sum())

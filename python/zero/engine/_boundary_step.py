@@ -27,6 +27,9 @@ from zero.step import _step_path
 from zero.step._clipping import clip_coefficient, model_parallel_sumsq
 
 
+_NORM_LIMIT = 2.0 ** 64  # the gradient norm whose square overflows fp32
+
+
 class BoundaryStep:
     """Mixed into Engine: step() and clip_grad_norm_(), with the reduction,
     norm, clipping and update they share ([Note: boundary step])."""
@@ -194,7 +197,11 @@ class BoundaryStep:
         max_norm = self._clip_norm or self.config.gradient_clipping
         self._prepared, self._clip_norm = None, None
         failure = None
-        overflow = not math.isfinite(sumsq)
+        # a norm whose square overflows fp32 (2**64, about 1.8e19) too: the
+        # core sums in double, so such gradients stayed finite, and Adam's
+        # fp32 second moments became inf for good (the weights never moved
+        # again), where DeepSpeed's fp32 norm finds the overflow
+        overflow = not math.isfinite(sumsq) or norm > _NORM_LIMIT
         self.step_was_skipped = overflow and (self.loss_scaler is not None or
                                               self.config.check_grad_overflow)
         if self.step_was_skipped:
