@@ -103,13 +103,17 @@ def _other_tags(rank, directory, stage):
     # raised, the ranks a collective apart from then on
     latest_error = _attempt(lambda: engine.save_checkpoint(directory, tag="c",
                                                            save_latest=rank == 0))
+    # what a load takes, other on each rank: rank 1 restarted its slice of
+    # the optimizer alone, silently
+    flags_error = _attempt(lambda: engine.load_checkpoint(
+        directory, tag="a", load_optimizer_states=rank == 0))
     listed = sorted(os.listdir(directory))
     with open(os.path.join(directory, "latest")) as f:
         listed.append(f.read())  # still the last save's
     engine.backward(engine(x).square().mean())  # and training goes on
     engine.step()
     engine.close()
-    return load_error, unchanged, save_error, latest_error, listed
+    return load_error, unchanged, save_error, latest_error, listed, flags_error
 
 
 def _gathered_apart(rank, case):
@@ -235,7 +239,9 @@ def test_checkpoints_under_other_tags_are_refused_on_both(results, stage):
     """Before, the load took rank 0's partition from 'a' and rank 1's from
     'b', silently; the save blamed the filesystem for the other's shard."""
     for rank, out in enumerate(results):
-        load_error, unchanged, save_error, latest_error, listed = out["tags", stage]
+        load_error, unchanged, save_error, latest_error, listed, flags_error = out["tags", stage]
+        assert "not in the same engine call" in flags_error, flags_error
+        assert f"load_checkpoint(load_optimizer_states={rank == 0}," in flags_error
         assert "not in the same engine call" in latest_error, latest_error
         assert f"save_latest={rank == 0}" in latest_error
         assert listed == ["a", "b", "latest", "b"], listed  # nothing written

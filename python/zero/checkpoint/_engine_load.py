@@ -31,11 +31,14 @@ from zero.sharding._units import parameter_names, uncompiled
 from zero.step._registry import fresh_states
 
 
-def _nothing_to_load(engine, load_dir, tag) -> bool:
+def _nothing_to_load(engine, load_dir, tag, flags: str) -> bool:
     """No tag asked for, and the directory holds no checkpoint at all (it is
     missing, or has neither `latest` nor a tag directory): the "resume if
     there is one" start of a run, which DeepSpeed answers with (None, None).
-    Agreed over the ranks: with node-local disks, one rank may see one."""
+    Agreed over the ranks: with node-local disks, one rank may see one.
+    flags: the load's arguments that decide what it loads, compared over
+    the ranks with the call (load_optimizer_states=False on one rank alone
+    restarted that rank's slice of the optimizer, silently)."""
     try:
         save_dir = os.fspath(load_dir)
     except TypeError:
@@ -47,7 +50,7 @@ def _nothing_to_load(engine, load_dir, tag) -> bool:
         (not os.path.exists(save_dir) or
          (os.path.isdir(save_dir) and not _holds_a_tag(save_dir)))
     whole = whole_comm(engine)
-    others = agree_on_call(whole, engine.call_text("load_checkpoint()"), refused=empty)
+    others = agree_on_call(whole, engine.call_text(f"load_checkpoint({flags})"), refused=empty)
     if others != (whole.world - 1 if empty else 0):
         raise RuntimeError(
             f"load_checkpoint: {save_dir!r} holds a checkpoint on some ranks and none on "
@@ -392,7 +395,10 @@ def take_schedule_lrs(engine):
 
 def load(engine, load_dir, tag=None, load_optimizer_states=True,
          load_lr_scheduler_states=True, load_module_only=False):
-    if _nothing_to_load(engine, load_dir, tag):
+    flags = f"load_optimizer_states={load_optimizer_states!r}, " \
+        f"load_lr_scheduler_states={load_lr_scheduler_states!r}, " \
+        f"load_module_only={load_module_only!r}"
+    if _nothing_to_load(engine, load_dir, tag, flags):
         warn_user(f"load_checkpoint: {os.fspath(load_dir)!r} holds no checkpoint yet; "
                   "nothing was loaded (returned None, None, as DeepSpeed does)", RuntimeWarning)
         return None, None
