@@ -538,6 +538,13 @@ def test_an_overflow_at_the_minimum_scale_stops_the_run():
     with pytest.raises(FloatingPointError, match="overflowed .* again with the loss scale at "
                                                  "its floor, loss_scaling.min_loss_scale = 1"):
         engine.step()
+    # the step is whole: counted as skipped, its gradients dropped, so a
+    # script that catches the error trains on (the NaN gradients stayed,
+    # and every later step raised the same error)
+    assert (engine.skipped_steps, engine.global_steps) == (2, 0)
+    engine.backward(engine(torch.randn(2, 4)).sum())
+    engine.step()
+    assert engine.was_step_applied() and engine.global_steps == 1
     engine.close()
 
 

@@ -207,7 +207,10 @@ class BoundaryStep:
         if self.step_was_skipped:
             self.skipped_steps += 1
             if self.loss_scaler:
-                self.loss_scaler.update(True)
+                try:
+                    self.loss_scaler.update(True)
+                except FloatingPointError as error:  # at its floor: raised below,
+                    failure = error  # the skipped step's gradients dropped first
         else:
             if self.loss_scaler:
                 self.loss_scaler.update(False)

@@ -33,8 +33,10 @@ class DynamicLossScaler:
                         f"fp16 loss scaling: the gradients overflowed (inf or nan) again with "
                         f"the loss scale at its floor, loss_scaling.min_loss_scale = "
                         f"{s.min_loss_scale}; no scale makes them finite, and every later step "
-                        "would be skipped. Look for inf or nan in the loss or the model's "
-                        "outputs, or train in bf16")
+                        "would be skipped. This step was skipped and its gradients dropped "
+                        "(a script that catches this error can go on with the next batch). "
+                        "Look for inf or nan in the loss or the model's outputs, or train in "
+                        "bf16")
                 self.scale = float(max(self.scale / 2, s.min_loss_scale))
             else:
                 self.hysteresis_left -= 1
