@@ -629,6 +629,11 @@ def test_refuses_what_it_cannot_save(tmp_path):
             engine.save_checkpoint(tmp_path, tag=tag)
     with pytest.raises(TypeError, match="save_dir must be a path, got NoneType"):
         engine.save_checkpoint(None)
+    (tmp_path / "a_file").write_text("")  # FileExistsError: [Errno 17] named nothing
+    for where in ("a_file", "a_file/below"):
+        with pytest.raises(NotADirectoryError, match="it, or a directory above it, is a file"):
+            engine.save_checkpoint(tmp_path / where)
+    os.remove(tmp_path / "a_file")
     assert sorted(os.listdir(tmp_path)) == ["last", "latest"]
     assert engine.load_checkpoint(tmp_path)[1] == {"epoch": 1}
     # what torch's weights_only load reads back is kept: bool keys, numpy's

@@ -227,7 +227,13 @@ def prepare_staging(save_dir, tag) -> SaveLock:
     final = os.path.join(save_dir, tag)
     if os.path.lexists(final) and not os.path.isdir(final):
         raise FileExistsError(f"cannot save into {final!r}: it exists and is not a directory")
-    os.makedirs(save_dir, exist_ok=True)
+    try:
+        os.makedirs(save_dir, exist_ok=True)
+    except (FileExistsError, NotADirectoryError) as error:  # a file on the way
+        raise NotADirectoryError(
+            f"cannot save into {save_dir!r}: it, or a directory above it, is a file "
+            "(save_dir names the checkpoint directory, which holds a directory per "
+            "tag)") from error
     lock = SaveLock(save_dir, tag)
     try:
         recover_interrupted_saves(save_dir, tag)
