@@ -303,3 +303,21 @@ def test_a_penalty_read_by_attribute_after_the_child_ran_trains_as_torch():
     engine.close()
     for name, value in reference.state_dict().items():
         torch.testing.assert_close(state[name], value, rtol=1e-6, atol=1e-6, msg=name)
+
+
+def test_a_read_by_attribute_is_found_under_torch_compile_too():
+    model, reference, opt, engine = released_twins(lambda: Net(register=False))
+    compiled = torch.compile(engine)
+    for ids in batches():
+        opt.zero_grad()
+        expected = reference(ids).float().logsumexp(-1).mean()
+        expected.backward()
+        opt.step()
+        loss = compiled(ids).float().logsumexp(-1).mean()
+        torch.testing.assert_close(loss, expected)
+        engine.backward(loss)
+        engine.step()
+    state = engine.full_state_dict()
+    engine.close()
+    for name, value in reference.state_dict().items():
+        torch.testing.assert_close(state[name], value, rtol=1e-6, atol=1e-6, msg=name)

@@ -24,8 +24,6 @@ attribute read of a parameter in a forward; close() puts plain dicts back.
 """
 from __future__ import annotations
 
-from torch.compiler import is_compiling
-
 from zero.sharding._ds_attributes import NOT_AVAILABLE
 
 
@@ -36,10 +34,8 @@ class _WatchedParameters(dict):
 
     def __getitem__(self, key):
         param = dict.__getitem__(self, key)
-        if is_compiling():  # dynamo traces this lookup: a plain dict's there
-            return param
         if param is not None and self.schedule.running and \
-                param.__dict__.get("ds_status") is NOT_AVAILABLE:
+                getattr(param, "ds_status", None) is NOT_AVAILABLE:
             self.schedule.read_in_forward(param)
         return param
 
