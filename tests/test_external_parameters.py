@@ -285,39 +285,34 @@ class PenalizedNet(nn.Module):
         return out + 0.1 * self.fc.weight.pow(2).sum()
 
 
+def train_side_by_side(reference, opt, engine, run, loss_of=lambda out: out):
+    """Each batch through torch's SGD and through the engine (called by
+    `run`, the engine or a compiled one): the losses, then the final
+    weights, as torch's."""
+    for ids in batches():
+        opt.zero_grad()
+        expected = loss_of(reference(ids))
+        expected.backward()
+        opt.step()
+        loss = loss_of(run(ids))
+        torch.testing.assert_close(loss, expected)
+        engine.backward(loss)
+        engine.step()
+    state = engine.full_state_dict()
+    engine.close()
+    for name, value in reference.state_dict().items():
+        torch.testing.assert_close(state[name], value, rtol=1e-6, atol=1e-6, msg=name)
+
+
 def test_a_penalty_read_by_attribute_after_the_child_ran_trains_as_torch():
     """The penalty read the released placeholder: 0.0 (a sum over nothing),
     then torch's error in the backward ("PowBackward0 returned an invalid
     gradient")."""
-    model, reference, opt, engine = released_twins(PenalizedNet)
-    for ids in batches():
-        opt.zero_grad()
-        expected = reference(ids)
-        expected.backward()
-        opt.step()
-        loss = engine(ids)
-        torch.testing.assert_close(loss, expected)
-        engine.backward(loss)
-        engine.step()
-    state = engine.full_state_dict()
-    engine.close()
-    for name, value in reference.state_dict().items():
-        torch.testing.assert_close(state[name], value, rtol=1e-6, atol=1e-6, msg=name)
+    _model, reference, opt, engine = released_twins(PenalizedNet)
+    train_side_by_side(reference, opt, engine, engine)
 
 
 def test_a_read_by_attribute_is_found_under_torch_compile_too():
-    model, reference, opt, engine = released_twins(lambda: Net(register=False))
-    compiled = torch.compile(engine)
-    for ids in batches():
-        opt.zero_grad()
-        expected = reference(ids).float().logsumexp(-1).mean()
-        expected.backward()
-        opt.step()
-        loss = compiled(ids).float().logsumexp(-1).mean()
-        torch.testing.assert_close(loss, expected)
-        engine.backward(loss)
-        engine.step()
-    state = engine.full_state_dict()
-    engine.close()
-    for name, value in reference.state_dict().items():
-        torch.testing.assert_close(state[name], value, rtol=1e-6, atol=1e-6, msg=name)
+    _model, reference, opt, engine = released_twins(lambda: Net(register=False))
+    train_side_by_side(reference, opt, engine, torch.compile(engine),
+                       lambda out: out.float().logsumexp(-1).mean())
