@@ -199,6 +199,13 @@ def test_the_command_line_never_writes_into_the_checkpoint(saved, capsys):
     code, line = run_main(capsys, saved, saved / "latest")
     assert code == 2 and "would overwrite the checkpoint" in line, line
     assert meta.read_bytes() == before and (saved / "latest").read_text() == "t"
+    # nor another checkpoint directory's latest (its loads then failed)
+    other_dir = saved.parent / "other_ckpt"
+    shutil.copytree(saved, other_dir)
+    code, line = run_main(capsys, saved, other_dir / "latest", "--tag", "t")
+    assert code == 2 and "would replace the 'latest' of the zero checkpoint" in line, line
+    assert (other_dir / "latest").read_text() == "t"
+    shutil.rmtree(other_dir)
     assert sorted(os.listdir(saved / "t")) == sorted(["zero_meta.pt", SHARD])
     # nor into another tag's checkpoint (reading tag u, writing over t's meta)
     shutil.copytree(saved / "t", saved / "u")
@@ -392,4 +399,32 @@ def test_a_save_that_fails_at_latest_leaves_the_directory_as_it_was(tmp_path, mo
     engine.load_checkpoint(tmp_path)
     after = engine.full_state_dict()
     assert all(torch.equal(after[k], v) for k, v in before.items())
+    engine.close()
+
+
+def test_a_save_that_fails_after_latest_names_it_keeps_the_new_tag(tmp_path, monkeypatch):
+    """A failure after `latest`'s rename (its directory's sync, an EIO on
+    NFS): `latest` names the new tag already, so the tag stays whole
+    (putting the old one back left `latest` naming nothing)."""
+    import zero.checkpoint._engine_save as engine_save
+    engine = make_engine(2)
+    train(engine, 0, 1)
+    engine.save_checkpoint(tmp_path, tag="t")
+    train(engine, 1, 1)
+    expected = {k: v.clone() for k, v in engine.full_state_dict().items()}
+    real = engine_save.write_latest
+
+    def sync_fails(save_dir, tag):
+        real(save_dir, tag)
+        raise OSError(errno.EIO, "Input/output error")
+    monkeypatch.setattr(engine_save, "write_latest", sync_fails)
+    with pytest.raises(OSError, match="Input/output error"):
+        engine.save_checkpoint(tmp_path, tag="u")
+    monkeypatch.undo()
+    assert sorted(os.listdir(tmp_path)) == ["latest", "t", "u"]
+    assert (tmp_path / "latest").read_text() == "u"
+    train(engine, 2, 1)
+    engine.load_checkpoint(tmp_path)
+    after = engine.full_state_dict()
+    assert all(torch.equal(after[k], v) for k, v in expected.items())
     engine.close()

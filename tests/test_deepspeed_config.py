@@ -566,6 +566,24 @@ def test_consecutive_hysteresis(consecutive, scales):
     assert seen == scales
 
 
+def test_an_overflow_at_the_floor_restarts_the_good_steps():
+    """The floor's error left the count of good steps as it was: a script
+    that caught it and trained on had its scale doubled early."""
+    from zero.step._loss_scaler import DynamicLossScaler
+    cfg = zero.Config.from_deepspeed({"fp16": {"enabled": True, "initial_scale_power": 0,
+                                               "hysteresis": 1, "min_loss_scale": 1,
+                                               "loss_scale_window": 2}})
+    scaler = DynamicLossScaler(cfg.loss_scaling)
+    scaler.update(False)
+    scaler.update(False)
+    with pytest.raises(FloatingPointError):
+        scaler.update(True)
+    assert scaler.good_steps == 0
+    for _ in range(2):
+        scaler.update(False)
+    assert scaler.scale == 1.0  # doubles at the third good step after, not the first
+
+
 # ---- DeepSpeed 0.19.8's defaults and parsing (found by a review against
 # deepspeed 0.19.8's DeepSpeedConfig, lr_schedules and ops, on this machine)
 

@@ -316,3 +316,25 @@ def test_a_read_by_attribute_is_found_under_torch_compile_too():
     _model, reference, opt, engine = released_twins(lambda: Net(register=False))
     train_side_by_side(reference, opt, engine, torch.compile(engine),
                        lambda out: out.float().logsumexp(-1).mean())
+
+
+class PenalizedThroughParameters(PenalizedNet):
+    """The penalty over self.parameters(): items, not reads by attribute."""
+    penalty = True
+
+    def forward(self, ids):
+        out = torch.tanh(self.fc(self.embed(ids))).logsumexp(-1).mean()
+        return out + 0.1 * sum(p.pow(2).sum() for p in self.parameters()) if self.penalty \
+            else out
+
+
+def test_a_released_parameter_used_through_parameters_is_named():
+    """It computed with the placeholder: 0.0 for the penalty, then torch's
+    "PowBackward0 returned an invalid gradient ... got [0]" in the
+    backward. Refused by name as the forward saves it; training goes on."""
+    model, reference, opt, engine = released_twins(PenalizedThroughParameters)
+    with pytest.raises(RuntimeError, match="parameter 'embed.weight' was used in this forward "
+                                           "while released .* not one through parameters"):
+        engine(batches()[0])
+    model.penalty = reference.penalty = False
+    train_side_by_side(reference, opt, engine, engine)

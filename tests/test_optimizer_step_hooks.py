@@ -256,3 +256,50 @@ def test_step_passes_deepspeeds_lr_kwargs_and_refuses_a_closure():
     engine.step(lr_kwargs={"factor": 0.5})
     assert engine.global_steps == 1 and opt.param_groups[0]["lr"] == pytest.approx(5e-3)
     engine.close()
+
+
+def test_a_stage3_post_hook_writes_inside_gathered_parameters_or_is_named():
+    """At stage 3 the parameters a post-hook reaches are released: a write
+    there is dropped and refused naming the hook (it surfaced at the next
+    step as a change 'where stage 3 cannot keep it', with no cause); the
+    same hook inside zero.GatheredParameters matches torch."""
+    model, opt, ref, ref_opt = twins(3)
+    ref_opt.register_step_post_hook(clamp_hook)
+    handle = opt.register_step_post_hook(clamp_hook)
+    engine = engine_of(model, opt, 3)
+    data = batches("cpu", 4)
+    with pytest.raises(RuntimeError, match="an optimizer step post-hook .* at stage 3, where "
+                                           "the parameters are released.* wrote a parameter"):
+        engine_step(engine, *data[0])
+    assert engine.global_steps == 1  # the update is applied, the write dropped
+    assert max(v.abs().max() for v in engine.full_state_dict().values()) > 0.05
+    engine.close()
+
+    def gathered_clamp(optimizer, args, kwargs):
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        with zero.GatheredParameters(params, modifier_rank=0):
+            clamp_hook(optimizer, args, kwargs)
+    model, opt, ref, ref_opt = twins(3)
+    ref_opt.register_step_post_hook(clamp_hook)
+    opt.register_step_post_hook(gathered_clamp)
+    handle.remove()
+    engine = engine_of(model, opt, 3)
+    for tokens, targets in data:
+        torch_step(ref, ref_opt, tokens, targets)
+        engine_step(engine, tokens, targets)
+    assert_matches(engine, ref)
+    engine.close()
+
+
+def test_a_post_hook_sees_this_steps_norm_and_applied():
+    model, opt, _ref, _ref_opt = twins(2)
+    seen = []
+    opt.register_step_post_hook(
+        lambda o, a, k: seen.append((engine.was_step_applied(), engine.get_global_grad_norm())))
+    engine = engine_of(model, opt, 2)
+    norms = []
+    for tokens, targets in batches("cpu", 2):
+        engine_step(engine, tokens, targets)
+        norms.append(engine.get_global_grad_norm())
+    assert seen == [(True, norms[0]), (True, norms[1])] and norms[0] != norms[1]
+    engine.close()

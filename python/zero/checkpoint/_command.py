@@ -43,6 +43,11 @@ def _check_output(output, tag_dir, save_dir):
     if os.path.commonpath([out, tag_dir]) == tag_dir or any(_same_file(f, out) for f in ours):
         raise ValueError(f"output {output!r} would overwrite the checkpoint in {tag_dir!r}; "
                          "write it outside the checkpoint's tag directory")
+    # nor another checkpoint directory's `latest` (its save_dir then named
+    # no tag: every later load of it failed)
+    if os.path.basename(out) == LATEST_FILE and _holds_tags(os.path.dirname(out)):
+        raise ValueError(f"output {output!r} would replace the 'latest' of the zero checkpoint "
+                         f"directory {os.path.dirname(out)!r}; write it elsewhere")
     # nor a file of another checkpoint: one in a directory that holds a
     # zero checkpoint (another tag's), which it destroyed
     holder = os.path.dirname(out)
@@ -54,6 +59,15 @@ def _check_output(output, tag_dir, save_dir):
         if parent == holder:
             break
         holder = parent
+
+
+def _holds_tags(directory) -> bool:
+    """directory holds a zero checkpoint's tag directory."""
+    try:
+        return any(os.path.isfile(os.path.join(directory, name, META_FILE))
+                   for name in os.listdir(directory))
+    except OSError:
+        return False
 
 
 def _same_file(path, real) -> bool:

@@ -22,8 +22,8 @@ from zero.checkpoint._engine_parts import (all_ok, checkpoint_name, holds_a_part
                                            whole_comm)
 from zero.checkpoint._client_states import client_files, differ, digest, write_own
 from zero.checkpoint._extra_states import extra_state_modules, owner_name, snapshot
-from zero.checkpoint._format import (FORMAT, META_FILE, REPLICATED_GROUP, VERSION, check_tag,
-                                     shard_file, staging_directory)
+from zero.checkpoint._format import (FORMAT, META_FILE, REPLICATED_GROUP, VERSION, _latest_tag,
+                                     check_tag, shard_file, staging_directory)
 from zero.checkpoint._plain_values import check_plain, plain_numbers
 from zero.checkpoint._writes import (discard_replaced, discard_staging, prepare_staging, publish,
                                      unpublish, write_file, write_latest)
@@ -308,18 +308,28 @@ def _save_agreed(engine, save_dir, tag, save_id, client_state, save_latest, erro
         error = e
     all_ok(engine, error)
     if save_latest:
+        named_before = whole.rank == 0 and _latest_names(save_dir, tag)
         try:
             if whole.rank == 0:
                 write_latest(save_dir, tag)
         except Exception as e:
             error = e
-            try:  # the tag as it was: `latest` named it, and the save failed
-                unpublish(save_dir, tag)
+            try:  # the tag as it was, unless `latest` came to name the new one
+                # (the failure was after its rename: a sync of the directory)
+                if named_before or not _latest_names(save_dir, tag):
+                    unpublish(save_dir, tag)
             except OSError:
                 pass  # the new tag stays, whole; the error still says the save failed
         all_ok(engine, error)
     if whole.rank == 0:
         discard_replaced(save_dir, tag)
+
+
+def _latest_names(save_dir, tag) -> bool:
+    try:
+        return _latest_tag(save_dir) == tag
+    except (OSError, ValueError):
+        return False
 
 
 def _check_shards_seen(staging, shards):

@@ -17,11 +17,12 @@ import numbers
 import torch
 
 from zero.engine._interrupts import interrupts_held
-from zero.engine._optimizer_step_hooks import run_post_hooks, run_pre_hooks
+from zero.engine._optimizer_step_hooks import has_post_hooks, run_post_hooks, run_pre_hooks
 from zero.engine._unchanged import check_optimizer_unchanged
 from zero.sharding._buckets import finish_backwards
 from zero.sharding._groups_together import reduce_boundary, refresh_params, sum_across_replicas
-from zero.sharding._param_writes import bump_versions, take_in_parameter_writes
+from zero.sharding._param_writes import (bump_versions, released_writes_refusal,
+                                         take_in_parameter_writes)
 from zero.sharding._step_agreement import describe_settings
 from zero.step import _step_path
 from zero.step._clipping import clip_coefficient, model_parallel_sumsq
@@ -225,7 +226,15 @@ class BoundaryStep:
             # The engine stepped on the optimizer's behalf; torch's schedulers
             # read this flag to warn about stepping before the optimizer.
             self.optimizer._opt_called = True
+            # what the post-hooks may ask the engine about this step
+            self._step_applied, self._global_grad_norm = True, norm
             failure = run_post_hooks(self.optimizer)  # [Note: optimizer step hooks]
+            if failure is None and self._schedule is not None and \
+                    has_post_hooks(self.optimizer):
+                failure = released_writes_refusal(
+                    self.all_groups, "an optimizer step post-hook (run after the update at "
+                    "stage 3, where the parameters are released: write them inside "
+                    "zero.GatheredParameters(params, modifier_rank=0) in the hook)")
             if self.lr_scheduler is not None:
                 try:
                     self.lr_scheduler.step(**self._lr_kwargs)

@@ -55,13 +55,20 @@ def run_pre_hooks(optimizer):
                 "engine.step() updates the partitions itself")
 
 
+def _post_hooks(optimizer) -> list:
+    return [*getattr(optimizer, "_optimizer_step_post_hooks", {}).values(),
+            *getattr(torch_optimizer, "_global_optimizer_post_hooks", {}).values()]
+
+
+def has_post_hooks(optimizer) -> bool:
+    return bool(_post_hooks(optimizer))
+
+
 def run_post_hooks(optimizer):
     """The step post-hooks, in torch's order; returns the exception one
     raised (the hooks after it do not run, as under torch), else None."""
     args, kwargs = (optimizer,), {}
-    hooks = [*getattr(optimizer, "_optimizer_step_post_hooks", {}).values(),
-             *getattr(torch_optimizer, "_global_optimizer_post_hooks", {}).values()]
-    for hook in hooks:
+    for hook in _post_hooks(optimizer):
         try:
             hook(optimizer, args, kwargs)
         except Exception as error:  # noqa: BLE001 - raised by the caller, after the bookkeeping

@@ -282,6 +282,24 @@ def write_in_forward_refusal(fg, unit):
         "(stage3_param_persistence_threshold above its size), or use stage 2")
 
 
+def released_writes_refusal(groups, by: str):
+    """The refusal of a change `by` something (the optimizer's step
+    post-hooks) made to a released stage-3 parameter, the change dropped as
+    it is named (_lost_change); None when there is none. Found at once,
+    rather than at the next step, whose refusal named no cause."""
+    for fg in groups:
+        seen = getattr(fg, "seen_versions", None)
+        if seen is None:
+            continue
+        for unit in fg.units:
+            if unit.gathered and unit.work is None:
+                continue
+            for j, p in enumerate(unit.params):
+                if _released_changed(p, seen[unit.members.start + j]):
+                    return RuntimeError(f"{by} wrote a parameter: {_lost_change(fg, unit, j)}")
+    return None
+
+
 def _lost_change(fg, unit, j) -> RuntimeError:
     """The error for a change the released unit cannot keep. The change is
     dropped as it is reported (the placeholder back, the version seen), so

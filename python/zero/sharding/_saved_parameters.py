@@ -30,6 +30,8 @@ class SavedParameters:
         except (RuntimeError, NotImplementedError):
             key = None
         entry = self.unit_by_storage.get(key)
+        if entry is None and key in self.placeholder_units:
+            raise self._released_read(tensor, self.placeholder_units[key])
         if entry is None and self._outer is None:
             # [Note: saved without their node] an activation, kept without
             # its autograd node (torch rebuilds that at unpack). An op that
@@ -40,6 +42,23 @@ class SavedParameters:
             # outside no_grad) kept its graph and activations for good
             return tensor.detach() if tensor.requires_grad else tensor
         return self._pack_entry(tensor, entry, self._outer)
+
+    def _released_read(self, tensor, entry) -> RuntimeError:
+        """A released parameter's placeholder saved for backward: a
+        forward computed with it, so with no values (a sum over
+        `self.parameters()` got 0.0, and the backward failed on a shape of
+        [0]). Named while the forward runs."""
+        fg, unit = entry
+        name = next((fg.names[unit.members.start + j] for j, p in enumerate(unit.params)
+                     if p is tensor), fg.names[unit.members.start])
+        return RuntimeError(
+            f"zero stage 3: parameter '{name}' was used in this forward while released (it "
+            "holds no values here: an empty placeholder). A read by attribute inside a "
+            "forward (module.weight) is gathered, but not one through parameters() or "
+            "named_parameters(), nor one outside a forward. Read it by attribute, or "
+            "register it on the module whose forward reads it: "
+            "engine.register_external_parameter(module, param); outside a forward, use "
+            "zero.GatheredParameters([param])")
 
     def _keyed_anew(self, unit, old_key):
         """unit_by_storage after `unit.full` changed storage (old_key: the

@@ -108,6 +108,10 @@ class Stage3Schedule(UnitGathering, SavedParameters, PassOrder):
         # persistent units too: their saved tensors' versions checked (hooks: released only)
         self.unit_by_storage = {storage_key(unit.full): (fg, unit) for fg in groups
                                 for unit in fg.units}
+        # a released unit's placeholder, saved for backward: a read of no
+        # values, named (SavedParameters._released_read)
+        self.placeholder_units = {storage_key(unit.placeholder()): (fg, unit) for fg in groups
+                                  for unit in fg.units if not unit.persistent}
         # every unit persistent (a small model under the threshold): no pass
         # gathers anything, so neither hooks on saved tensors nor a check
         # that the ranks gathered the same units are needed

@@ -120,12 +120,19 @@ class Unit:
         old_key = storage_key(self.full)
         return old_key if self._release(pool) else None
 
-    def _release(self, pool) -> bool:
+    def placeholder(self):
+        """The empty tensor a released parameter points at, one a unit
+        (its storage tells stage 3's saved-tensor hook that a released
+        parameter was read: [Note: parameters read by attribute])."""
         if self._placeholder is None:
             self._placeholder = torch.empty(0, dtype=self.full.dtype,
                                             device=self.full.device)
+        return self._placeholder
+
+    def _release(self, pool) -> bool:
+        placeholder = self.placeholder()
         for p in self.params:
-            p.data = self._placeholder
+            p.data = placeholder
         if self.says_status:
             self._say_status(NOT_AVAILABLE)
         self.gathered = False

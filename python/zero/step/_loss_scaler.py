@@ -27,6 +27,7 @@ class DynamicLossScaler:
             return
         s = self.settings
         if overflow:
+            self.good_steps = 0
             if self.hysteresis_left <= 1:
                 if self.scale <= s.min_loss_scale:
                     raise FloatingPointError(
@@ -40,7 +41,6 @@ class DynamicLossScaler:
                 self.scale = float(max(self.scale / 2, s.min_loss_scale))
             else:
                 self.hysteresis_left -= 1
-            self.good_steps = 0
             return
         self.good_steps += 1
         if s.consecutive_hysteresis:
