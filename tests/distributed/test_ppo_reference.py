@@ -2,10 +2,12 @@
 (ppo_reference.py): two whole iterations, fp32, at stages 0 and 3, on 1
 and 2 gloo ranks, with eos, accumulation, the EMA and dropout.
 
-Tolerances: after two iterations of Adam the weights agree within 1e-5
-relative per tensor (measured 2.5e-6 at most; 8.2e-6 with dropout): both
-sides do the same float work in other orders, so they differ by rounding,
-~1e-7 a step, and a few ulps of Adam's normalized step. Each defect the
+Tolerances: after two iterations of Adam the weights agree within 5e-5
+relative per tensor (measured 2.5e-6 at most; 8.2e-6 with dropout on an
+Intel Xeon, 1.03e-5 with dropout on an AMD EPYC, whose kernels round
+otherwise): both sides do the same float work in other orders, so they
+differ by rounding, ~1e-7 a step, and a few ulps of Adam's normalized
+step, which two iterations of clipped PPO amplify. Each defect the
 check was tried against (gamma, lam, kl_coef 0.1 -> 0.09, a clip, eos
 ignored, no whitening, whitening per rank, one loss over the batch
 instead of per micro-batch, scoring in train mode, the EMA's start) moves
@@ -19,7 +21,7 @@ pytest.importorskip("transformers", reason="requirements-test.txt installs trans
 
 import ppo_reference as ref  # noqa: E402
 
-WEIGHTS = 1e-5
+WEIGHTS = 5e-5
 STATS = 1e-4
 
 
