@@ -14,11 +14,11 @@ MAX_LINES = 600
 
 # The concerns, lowest first: a subpackage may import from those before it
 # (and from itself), never from one after it. The top-level modules _C,
-# _version, _progress and _warnings sit below them all; zero/__init__.py
+# _version, _progress, _warnings and _interrupts sit below them all; zero/__init__.py
 # above them all.
 LAYERS = ["config", "comm", "parallel", "offload", "sharding", "step", "optim", "checkpoint",
           "engine", "integrations", "rlhf", "deepspeed"]
-LEAVES = {"_C", "_version", "_progress", "_warnings"}
+LEAVES = {"_C", "_version", "_progress", "_warnings", "_interrupts"}
 
 
 def modules():

@@ -948,7 +948,7 @@ def test_a_held_interrupt_goes_to_the_handler_that_was_in_place():
     the body: a custom handler is called, an ignored SIGINT stays ignored."""
     import os
     import signal
-    from zero.engine._interrupts import interrupts_held
+    from zero._interrupts import interrupts_held
     calls = []
     previous = signal.signal(signal.SIGINT, lambda signum, frame: calls.append(signum))
     try:
@@ -963,6 +963,49 @@ def test_a_held_interrupt_goes_to_the_handler_that_was_in_place():
         assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
     finally:
         signal.signal(signal.SIGINT, previous)
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_ctrl_c_while_a_delayed_update_lands_is_delivered_after_a_whole_step(
+        stage, tmp_path, ctrl_c_raises):
+    """offload_optimizer's delayed_update lands the last update at the next
+    step: Ctrl-C between two groups' copies left the later groups a whole
+    update behind their masters, with nothing pending to land them. Now the
+    landing through the step's launch is whole: the engine equals one that
+    was not interrupted."""
+    import os
+    import signal
+
+    def build(folder):
+        model = _model()
+        first = list(model[0].parameters())
+        rest = [p for p in model.parameters() if all(p is not q for q in first)]
+        opt = torch.optim.AdamW([{"params": first}, {"params": rest}], lr=1e-2)
+        os.makedirs(folder)
+        return zero.initialize(model, optimizer=opt, stage=stage, offload_optimizer={
+            "device": "nvme", "nvme_path": str(folder), "delayed_update": True})
+    engines = [build(tmp_path / name) for name in ("interrupted", "whole")]
+    for engine in engines:
+        _train(engine, 3)
+    group = engines[0].groups[0]
+
+    def copy_then_ctrl_c(source):
+        del group._copy_into_shard  # the class's again
+        group._copy_into_shard(source)
+        os.kill(os.getpid(), signal.SIGINT)
+    group._copy_into_shard = copy_then_ctrl_c
+    x, y = _batch(3)
+    engines[0].backward(_loss(engines[0](x), y))
+    with pytest.raises(KeyboardInterrupt):
+        engines[0].step()
+    assert engines[0].global_steps == 4  # the step is whole: taken
+    _train(engines[1], 1, start=3)
+    for engine in engines:
+        _train(engine, 2, start=4)
+    ours, theirs = (e.full_state_dict() for e in engines)
+    assert all(torch.equal(ours[k], theirs[k]) for k in theirs)
+    for engine in engines:
+        engine.close()
 
 
 def test_the_ctrl_c_tests_pass_with_sigint_ignored_on_entry(tmp_path):

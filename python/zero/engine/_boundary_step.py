@@ -16,7 +16,7 @@ import numbers
 
 import torch
 
-from zero.engine._interrupts import interrupts_held
+from zero._interrupts import interrupts_held
 from zero.engine._optimizer_step_hooks import has_post_hooks, run_post_hooks, run_pre_hooks
 from zero.engine._unchanged import check_optimizer_unchanged
 from zero.sharding._buckets import finish_backwards
@@ -122,6 +122,20 @@ class BoundaryStep:
         if self._in_no_sync:
             self._scaled_backward = False
             return
+        if boundary and self._delayed is not None and self._delayed.pending:
+            # the last update lands in the agreement below: from there through
+            # this step's launch, Ctrl-C waits, so the step is whole or not
+            # taken (an interrupt after the landing alone aborted a step whose
+            # rerun batch then trained from other weights than an
+            # uninterrupted run's)
+            with interrupts_held():
+                self._counted_step(boundary, unscaled)
+        else:
+            self._counted_step(boundary, unscaled)
+
+    def _counted_step(self, boundary, unscaled):
+        """step() from its agreement on: the micro-step counted, and at the
+        boundary the reduction and update."""
         if boundary:
             # everything that can refuse, before anything changes, and
             # agreed over the ranks: a refusal on one rank alone, or settings

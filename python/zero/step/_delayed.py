@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import threading
 
+from zero._interrupts import interrupts_held
 from zero.sharding._groups_together import refresh_params
 from zero.sharding._param_writes import bump_versions
 
@@ -119,13 +120,17 @@ class DelayedUpdate:
 
     def land(self):
         """The new parameters into each group's shard, then gathered: a
-        collective at stages 1-3 (the caller is one on every rank)."""
-        groups, self._groups = self._groups, []
-        for fg in groups:
-            fg.take_delayed_params()
-        refresh_params(groups)  # the small groups together
-        for fg in groups:
-            bump_versions(fg)
+        collective at stages 1-3 (the caller is one on every rank). Whole
+        or not at all: Ctrl-C between two groups' copies left the later
+        groups a whole update behind their masters, with nothing pending
+        to land them (a rerun batch then trained from mixed weights)."""
+        with interrupts_held():
+            groups, self._groups = self._groups, []
+            for fg in groups:
+                fg.take_delayed_params()
+            refresh_params(groups)  # the small groups together
+            for fg in groups:
+                bump_versions(fg)
 
     def finish(self):
         """close(): land the last update (a collective, as the step's
