@@ -1204,3 +1204,30 @@ def test_a_frozen_parameter_a_stage_2_engine_keeps_is_not_partitioned_under_it()
     other.close()
     engine.close()
     zero.inference(teacher, stage=3).close()  # once the student's engine is closed
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2])
+def test_an_initialize_that_fails_after_a_group_gives_the_model_back_exactly(stage,
+                                                                               monkeypatch):
+    """The second param group's construction fails (a disk quota met while
+    reserving its files): the first group's parameters were left in bf16,
+    rounded, and a retry trained from them silently. Now each has its dtype
+    and exact values back (from the fp32 master this rank holds whole)."""
+    import zero.engine._engine as engine_module
+    model = _model()
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    first = list(model[0].parameters())
+    rest = [p for p in model.parameters() if all(p is not q for q in first)]
+    opt = torch.optim.AdamW([{"params": first}, {"params": rest}], lr=1e-2)
+    real = engine_module.FlatGroup
+
+    def second_fails(index, *args, **kwargs):
+        if index == 1:
+            raise OSError(122, "Disk quota exceeded")
+        return real(index, *args, **kwargs)
+    monkeypatch.setattr(engine_module, "FlatGroup", second_fails)
+    with pytest.raises(OSError, match="Disk quota exceeded"):
+        zero.initialize(model, optimizer=opt, stage=stage, precision="bf16")
+    monkeypatch.setattr(engine_module, "FlatGroup", real)
+    for name, p in model.named_parameters():
+        assert p.dtype == torch.float32 and torch.equal(p.detach(), before[name]), name

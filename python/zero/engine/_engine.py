@@ -32,7 +32,7 @@ from zero.engine._deepspeed_queries import DeepSpeedQueries, LossScale
 from zero.engine._construction import (apply_aio, broadcast_buffer, cast_module,
                                        match_param_groups, offload_files, owners_of,
                                        param_files, units_of, warn_if_narrowed)
-from zero.engine._handback import forget_dropped, hand_back, record_dtypes
+from zero.engine._handback import forget_dropped, hand_back, record_dtypes, undo_failed_build
 from zero.engine._reports import EngineReports
 from zero.engine._module_attributes import ModuleAttributes
 from zero.engine._not_copied import NotCopied
@@ -157,7 +157,7 @@ class Engine(BoundaryStep, DeepSpeedQueries, BatchCalls, CheckpointCalls, Engine
         self._schedule = None
         try:
             self._build(module, optimizer, config, comm, groups, owners, resumed)
-        except BaseException:
+        except BaseException as error:
             for h in self._hooks:
                 h.remove()
             if self._schedule is not None:
@@ -167,6 +167,8 @@ class Engine(BoundaryStep, DeepSpeedQueries, BatchCalls, CheckpointCalls, Engine
                 # next initialize instead of training empty placeholders
                 for p in module.parameters():
                     mark(p, "_zero_lost", True)
+            else:
+                undo_failed_build(self, module, error)
             raise
         # registered last: a failed __init__ leaves through initialize's
         # error path, not here too. A dropped engine leaves its group (a

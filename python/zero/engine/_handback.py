@@ -284,6 +284,39 @@ def _views_more(t) -> bool:
     return t.storage_offset() != 0 or t.untyped_storage().nbytes() != t.nbytes
 
 
+def undo_failed_build(engine, module, error):
+    """initialize failed after some flat groups were built (a disk quota
+    met while reserving a later group's files), stages 0-2: their
+    parameters point into the engine's buffers, in the compute dtype. Each
+    gets its dtype back, exactly from an fp32 master this rank holds whole,
+    else cast from the compute dtype's values: those were rounded, which
+    `error` then says by name (a retry trained from the rounded weights,
+    silently)."""
+    dtypes = getattr(engine, "_dtypes_before", None)
+    if not dtypes:
+        return
+    names = {id(p): name for name, p in module.named_parameters()}
+    rounded = []
+    with torch.no_grad():
+        for fg in getattr(engine, "groups", []):
+            whole = fg.num_partitions == 1 and fg.master is not None and \
+                fg.master is not fg.shard
+            for i, p in enumerate(fg.params):
+                dtype = dtypes.get(("parameter", names.get(id(p))))
+                if dtype is None:
+                    continue
+                values = fg.view(fg.master, i) if whole else p.data
+                if not whole and torch.finfo(p.dtype).bits < torch.finfo(dtype).bits:
+                    rounded.append(names[id(p)])
+                p.data = values.to(dtype=dtype, copy=True)
+    if rounded and hasattr(error, "add_note"):
+        listed = ", ".join(f"'{n}'" for n in rounded[:4]) + (" ..." if len(rounded) > 4 else "")
+        error.add_note(f"zero: initialize failed after casting {len(rounded)} parameter(s) "
+                       f"({listed}) to the compute dtype: they have their dtype back, but "
+                       "their values are rounded. Reload the model's weights before trying "
+                       "again")
+
+
 def restore_dtypes(engine):
     """close(): each parameter and buffer its dtype from before initialize
     ([Note: dtypes given back])."""
