@@ -108,3 +108,41 @@ def test_close_keeps_unstepped_gradients_and_drops_zeros(stage):
     reference(x).pow(2).mean().backward()
     for p, q in zip(model.parameters(), reference.parameters()):
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-6, atol=1e-7)
+
+
+def _held_in(folder) -> int:
+    """This process's descriptors and mappings of files under `folder` (the
+    offload files are unlinked at creation: only these hold their space)."""
+    held = 0
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            held += str(folder) in os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            pass
+    with open("/proc/self/maps") as maps:
+        held += sum(str(folder) in line for line in maps)
+    return held
+
+
+def test_a_dropped_stage3_engine_with_a_kept_loss_gives_its_files_back(tmp_path):
+    """Dropped without close() while a loss held its graph (a notebook cell
+    run again): the engine's master and state files stayed open and mapped,
+    holding their disk space, and the next initialize on a small disk
+    failed for want of room."""
+    def cell():
+        model = _model()
+        engine = zero.initialize(model, optimizer=torch.optim.AdamW(model.parameters()),
+                                 stage=3, precision="bf16",
+                                 stage3_param_persistence_threshold=0,
+                                 offload_optimizer={"device": "nvme",
+                                                    "nvme_path": str(tmp_path)})
+        x = torch.randn(4, 16, dtype=torch.bfloat16)
+        engine.backward(engine(x).float().square().mean())
+        engine.step()
+        return engine, engine(x).float().square().mean()  # an evaluation loss, kept
+    engine, loss = cell()
+    assert _held_in(tmp_path) > 0
+    del engine
+    gc.collect()
+    assert _held_in(tmp_path) == 0
+    del loss

@@ -44,14 +44,24 @@ def hand_back(engine):
     for fg in engine.all_groups:
         for p in fg.params:
             unmark(p, "_zero_place")
-        if fg.offload is not None:  # its windows and descriptors
-            fg.offload.close()
-        if fg.param_files is not None:
-            fg.param_files.close()
+    close_group_files(engine.all_groups)
     if engine._monitor is not None:
         engine._monitor.close()
     drop_engine_buffers(engine)
     engine._leave_group()
+
+
+def close_group_files(groups):
+    """The groups' offload files: windows and descriptors (an unlinked
+    file's space returns once its descriptors and mappings are gone). A
+    stage-3 engine dropped without close() while a loss still held its
+    graph kept them open, and the disk full: the next initialize on it
+    failed for want of room."""
+    for fg in groups:
+        if fg.offload is not None:
+            fg.offload.close()
+        if fg.param_files is not None:
+            fg.param_files.close()
 
 
 def drop_engine_buffers(engine):
@@ -88,6 +98,9 @@ def drop_group_buffers(groups):
         fg.shard = fg.master = fg.grad_flat = fg.grad_part = None
         fg.delayed_grad = fg.delayed_params = None
         fg.host_windows = {}
+        # the files' mappings (closed by close_group_files): what the model
+        # and optimizer were handed back views them on their own
+        fg.offload = fg.param_files = None
         for unit in fg.units:
             unit.full = None
             unit._spare = None
@@ -127,6 +140,7 @@ def forget_dropped(hooks, groups, unplace, schedule=None):
     if schedule is not None:
         schedule.remove()
         schedule.pool = None
+        close_group_files(groups)  # a kept loss holds the groups: their files' space
         drop_group_buffers(groups)
         if any(p.__dict__.get("_zero_lost") for fg in groups for p in fg.params):
             # the model's forward would meet the placeholders: torch's shape error
