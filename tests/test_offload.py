@@ -408,3 +408,15 @@ def test_offloaded_states_are_not_held_in_ram(tmp_path):
     # their files, never whole in RAM
     assert built_in_memory - built_offloaded >= states - ALLOWANCE, \
         (built_in_memory, built_offloaded)
+
+
+def test_a_leftover_file_of_a_process_with_this_pid_does_not_stop_initialize(tmp_path):
+    """Offload files are created exclusively and unlinked at once; one left
+    by a process killed in between, whose pid came back (a restarted
+    container), made every later initialize with that pid fail ("cannot
+    create a file for 'master'"). The names now carry a random part."""
+    for name in ("master", "exp_avg", "exp_avg_sq"):
+        (tmp_path / f"zero-{os.getpid()}-r0-g0-{name}.states").write_bytes(b"")
+    engine = run(2, "fp32", "adamw", nvme_path=tmp_path, steps=1)
+    engine.close()
+    assert len(os.listdir(tmp_path)) == 3  # the leftovers, left to their owner

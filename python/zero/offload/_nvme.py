@@ -57,6 +57,7 @@ from __future__ import annotations
 import errno
 import mmap
 import os
+import uuid
 
 import torch
 
@@ -108,7 +109,11 @@ class NvmeFiles:
         if numel == 0:  # nothing to keep (a group of empty parameters)
             return torch.empty(0, dtype=dtype)
         nbytes = numel * dtype.itemsize
-        path = os.path.join(self.directory, f"zero-{os.getpid()}-{self.label}-{name}.states")
+        # a name no other process takes: the pid alone met a leftover of a
+        # process killed between creation and unlink whose pid came back (a
+        # restarted container), or another container's in a shared directory
+        path = os.path.join(self.directory,
+                            f"zero-{os.getpid()}-{uuid.uuid4().hex}-{self.label}-{name}.states")
         try:
             fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         except OSError as e:
