@@ -322,8 +322,7 @@ class Stage3Schedule(UnitGathering, SavedParameters, PassOrder):
             # collective its peers, still gathering, would never join
             failed = output is None and sys.exc_info()[1] is not None
             self.entered[index] -= 1
-            if self.running and self.running[-1] is module:
-                self.running.pop()
+            _remove_last(self.running, module)
             # a root that calls itself: the inner call is an ordinary module
             outermost = is_root and self.root_depth == 0
             if outermost:
@@ -541,6 +540,15 @@ def refuse_function_transforms():
             "...), which stage 3's gathers and releases do not support. Use stage 0-2 "
             "(torch.func works on their models), or compute it on a plain copy of the "
             "weights (engine.full_state_dict() into a model of your own)")
+
+
+def _remove_last(running, module):
+    """module's last entry off the running stack (the top, unless forwards
+    ended out of order)."""
+    for k in range(len(running) - 1, -1, -1):
+        if running[k] is module:
+            del running[k]
+            return
 
 
 def _inside_forward_of(module) -> bool:
