@@ -286,17 +286,12 @@ def released_writes_refusal(groups, by: str):
     """The refusal of a change `by` something (the optimizer's step
     post-hooks) made to a released stage-3 parameter, the change dropped as
     it is named (_lost_change); None when there is none. Found at once,
-    rather than at the next step, whose refusal named no cause."""
-    for fg in groups:
-        seen = getattr(fg, "seen_versions", None)
-        if seen is None:
-            continue
-        for unit in fg.units:
-            if unit.gathered and unit.work is None:
-                continue
-            for j, p in enumerate(unit.params):
-                if _released_changed(p, seen[unit.members.start + j]):
-                    return RuntimeError(f"{by} wrote a parameter: {_lost_change(fg, unit, j)}")
+    rather than at the next step, whose refusal named no cause. Writes to
+    gathered units are left for the next step to take in, as any others."""
+    try:
+        _writes([fg for fg in groups if getattr(fg, "seen_versions", None) is not None])
+    except RuntimeError as error:
+        return RuntimeError(f"{by} wrote a parameter: {error}")
     return None
 
 
