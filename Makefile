@@ -12,7 +12,7 @@ CXX ?= g++
 # tests on machines without a GPU (tests/emulated_cuda, docs/cuda.md).
 EMULATED_CUDA = tests/c/build/libzero_fake_cuda.so
 
-.PHONY: deps install train rlhf test test-c test-cuda-build emulated-cuda test-py test-hf5 bench bench-train bench-checkpoint bench-offload bench-beyond-ram clean
+.PHONY: deps install train rlhf test test-c core-objects test-cuda-build emulated-cuda test-py test-hf5 bench bench-train bench-checkpoint bench-offload bench-beyond-ram clean
 
 # The pinned CPU build of torch and the test tools.
 deps:
@@ -22,35 +22,55 @@ install: deps
 	$(PYTHON) -m pip install -q --no-build-isolation -e .
 
 # C core alone, no Python, under AddressSanitizer and UBSan; the CUDA host
-# code too (its loader's failure paths need no GPU).
+# code too (its loader's failure paths need no GPU). The core is compiled
+# once per sanitizer build (in parallel), then linked into each test.
+C_TEST_FLAGS = -std=c11 -O1 -g -Wall -Wextra -Werror -Iinclude
+CORE_HEADERS = $(wildcard csrc/*.h csrc/x86/*.h include/zero/*.h)
+CORE_BUILD = tests/c/build/core
+core_objects = $(patsubst %.c,$(CORE_BUILD)/$(1)/%.o,$(CORE_SOURCES))
+FLAVOR_FLAGS_asan = $(SANITIZE)
+FLAVOR_FLAGS_tsan = -fsanitize=thread
+# the disk I/O engine's fault hook compiled in (tests/c/test_aio.c)
+FLAVOR_FLAGS_asan-faults = $(SANITIZE) -DZERO_AIO_FAULTS
+FLAVOR_FLAGS_tsan-faults = -fsanitize=thread -DZERO_AIO_FAULTS
+CORE_FLAVORS = asan tsan asan-faults tsan-faults
+ASAN_RUN = ASAN_OPTIONS=detect_leaks=1 UBSAN_OPTIONS=print_stacktrace=1
+
+define core_object_rule
+$(CORE_BUILD)/$(1)/%.o: %.c $(CORE_HEADERS)
+	@mkdir -p $$(@D)
+	$(CC) $(C_TEST_FLAGS) $(FLAVOR_FLAGS_$(1)) -c -o $$@ $$<
+endef
+$(foreach f,$(CORE_FLAVORS),$(eval $(call core_object_rule,$(f))))
+
+core-objects: $(foreach f,$(CORE_FLAVORS),$(call core_objects,$(f)))
+
+# test_<name> against the core of one build: $(call c_test,name,flavor,binary)
+define c_test
+	$(CC) $(C_TEST_FLAGS) $(FLAVOR_FLAGS_$(2)) -o tests/c/build/$(3) tests/c/$(1).c \
+		$(call core_objects,$(2)) -lm -lpthread -ldl
+endef
+
 test-c: $(EMULATED_CUDA)
-	mkdir -p tests/c/build
-	$(CC) -std=c11 -O1 -g -Wall -Wextra -Werror -Iinclude $(SANITIZE) -o tests/c/build/test_core \
-		tests/c/test_core.c $(CORE_SOURCES) -lm -lpthread -ldl
-	ASAN_OPTIONS=detect_leaks=1 UBSAN_OPTIONS=print_stacktrace=1 tests/c/build/test_core
+	$(MAKE) -j$$(nproc) core-objects
+	$(call c_test,test_core,asan,test_core)
+	$(ASAN_RUN) tests/c/build/test_core
 	# the gradient bucket plan and the accumulate kernel
-	$(CC) -std=c11 -O1 -g -Wall -Wextra -Werror -Iinclude $(SANITIZE) -o tests/c/build/test_buckets \
-		tests/c/test_buckets.c $(CORE_SOURCES) -lm -lpthread -ldl
-	ASAN_OPTIONS=detect_leaks=1 UBSAN_OPTIONS=print_stacktrace=1 tests/c/build/test_buckets
-	$(CC) -std=c11 -O1 -g -Wall -Wextra -Werror -Iinclude $(SANITIZE) -o tests/c/build/test_bucket_gaps \
-		tests/c/test_bucket_gaps.c $(CORE_SOURCES) -lm -lpthread -ldl
-	ASAN_OPTIONS=detect_leaks=1 UBSAN_OPTIONS=print_stacktrace=1 tests/c/build/test_bucket_gaps
-	$(CC) -std=c11 -O1 -g -Wall -Wextra -Werror -Iinclude $(SANITIZE) -o tests/c/build/test_shared_buckets \
-		tests/c/test_shared_buckets.c $(CORE_SOURCES) -lm -lpthread -ldl
-	ASAN_OPTIONS=detect_leaks=1 UBSAN_OPTIONS=print_stacktrace=1 tests/c/build/test_shared_buckets
-	$(CC) -std=c11 -O1 -g -Wall -Wextra -Werror -Iinclude $(SANITIZE) -o tests/c/build/test_cuda \
-		tests/c/test_cuda.c $(CORE_SOURCES) -lm -lpthread -ldl
-	ASAN_OPTIONS=detect_leaks=1 UBSAN_OPTIONS=print_stacktrace=1 tests/c/build/test_cuda $(EMULATED_CUDA)
+	$(call c_test,test_buckets,asan,test_buckets)
+	$(ASAN_RUN) tests/c/build/test_buckets
+	$(call c_test,test_bucket_gaps,asan,test_bucket_gaps)
+	$(ASAN_RUN) tests/c/build/test_bucket_gaps
+	$(call c_test,test_shared_buckets,asan,test_shared_buckets)
+	$(ASAN_RUN) tests/c/build/test_shared_buckets
+	$(call c_test,test_cuda,asan,test_cuda)
+	$(ASAN_RUN) tests/c/build/test_cuda $(EMULATED_CUDA)
 	# the thread pool again, under ThreadSanitizer
-	$(CC) -std=c11 -O1 -g -Wall -Wextra -Werror -Iinclude -fsanitize=thread -o tests/c/build/test_core_tsan \
-		tests/c/test_core.c $(CORE_SOURCES) -lm -lpthread -ldl
+	$(call c_test,test_core,tsan,test_core_tsan)
 	tests/c/build/test_core_tsan
 	# the disk I/O engine, its fault hook compiled in, under both
-	$(CC) -std=c11 -O1 -g -Wall -Wextra -Werror -Iinclude -DZERO_AIO_FAULTS $(SANITIZE) -o tests/c/build/test_aio \
-		tests/c/test_aio.c $(CORE_SOURCES) -lm -lpthread -ldl
-	ASAN_OPTIONS=detect_leaks=1 UBSAN_OPTIONS=print_stacktrace=1 tests/c/build/test_aio
-	$(CC) -std=c11 -O1 -g -Wall -Wextra -Werror -Iinclude -DZERO_AIO_FAULTS -fsanitize=thread -o tests/c/build/test_aio_tsan \
-		tests/c/test_aio.c $(CORE_SOURCES) -lm -lpthread -ldl
+	$(call c_test,test_aio,asan-faults,test_aio)
+	$(ASAN_RUN) tests/c/build/test_aio
+	$(call c_test,test_aio,tsan-faults,test_aio_tsan)
 	tests/c/build/test_aio_tsan
 
 # The CUDA kernels through nvcc with every warning an error (no GPU needed);
