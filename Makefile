@@ -90,8 +90,14 @@ $(EMULATED_CUDA): $(wildcard tests/emulated_cuda/*) $(wildcard kernels/*.cu*) $(
 	$(CXX) -std=c++17 -O2 -g -fPIC -shared -Wall -Wextra -Werror -Wno-unknown-pragmas \
 		-Itests/emulated_cuda -Iinclude -o $@ tests/emulated_cuda/fake_cuda.cpp
 
+# pytest on PYTEST_WORKERS processes (pytest-xdist), a whole file to a
+# worker (a module's fixture starts its ranks once); then, alone, the tests
+# marked serial, whose timeouts of seconds a loaded machine could trip.
+PYTEST_WORKERS ?= 2
+PYTEST_PARALLEL = -n $(PYTEST_WORKERS) --dist loadfile
 test-py:
-	$(PYTHON) -m pytest -q tests
+	$(PYTHON) -m pytest -q $(PYTEST_PARALLEL) -m "not serial" tests
+	$(PYTHON) -m pytest -q -m serial tests
 
 # The HuggingFace tests again under transformers 5 (requirements-test.txt
 # pins 4.57.6), in a venv that sees everything else installed here.
@@ -103,7 +109,7 @@ HF5_TESTS = tests/test_hf_trainer.py tests/test_hf_llama.py tests/test_hf_archit
 test-hf5: install
 	$(PYTHON) -m venv --system-site-packages $(HF5_VENV)
 	$(HF5_VENV)/bin/python -m pip install -q "transformers==5.18.0" "setuptools>=77"
-	$(HF5_VENV)/bin/python -m pytest -q $(HF5_TESTS)
+	$(HF5_VENV)/bin/python -m pytest -q $(PYTEST_PARALLEL) $(HF5_TESTS)
 
 test: install test-c $(if $(NVCC),test-cuda-build) test-py test-hf5
 
