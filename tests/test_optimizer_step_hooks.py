@@ -229,6 +229,48 @@ def test_post_hooks_do_not_run_on_a_skipped_fp16_step():
     engine.close()
 
 
+@pytest.mark.parametrize("stage", [0, 3])
+def test_reduce_lr_on_plateau_steps_on_the_metric_lr_kwargs_give(stage, tmp_path):
+    """ReduceLROnPlateau was refused at initialize, though DeepSpeed steps
+    it with engine.step(lr_kwargs={"metrics": ...}); without the metric the
+    step is refused before anything changes (torch's step() raised after
+    the update). The metrics below stall, so the lr drops after patience 1:
+    the engine matches torch's loop at every step, save and load included."""
+    model, opt, ref, ref_opt = twins(stage)
+    plateau = dict(mode="min", factor=0.5, patience=1)
+    engine = engine_of(model, opt, stage,
+                       lr_scheduler=torch.optim.lr_scheduler.ReduceLROnPlateau(opt, **plateau))
+    ref_sched = torch.optim.lr_scheduler.ReduceLROnPlateau(ref_opt, **plateau)
+    data = batches("cpu", 6)
+    before = {k: v.clone() for k, v in engine.full_state_dict().items()}
+    engine.backward(loss_of(engine(data[0][0]), data[0][1]))
+    with pytest.raises(TypeError, match=r"ReduceLROnPlateau, which steps on the metric .*"
+                       r"lr_kwargs=\{'metrics': value\}.*Nothing was updated"):
+        engine.step()
+    assert engine.global_steps == 0
+    for name, value in engine.full_state_dict().items():
+        assert torch.equal(value, before[name]), name
+    engine.zero_grad()
+    metrics = [1.0, 0.9, 0.95, 0.97, 0.99, 0.98]
+    for (tokens, targets), metric in zip(data, metrics):
+        engine.backward(loss_of(engine(tokens), targets))
+        engine.step(lr_kwargs={"metrics": metric})
+        torch_step(ref, ref_opt, tokens, targets)
+        ref_sched.step(metric)
+        assert opt.param_groups[0]["lr"] == ref_opt.param_groups[0]["lr"]
+        assert_matches(engine, ref)
+    assert opt.param_groups[0]["lr"] == pytest.approx(2.5e-3)  # halved twice
+    engine.save_checkpoint(tmp_path, tag="plateau")
+    engine.close()
+    model, opt, _ref, _ref_opt = twins(stage, seed=1)
+    engine = engine_of(model, opt, stage,
+                       lr_scheduler=torch.optim.lr_scheduler.ReduceLROnPlateau(opt, **plateau))
+    engine.load_checkpoint(tmp_path, tag="plateau")
+    assert engine.lr_scheduler.state_dict() == ref_sched.state_dict()
+    assert opt.param_groups[0]["lr"] == pytest.approx(2.5e-3)
+    engine.close()
+
+
 def test_step_passes_deepspeeds_lr_kwargs_and_refuses_a_closure():
     """DeepSpeed's engine.step(lr_kwargs=...) hands them to the scheduler's
     step(); torch's optimizer.step(closure) habit got "step() takes 1

@@ -147,6 +147,7 @@ class BoundaryStep:
                     # then see what a hook set (a learning rate)
                     run_pre_hooks(self.optimizer)
                     check_optimizer_unchanged(self)
+                    check_scheduler_call(self.lr_scheduler, self._lr_kwargs)
                     _step_path.check_every_group(self._spec, self.optimizer, self.groups)
                 if self._comm.dp_world > 1:  # compared over every data-parallel rank
                     settings = describe_settings(self.optimizer.param_groups,
@@ -276,3 +277,16 @@ class BoundaryStep:
             self._monitor.after_step(self)
         if failure is not None:
             raise failure
+
+
+def check_scheduler_call(lr_scheduler, lr_kwargs):
+    """ReduceLROnPlateau steps on the metric it watches, which DeepSpeed's
+    engine.step(lr_kwargs={"metrics": value}) hands over. Without it,
+    torch's step() raised after the update: refused before it instead."""
+    if isinstance(lr_scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau) and \
+            "metrics" not in lr_kwargs:
+        raise TypeError(
+            "engine.step(): the lr_scheduler is ReduceLROnPlateau, which steps on the metric "
+            "it watches: pass it, engine.step(lr_kwargs={'metrics': value}) (the same value "
+            "on every rank, a validation loss all-reduced), or keep the scheduler out of "
+            "initialize and call its step(value) yourself. Nothing was updated")

@@ -423,12 +423,6 @@ def _check_scheduler(lr_scheduler, optimizer) -> None:
     if not callable(getattr(lr_scheduler, "step", None)):
         raise TypeError("lr_scheduler must be a scheduler (with a step() method) or a callable "
                         f"that makes one from the optimizer, got {type(lr_scheduler).__name__}")
-    if isinstance(lr_scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau):
-        # engine.step() steps the scheduler with no metric: it would raise
-        # there, after the update, with the gradients not yet zeroed
-        raise ValueError("lr_scheduler: ReduceLROnPlateau needs the metric it watches, which "
-                         "engine.step() does not have; keep it out of initialize and call "
-                         "its step(metric) yourself after engine.step()")
     bound = getattr(lr_scheduler, "optimizer", optimizer)
     if bound is not optimizer:
         raise ValueError("lr_scheduler was built on another optimizer than the one the engine "
