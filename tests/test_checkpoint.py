@@ -21,6 +21,7 @@ from torch import nn
 
 import zero
 from conftest import max_rel_error
+from zero.checkpoint._command import main as command_main
 from engine_cases import Net, batches, loss_of, make_optimizer, no_launcher
 
 STEPS = 6
@@ -192,6 +193,63 @@ def test_extra_state_is_kept_and_given_back(tmp_path, monkeypatch, stage, kind):
     plain = build()
     plain.load_state_dict(zero.checkpoint.consolidate(tmp_path)["model"])  # torch's own load
     assert plain[0].calls == 3
+    # the command too (it wrote the file, then failed counting a dict's elements)
+    assert command_main([str(tmp_path), str(tmp_path / "model.pt")]) == 0
+    plain = build()
+    plain.load_state_dict(torch.load(tmp_path / "model.pt", weights_only=True))
+    assert plain[0].calls == 3
+
+
+class WithEmpty(nn.Module):
+    """A model with a parameter of no elements (an empty vocabulary
+    extension, an unused adapter)."""
+
+    def __init__(self):
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
+        self.empty = nn.Parameter(torch.zeros(0, 4))
+
+    def forward(self, x):
+        return self.body(x).square().mean() + self.empty.sum()
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_a_parameter_of_no_elements_resumes_with_the_others(tmp_path, stage):
+    """Before, the save kept no optimizer states for it (it lies in no
+    shard) and every load with optimizer states then refused the checkpoint
+    for want of them (checkpoint hunt). The resumed run ends bit for bit
+    where the uninterrupted one does."""
+    def build():
+        torch.manual_seed(0)
+        model = WithEmpty()
+        return zero.initialize(model, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-2),
+                               stage=stage, stage3_param_persistence_threshold=0)
+    data = [torch.randn(3, 4, generator=torch.Generator().manual_seed(i)) for i in range(4)]
+
+    def steps(engine, xs):
+        losses = []
+        for x in xs:
+            loss = engine(x)
+            engine.backward(loss)
+            engine.step()
+            losses.append(loss.item())
+        return losses
+    whole = build()
+    expected = steps(whole, data)
+    expected_state = whole.full_state_dict()
+    whole.close()
+    first = build()
+    steps(first, data[:2])
+    first.save_checkpoint(tmp_path)
+    first.close()
+    resumed = build()
+    resumed.load_checkpoint(tmp_path)
+    assert steps(resumed, data[2:]) == expected[2:]
+    got = resumed.full_state_dict()
+    assert got["empty"].shape == (0, 4)
+    for name, value in expected_state.items():
+        assert torch.equal(got[name], value), name
+    resumed.close()
 
 
 def test_extra_state_a_checkpoint_cannot_hold_is_refused_by_name(tmp_path, monkeypatch):

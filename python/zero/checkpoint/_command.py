@@ -30,8 +30,10 @@ def main(argv=None) -> int:
         _save(out, args.output)
     except (ValueError, OSError) as error:  # OSError: FileNotFoundError too
         parser.error(str(error))
-    n = sum(t.numel() for t in state["model"].values())
-    print(f"wrote {args.output}: {len(state['model'])} tensors, {n:,} elements")
+    # a module's extra state may be any plain value (a dict) beside the tensors
+    tensors = [t for t in state["model"].values() if isinstance(t, torch.Tensor)]
+    print(f"wrote {args.output}: {len(tensors)} tensors, "
+          f"{sum(t.numel() for t in tensors):,} elements")
     return 0
 
 

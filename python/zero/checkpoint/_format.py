@@ -491,7 +491,11 @@ class CheckpointReader:
 
     def has_state(self, name: str, key: str) -> bool:
         pieces = self.index.get(name)
-        return bool(pieces) and all(key in piece[2] for piece in pieces)
+        if not pieces:
+            # a parameter of no elements lies in no shard: no states to read
+            info = self.meta["params"].get(name)
+            return info is not None and info["numel"] == 0
+        return all(key in piece[2] for piece in pieces)
 
     def _stretches(self, name: str, key: str, lo: int, hi: int):
         """(a, b, source) for each stored stretch [a, b) of [lo, hi); raises
