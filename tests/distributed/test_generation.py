@@ -172,3 +172,44 @@ def test_ranks_that_generate_other_ways_are_refused_together():
     for rank, error in enumerate(harness.run(2, generate_other_ways, timeout=120)):
         assert error is not None and "not in the same engine call" in error, rank
         assert f"gather={['whole', 'units'][rank]!r}" in error, error
+
+
+def models_own_generate(rank, world):
+    """The model's own generate, as a HuggingFace user calls it: on every
+    rank without synced_gpus, ranks stopping apart; then on rank 0 alone,
+    while rank 1 goes on to full_state_dict()."""
+    import zero
+    model = tiny_gpt2()
+    engine = zero.initialize(model, optimizer=torch.optim.AdamW(model.parameters()), stage=3,
+                             stage3_param_persistence_threshold=0, timeout=60)
+    out = model.generate(prompt(rank), max_new_tokens=NEW_TOKENS[rank], do_sample=False)
+    try:
+        if rank == 0:
+            model.generate(prompt(rank), max_new_tokens=2, do_sample=False)
+        else:
+            engine.full_state_dict()
+        error = None
+    except RuntimeError as caught:
+        error = str(caught)
+    engine.close()
+    routed_after_close = "generate" in model.__dict__
+    return out, error, routed_after_close
+
+
+def test_the_models_own_generate_goes_through_the_engine():
+    """model.generate(...) at stage 3 ran HF's synced loop (an all-reduce a
+    token on the default group, a gather a unit a token); on rank 0 alone
+    it met rank 1's next engine call: gloo aborted on the sizes, or both
+    waited out the timeout (an HF trainer hunt). It goes through
+    engine.generate now: the tokens are a plain model's, the ranks stop
+    apart, and rank 0 alone is refused on both ranks, by name."""
+    results = harness.run(2, models_own_generate, timeout=180)
+    model = tiny_gpt2()
+    for rank, (out, error, routed_after_close) in enumerate(results):
+        with torch.no_grad():
+            expected = model.generate(prompt(rank), max_new_tokens=NEW_TOKENS[rank],
+                                      do_sample=False)
+        assert torch.equal(out, expected), rank
+        assert error is not None and "not in the same engine call" in error, (rank, error)
+        assert ("generate(gather='auto')" if rank == 0 else "full_state_dict()") in error
+        assert not routed_after_close  # close() gives the class's generate back

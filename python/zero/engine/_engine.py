@@ -32,6 +32,7 @@ from zero.engine._deepspeed_queries import DeepSpeedQueries, LossScale
 from zero.engine._construction import (apply_aio, broadcast_buffer, cast_module,
                                        match_param_groups, offload_files, owners_of,
                                        param_files, units_of, warn_if_narrowed)
+from zero.engine._generation import route_generate
 from zero.engine._handback import forget_dropped, hand_back, record_dtypes, undo_failed_build
 from zero.engine._reports import EngineReports
 from zero.engine._module_attributes import ModuleAttributes
@@ -175,6 +176,7 @@ class Engine(BoundaryStep, DeepSpeedQueries, BatchCalls, CheckpointCalls, Engine
         # notebook that rebinds `engine` without close() kept the in-memory
         # group for good); close() runs it at once, and it runs only once.
         self._leave_group = weakref.finalize(self, leave_process_group, owns_group)
+        route_generate(self)  # [Note: the model's own generate at stage 3]
 
     def _build(self, module, optimizer, config, comm, groups, owners, resumed):
         # the engine's gradients start at zero: a .grad left by a torch run

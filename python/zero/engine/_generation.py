@@ -35,6 +35,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import os
+import weakref
 
 import torch
 
@@ -205,3 +206,39 @@ def _suspended(schedule):
         yield
     finally:
         schedule.suspended = False
+
+
+def route_generate(engine):
+    """[Note: the model's own generate at stage 3] A HuggingFace user calls
+    model.generate(...), not engine.generate: at stage 3 on several ranks
+    that ran HF's synced loop, an all-reduce a token on the default group
+    beside a gather a unit a token. Called on rank 0 alone (a sample
+    printed after training) its first all-reduce met the other ranks' next
+    engine call: gloo aborted on the sizes, or both waited out the timeout.
+    So the model's generate goes through engine.generate: agreed first (a
+    rank alone is refused on every rank, by name), gathered once. Inside a
+    whole gather already (the HF trainer's prediction_step, TRL's unwrap)
+    or once the engine is closed or gone, it is the model's own."""
+    module = engine.module
+    own = getattr(type(module), "generate", None)
+    present = module.__dict__.get("generate")
+    if engine._schedule is None or own is None or \
+            (present is not None and not getattr(present, "_zero_routed", False)):
+        return  # stages 0-2 hold the model whole; a generate set by the user is kept
+    owner = weakref.ref(engine)
+
+    def generate_through_engine(*args, **kwargs):
+        live = owner()
+        if live is None or live._closed or live._schedule is None or \
+                live._schedule.suspended:
+            return own(module, *args, **kwargs)
+        return generate(live, args, kwargs)
+    generate_through_engine._zero_routed = True
+    generate_through_engine.__doc__ = own.__doc__
+    module.__dict__["generate"] = generate_through_engine
+
+
+def unroute_generate(module):
+    """close(): the model's generate is its class's again."""
+    if getattr(module.__dict__.get("generate"), "_zero_routed", False):
+        del module.__dict__["generate"]

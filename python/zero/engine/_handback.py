@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 
 from zero.engine._carried_counts import leave_counts
+from zero.engine._generation import unroute_generate
 from zero.offload._mapped import MappedFile, release_freed_memory
 from zero.sharding._ds_attributes import unmark_partitioned
 from zero.sharding._param_marks import DEEPSPEED_MARKS, mark, unmark
@@ -27,6 +28,7 @@ def hand_back(engine):
     engine._hooks = []
     if engine._schedule is not None:
         engine._schedule.remove()
+        unroute_generate(engine.module)  # [Note: the model's own generate at stage 3]
         restore_params(engine, homes)
     restore_dtypes(engine)
     leave_counts(engine)  # [Note: counts carried across close]
