@@ -78,6 +78,12 @@ def test_initialize_returns_deepspeeds_four(one_process):
     assert isinstance(optimizer, torch.optim.AdamW) and scheduler is None
     assert loader.batch_size == 2 and len(loader) == 5
     assert isinstance(loader.sampler, torch.utils.data.DistributedSampler)
+    # DeepSpeed's name for it, which scripts call set_epoch on each epoch
+    # (an AttributeError before: a DeepSpeed hunt)
+    assert loader.data_sampler is loader.sampler
+    first = [batch[0] for batch in loader]
+    loader.data_sampler.set_epoch(1)
+    assert not all(torch.equal(a, b) for a, b in zip(first, (batch[0] for batch in loader)))
     assert engine.dp_world_size == 1 and engine.gradient_clipping() == 0.5
     tokens, targets = next(iter(loader))
     engine.backward(loss_of(engine(tokens), targets))
@@ -275,6 +281,12 @@ def test_a_disabled_block_is_accepted_whatever_it_holds():
     ({"zero_optimisation": {"stage": 2}}, r"a typo of 'zero_optimization'"),
     ({"zero_optimization": {"stage": 3, "zero_quantized_weights": True}},
      "ZeRO\\+\\+'s quantized weights are not supported"),
+    # DeepSpeed 0.19's, called typos before (a DeepSpeed hunt)
+    ({"data_types": {"buffer_dtype": "bf16"}},
+     r"data_types.buffer_dtype: a DeepSpeed key zero does not support \(zero casts floating "
+     r"buffers to the compute dtype"),
+    ({"data_types": {"keep_in_fp32_modules": ["norm"]}},
+     "data_types.keep_in_fp32_modules: a DeepSpeed key zero does not support"),
 ])
 def test_a_refused_key_says_whether_it_is_deepspeeds(config, match):
     with pytest.raises(ValueError, match=match):

@@ -169,7 +169,8 @@ class DeepSpeedQueries:
         """DeepSpeed's training DataLoader: batch_size (default the config's
         train_micro_batch_size_per_gpu) samples per rank, drawn by a
         DistributedSampler over the data-parallel ranks (shuffled, seed 0;
-        call loader.sampler.set_epoch(epoch) each epoch) unless
+        call loader.data_sampler.set_epoch(epoch), or loader.sampler's,
+        each epoch) unless
         data_sampler is given; a last, partial batch is dropped when the
         config's dataloader_drop_last says so. route is accepted and
         unused."""
@@ -181,10 +182,14 @@ class DeepSpeedQueries:
                              "it from")
         sampler = data_sampler if data_sampler is not None else DistributedSampler(
             dataset, num_replicas=self._comm.dp_world, rank=self._comm.everyone.rank)
-        return DataLoader(dataset, batch_size=batch, sampler=sampler, collate_fn=collate_fn,
-                          num_workers=num_local_io_workers or 0,
-                          pin_memory=pin_memory and self.device.type == "cuda",
-                          drop_last=self.config.dataloader_drop_last)
+        loader = DataLoader(dataset, batch_size=batch, sampler=sampler, collate_fn=collate_fn,
+                            num_workers=num_local_io_workers or 0,
+                            pin_memory=pin_memory and self.device.type == "cuda",
+                            drop_last=self.config.dataloader_drop_last)
+        # DeepSpeed's loader names its sampler data_sampler: scripts call
+        # loader.data_sampler.set_epoch(epoch) (an AttributeError here before)
+        loader.data_sampler = sampler
+        return loader
 
     def save_16bit_model(self, save_dir, save_filename: str = "pytorch_model.bin") -> bool:
         """DeepSpeed's: the whole model's state dict, parameters in the
