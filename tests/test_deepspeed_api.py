@@ -12,6 +12,7 @@ forward and backward with torch and differ in the AdamW update's rounding
 (DeepSpeed's torch AdamW, zero's fused C update): measured up to 6e-7
 relative after 8 steps, so 1e-5 is the bound (an update off by one step,
 a wrong clip or a wrong sampler is off by more than 1e-2)."""
+import copy
 import json
 
 import pytest
@@ -21,6 +22,7 @@ from torch import nn
 import zero
 import zero.deepspeed as deepspeed
 from deepspeed_runs import ROOT, run_script, script_on_zero
+from conftest import max_rel_error
 from engine_cases import Net, batches, loss_of, no_launcher
 
 REFERENCE = json.loads((ROOT / "tests" / "data" / "deepspeed_losses.json").read_text())
@@ -103,6 +105,46 @@ def test_the_optimizer_may_be_a_factory_over_param_groups(one_process):
             "train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 1}})
     assert [g["lr"] for g in optimizer.param_groups] == [0.1, 0.01]
     engine.close()
+
+
+@pytest.mark.parametrize("name,decoupled", [("FusedAdam", True), ("FusedAdam", False),
+                                            ("DeepSpeedCPUAdam", True)])
+def test_deepspeed_chats_adam_trains_as_torchs(one_process, name, decoupled):
+    """`from deepspeed.ops.adam import FusedAdam, DeepSpeedCPUAdam`, as
+    DeepSpeed-Chat builds its optimizer (a ModuleNotFoundError before: a
+    DeepSpeed hunt): torch's AdamW (adamw mode) or Adam (the decay added to
+    the gradient), stepped by the engine as torch steps them (1e-5: the
+    engine's fused update is a few ulps off torch's a step)."""
+    from zero.deepspeed.ops import adam
+    mode = {"FusedAdam": "adam_w_mode", "DeepSpeedCPUAdam": "adamw_mode"}[name]
+    torch.manual_seed(0)
+    model = Net()
+    ref = copy.deepcopy(model)
+    groups = lambda m: [{"params": m.head.parameters(), "weight_decay": 0.0},  # noqa: E731
+                        {"params": [*m.embed.parameters(), *m.body.parameters()]}]
+    opt = getattr(adam, name)(groups(model), lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1,
+                              **{mode: decoupled})
+    kind = torch.optim.AdamW if decoupled else torch.optim.Adam
+    assert type(opt) is kind
+    ref_opt = kind(groups(ref), lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1)
+    engine, *_ = deepspeed.initialize(model=model, optimizer=opt, config={
+        "train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 2},
+        "gradient_clipping": 0.0})  # (DeepSpeed's default clips at 1.0)
+    for tokens, targets in batches("cpu", 3):
+        engine.backward(loss_of(engine(tokens), targets))
+        engine.step()
+        loss_of(ref(tokens), targets).backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+    got = engine.full_state_dict()
+    for key, p in ref.named_parameters():
+        assert max_rel_error(got[key], p) <= 1e-5, key
+    engine.close()
+    with pytest.raises(ValueError, match=r"FusedAdam\(bias_correction=False\): zero steps"):
+        adam.FusedAdam(model.parameters(), bias_correction=False)
+    with pytest.raises(ValueError, match=r"DeepSpeedCPUAdam\(amsgrad=True\)"):
+        adam.DeepSpeedCPUAdam(model.parameters(), amsgrad=True)
+    assert deepspeed.__version__ == "0.19.8"  # the API mirrored, which scripts gate on
 
 
 def test_the_config_comes_from_args(one_process, tmp_path):
