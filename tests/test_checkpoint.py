@@ -652,6 +652,11 @@ def test_refuses_what_it_cannot_save(tmp_path):
         engine.save_checkpoint(tmp_path, client_state={"run": [1, object()]})
     with pytest.raises(ValueError, match="tag 'a/b' must be a plain directory name"):
         engine.save_checkpoint(tmp_path, tag="a/b")
+    # the name of the file beside the tags (it failed at the save's last
+    # write, after writing the whole checkpoint: a checkpoint hunt)
+    with pytest.raises(ValueError, match="tag 'latest' is the name of the file that names"):
+        engine.save_checkpoint(tmp_path, tag="latest")
+    assert os.listdir(tmp_path) == []
     # a tag the save's working directories cannot be named after (it raised
     # the file system's "name too long"), a client_state that holds itself
     # (a RecursionError)

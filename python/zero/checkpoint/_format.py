@@ -93,6 +93,11 @@ def check_tag(tag, saving: bool = False) -> str:
     if tag.endswith((STAGING_SUFFIX, REPLACED_SUFFIX, LOCK_SUFFIX)):
         raise ValueError(f"tag {tag!r} ends as the directories a save works in do; choose "
                          "another name")
+    if saving and tag == LATEST_FILE:
+        # the file naming the newest tag lives beside the tags under this name:
+        # the save failed at its last write, or into a directory that had one
+        raise ValueError(f"tag {tag!r} is the name of the file that names the newest tag in "
+                         "the checkpoint directory; choose another name")
     return tag
 
 
