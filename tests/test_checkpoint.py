@@ -657,6 +657,14 @@ def test_refuses_what_it_cannot_save(tmp_path):
     with pytest.raises(ValueError, match="tag 'latest' is the name of the file that names"):
         engine.save_checkpoint(tmp_path, tag="latest")
     assert os.listdir(tmp_path) == []
+    # into another checkpoint's tag directory: a checkpoint nested there,
+    # which loading that tag then read in its place
+    other = tmp_path.with_name(tmp_path.name + "_other")
+    engine.save_checkpoint(other, tag="x")
+    with pytest.raises(ValueError, match=r"save_checkpoint: '.*x' is itself a checkpoint's "
+                       r"tag directory .* pass its parent"):
+        engine.save_checkpoint(other / "x", tag="y")
+    assert not os.path.exists(other / "x" / "y")
     # a tag the save's working directories cannot be named after (it raised
     # the file system's "name too long"), a client_state that holds itself
     # (a RecursionError)

@@ -23,7 +23,8 @@ from zero.checkpoint._engine_parts import (all_ok, checkpoint_name, holds_a_part
 from zero.checkpoint._client_states import client_files, differ, digest, write_own
 from zero.checkpoint._extra_states import extra_state_modules, owner_name, snapshot
 from zero.checkpoint._format import (FORMAT, META_FILE, REPLICATED_GROUP, VERSION, _latest_tag,
-                                     check_tag, shard_file, staging_directory)
+                                     check_tag, shard_file, staging_directory,
+                                     tag_directory_hint)
 from zero.checkpoint._plain_values import check_plain, plain_numbers
 from zero.checkpoint._writes import (discard_replaced, discard_staging, prepare_staging, publish,
                                      unpublish, write_file, write_latest)
@@ -211,6 +212,10 @@ def save(engine, save_dir, tag=None, client_state=None, save_latest=True) -> str
             raise TypeError(f"save_dir must be a path, got {type(save_dir).__name__} "
                             f"{save_dir!r}")
         save_dir = os.fspath(save_dir)
+        if os.path.isfile(os.path.join(save_dir, META_FILE)):
+            # a checkpoint nested in another's tag, which loading that tag
+            # then read in its place
+            raise ValueError("save_checkpoint: " + tag_directory_hint(save_dir))
         require_bool(save_latest, "save_latest")  # "no" rewrote latest
     except (TypeError, ValueError) as error:
         refusal = refusal or error
