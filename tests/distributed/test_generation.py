@@ -178,11 +178,19 @@ def models_own_generate(rank, world):
     """The model's own generate, as a HuggingFace user calls it: on every
     rank without synced_gpus, ranks stopping apart; then on rank 0 alone,
     while rank 1 goes on to full_state_dict()."""
+    import copy
     import zero
+    from zero.engine._generation import _ROUTED
     model = tiny_gpt2()
     engine = zero.initialize(model, optimizer=torch.optim.AdamW(model.parameters()), stage=3,
                              stage3_param_persistence_threshold=0, timeout=60)
     out = model.generate(prompt(rank), max_new_tokens=NEW_TOKENS[rank], do_sample=False)
+    # a copy is a plain model: it generates alone, not through the engine
+    # (routed, rank 0's call would meet rank 1's next engine call)
+    with zero.GatheredParameters(list(model.parameters())):
+        twin = copy.deepcopy(model)
+    twin_out = twin.generate(prompt(rank), max_new_tokens=2, do_sample=False) \
+        if rank == 0 else None
     try:
         if rank == 0:
             model.generate(prompt(rank), max_new_tokens=2, do_sample=False)
@@ -192,8 +200,8 @@ def models_own_generate(rank, world):
     except RuntimeError as caught:
         error = str(caught)
     engine.close()
-    routed_after_close = "generate" in model.__dict__
-    return out, error, routed_after_close
+    routed_after_close = model in _ROUTED or "generate" in model.__dict__
+    return out, twin_out, error, routed_after_close
 
 
 def test_the_models_own_generate_goes_through_the_engine():
@@ -202,13 +210,19 @@ def test_the_models_own_generate_goes_through_the_engine():
     it met rank 1's next engine call: gloo aborted on the sizes, or both
     waited out the timeout (an HF trainer hunt). It goes through
     engine.generate now: the tokens are a plain model's, the ranks stop
-    apart, and rank 0 alone is refused on both ranks, by name."""
+    apart, and rank 0 alone is refused on both ranks, by name. A copy made
+    inside zero.GatheredParameters generates by itself (an attribute on the
+    model would have been copied with it, and generated from the original
+    engine's weights)."""
     results = harness.run(2, models_own_generate, timeout=180)
     model = tiny_gpt2()
-    for rank, (out, error, routed_after_close) in enumerate(results):
+    for rank, (out, twin_out, error, routed_after_close) in enumerate(results):
         with torch.no_grad():
             expected = model.generate(prompt(rank), max_new_tokens=NEW_TOKENS[rank],
                                       do_sample=False)
+            if rank == 0:
+                assert torch.equal(twin_out, model.generate(prompt(0), max_new_tokens=2,
+                                                            do_sample=False))
         assert torch.equal(out, expected), rank
         assert error is not None and "not in the same engine call" in error, (rank, error)
         assert ("generate(gather='auto')" if rank == 0 else "full_state_dict()") in error

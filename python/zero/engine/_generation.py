@@ -33,6 +33,7 @@ hybrid engine of DeepSpeed-Chat).
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 import os
 import weakref
@@ -93,7 +94,7 @@ def generate(engine, args, kwargs, generate_fn=None, gather="auto"):
             "whole (gather=\"whole\", which needs it to fit), or generate without the "
             "assistant")
     if generate_fn is None:
-        generate_fn = getattr(type(module), "generate", None)
+        generate_fn = own_generate(type(module))  # not the route back here
         if generate_fn is None:
             raise TypeError(f"engine.generate: {type(module).__name__} has no generate method "
                             "(a HuggingFace model has one); pass generate_fn=f, called as "
@@ -208,6 +209,10 @@ def _suspended(schedule):
         schedule.suspended = False
 
 
+# stage-3 root modules whose generate goes through their engine, to it (weakly)
+_ROUTED = weakref.WeakKeyDictionary()
+
+
 def route_generate(engine):
     """[Note: the model's own generate at stage 3] A HuggingFace user calls
     model.generate(...), not engine.generate: at stage 3 on several ranks
@@ -216,29 +221,42 @@ def route_generate(engine):
     printed after training) its first all-reduce met the other ranks' next
     engine call: gloo aborted on the sizes, or both waited out the timeout.
     So the model's generate goes through engine.generate: agreed first (a
-    rank alone is refused on every rank, by name), gathered once. Inside a
-    whole gather already (the HF trainer's prediction_step, TRL's unwrap)
-    or once the engine is closed or gone, it is the model's own."""
+    rank alone is refused on every rank, by name), gathered once.
+    The route is a registry entry (the module, weakly) and a wrapper on the
+    model's class that reads it, not an attribute on the model: a copy
+    (copy.deepcopy inside zero.GatheredParameters, TRL's reference model)
+    or a pickle is a plain model with the class's generate, never one that
+    generates from the original. Modules not routed, a closed or dropped
+    engine, and a whole gather already in force (engine.generate's own,
+    the HF trainer's prediction_step) get the class's generate as it was."""
     module = engine.module
-    own = getattr(type(module), "generate", None)
-    present = module.__dict__.get("generate")
-    if engine._schedule is None or own is None or \
-            (present is not None and not getattr(present, "_zero_routed", False)):
-        return  # stages 0-2 hold the model whole; a generate set by the user is kept
-    owner = weakref.ref(engine)
+    cls = type(module)
+    present = getattr(cls, "generate", None)
+    if engine._schedule is None or present is None or "generate" in module.__dict__:
+        return  # stages 0-2 hold the model whole; a generate set on the model is kept
+    _ROUTED[module] = weakref.ref(engine)
+    if getattr(present, "_zero_original", None) is not None:
+        return  # this class (or a base) already reads the registry
 
-    def generate_through_engine(*args, **kwargs):
-        live = owner()
+    def generate_routed(self, *args, **kwargs):
+        ref = _ROUTED.get(self)
+        live = ref() if ref is not None else None
         if live is None or live._closed or live._schedule is None or \
                 live._schedule.suspended:
-            return own(module, *args, **kwargs)
+            return present(self, *args, **kwargs)
         return generate(live, args, kwargs)
-    generate_through_engine._zero_routed = True
-    generate_through_engine.__doc__ = own.__doc__
-    module.__dict__["generate"] = generate_through_engine
+    functools.update_wrapper(generate_routed, present)
+    generate_routed._zero_original = present
+    cls.generate = generate_routed
 
 
 def unroute_generate(module):
-    """close(): the model's generate is its class's again."""
-    if getattr(module.__dict__.get("generate"), "_zero_routed", False):
-        del module.__dict__["generate"]
+    """close(): the model's generate is its class's again (the class's
+    wrapper stays, reading no entry for it)."""
+    _ROUTED.pop(module, None)
+
+
+def own_generate(cls):
+    """The class's generate, under the route's wrapper if it has one."""
+    found = getattr(cls, "generate", None)
+    return getattr(found, "_zero_original", found)
