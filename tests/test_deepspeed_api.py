@@ -94,6 +94,18 @@ def test_initialize_returns_deepspeeds_four(one_process):
     engine.close()
 
 
+def test_a_config_without_a_batch_size_is_refused_as_deepspeed_refuses_it(one_process):
+    """Accepted before, the batch-size queries then answering None where
+    DeepSpeed asserts one of the two (a DeepSpeed hunt)."""
+    for config in ({"gradient_accumulation_steps": 2}, {}):
+        with pytest.raises(ValueError, match="the config gives neither train_batch_size nor "
+                           "train_micro_batch_size_per_gpu"):
+            deepspeed.initialize(model=Net(), config=config)
+    engine, *_ = deepspeed.initialize(model=Net(), config={"train_batch_size": 4})
+    assert engine.train_micro_batch_size_per_gpu() == 4
+    engine.close()
+
+
 def test_the_optimizer_may_be_a_factory_over_param_groups(one_process):
     torch.manual_seed(0)
     model = Net()

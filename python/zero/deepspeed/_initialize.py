@@ -106,6 +106,11 @@ def _config(args, config, config_params) -> Config:
         with open(source) as f:
             source = json.load(f)
     cfg = Config.from_deepspeed(source)
+    if cfg.train_batch_size is None and cfg.train_micro_batch_size_per_gpu is None:
+        # DeepSpeed asserts it; accepted, the batch-size queries answered None
+        raise ValueError("deepspeed.initialize: the config gives neither train_batch_size nor "
+                         "train_micro_batch_size_per_gpu; give one (DeepSpeed requires it too: "
+                         "the engine's batch-size queries and its training loader read it)")
     # DeepSpeed's logger (and its handler) at the config's level, as its
     # engine sets it: a script's own logger.info and log_dist lines show
     level = source.get("log_level") if isinstance(source, dict) else None
