@@ -336,9 +336,6 @@ def test_a_disabled_block_is_accepted_whatever_it_holds():
     ({"zero_optimization": {"stage": 3, "zero_quantized_weights": True}},
      "ZeRO\\+\\+'s quantized weights are not supported"),
     # DeepSpeed 0.19's, called typos before (a DeepSpeed hunt)
-    ({"data_types": {"buffer_dtype": "bf16"}},
-     r"data_types.buffer_dtype: a DeepSpeed key zero does not support \(zero casts floating "
-     r"buffers to the compute dtype"),
     ({"data_types": {"keep_in_fp32_modules": ["norm"]}},
      "data_types.keep_in_fp32_modules: a DeepSpeed key zero does not support"),
 ])

@@ -7,6 +7,7 @@ run continued without the engine (fp32; the C core's update against
 torch's differs by rounding only, so 1e-6)."""
 import copy
 import re
+import warnings
 
 import pytest
 import torch
@@ -219,8 +220,8 @@ def test_a_float64_buffer_keeps_its_dtype_at_fp32(tmp_path, stage):
     """At precision fp32 a float64 buffer is left as plain torch leaves it
     (it was cast to float32, and a thousand additions of 1e-9 vanished,
     silently); full_state_dict and checkpoints keep it float64. In 16 bits
-    the model computes in them, buffers included (as DeepSpeed casts it),
-    with a warning (interop hunt)."""
+    too ([Note: buffer dtypes]): until 2026-12-07 it was cast to bf16 with
+    the parameters, with a warning."""
     m = Accumulating()
     engine = zero.initialize(m, optimizer=torch.optim.SGD(m.parameters(), lr=0.1),
                              stage=stage)
@@ -238,9 +239,11 @@ def test_a_float64_buffer_keeps_its_dtype_at_fp32(tmp_path, stage):
     engine.load_checkpoint(str(tmp_path))
     assert torch.equal(again.total, full["total"])
     engine.close()
-    with pytest.warns(RuntimeWarning, match=r"1 float64 buffer\(s\) \('total' the first\) are "
-                                            r"cast to torch.bfloat16"):
-        engine = zero.initialize(Accumulating(), stage=stage, precision="bf16")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        engine = zero.initialize(again, stage=stage, precision="bf16")
+    engine(torch.randn(2, 4))
+    assert again.total.dtype == torch.float64 and again.lin.weight.dtype == torch.bfloat16
     engine.close()
 
 

@@ -233,6 +233,11 @@ class Config:
     # keeps the sum of many bf16 micro-batches exact to fp32 for 2 more
     # bytes per gradient element
     grad_accum_dtype: Optional[str] = None
+    # the dtype of the model's floating buffers (None: each keeps its own;
+    # DeepSpeed's data_types.buffer_dtype). Batch/instance norms' running
+    # statistics follow the precision whatever this says ([Note: buffer
+    # dtypes] in engine/_construction.py)
+    buffer_dtype: Optional[str] = None
     # skip a bf16/fp32 step whose gradients hold an inf or nan, as fp16's
     # loss scaling always does (DeepSpeed's bf16.check_grad_overflow)
     check_grad_overflow: bool = False
@@ -311,6 +316,9 @@ class Config:
         if self.bucket_reduction not in ("auto", "reduce", "reduce_scatter"):
             raise ValueError(f"bucket_reduction must be 'auto', 'reduce' or 'reduce_scatter', "
                              f"got {self.bucket_reduction!r}")
+        if self.buffer_dtype is not None and self.buffer_dtype not in PRECISIONS:
+            raise ValueError(f"buffer_dtype must be None (each buffer keeps its dtype) or one "
+                             f"of {PRECISIONS}, got {self.buffer_dtype!r}")
         if self.grad_accum_dtype not in (None, "fp32", self.precision):
             raise ValueError(f"grad_accum_dtype must be None, 'fp32' or the precision "
                              f"({self.precision!r}), got {self.grad_accum_dtype!r}")

@@ -133,6 +133,23 @@ def _take(block: dict, prefix: str, known: dict, ignored=frozenset()) -> dict:
     return out
 
 
+# DeepSpeed's names of a dtype (its DtypeEnum), by ours
+_DTYPE_NAMES = {"fp32": ("fp32", "float32", "float", "torch.float32"),
+                "bf16": ("bf16", "bfloat16", "torch.bfloat16"),
+                "fp16": ("fp16", "float16", "half", "torch.float16")}
+
+
+def _dtype_name(value, key: str) -> str:
+    """zero's name ("fp32", "bf16", "fp16") of a dtype a config names the
+    way DeepSpeed reads it."""
+    for ours, names in _DTYPE_NAMES.items():
+        if value in names:
+            return ours
+    raise ValueError(f"{key} must name fp32, bf16 or fp16 (DeepSpeed's spellings: "
+                     f"{', '.join(n for names in _DTYPE_NAMES.values() for n in names)}), "
+                     f"got {value!r}")
+
+
 def _offload_options(zero_block, key, ignored):
     """A DeepSpeed offload block (zero_optimization.<key>) as the keyword
     arguments of zero's (Config.from_deepspeed builds it), or None when it
@@ -237,7 +254,10 @@ def translate(ds: dict) -> dict:
         options["monitor"] = monitor
     if "timeout" in options:  # named as the config names it
         options["timeout"] = _seconds(options["timeout"], "comms_timeout")
-    options.update(_take(data_types, "data_types.", {"grad_accum_dtype": "grad_accum_dtype"}))
+    options.update(_take(data_types, "data_types.", {"grad_accum_dtype": "grad_accum_dtype",
+                                                     "buffer_dtype": "buffer_dtype"}))
+    if options.get("buffer_dtype") is not None:
+        options["buffer_dtype"] = _dtype_name(options["buffer_dtype"], "data_types.buffer_dtype")
     # DeepSpeed 0.19.8 clips at 1.0 when a config names no gradient_clipping
     options.setdefault("gradient_clipping", 1.0)
     enabled = {name: _enabled(block, name) for name, block in (("fp16", fp16), ("bf16", bf16))}

@@ -66,9 +66,6 @@ UNSUPPORTED = {
     "zero_optimization.zenflow": "ZenFlow is not supported; offload_optimizer with "
                                  "delayed_update overlaps the host's update with the next "
                                  "step (docs/offload.md)",
-    "data_types.buffer_dtype": "zero casts floating buffers to the compute dtype with the "
-                               "parameters (bf16/fp16), whatever this says; DeepSpeed 0.19 "
-                               "keeps them fp32 by default (docs/deepspeed.md)",
     "data_types.keep_in_fp32_modules": "no module is kept in fp32: the whole model computes "
                                        "in the precision's dtype",
     "zero_optimization.leaf_module": "name the leaf modules' classes in zero.initialize("

@@ -5,6 +5,7 @@ values of what is not partitioned."""
 from __future__ import annotations
 
 import torch
+from torch.nn.modules.batchnorm import _NormBase
 
 from zero._warnings import warn_user
 from zero.sharding._partitioned_init import sharded_record, take_values
@@ -127,39 +128,56 @@ def broadcast_buffer(comm, name, buf, kind="buffer"):
     buf.copy_(staged)
 
 
-def cast_module(module, dtype, device, policy):
-    """module.to(device, dtype), leaving the parameters the flat groups take
+def cast_module(module, dtype, device, policy, buffer_dtype=None):
+    """module.to(device), the parameters outside the flat groups cast to
+    the compute dtype `dtype`, leaving the parameters the flat groups take
     as they are: a group reads them one unit at a time, casts them and
     puts them where its shard lives (the host, under offload_param for a
     GPU model, whose device may not hold the whole model), and a
     partitioned_init placeholder cast here would be allocated in full.
     Where frozen parameters are not in a flat group (stages 0-2), a frozen
-    placeholder is gathered here."""
+    placeholder is gathered here. Buffers: [Note: buffer dtypes]."""
+    statistics = {id(b) for m in module.modules() if isinstance(m, _NormBase)
+                  for b in m.buffers(recurse=False)}
+
     def cast(t):
         if sharded_record(t) is not None:
             if policy.partitions_params or t.requires_grad:
                 return t
             return take_values(t).to(device=device, dtype=dtype)
-        if isinstance(t, torch.nn.Parameter) and t.is_floating_point() and \
-                (t.requires_grad or policy.partitions_params):
+        if not isinstance(t, torch.nn.Parameter):
+            return t.to(device=device, dtype=_buffer_dtype(t, dtype, buffer_dtype,
+                                                           id(t) in statistics))
+        if t.is_floating_point() and (t.requires_grad or policy.partitions_params):
             # a flat group's: it reads the values as they are, so an fp32
             # model's master weights start exact, not rounded to the
             # compute dtype ([Note: dtypes given back] in _handback.py)
             return t
-        return t.to(device=device, dtype=dtype if _narrowed(t, dtype) else None)
+        return t.to(device=device, dtype=dtype if t.is_floating_point() else None)
     module._apply(cast)
 
 
-def _narrowed(t, dtype) -> bool:
-    """Whether cast_module gives t the compute dtype: every floating tensor,
-    but a float64 buffer at precision fp32, which keeps its dtype as in
-    plain torch (a float64 accumulator summed at fp32 lost what it was
-    kept wide for, silently); in 16 bits the whole model computes in them,
-    as DeepSpeed's module.bfloat16() casts it (warn_if_narrowed says so)."""
+# [Note: buffer dtypes]
+# A floating buffer keeps its dtype in a bf16/fp16 engine, as DeepSpeed 0.19
+# ("cast params only"), FSDP2 and an HF model run under autocast keep it:
+# a RoPE inv_freq made in fp32 so that position 4000's angle stays exact
+# computes in fp32, and a float64 accumulator stays float64. Two exceptions:
+# - the running statistics of a batch or instance norm follow the compute
+#   dtype, because torch's kernels want them in the weight's dtype (a bf16
+#   weight beside fp32 running_mean is refused on the CPU: "expected scalar
+#   type BFloat16 but found Float"; DeepSpeed 0.19 fails there);
+# - buffer_dtype (DeepSpeed's data_types.buffer_dtype) casts every other
+#   floating buffer to the dtype it names.
+# zero until 2026-12-07 cast every floating buffer to the compute dtype, as
+# DeepSpeed < 0.19's module.bfloat16() did; a checkpoint saved then holds
+# bf16 buffers, which load_state_dict copies into the fp32 ones.
+def _buffer_dtype(t, dtype, buffer_dtype, is_statistic):
+    """The dtype cast_module gives buffer t (None: its own)."""
     if not t.is_floating_point():
-        return False
-    return not (t.dtype == torch.float64 and dtype == torch.float32 and
-                not isinstance(t, torch.nn.Parameter))
+        return None
+    if is_statistic:
+        return dtype
+    return buffer_dtype
 
 
 def warn_if_narrowed(dtypes: dict, compute_dtype):
@@ -173,12 +191,6 @@ def warn_if_narrowed(dtypes: dict, compute_dtype):
         warn_user(f"zero: {len(wide)} float64 parameter(s) ({wide[0]!r} the first) train in "
                   f"float32 master weights and compute in {compute_dtype}: the engine keeps no "
                   "float64 copy. close() gives them back as float64", RuntimeWarning)
-    wide = [name for (kind, name), dtype in dtypes.items()
-            if kind == "buffer" and dtype == torch.float64]
-    if wide and compute_dtype.itemsize == 2:
-        warn_user(f"zero: {len(wide)} float64 buffer(s) ({wide[0]!r} the first) are cast to "
-                  f"{compute_dtype} with the rest of the model (precision); at precision=\"fp32\" "
-                  "they would keep float64. close() gives them back as float64", RuntimeWarning)
     # 16-bit parameters computed in another dtype: a bf16 part of an fp32
     # model doubles its bytes as fp32; fp16 in bf16 keeps fewer digits
     others = {}

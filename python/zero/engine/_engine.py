@@ -187,7 +187,8 @@ class Engine(BoundaryStep, DeepSpeedQueries, BatchCalls, CheckpointCalls, Engine
                 p.grad = None
         self._dtypes_before = record_dtypes(module)  # [Note: dtypes given back]
         warn_if_narrowed(self._dtypes_before, self.compute_dtype)
-        cast_module(module, self.compute_dtype, self.device, self.policy)
+        cast_module(module, self.compute_dtype, self.device, self.policy,
+                    config.buffer_dtype and DTYPES[config.buffer_dtype])
         for name, buf in module.named_buffers():
             broadcast_buffer(comm, name, buf)
         # parameters outside the flat groups (which broadcast their own):
