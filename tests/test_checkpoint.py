@@ -679,6 +679,7 @@ def test_refuses_what_it_cannot_save(tmp_path):
     engine.save_checkpoint(tmp_path, tag="shared", client_state={"a": shared, "b": shared})
     shutil.rmtree(tmp_path / "shared")
     os.remove(tmp_path / "latest")
+    os.remove(tmp_path / "zero_to_fp32.py")  # DeepSpeed's script's place
     assert os.listdir(tmp_path) == []
     # subclasses of the plain types (an IntEnum, a namedtuple, a defaultdict)
     # passed and made a checkpoint that replaced a good one and never loaded
@@ -705,7 +706,7 @@ def test_refuses_what_it_cannot_save(tmp_path):
         with pytest.raises(NotADirectoryError, match="it, or a directory above it, is a file"):
             engine.save_checkpoint(tmp_path / where)
     os.remove(tmp_path / "a_file")
-    assert sorted(os.listdir(tmp_path)) == ["last", "latest"]
+    assert sorted(os.listdir(tmp_path)) == ["last", "latest", "zero_to_fp32.py"]
     assert engine.load_checkpoint(tmp_path)[1] == {"epoch": 1}
     # what torch's weights_only load reads back is kept: bool keys, numpy's
     # integers as tags (as DeepSpeed's str(tag)); a tag an earlier version

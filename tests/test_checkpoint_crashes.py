@@ -74,7 +74,7 @@ def test_a_live_save_of_another_tag_is_left_alone(tmp_path, monkeypatch):
     lock.release()  # that save died: its lock is free, its files are leftovers
     engine.save_checkpoint(tmp_path, tag="a2")
     assert not live.exists()
-    assert sorted(os.listdir(tmp_path)) == ["a", "a2", "latest"]
+    assert sorted(os.listdir(tmp_path)) == ["a", "a2", "latest", "zero_to_fp32.py"]
     engine.close()
 
 
@@ -90,7 +90,7 @@ def test_a_tag_that_is_a_link_can_be_saved_into_again(tmp_path, monkeypatch):
     for _ in range(2):
         engine.save_checkpoint(tmp_path, tag="best")
         assert (tmp_path / "best").is_dir() and not (tmp_path / "best").is_symlink()
-    assert sorted(os.listdir(tmp_path)) == ["best", "latest", "t"]
+    assert sorted(os.listdir(tmp_path)) == ["best", "latest", "t", "zero_to_fp32.py"]
     engine.close()
 
 

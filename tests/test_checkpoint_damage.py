@@ -175,7 +175,7 @@ def test_a_save_out_of_room_names_the_file_and_leaves_no_temporary(tmp_path, lim
         resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
     engine.close()
     assert caught.value.errno == errno.EFBIG and caught.value.__cause__ is not None
-    assert sorted(os.listdir(tmp_path)) == ["before", "latest"]  # no staging directory
+    assert sorted(os.listdir(tmp_path)) == ["before", "latest", "zero_to_fp32.py"]  # no staging directory
     assert (tmp_path / "latest").read_text() == "before"
 
 
@@ -394,7 +394,7 @@ def test_a_save_that_fails_at_latest_leaves_the_directory_as_it_was(tmp_path, mo
     with pytest.raises(OSError, match="No space left"):
         engine.save_checkpoint(tmp_path, tag="good" if same_tag else "new")
     monkeypatch.undo()
-    assert sorted(os.listdir(tmp_path)) == ["good", "latest"]
+    assert sorted(os.listdir(tmp_path)) == ["good", "latest", "zero_to_fp32.py"]
     assert (tmp_path / "latest").read_text() == "good"
     engine.load_checkpoint(tmp_path)
     after = engine.full_state_dict()
@@ -421,9 +421,33 @@ def test_a_save_that_fails_after_latest_names_it_keeps_the_new_tag(tmp_path, mon
     with pytest.raises(OSError, match="Input/output error"):
         engine.save_checkpoint(tmp_path, tag="u")
     monkeypatch.undo()
-    assert sorted(os.listdir(tmp_path)) == ["latest", "t", "u"]
+    assert sorted(os.listdir(tmp_path)) == ["latest", "t", "u", "zero_to_fp32.py"]
     assert (tmp_path / "latest").read_text() == "u"
     train(engine, 2, 1)
+    engine.load_checkpoint(tmp_path)
+    after = engine.full_state_dict()
+    assert all(torch.equal(after[k], v) for k, v in expected.items())
+    engine.close()
+
+
+def test_a_script_that_cannot_be_written_leaves_a_complete_checkpoint(tmp_path, monkeypatch):
+    """The zero_to_fp32.py a save leaves beside the tags comes after the
+    checkpoint is complete: a failed write of it (a full disk) warns and
+    keeps the checkpoint, which loads."""
+    import zero.checkpoint._recovery_script as recovery_script
+    engine = make_engine(2)
+    train(engine, 0, 1)
+    expected = {k: v.clone() for k, v in engine.full_state_dict().items()}
+
+    def full_disk(path, fill, tmp=None, on_write=None):
+        raise OSError(errno.ENOSPC, "No space left on device")
+    monkeypatch.setattr(recovery_script, "write_through_temporary", full_disk)
+    with pytest.warns(RuntimeWarning, match=r"the checkpoint 't' is saved, but zero_to_fp32.py "
+                                            r"could not be written beside it .*No space left"):
+        engine.save_checkpoint(tmp_path, tag="t")
+    monkeypatch.undo()
+    assert sorted(os.listdir(tmp_path)) == ["latest", "t"]
+    train(engine, 1, 1)
     engine.load_checkpoint(tmp_path)
     after = engine.full_state_dict()
     assert all(torch.equal(after[k], v) for k, v in expected.items())

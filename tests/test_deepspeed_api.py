@@ -14,6 +14,9 @@ relative after 8 steps, so 1e-5 is the bound (an update off by one step,
 a wrong clip or a wrong sampler is off by more than 1e-2)."""
 import copy
 import json
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -253,6 +256,44 @@ def test_zero_to_fp32_reads_zeros_checkpoints(one_process, tmp_path):
         assert torch.equal(loaded[name], value) and torch.equal(safe[name], value), name
     fresh = fp32.load_state_dict_from_zero_checkpoint(Net(), tmp_path / "ckpt")
     assert torch.equal(fresh.head.weight.detach(), full["head.weight"])
+
+
+def test_the_script_save_checkpoint_leaves_writes_the_model(one_process, tmp_path):
+    """DeepSpeed users run <save_dir>/zero_to_fp32.py <save_dir> <out>: the
+    one save_checkpoint leaves there writes the checkpoint's fp32 model,
+    with DeepSpeed's arguments, and refuses to write into a tag."""
+    torch.manual_seed(0)
+    model = Net()
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
+                                      config=CONFIG)
+    engine.save_checkpoint(tmp_path / "ckpt", tag="first")
+    for tokens, targets in batches("cpu", 2):
+        engine.backward(loss_of(engine(tokens), targets))
+        engine.step()
+    engine.save_checkpoint(tmp_path / "ckpt", tag="trained")
+    full = engine.full_state_dict()
+    engine.close()
+    script = tmp_path / "ckpt" / "zero_to_fp32.py"
+    assert os.access(script, os.X_OK)
+
+    def run(*args):
+        return subprocess.run([sys.executable, str(script), *map(str, args)], cwd=tmp_path,
+                              capture_output=True, text=True, timeout=300)
+    done = run(tmp_path / "ckpt", tmp_path / "out", "--safe_serialization")
+    assert done.returncode == 0, done.stderr
+    from safetensors.torch import load_file
+    safe = load_file(tmp_path / "out" / "model.safetensors")
+    assert safe.keys() == full.keys()
+    assert all(torch.equal(safe[k], full[k]) for k in full)
+    done = run(tmp_path / "ckpt", tmp_path / "first_out", "-t", "first", "--max_shard_size",
+               "1GB")
+    assert done.returncode == 0, done.stderr
+    first = torch.load(tmp_path / "first_out" / "pytorch_model.bin", weights_only=True)
+    assert not torch.equal(first["head.weight"], full["head.weight"])
+    refused = run(tmp_path / "ckpt", tmp_path / "ckpt" / "trained")
+    assert refused.returncode == 2 and "would overwrite the checkpoint" in refused.stderr
+    missing = run(tmp_path / "ckpt", tmp_path / "x", "-t", "third")
+    assert missing.returncode == 2 and "third" in missing.stderr
 
 
 def test_the_accelerator_answers_on_the_cpu():

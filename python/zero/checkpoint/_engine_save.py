@@ -26,6 +26,7 @@ from zero.checkpoint._format import (FORMAT, META_FILE, REPLICATED_GROUP, VERSIO
                                      check_tag, shard_file, staging_directory,
                                      tag_directory_hint)
 from zero.checkpoint._plain_values import check_plain, plain_numbers
+from zero.checkpoint._recovery_script import leave_recovery_script
 from zero.checkpoint._writes import (discard_replaced, discard_staging, prepare_staging, publish,
                                      unpublish, write_file, write_latest)
 from zero.offload._mapped import PagesDroppedMeanwhile
@@ -328,6 +329,7 @@ def _save_agreed(engine, save_dir, tag, save_id, client_state, save_latest, erro
         all_ok(engine, error)
     if whole.rank == 0:
         discard_replaced(save_dir, tag)
+        leave_recovery_script(save_dir, tag)
 
 
 def _latest_names(save_dir, tag) -> bool:

@@ -46,6 +46,8 @@ FORMAT = "zeroshard.checkpoint"
 VERSION = 1
 META_FILE = "zero_meta.pt"
 LATEST_FILE = "latest"
+# the script a save leaves beside the tags (checkpoint/_recovery_script.py)
+SCRIPT_FILE = "zero_to_fp32.py"
 REPLICATED_GROUP = "replicated"  # stage 0-2 frozen parameters, saved by rank 0
 STAGING_SUFFIX = ".zero-save.tmp"  # .<tag>.zero-save.tmp: a save in progress
 REPLACED_SUFFIX = ".zero-old.tmp"  # .<tag>.zero-old.tmp: the checkpoint it replaces

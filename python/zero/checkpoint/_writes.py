@@ -36,7 +36,8 @@ import shutil
 import torch
 
 from zero.checkpoint._format import (LATEST_FILE, LOCK_SUFFIX, META_FILE, REPLACED_SUFFIX,
-                                     STAGING_SUFFIX, replaced_directory, staging_directory)
+                                     SCRIPT_FILE, STAGING_SUFFIX, replaced_directory,
+                                     staging_directory)
 
 
 def write_file(obj, path, on_write=None):
@@ -137,6 +138,11 @@ def _latest_temporary(save_dir, tag) -> str:
     return os.path.join(save_dir, f".{LATEST_FILE}.{tag}.tmp")
 
 
+def script_temporary(save_dir, tag) -> str:
+    """The temporary name of the zero_to_fp32.py a save into `tag` writes."""
+    return os.path.join(save_dir, f".{SCRIPT_FILE}.{tag}.tmp")
+
+
 class SaveLock:
     """[Note: save locks] Rank 0 holds an exclusive flock on
     .<tag>.zero-save.lock for a save's whole length. The kernel drops it
@@ -176,7 +182,7 @@ def _recover_tag(save_dir, tag) -> bool:
     """Put back what a killed save into `tag` left (its lock held by the
     caller): a previous checkpoint moved aside and never replaced goes back
     under its name; its staging directory, a replaced directory whose tag
-    is whole, and its temporary `latest` are removed."""
+    is whole, and its temporary `latest` and zero_to_fp32.py are removed."""
     changed = False
     replaced, final = replaced_directory(save_dir, tag), os.path.join(save_dir, tag)
     if os.path.lexists(replaced):
@@ -185,7 +191,8 @@ def _recover_tag(save_dir, tag) -> bool:
         else:
             _remove_tree(replaced)
         changed = True
-    for leftover in (staging_directory(save_dir, tag), _latest_temporary(save_dir, tag)):
+    for leftover in (staging_directory(save_dir, tag), _latest_temporary(save_dir, tag),
+                     script_temporary(save_dir, tag)):
         if os.path.lexists(leftover):
             _remove_tree(leftover)
             changed = True
@@ -205,6 +212,10 @@ def recover_interrupted_saves(save_dir, own_tag):
         for suffix in (STAGING_SUFFIX, REPLACED_SUFFIX):
             if name.startswith(".") and name.endswith(suffix) and len(name) > len(suffix) + 1:
                 tags.add(name[1:-len(suffix)])
+        for prefix in (f".{LATEST_FILE}.", f".{SCRIPT_FILE}."):  # the small files' temporaries
+            if name.startswith(prefix) and name.endswith(".tmp") and \
+                    len(name) > len(prefix) + len(".tmp"):
+                tags.add(name[len(prefix):-len(".tmp")])
     changed = False
     for tag in sorted(tags):
         if tag == own_tag:
