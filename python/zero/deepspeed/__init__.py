@@ -2,10 +2,11 @@
 as deepspeed` and a script written for DeepSpeed runs with that line
 changed (docs/deepspeed.md lists what is the same, what differs and what
 is refused). Nothing here imports DeepSpeed."""
-from zero.deepspeed import accelerator, checkpointing, comm, ops, utils, zero
+from zero.deepspeed import accelerator, checkpointing, comm, ops, runtime, utils, zero
 from zero.deepspeed._arguments import add_config_arguments
 from zero.deepspeed._distributed import init_distributed
 from zero.deepspeed._initialize import initialize
+from zero.deepspeed.runtime.engine import DeepSpeedEngine
 from zero.deepspeed.utils import OnDevice, log_dist, logger
 
 # the DeepSpeed release whose API this mirrors (scripts gate on it; zero's
@@ -13,5 +14,5 @@ from zero.deepspeed.utils import OnDevice, log_dist, logger
 __version__ = "0.19.8"
 
 __all__ = ["initialize", "init_distributed", "add_config_arguments", "zero", "accelerator",
-           "checkpointing", "comm", "ops", "utils", "OnDevice", "log_dist", "logger",
-           "__version__"]
+           "checkpointing", "comm", "ops", "runtime", "utils", "OnDevice", "log_dist", "logger",
+           "DeepSpeedEngine", "__version__"]

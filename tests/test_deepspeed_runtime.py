@@ -1,0 +1,135 @@
+"""zero.deepspeed.runtime: the names scripts import from deepspeed.runtime
+(lr_schedules built by hand, see_memory_usage and the norms of
+runtime.utils, DeepSpeedEngine, RepeatingLoader, ZeroParamStatus).
+Reference: DeepSpeed 0.19.8's numbers, recorded with the same calls
+(its learning rates at construction and after each of 8 steps, on AdamW
+at lr 0.01)."""
+import io
+import math
+
+import pytest
+import torch
+from torch import nn
+
+import zero
+import zero.deepspeed as deepspeed
+from zero.deepspeed.runtime import lr_schedules
+from zero.deepspeed.utils._logging import logger, set_log_level_from_string
+from engine_cases import no_launcher
+
+DEEPSPEED_LRS = {  # deepspeed 0.19.8's, printed to 9 digits
+    "WarmupLR_default": [0.0, 0.0, 0.005, 0.0079248125, 0.01, 0.01, 0.01, 0.01, 0.01],
+    "WarmupLR_linear": [0.0001, 0.0001, 0.000575, 0.00105, 0.001525, 0.002, 0.002, 0.002,
+                        0.002],
+    "WarmupDecayLR": [0.0, 0.0, 0.000630929754, 0.001, 0.001, 0.000857142857, 0.000714285714,
+                      0.000571428571, 0.000428571429],
+    "WarmupCosineLR": [0.0, 0.0, 0.00630929754, 0.01, 0.00950489386, 0.00811763726,
+                       0.00611299341, 0.00388800659, 0.00188336274],
+    "OneCycle": [0.0001, 0.0034, 0.0067, 0.01, 0.0067, 0.0034, 0.0001, 0.0001, 0.0001],
+    "LRRangeTest": [0.001, 0.00125, 0.0015, 0.00175, 0.002, 0.00225, 0.0025, 0.00275, 0.003],
+}
+BUILT = {  # the calls that recorded them
+    "WarmupLR_default": lambda o: lr_schedules.WarmupLR(o, warmup_num_steps=4),
+    "WarmupLR_linear": lambda o: lr_schedules.WarmupLR(o, 1e-4, 2e-3, 4, "linear"),
+    "WarmupDecayLR": lambda o: lr_schedules.WarmupDecayLR(o, 10, warmup_num_steps=3),
+    "WarmupCosineLR": lambda o: lr_schedules.WarmupCosineLR(o, 10, warmup_num_steps=3),
+    "OneCycle": lambda o: lr_schedules.OneCycle(o, 1e-4, 1e-2, cycle_first_step_size=3),
+    "LRRangeTest": lambda o: lr_schedules.LRRangeTest(o, 1e-3, 2, 0.5),
+}
+
+
+@pytest.mark.parametrize("name", sorted(DEEPSPEED_LRS))
+def test_a_schedule_built_by_hand_gives_deepspeeds_rates(name):
+    p = nn.Parameter(torch.zeros(2))
+    optimizer = torch.optim.AdamW([p], lr=0.01)
+    schedule = BUILT[name](optimizer)
+    lrs = [optimizer.param_groups[0]["lr"]]
+    for _ in range(8):
+        optimizer.step()
+        schedule.step()
+        lrs.append(optimizer.param_groups[0]["lr"])
+    assert lrs == pytest.approx(DEEPSPEED_LRS[name], rel=1e-8, abs=1e-12)
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+def test_the_engine_steps_a_schedule_given_to_initialize(monkeypatch, stage):
+    """initialize(lr_scheduler=WarmupDecayLR(...)): the engine steps it after
+    each update, as DeepSpeed's does, so the rates are DeepSpeed's."""
+    no_launcher(monkeypatch)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
+    schedule = lr_schedules.WarmupDecayLR(optimizer, 10, warmup_num_steps=3)
+    engine, _, _, returned = deepspeed.initialize(
+        model=model, optimizer=optimizer, lr_scheduler=schedule,
+        config={"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": stage}})
+    assert returned is schedule and isinstance(engine, deepspeed.DeepSpeedEngine)
+    assert isinstance(engine, deepspeed.runtime.engine.DeepSpeedEngine)
+    lrs = [engine.get_lr()[0]]
+    for _ in range(8):
+        engine.backward(engine(torch.randn(2, 4)).square().mean())
+        engine.step()
+        lrs.append(engine.get_lr()[0])
+    engine.close()
+    import torch.distributed as dist
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    assert lrs == pytest.approx(DEEPSPEED_LRS["WarmupDecayLR"], rel=1e-8, abs=1e-12)
+
+
+def test_a_wrong_schedule_argument_is_named():
+    optimizer = torch.optim.AdamW([nn.Parameter(torch.zeros(2))], lr=0.01)
+    with pytest.raises(ValueError, match="warmup_type must be 'log' or 'linear', got 'cos'"):
+        lr_schedules.WarmupLR(optimizer, warmup_type="cos")
+    with pytest.raises(TypeError, match="total_num_steps"):
+        lr_schedules.WarmupDecayLR(optimizer)  # required, as DeepSpeed's
+
+
+def test_see_memory_usage_logs_deepspeeds_lines_when_forced():
+    stream = io.StringIO()
+    handler = logger.handlers[0]
+    level, old_stream = logger.level, handler.setStream(stream)
+    try:
+        set_log_level_from_string("info")
+        deepspeed.runtime.utils.see_memory_usage("before the step")  # no force: nothing
+        assert stream.getvalue() == ""
+        deepspeed.runtime.utils.see_memory_usage("before the step", force=True)
+    finally:
+        handler.setStream(old_stream)
+        logger.setLevel(level)
+        handler.setLevel(level)
+    lines = stream.getvalue().splitlines()
+    assert len(lines) == 3 and lines[0].endswith("before the step")
+    assert "MA 0.0 GB Max_MA 0.0 GB CA 0.0 GB Max_CA 0 GB" in lines[1] or \
+        torch.cuda.is_available()
+    used = float(lines[2].split("used = ")[1].split(" GB")[0])
+    with open("/proc/meminfo") as f:
+        total = int(f.readline().split()[1]) * 1024
+    assert 0 < used * 1024 ** 3 < total
+
+
+def test_the_norm_helpers():
+    assert deepspeed.runtime.utils.get_global_norm([3.0, torch.tensor(4.0)]) == 5.0
+    layer = nn.Linear(3, 2)
+    layer(torch.randn(4, 3)).square().sum().backward()
+    reference = nn.Linear(3, 2)
+    reference.load_state_dict(layer.state_dict())
+    for p, q in zip(layer.parameters(), reference.parameters()):
+        q.grad = p.grad.clone()
+    norm = deepspeed.runtime.utils.clip_grad_norm_(layer.parameters(), 0.1)
+    expected = torch.nn.utils.clip_grad_norm_(reference.parameters(), 0.1)
+    assert isinstance(norm, float) and math.isclose(norm, float(expected), rel_tol=1e-6)
+    for p, q in zip(layer.parameters(), reference.parameters()):
+        assert torch.equal(p.grad, q.grad)
+    with pytest.raises(NotImplementedError, match="mpu=.*set gradient_clipping"):
+        deepspeed.runtime.utils.clip_grad_norm_(layer.parameters(), 0.1, mpu=object())
+
+
+def test_the_other_runtime_names_are_zeros():
+    from zero.deepspeed.runtime.dataloader import RepeatingLoader
+    from zero.deepspeed.runtime.zero import ZeroParamStatus
+    from zero.deepspeed.runtime.zero.partition_parameters import ZeroParamStatus as same
+    assert RepeatingLoader is deepspeed.utils.RepeatingLoader and ZeroParamStatus is same
+    assert deepspeed.DeepSpeedEngine is zero.Engine
+    again = iter(RepeatingLoader([1, 2]))
+    assert [next(again) for _ in range(5)] == [1, 2, 1, 2, 1]
