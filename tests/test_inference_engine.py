@@ -63,6 +63,18 @@ def test_a_refused_inference_leaves_the_model_trainable():
     zero.initialize(model, stage=1).close()
 
 
+@pytest.mark.parametrize("stage", [0, 3])
+def test_close_gives_each_parameters_requires_grad_back(stage):
+    """The model is frozen while the engine runs; close() gives it back as
+    it came (it stayed frozen, and a later training loop trained nothing)."""
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+    model[1].bias.requires_grad_(False)
+    engine = zero.inference(model, stage=stage)
+    assert not any(p.requires_grad for p in model.parameters())
+    engine.close()
+    assert [p.requires_grad for p in model.parameters()] == [True, True, True, False]
+
+
 def test_a_frozen_model_for_initialize_is_pointed_at_inference():
     model = tiny_gpt2().requires_grad_(False)
     with pytest.raises(ValueError, match="use zero.inference"):

@@ -134,19 +134,19 @@ def _take(block: dict, prefix: str, known: dict, ignored=frozenset()) -> dict:
 
 
 # DeepSpeed's names of a dtype (its DtypeEnum), by ours
-_DTYPE_NAMES = {"fp32": ("fp32", "float32", "float", "torch.float32"),
+DTYPE_NAMES = {"fp32": ("fp32", "float32", "float", "torch.float32"),
                 "bf16": ("bf16", "bfloat16", "torch.bfloat16"),
                 "fp16": ("fp16", "float16", "half", "torch.float16")}
 
 
-def _dtype_name(value, key: str) -> str:
+def dtype_name(value, key: str) -> str:
     """zero's name ("fp32", "bf16", "fp16") of a dtype a config names the
     way DeepSpeed reads it."""
-    for ours, names in _DTYPE_NAMES.items():
+    for ours, names in DTYPE_NAMES.items():
         if value in names:
             return ours
     raise ValueError(f"{key} must name fp32, bf16 or fp16 (DeepSpeed's spellings: "
-                     f"{', '.join(n for names in _DTYPE_NAMES.values() for n in names)}), "
+                     f"{', '.join(n for names in DTYPE_NAMES.values() for n in names)}), "
                      f"got {value!r}")
 
 
@@ -257,7 +257,7 @@ def translate(ds: dict) -> dict:
     options.update(_take(data_types, "data_types.", {"grad_accum_dtype": "grad_accum_dtype",
                                                      "buffer_dtype": "buffer_dtype"}))
     if options.get("buffer_dtype") is not None:
-        options["buffer_dtype"] = _dtype_name(options["buffer_dtype"], "data_types.buffer_dtype")
+        options["buffer_dtype"] = dtype_name(options["buffer_dtype"], "data_types.buffer_dtype")
     # DeepSpeed 0.19.8 clips at 1.0 when a config names no gradient_clipping
     options.setdefault("gradient_clipping", 1.0)
     enabled = {name: _enabled(block, name) for name, block in (("fp16", fp16), ("bf16", bf16))}

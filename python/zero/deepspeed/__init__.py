@@ -5,6 +5,7 @@ is refused). Nothing here imports DeepSpeed."""
 from zero.deepspeed import accelerator, checkpointing, comm, ops, runtime, utils, zero
 from zero.deepspeed._arguments import add_config_arguments
 from zero.deepspeed._distributed import init_distributed
+from zero.deepspeed._inference import init_inference
 from zero.deepspeed._initialize import initialize
 from zero.deepspeed.runtime.engine import DeepSpeedEngine
 from zero.deepspeed.utils import OnDevice, log_dist, logger
@@ -13,6 +14,6 @@ from zero.deepspeed.utils import OnDevice, log_dist, logger
 # own version is zero.__version__)
 __version__ = "0.19.8"
 
-__all__ = ["initialize", "init_distributed", "add_config_arguments", "zero", "accelerator",
+__all__ = ["initialize", "init_inference", "init_distributed", "add_config_arguments", "zero", "accelerator",
            "checkpointing", "comm", "ops", "runtime", "utils", "OnDevice", "log_dist", "logger",
            "DeepSpeedEngine", "__version__"]

@@ -31,6 +31,9 @@ def hand_back(engine):
         unroute_generate(engine.module)  # [Note: the model's own generate at stage 3]
         restore_params(engine, homes)
     restore_dtypes(engine)
+    # zero.inference froze every parameter: each as it came
+    for p, requires_grad in getattr(engine, "_requires_grad_given", ()):
+        p.requires_grad_(requires_grad)
     leave_counts(engine)  # [Note: counts carried across close]
     give_back_optimizer_states(engine.optimizer, engine.groups, engine._comm.world)
     if engine._tensor_parallel is not None:  # DTensor parameters again

@@ -68,6 +68,7 @@ def inference(model: nn.Module, *, stage: int = 3, precision=None, config=None, 
         for p, requires_grad in wanted:
             p.requires_grad_(requires_grad)
         raise
+    engine._requires_grad_given = wanted  # close() gives them back
     return engine.eval()
 
 
