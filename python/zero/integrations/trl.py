@@ -16,15 +16,15 @@ What each adds (docs/hf-trainer.md, "TRL"):
   frozen under zero.inference at stage 3 (partitioned like the policy)
   when zero_options' stage is 3, and as TRL prepares it otherwise.
 - GRPO and RLOO: generation samples from the policy's module; at stage 3
-  through the engine's generate (its parameters gathered once per
-  generation, the hybrid engine), not per module and token.
+  its generate goes through the engine's (its parameters gathered once
+  per generation, the hybrid engine), not per module and token, as every
+  stage-3 model's does ([Note: the model's own generate at stage 3] in
+  engine/_generation.py).
 TRL 1.16 has no PPOTrainer (zero.rlhf has a PPO of its own).
 
 Importing this module imports trl (pip install trl).
 """
 from __future__ import annotations
-
-import contextlib
 
 from trl import DPOTrainer, GRPOTrainer, KTOTrainer, RLOOTrainer
 
@@ -50,35 +50,6 @@ class _ReferenceUnderInference:
             self.ref_model = inference(self.ref_model, stage=3, **options)
 
 
-class _GenerationThroughEngine:
-    """A trainer that samples from the policy (GRPO, RLOO): at stage 3 the
-    samples come from the engine's generate."""
-
-    def _generate_single_turn(self, *args, **kwargs):
-        with self._generation_through_engine():
-            return super()._generate_single_turn(*args, **kwargs)
-
-    @contextlib.contextmanager
-    def _generation_through_engine(self):
-        """While TRL generates: the module's generate goes through the
-        engine's (a stage-3 model gathered once for the generation)."""
-        engine = self.engine
-        module = engine.module if engine is not None else None
-        if module is None or engine._schedule is None or not hasattr(module, "generate"):
-            yield
-            return
-        original = module.generate
-        own = module.__dict__.get("generate")  # one set on the instance (a wrapper's), kept
-        module.generate = lambda *a, **k: engine.generate(*a, generate_fn=_call(original), **k)
-        try:
-            yield
-        finally:
-            if own is None:
-                del module.generate  # the class's method again
-            else:
-                module.generate = own
-
-
 class ZeroDPOTrainer(_ReferenceUnderInference, ZeroTrainerMixin, DPOTrainer):
     """TRL's DPOTrainer trained by zero (see the module's docstring)."""
 
@@ -87,15 +58,9 @@ class ZeroKTOTrainer(_ReferenceUnderInference, ZeroTrainerMixin, KTOTrainer):
     """TRL's KTOTrainer trained by zero (see the module's docstring)."""
 
 
-class ZeroGRPOTrainer(_GenerationThroughEngine, _ReferenceUnderInference, ZeroTrainerMixin,
-                      GRPOTrainer):
+class ZeroGRPOTrainer(_ReferenceUnderInference, ZeroTrainerMixin, GRPOTrainer):
     """TRL's GRPOTrainer trained by zero (see the module's docstring)."""
 
 
-class ZeroRLOOTrainer(_GenerationThroughEngine, _ReferenceUnderInference, ZeroTrainerMixin,
-                      RLOOTrainer):
+class ZeroRLOOTrainer(_ReferenceUnderInference, ZeroTrainerMixin, RLOOTrainer):
     """TRL's RLOOTrainer trained by zero (see the module's docstring)."""
-
-
-def _call(generate):
-    return lambda _model, *a, **k: generate(*a, **k)
