@@ -133,3 +133,50 @@ def test_the_other_runtime_names_are_zeros():
     assert deepspeed.DeepSpeedEngine is zero.Engine
     again = iter(RepeatingLoader([1, 2]))
     assert [next(again) for _ in range(5)] == [1, 2, 1, 2, 1]
+
+
+def test_the_memory_estimates_are_the_zero_formula():
+    """Stage 3 without offload on 4 GPUs: 16 bytes a parameter over N on
+    the GPU (bf16 parameter and gradient shards, fp32 master, m and v) and
+    the largest layer gathered in bf16; the host holds each rank's built
+    model (1/N of fp32 under zero_init), times the margin."""
+    from zero.deepspeed.runtime.zero import _estimates
+    width = 512  # layers above the persistence threshold: all partitioned
+    model = nn.Sequential(*[nn.Linear(width, width, bias=False, device="meta")
+                            for _ in range(8)])
+    psi = 8 * width * width
+    table = _estimates.rows(model, 3, num_gpus_per_node=4, num_nodes=1,
+                            additional_buffer_factor=1.5)
+    assert [text for _, _, text in table] == [
+        f"offload_param={p:4}, offload_optimizer={o:4}, zero_init={z}"
+        for p, o in (("cpu", "cpu"), ("none", "cpu"), ("none", "none")) for z in (1, 0)]
+    cpu, gpu, _ = table[4]  # no offload, zero_init
+    assert gpu == 16 * psi // 4 + 2 * width * width
+    assert cpu == int(4 * psi // 4 * 4 * 1.5)
+    assert table[5][0] == int(4 * psi * 4 * 1.5)
+    cpu, gpu, _ = table[2]  # optimizer states offloaded: bf16 shards on the GPU
+    assert gpu == 4 * psi // 4 + 2 * width * width and cpu > table[4][0]
+    stage2 = _estimates.rows(model, 2, 2, 1, 1.0)
+    assert stage2[1][1] == 2 * psi + 14 * psi // 2  # whole bf16 model, 14Ψ/N partitioned
+
+
+def test_the_memory_estimate_tables_print(capsys):
+    from zero.deepspeed.runtime.zero.stage3 import (
+        estimate_zero3_model_states_mem_needs_all_cold,
+        estimate_zero3_model_states_mem_needs_all_live)
+    from zero.deepspeed.runtime.zero.stage_1_and_2 import (
+        estimate_zero2_model_states_mem_needs_all_cold)
+    estimate_zero3_model_states_mem_needs_all_cold(7_000_000_000, 260_000_000,
+                                                   num_gpus_per_node=8)
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[2] == "SW: Model with 7000M total params, 260M largest layer params."
+    assert lines[4] == "  per CPU  |  per GPU |   Options" and len(lines) == 11
+    assert lines[9].endswith("GB | offload_param=none, offload_optimizer=none, zero_init=1")
+    estimate_zero3_model_states_mem_needs_all_live(nn.Linear(4, 4), num_nodes=2)
+    assert "HW: Setup with 2 nodes, 1 GPU per node." in capsys.readouterr().out
+    estimate_zero2_model_states_mem_needs_all_cold(10 ** 9)
+    assert len(capsys.readouterr().out.splitlines()) == 7
+    with pytest.raises(ValueError, match="largest_layer_params .* is more than total_params"):
+        estimate_zero3_model_states_mem_needs_all_cold(10, 20)
+    with pytest.raises(ValueError, match="num_gpus_per_node must be an integer >= 1, got 0"):
+        estimate_zero3_model_states_mem_needs_all_live(nn.Linear(4, 4), num_gpus_per_node=0)
