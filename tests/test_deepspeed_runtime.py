@@ -180,3 +180,19 @@ def test_the_memory_estimate_tables_print(capsys):
         estimate_zero3_model_states_mem_needs_all_cold(10, 20)
     with pytest.raises(ValueError, match="num_gpus_per_node must be an integer >= 1, got 0"):
         estimate_zero3_model_states_mem_needs_all_live(nn.Linear(4, 4), num_gpus_per_node=0)
+
+
+def test_the_enums_and_aliases_scripts_import():
+    from zero.deepspeed.runtime.activation_checkpointing import checkpointing
+    from zero.deepspeed.runtime.zero.config import ZeroStageEnum
+    from zero.deepspeed.runtime.zero.offload_config import OffloadDeviceEnum
+    assert [int(ZeroStageEnum[name]) for name in
+            ("disabled", "optimizer_states", "gradients", "weights", "max_stage")] == \
+        [0, 1, 2, 3, 3]
+    config = zero.Config.from_deepspeed({"train_micro_batch_size_per_gpu": 1,
+                                         "zero_optimization": {"stage": 3}})
+    assert config.stage == ZeroStageEnum.weights
+    assert [d.value for d in OffloadDeviceEnum] == ["none", "cpu", "nvme"]
+    assert OffloadDeviceEnum("nvme") == "nvme"
+    assert checkpointing.checkpoint is deepspeed.checkpointing.checkpoint
+    assert deepspeed.is_compile_supported() is hasattr(torch, "compile")

@@ -7,6 +7,7 @@ from zero.deepspeed._arguments import add_config_arguments
 from zero.deepspeed._distributed import init_distributed
 from zero.deepspeed._inference import init_inference
 from zero.deepspeed._initialize import initialize
+from zero.deepspeed.runtime.compiler import is_compile_supported
 from zero.deepspeed.runtime.engine import DeepSpeedEngine
 from zero.deepspeed.utils import OnDevice, log_dist, logger
 
@@ -16,4 +17,4 @@ __version__ = "0.19.8"
 
 __all__ = ["initialize", "init_inference", "init_distributed", "add_config_arguments", "zero", "accelerator",
            "checkpointing", "comm", "ops", "runtime", "utils", "OnDevice", "log_dist", "logger",
-           "DeepSpeedEngine", "__version__"]
+           "DeepSpeedEngine", "is_compile_supported", "__version__"]
