@@ -730,6 +730,12 @@ def test_optimizer_blocks_and_old_switches_are_read_as_deepspeed_reads_them():
      "reduce_bucket_size must be an integer from 1 to 2"),
     ({"scheduler": "WarmupLR"}, "scheduler must be a block such as"),
     ({"scheduler": {"type": "WarmupLR", "params": "x"}}, "scheduler must be a block such as"),
+    # a typo inside a block: it trained in fp32, or with the schedule's
+    # defaults, silently (a DeepSpeed hunt; DeepSpeed refuses them)
+    ({"bf16": {"enable": True}}, r"bf16.enable: not a DeepSpeed key \(a typo of 'bf16.enabled'"),
+    ({"fp16": {"enable": True}}, r"fp16.enable: not a DeepSpeed key \(a typo of 'fp16.enabled'"),
+    ({"scheduler": {"type": "WarmupLR", "param": {"warmup_num_steps": 10}}},
+     r"scheduler.param: not a key of the scheduler block, .*a typo of 'scheduler.params'"),
 ])
 def test_malformed_blocks_are_refused_by_name(config, match):
     """Before: bare AttributeErrors and OverflowErrors from deep inside

@@ -263,21 +263,24 @@ def translate(ds: dict) -> dict:
     enabled = {name: _enabled(block, name) for name, block in (("fp16", fp16), ("bf16", bf16))}
     if enabled["fp16"] and enabled["bf16"]:
         raise ValueError("fp16.enabled and bf16.enabled are both true; choose one")
+    # each block's keys are checked whether it is on or not: a typo of
+    # "enabled" ("enable": true) left the block off, silently
+    bf16_options = _take(bf16, "bf16.", {"enabled": None,
+                                         "check_grad_overflow": "check_grad_overflow"},
+                         {"immediate_grad_update"})
+    scaling = _take(fp16, "fp16.", {
+        "enabled": None, "initial_scale_power": "initial_scale_power",
+        "loss_scale_window": "loss_scale_window", "hysteresis": "hysteresis",
+        "min_loss_scale": "min_loss_scale", "loss_scale": "static_loss_scale",
+        "consecutive_hysteresis": "consecutive_hysteresis",
+    }, {"auto_cast", "fp16_master_weights_and_grads"})
     if enabled["bf16"]:
-        options.update(_take(bf16, "bf16.", {"enabled": None,
-                                             "check_grad_overflow": "check_grad_overflow"},
-                             {"immediate_grad_update"}))
+        options.update(bf16_options)
         # DeepSpeed 0.19.8 skips a bf16 step with an inf/nan gradient by
         # default at stages 0-2; its stage 3 checks only fp16
         options.setdefault("check_grad_overflow", options["stage"] in (0, 1, 2))
         options["precision"] = "bf16"
     elif enabled["fp16"]:
-        scaling = _take(fp16, "fp16.", {
-            "enabled": None, "initial_scale_power": "initial_scale_power",
-            "loss_scale_window": "loss_scale_window", "hysteresis": "hysteresis",
-            "min_loss_scale": "min_loss_scale", "loss_scale": "static_loss_scale",
-            "consecutive_hysteresis": "consecutive_hysteresis",
-        }, {"auto_cast", "fp16_master_weights_and_grads"})
         # "auto" (HuggingFace's templates) means DeepSpeed's default
         scaling = {k: v for k, v in scaling.items() if v != "auto"}
         options["precision"] = "fp16"

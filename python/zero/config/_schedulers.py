@@ -223,6 +223,11 @@ def scheduler_from_config(spec: dict, optimizer):
     if not isinstance(spec, dict) or not isinstance(spec.get("params", {}), dict):
         raise ValueError(f"scheduler must be a block such as {{\"type\": \"WarmupLR\", "
                          f"\"params\": {{...}}}}, got {spec!r}")
+    unknown = sorted(set(spec) - {"type", "params"})
+    if unknown:  # "param": the schedule's defaults, silently
+        hint = " (a typo of 'scheduler.params'?)" if "param" in unknown else ""
+        raise ValueError(f"scheduler.{unknown[0]}: not a key of the scheduler block, which "
+                         f"holds type and params{hint}")
     kind = spec.get("type")
     if kind not in SCHEDULER_TYPES:
         raise ValueError(f"scheduler.type {kind!r} is not supported; choose "
