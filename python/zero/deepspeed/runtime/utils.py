@@ -10,17 +10,17 @@ import os
 import torch
 
 from zero.deepspeed.accelerator import get_accelerator
-from zero.deepspeed.utils._logging import logger
 from zero.engine._generation import available_memory
 
 _GB = 1024 ** 3
 
 
 def see_memory_usage(message, force=False):
-    """With force=True, log (rank 0) the device's allocated and reserved
-    memory with their peaks, and the host's used memory, as DeepSpeed's
-    lines read; then reset the device's peaks. Without force: nothing, as
-    DeepSpeed does."""
+    """With force=True, print (rank 0; to stdout, as DeepSpeed 0.19.8's
+    print(), not its logger) the message, the device's allocated and
+    reserved memory with their peaks, and the host's used memory, in
+    DeepSpeed's lines; then reset the device's peaks. Without force:
+    nothing, as DeepSpeed does."""
     if not force:
         return
     if torch.distributed.is_available() and torch.distributed.is_initialized() and \
@@ -31,13 +31,13 @@ def see_memory_usage(message, force=False):
     cuda = torch.cuda.is_available()
     reserved = torch.cuda.memory_reserved() if cuda else 0
     max_reserved = torch.cuda.max_memory_reserved() if cuda else 0
-    logger.info(message)
-    logger.info(f"MA {round(accelerator.memory_allocated() / _GB, 2)} GB "
+    print(message)
+    print(f"MA {round(accelerator.memory_allocated() / _GB, 2)} GB "
                 f"Max_MA {round(accelerator.max_memory_allocated() / _GB, 2)} GB "
                 f"CA {round(reserved / _GB, 2)} GB Max_CA {round(max_reserved / _GB)} GB ")
     total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     used = total - available_memory(torch.device("cpu"))
-    logger.info(f"CPU Virtual Memory:  used = {round(used / _GB, 2)} GB, "
+    print(f"CPU Virtual Memory:  used = {round(used / _GB, 2)} GB, "
                 f"percent = {round(100 * used / total, 1)}%")
     accelerator.reset_peak_memory_stats()
 
