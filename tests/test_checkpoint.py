@@ -826,6 +826,31 @@ def test_save_16bit_model_keeps_ties_and_buffer_dtypes(tmp_path):
     assert saved["1.num_batches_tracked"].dtype == torch.int64
 
 
+@pytest.mark.parametrize("stage", [0, 2, 3])
+def test_save_16bit_model_can_leave_the_frozen_parameters_out(tmp_path, stage):
+    """An adapter's file (DeepSpeed's exclude_frozen_parameters, the usual
+    LoRA save): the trained parameters and the buffers; it was a TypeError
+    (a DeepSpeed hunt). The values are the full model's."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Embedding(10, 4), nn.BatchNorm1d(4), nn.Linear(4, 10))
+    model[0].requires_grad_(False)
+    engine = zero.initialize(model, stage=stage, precision="bf16",
+                             stage3_param_persistence_threshold=0)
+    engine.backward(engine(torch.randint(0, 10, (6,))).float().square().mean())
+    engine.step()
+    engine.save_16bit_model(tmp_path, "adapter.bin", exclude_frozen_parameters=True)
+    engine.save_fp16_model(tmp_path, "whole.bin")
+    with pytest.raises(TypeError, match="exclude_frozen_parameters must be True or False, got .yes."):
+        engine.save_16bit_model(tmp_path, exclude_frozen_parameters="yes")
+    engine.close()
+    adapter = torch.load(tmp_path / "adapter.bin", weights_only=True)
+    whole = torch.load(tmp_path / "whole.bin", weights_only=True)
+    assert sorted(adapter) == ["1.bias", "1.num_batches_tracked", "1.running_mean",
+                               "1.running_var", "1.weight", "2.bias", "2.weight"]
+    assert set(whole) == set(adapter) | {"0.weight"}
+    assert all(torch.equal(adapter[k], whole[k]) for k in adapter)
+
+
 def test_pipeline_stages_meta_keeps_each_groups_step_count():
     """The meta merged from the pipeline stages' parts: a param group whose
     parameters all sit on a later stage counted 0 steps on the first, and

@@ -104,9 +104,10 @@ class DeepSpeedQueries:
             full = {k: v for k, v in full.items() if k not in frozen}
         return {prefix + k: v for k, v in full.items()}
 
-    def save_fp16_model(self, save_dir, save_filename: str = "pytorch_model.bin") -> bool:
+    def save_fp16_model(self, save_dir, save_filename: str = "pytorch_model.bin",
+                        exclude_frozen_parameters: bool = False) -> bool:
         """DeepSpeed's older name of save_16bit_model."""
-        return self.save_16bit_model(save_dir, save_filename)
+        return self.save_16bit_model(save_dir, save_filename, exclude_frozen_parameters)
 
     def destroy(self):
         """DeepSpeed's name of close()."""
@@ -191,14 +192,23 @@ class DeepSpeedQueries:
         loader.data_sampler = sampler
         return loader
 
-    def save_16bit_model(self, save_dir, save_filename: str = "pytorch_model.bin") -> bool:
+    def save_16bit_model(self, save_dir, save_filename: str = "pytorch_model.bin",
+                         exclude_frozen_parameters: bool = False) -> bool:
         """DeepSpeed's: the whole model's state dict, parameters in the
         compute dtype (bf16/fp16; fp32 under precision "fp32"), buffers in
         their own, tied parameters still one tensor, written by rank 0 to
         <save_dir>/<save_filename> with torch.save, for
-        model.load_state_dict. A collective (the parameters are gathered on
-        every rank; a failed write raises on every rank). Returns True."""
+        model.load_state_dict. exclude_frozen_parameters: without the
+        parameters that do not require grad (an adapter's file: LoRA's
+        trained weights and the buffers). A collective (the parameters are
+        gathered on every rank; a failed write raises on every rank).
+        Returns True."""
+        require_bool(exclude_frozen_parameters, "exclude_frozen_parameters")
         full = self.full_state_dict()
+        if exclude_frozen_parameters:
+            frozen = {name for name, p in self.module.named_parameters(remove_duplicate=False)
+                      if not p.requires_grad}
+            full = {name: value for name, value in full.items() if name not in frozen}
         error = None
         if self._comm.everyone.rank == 0:
             try:
