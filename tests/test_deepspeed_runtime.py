@@ -49,6 +49,41 @@ def test_a_schedule_built_by_hand_gives_deepspeeds_rates(name):
     assert lrs == pytest.approx(DEEPSPEED_LRS[name], rel=1e-8, abs=1e-12)
 
 
+# DeepSpeed 0.19.8's lr after step(5) and the step() after it, and its
+# last_batch_iteration then (SGD at lr 0.1)
+DEEPSPEED_JUMPS = {
+    "WarmupLR": (lambda o: lr_schedules.WarmupLR(o, warmup_max_lr=0.1, warmup_num_steps=10,
+                                                 warmup_type="linear"), 0.05, 0.06),
+    "WarmupDecayLR": (lambda o: lr_schedules.WarmupDecayLR(
+        o, total_num_steps=20, warmup_max_lr=0.1, warmup_num_steps=10, warmup_type="linear"),
+        0.05, 0.06),
+    "WarmupCosineLR": (lambda o: lr_schedules.WarmupCosineLR(o, total_num_steps=20,
+                                                             warmup_num_steps=10),
+                       0.07781513, 0.0845098),
+    "OneCycle": (lambda o: lr_schedules.OneCycle(o, 0.01, 0.1, cycle_first_step_size=10),
+                 0.064, 0.073),
+    "LRRangeTest": (lambda o: lr_schedules.LRRangeTest(o, lr_range_test_step_size=1),
+                    0.007, 0.008),
+}
+
+
+@pytest.mark.parametrize("name", sorted(DEEPSPEED_JUMPS))
+def test_step_with_an_iteration_jumps_there_as_deepspeeds(name):
+    """step(last_batch_iteration=5) sets iteration 5's rates (they were one
+    iteration behind: torch's step(epoch)), and last_batch_iteration reads
+    DeepSpeed's position (a DeepSpeed hunt)."""
+    build, jumped, next_lr = DEEPSPEED_JUMPS[name]
+    optimizer = torch.optim.SGD([nn.Parameter(torch.zeros(2))], lr=0.1, momentum=0.9)
+    schedule = build(optimizer)
+    assert schedule.last_batch_iteration == -1
+    schedule.step(5)
+    assert optimizer.param_groups[0]["lr"] == pytest.approx(jumped, rel=1e-6)
+    schedule.step()
+    assert optimizer.param_groups[0]["lr"] == pytest.approx(next_lr, rel=1e-6)
+    assert schedule.last_batch_iteration == 6 and schedule.get_last_lr() == \
+        [optimizer.param_groups[0]["lr"]]
+
+
 @pytest.mark.parametrize("stage", [0, 3])
 def test_the_engine_steps_a_schedule_given_to_initialize(monkeypatch, stage):
     """initialize(lr_scheduler=WarmupDecayLR(...)): the engine steps it after

@@ -1262,7 +1262,7 @@ def test_flags_and_numbers_of_the_calls_are_checked_by_type(tmp_path):
         with pytest.raises(TypeError, match=message):
             call()
     assert (tmp_path / "latest").read_text() == "first"
-    assert sorted(os.listdir(tmp_path)) == ["first", "latest"]
+    assert sorted(os.listdir(tmp_path)) == ["first", "latest", "zero_to_fp32.py"]
     engine.close()
 
 

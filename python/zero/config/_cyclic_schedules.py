@@ -67,6 +67,29 @@ class DeepSpeedStateDict:
     schedule is at last_epoch i + 1, having been stepped i + 2 times (once
     at construction)."""
 
+    @property
+    def last_batch_iteration(self) -> int:
+        """DeepSpeed's position: the iteration its schedule last set (-1
+        before the first step), torch's last_epoch - 1."""
+        return self.last_epoch - 1
+
+    @last_batch_iteration.setter
+    def last_batch_iteration(self, value):
+        self.last_epoch = int(value) + 1
+
+    def step(self, last_batch_iteration=None):
+        """torch's step(), or DeepSpeed's step(last_batch_iteration=i): the
+        learning rates of iteration i at once (torch's deprecated
+        step(epoch) would read i as last_epoch, one iteration behind)."""
+        if last_batch_iteration is None:
+            return super().step()
+        self.last_batch_iteration = last_batch_iteration
+        self._step_count += 1
+        for group, lr in zip(self.optimizer.param_groups, self.get_lr()):
+            group["lr"] = lr
+        self._last_lr = [group["lr"] for group in self.optimizer.param_groups]
+        return None
+
     def load_state_dict(self, state_dict):
         if set(state_dict) == {"last_batch_iteration"}:
             i = int(state_dict["last_batch_iteration"])
