@@ -104,6 +104,12 @@ def test_a_config_without_a_batch_size_is_refused_as_deepspeed_refuses_it(one_pr
         with pytest.raises(ValueError, match="the config gives neither train_batch_size nor "
                            "train_micro_batch_size_per_gpu"):
             deepspeed.initialize(model=Net(), config=config)
+    # an HF template's "auto" outside the Trainer is named (it was "gives
+    # neither", with both given)
+    with pytest.raises(ValueError, match="train_micro_batch_size_per_gpu is 'auto', which "
+                                         "HuggingFace's DeepSpeed integration fills in"):
+        deepspeed.initialize(model=Net(), config={"train_micro_batch_size_per_gpu": "auto",
+                                                  "train_batch_size": "auto"})
     engine, *_ = deepspeed.initialize(model=Net(), config={"train_batch_size": 4})
     assert engine.train_micro_batch_size_per_gpu() == 4
     engine.close()
@@ -607,3 +613,19 @@ def test_set_z3_leaf_modules_marks_what_stage3_gathers_whole():
         set_z3_leaf_modules(Net(), [nn.Conv2d])
     with pytest.raises(TypeError, match="leaf_module_classes must be"):
         set_z3_leaf_modules(Net(), [])
+
+
+def test_a_model_partitioned_by_deepspeeds_own_init_is_refused_by_name(one_process):
+    """transformers' HfDeepSpeedConfig with deepspeed installed builds the
+    model under DeepSpeed's zero.Init: empty parameters whose values sit in
+    DeepSpeed's ds_tensor. It failed in the forward ("'weight' must be
+    2-D"); refused at initialize, naming the way out (a DeepSpeed hunt,
+    with deepspeed 0.19.8's own model). Made here as DeepSpeed leaves it."""
+    model = Net()
+    weight = model.head.weight
+    weight.ds_tensor = weight.data.flatten()[:8].clone()
+    weight.ds_shape = weight.shape
+    weight.data = torch.empty(0)
+    with pytest.raises(ValueError, match="parameter 'head.weight' was partitioned by "
+                                         "DeepSpeed's own zero.Init .*HfDeepSpeedConfig"):
+        deepspeed.initialize(model=model, config=CONFIG)

@@ -266,6 +266,33 @@ def test_cast_after_the_context_keeps_the_values(cast):
     assert_engine_holds(model, ref)
 
 
+@pytest.mark.parametrize("device", [torch.device("cpu", 0), "cpu:0"])
+def test_a_move_after_the_context_keeps_the_values(device):
+    """model.to("cpu:0") (the HF Trainer's move under torchrun; "cuda:0" on
+    a GPU) copies the placeholders' zeros into full tensors: the engine
+    trained a model of zeros, silently (an HF hunt). The copies are read
+    as the placeholders they were."""
+    torch.manual_seed(5)
+    ref = Odd()
+    model, _ = build(True)
+    model.to(device)
+    assert_engine_holds(model, ref)
+
+
+def test_data_given_after_the_context_counts():
+    """New values given after the context (not zeros) are the model's."""
+    model, _ = build(True)
+    with torch.no_grad():
+        given = {name: torch.randn(p.shape) for name, p in model.named_parameters()}
+        for name, p in model.named_parameters():
+            p.data = given[name].clone()
+    engine = zero.initialize(model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                             stage=3)
+    full = engine.full_state_dict()
+    assert all(torch.equal(full[name], value) for name, value in given.items())
+    engine.close()
+
+
 def test_in_place_op_over_a_list_of_parameters_is_refused():
     with zero.partitioned_init():
         model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))

@@ -9,6 +9,7 @@ import torch
 
 from zero._warnings import warn_user
 from zero.config._config import Config
+from zero.config._values import auto_refused
 from zero.deepspeed._distributed import init_distributed
 from zero.deepspeed.utils._logging import logger, set_log_level_from_string
 from zero.engine._initialize import initialize as zero_initialize
@@ -108,6 +109,10 @@ def _config(args, config, config_params) -> Config:
     cfg = Config.from_deepspeed(source)
     if cfg.train_batch_size is None and cfg.train_micro_batch_size_per_gpu is None:
         # DeepSpeed asserts it; accepted, the batch-size queries answered None
+        autos = [key for key in ("train_micro_batch_size_per_gpu", "train_batch_size")
+                 if isinstance(source, dict) and source.get(key) == "auto"]
+        if autos:  # an HF template's, used outside the Trainer
+            raise auto_refused(autos[0], "give the number")
         raise ValueError("deepspeed.initialize: the config gives neither train_batch_size nor "
                          "train_micro_batch_size_per_gpu; give one (DeepSpeed requires it too: "
                          "the engine's batch-size queries and its training loader read it)")

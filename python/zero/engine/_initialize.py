@@ -128,6 +128,7 @@ def initialize(model: nn.Module, *, optimizer=None, stage=None, precision=None,
         raise ValueError("the model has no parameters; nothing to train")
     _check_dense_gradients(model)
     _check_real_parameters(model)
+    _check_not_deepspeeds(model)
     device = _engine_device(model, device)
     if optimizer is None:
         optimizer = default_optimizer(cfg, model)
@@ -416,6 +417,21 @@ def _check_real_parameters(model: nn.Module) -> None:
                 "(torch.view_as_real) and view it as complex in forward "
                 "(torch.view_as_complex), or make it a buffer (register_buffer: kept as it "
                 "is, also in checkpoints)")
+
+
+def _check_not_deepspeeds(model: nn.Module) -> None:
+    """A model partitioned by DeepSpeed's own zero.Init (transformers'
+    HfDeepSpeedConfig with deepspeed installed builds one) holds empty
+    parameters whose values live in DeepSpeed's ds_tensor: taken as they
+    were, it failed in the forward on a shape ("'weight' must be 2-D")."""
+    for name, p in model.named_parameters():
+        if hasattr(p, "ds_tensor") and sharded_record(p) is None:
+            raise ValueError(
+                f"parameter '{name}' was partitioned by DeepSpeed's own zero.Init (it has "
+                "ds_tensor): zero cannot read DeepSpeed's partitions. Build the model under "
+                "zero.deepspeed.zero.Init (zero.partitioned_init) instead, or without it; "
+                "with transformers, do not create HfDeepSpeedConfig (it makes from_pretrained "
+                "and from_config use DeepSpeed's zero.Init)")
 
 
 def _check_scheduler(lr_scheduler, optimizer) -> None:

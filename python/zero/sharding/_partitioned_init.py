@@ -419,14 +419,23 @@ def sharded_record(param):
     """The _Sharded record of a placeholder made by partitioned_init, or
     None. A parameter given other data since (p.data = ..., module.half()
     inside the context) is no longer a placeholder: its record is dropped
-    and its own values count. A cast after the context closed (a new
-    dtype, the same shape: model.to(torch.bfloat16) before initialize) read
-    the placeholder's zeros; the record is kept and its values are cast."""
+    and its own values count. A cast or a copy after the context closed
+    (the same shape: model.to(torch.bfloat16), or model.to("cpu:0"), which
+    the HF Trainer makes under torchrun, before initialize) read the
+    placeholder's zeros; the record is kept and its values are cast. A
+    copy in the same dtype is told from new data by its values: all zero
+    ([Note: placeholders copied after the context])."""
     record = _registry.get(param)
     if record is not None and storage_key(param) != record.key:
-        if record.closed and param.dtype != record.dtype and param.shape == record.shape:
-            # model.to(torch.bfloat16) after the context: a cast of the
-            # placeholder's zeros. The values are the chunks', cast alike.
+        if record.closed and param.shape == record.shape and \
+                (param.dtype != record.dtype or not param.detach().count_nonzero()):
+            # [Note: placeholders copied after the context] model.to(dtype)
+            # or .to(device) after the context: a cast or copy of the
+            # placeholder's zeros (a copy to "cpu:0" trained a model of
+            # zeros, silently). The values are the chunks', cast alike. A
+            # parameter set to zeros after the context in its own dtype
+            # (p.data = torch.zeros(...)) reads the same and takes its
+            # built values: zero it inside the context, or after initialize.
             record.key, record.storage = storage_key(param), param.untyped_storage()
             record.cast_to = param.dtype
         else:
