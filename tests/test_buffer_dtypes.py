@@ -115,3 +115,31 @@ def test_a_buffer_dtype_zero_cannot_give_is_refused_by_name():
     with pytest.raises(ValueError, match=r"buffer_dtype must be None \(each buffer keeps its "
                                          r"dtype\) or one of .*got 'float32'"):
         zero.initialize(Rotary(), buffer_dtype="float32")
+
+
+class PositionTable(nn.Module):
+    """M2M100's and XGLM's way: an fp32 sinusoid table added to the bf16
+    embeddings, then a LayerNorm, which refuses the float32 sum."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(10, 8)
+        self.register_buffer("table", torch.randn(6, 8))
+        self.norm = nn.LayerNorm(8)
+
+    def forward(self, ids):
+        return self.norm(self.embed(ids) + self.table[:ids.shape[-1]])
+
+
+def test_a_forward_that_mixes_a_kept_buffer_in_says_what_to_set():
+    ids = torch.randint(0, 10, (2, 6))
+    engine = zero.initialize(PositionTable(), stage=0, precision="bf16")
+    with pytest.raises(RuntimeError) as caught:
+        engine(ids)
+    notes = "\n".join(getattr(caught.value, "__notes__", []))
+    assert "floating buffers keep their dtype (1: 'table')" in notes
+    assert 'buffer_dtype="bf16"' in notes and '"data_types": {"buffer_dtype": "bf16"}' in notes
+    engine.close()
+    engine = zero.initialize(PositionTable(), stage=0, precision="bf16", buffer_dtype="bf16")
+    assert engine(ids).dtype == torch.bfloat16
+    engine.close()

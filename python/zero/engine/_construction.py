@@ -171,6 +171,37 @@ def cast_module(module, dtype, device, policy, buffer_dtype=None):
 # zero until 2026-12-07 cast every floating buffer to the compute dtype, as
 # DeepSpeed < 0.19's module.bfloat16() did; a checkpoint saved then holds
 # bf16 buffers, which load_state_dict copies into the fp32 ones.
+def kept_buffers(module, dtype) -> list:
+    """The names of the floating buffers a 16-bit engine left in another
+    dtype than its own (empty in an fp32 engine)."""
+    if dtype.itemsize != 2:
+        return []
+    return [name for name, b in module.named_buffers()
+            if b.is_floating_point() and b.dtype != dtype]
+
+
+# torch's words for operands of two floating dtypes in one op
+_MIXED_DTYPE_WORDS = ("mixed dtype", "expected scalar type", "same dtype",
+                      "expected both inputs", "found float", "found bfloat16", "found half")
+
+
+def note_kept_buffers(error, kept: list, dtype):
+    """[Note: buffer dtypes] A forward that mixes an fp32 buffer into 16-bit
+    activations fails in torch's words (M2M100's and XGLM's position tables
+    before a bf16 LayerNorm: "mixed dtype (CPU): expect parameter to have
+    scalar type of Float", as under DeepSpeed 0.19): the note names the
+    buffers and buffer_dtype."""
+    if not kept or not any(word in str(error).lower() for word in _MIXED_DTYPE_WORDS):
+        return
+    listed = ", ".join(f"'{n}'" for n in kept[:3]) + (" ..." if len(kept) > 3 else "")
+    name = "bf16" if dtype == torch.bfloat16 else "fp16"
+    error.add_note(f"zero: the model's floating buffers keep their dtype ({len(kept)}: "
+                   f"{listed}), as DeepSpeed 0.19 keeps them; a forward that mixes one into "
+                   f"{dtype} activations gets float32 out. buffer_dtype=\"{name}\" (a DeepSpeed "
+                   f"config: \"data_types\": {{\"buffer_dtype\": \"{name}\"}}) casts them "
+                   "with the parameters (docs/engine.md, \"Buffers keep their dtype\")")
+
+
 def _buffer_dtype(t, dtype, buffer_dtype, is_statistic):
     """The dtype cast_module gives buffer t (None: its own)."""
     if not t.is_floating_point():

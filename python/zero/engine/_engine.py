@@ -31,7 +31,8 @@ from zero.engine._checkpoint_calls import CheckpointCalls
 from zero.engine._deepspeed_queries import DeepSpeedQueries, LossScale
 from zero.engine._construction import (apply_aio, broadcast_buffer, cast_module,
                                        match_param_groups, offload_files, owners_of,
-                                       param_files, units_of, warn_if_narrowed)
+                                       param_files, units_of, warn_if_narrowed,
+                                       kept_buffers, note_kept_buffers)
 from zero.engine._generation import route_generate
 from zero.engine._handback import forget_dropped, hand_back, record_dtypes, undo_failed_build
 from zero.engine._reports import EngineReports
@@ -189,6 +190,7 @@ class Engine(BoundaryStep, DeepSpeedQueries, BatchCalls, CheckpointCalls, Engine
         warn_if_narrowed(self._dtypes_before, self.compute_dtype)
         cast_module(module, self.compute_dtype, self.device, self.policy,
                     config.buffer_dtype and DTYPES[config.buffer_dtype])
+        self._kept_buffers = kept_buffers(module, self.compute_dtype)
         for name, buf in module.named_buffers():
             broadcast_buffer(comm, name, buf)
         # parameters outside the flat groups (which broadcast their own):
@@ -340,7 +342,11 @@ class Engine(BoundaryStep, DeepSpeedQueries, BatchCalls, CheckpointCalls, Engine
                   for k, v in kwargs.items()}
         if self._monitor is not None:  # the flops profiler starts with a step's first forward
             self._monitor.before_forward(self)
-        return self.module(*args, **kwargs)
+        try:
+            return self.module(*args, **kwargs)
+        except RuntimeError as error:
+            note_kept_buffers(error, getattr(self, "_kept_buffers", []), self.compute_dtype)
+            raise
 
     @property
     def loss_scale(self) -> float:  # callable too, as DeepSpeed's method

@@ -449,8 +449,8 @@ class ZeroTrainerMixin:
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False):
         """The full fp32 model, from the engine's masters, written by the
-        process that saves. At stages 1-3 a collective: call it on every
-        rank (not under `if trainer.is_world_process_zero()`)."""
+        process that saves. A collective at every stage, 0 too: call it on
+        every rank (not under `if trainer.is_world_process_zero()`)."""
         if self.engine is None or self.engine._closed:  # a plain model now
             return super().save_model(output_dir, _internal_call)
         output_dir = output_dir if output_dir is not None else self.args.output_dir
