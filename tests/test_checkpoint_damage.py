@@ -452,3 +452,21 @@ def test_a_script_that_cannot_be_written_leaves_a_complete_checkpoint(tmp_path, 
     after = engine.full_state_dict()
     assert all(torch.equal(after[k], v) for k, v in expected.items())
     engine.close()
+
+
+def test_an_hf_checkpoint_folder_points_to_its_zero_checkpoint(tmp_path):
+    """ZeroTrainer's checkpoint-N keeps the engine's checkpoint in
+    zero_checkpoint/; given the folder itself (a DeepSpeed user's habit,
+    whose zero_to_fp32.py takes checkpoint-N), the reader said "pass tag=",
+    and -t engine then found nothing (an HF hunt). It names the directory."""
+    engine = make_engine(2)
+    train(engine, 0, 1)
+    folder = tmp_path / "checkpoint-2"
+    engine.save_checkpoint(folder / "zero_checkpoint", tag="engine")
+    engine.close()
+    for tag in (None, "engine"):
+        with pytest.raises(FileNotFoundError, match=r"'.*checkpoint-2' is an HF Trainer "
+                           r"checkpoint folder: its zero checkpoint is in "
+                           r"'.*checkpoint-2/zero_checkpoint'; pass that directory"):
+            consolidate(folder, tag)
+    assert consolidate(folder / "zero_checkpoint")["model"]

@@ -46,6 +46,9 @@ FORMAT = "zeroshard.checkpoint"
 VERSION = 1
 META_FILE = "zero_meta.pt"
 LATEST_FILE = "latest"
+# the folder of an HF Trainer checkpoint-N that holds ZeroTrainer's zero
+# checkpoint (integrations/hf.py)
+HF_ZERO_DIR = "zero_checkpoint"
 # the script a save leaves beside the tags (checkpoint/_recovery_script.py)
 SCRIPT_FILE = "zero_to_fp32.py"
 REPLICATED_GROUP = "replicated"  # stage 0-2 frozen parameters, saved by rank 0
@@ -124,8 +127,14 @@ def inside(root, path) -> bool:
 def tag_directory_hint(save_dir) -> str:
     """The checkpoint directory given as one of its tag directories
     (ckpt/global_step5 for ckpt/) is an easy slip: say so. A DeepSpeed
-    checkpoint directory (or tag directory) is named as one."""
+    checkpoint directory (or tag directory) is named as one, and so is an
+    HF Trainer's checkpoint-N folder, whose zero checkpoint is one level
+    down (DeepSpeed users give the folder itself)."""
     if not os.path.isfile(os.path.join(save_dir, META_FILE)):
+        inner = os.path.join(save_dir, HF_ZERO_DIR)
+        if os.path.isfile(os.path.join(inner, LATEST_FILE)):
+            return (f"{save_dir!r} is an HF Trainer checkpoint folder: its zero checkpoint is "
+                    f"in {inner!r}; pass that directory")
         return deepspeed_refusal(save_dir) if deepspeed_tags(save_dir) else ""
     parent, name = os.path.split(os.path.abspath(save_dir))
     return (f"{save_dir!r} is itself a checkpoint's tag directory (it holds {META_FILE}): "

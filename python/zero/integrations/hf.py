@@ -41,6 +41,7 @@ import os
 import torch
 from transformers import Trainer
 
+from zero.checkpoint._format import HF_ZERO_DIR
 from zero.config._config import Config
 from zero.engine._dcp_preparation import refuse_if_dcp, undo_dcp_preparation
 from zero.engine._generation import gathered_whole, gathers_whole
@@ -54,7 +55,6 @@ from zero.integrations._hf_model_parallel import (gather_once_per_data_parallel_
                                                   shard_data_over_data_parallel_ranks)
 from zero.parallel._tensor_parallel import vocabulary_parallel
 
-ZERO_CHECKPOINT_DIR = "zero_checkpoint"
 SCHEDULER_FILE = "scheduler.pt"  # the Trainer's own name for it
 
 
@@ -460,23 +460,23 @@ class ZeroTrainerMixin:
             _record_fp32(os.path.join(output_dir, "config.json"))
 
     def _save_optimizer_and_scheduler(self, output_dir):
-        self.engine.save_checkpoint(os.path.join(output_dir, ZERO_CHECKPOINT_DIR), tag="engine")
+        self.engine.save_checkpoint(os.path.join(output_dir, HF_ZERO_DIR), tag="engine")
         if self.args.should_save and self.lr_scheduler is not None:
             torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, SCHEDULER_FILE))
 
     def _load_best_model(self):
         """load_best_model_at_end: the best folder's weights into the
         engine's masters (and so the parameters), every rank."""
-        best = os.path.join(self.state.best_model_checkpoint, ZERO_CHECKPOINT_DIR)
+        best = os.path.join(self.state.best_model_checkpoint, HF_ZERO_DIR)
         self.engine.load_checkpoint(best, tag="engine", load_module_only=True)
 
     def _load_optimizer_and_scheduler(self, checkpoint):
         if checkpoint is None:
             return
-        zero_dir = os.path.join(checkpoint, ZERO_CHECKPOINT_DIR)
+        zero_dir = os.path.join(checkpoint, HF_ZERO_DIR)
         if not os.path.isdir(zero_dir):
             raise FileNotFoundError(
-                f"{checkpoint!r} has no {ZERO_CHECKPOINT_DIR}/, so it holds no engine state to "
+                f"{checkpoint!r} has no {HF_ZERO_DIR}/, so it holds no engine state to "
                 "resume: it was saved with save_only_model=True (the weights alone), or not by "
                 "ZeroTrainer. To start from its weights, load them into the model "
                 "(from_pretrained) and train without resume_from_checkpoint")
