@@ -176,3 +176,29 @@ def test_deepspeed_initialize_refuses_one_of_mpiruns_processes(one_process, monk
     assert engine.world_size == 1
     engine.close()
 
+
+
+def test_the_other_queries_scripts_call(one_process):
+    """Found missing by a DeepSpeed hunt (an AttributeError each)."""
+    engine, _model = engine_for(stage=0, accumulation=2)
+    assert engine.zero_optimization() is False and engine.wall_clock_breakdown() is False
+    assert engine.get_batch_info() == (4, 2, 2)
+    assert engine.get_data_types() == (torch.float32, torch.float32)
+    assert engine.optimizer_name() == "adamw" and engine.training_dataloader is None
+    engine.close()
+    torch.manual_seed(0)
+    model = nn.Linear(4, 2)
+    data = [(torch.randn(4), torch.randn(2)) for _ in range(6)]
+    engine, optimizer, loader, _ = deepspeed.initialize(
+        model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), training_data=data,
+        config={"train_micro_batch_size_per_gpu": 2, "bf16": {"enabled": True},
+                "zero_optimization": {"stage": 2}, "data_types": {"grad_accum_dtype": "fp32"}})
+    assert engine.zero_optimization() is True and engine.training_dataloader is loader
+    assert engine.optimizer_name() == "SGD"
+    assert engine.get_data_types() == (torch.bfloat16, torch.float32)
+    engine.close()
+    assert (deepspeed.__version_major__, deepspeed.__version_minor__,
+            deepspeed.__version_patch__) == (0, 19, 8)
+    assert deepspeed.get_accelerator() is deepspeed.accelerator.get_accelerator()
+    from zero.deepspeed.runtime.zero.partition_parameters import register_external_parameter
+    assert register_external_parameter is deepspeed.zero.register_external_parameter

@@ -79,6 +79,7 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None,
     if training_data is not None:
         loader = engine.deepspeed_io(training_data, collate_fn=collate_fn)
         engine.set_dataloader(loader)  # train_batch()'s, as DeepSpeed's pipeline engine
+    engine.training_dataloader = loader  # DeepSpeed's attribute (None without data)
     return engine, engine.optimizer, loader, engine.lr_scheduler
 
 

@@ -27,6 +27,10 @@ class GradNorm(float):
 
 
 class DeepSpeedQueries:
+    # DeepSpeed's attribute: the loader deepspeed.initialize made of
+    # training_data (zero.deepspeed sets it), else None
+    training_dataloader = None
+
     def get_global_grad_norm(self) -> float:
         """The global L2 norm of the last update's gradients, before
         clipping (inf after an fp16 overflow); None before the first step."""
@@ -75,6 +79,36 @@ class DeepSpeedQueries:
 
     def zero_optimization_stage(self) -> int:
         return self.stage
+
+    def zero_optimization(self) -> bool:
+        """Whether a ZeRO stage (1-3) partitions anything, as DeepSpeed's."""
+        return self.stage > 0
+
+    def get_batch_info(self) -> tuple:
+        """(train_batch_size, train_micro_batch_size_per_gpu,
+        gradient_accumulation_steps), DeepSpeed's order."""
+        return (self.train_batch_size(), self.train_micro_batch_size_per_gpu(),
+                self.gradient_accumulation_steps())
+
+    def get_data_types(self) -> tuple:
+        """(the compute dtype, the dtype gradients accumulate in): this
+        engine's (DeepSpeed's bf16 at stage 0 accumulates in fp32 by
+        default; zero in bf16 unless grad_accum_dtype says fp32)."""
+        return self.compute_dtype, \
+            {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[
+                self.config.grad_accum_dtype or self.config.precision]
+
+    def optimizer_name(self) -> str:
+        """The config's optimizer type in lower case, or the class name of
+        the optimizer passed in, as DeepSpeed's."""
+        if self.config.optimizer is not None:  # the block built it
+            return str(self.config.optimizer.get("type", "")).lower()
+        return type(self.optimizer).__name__
+
+    def wall_clock_breakdown(self) -> bool:
+        """False: zero keeps no per-phase timers (the config's
+        wall_clock_breakdown is accepted with a warning)."""
+        return False
 
     def zero_optimization_partition_gradients(self) -> bool:
         return self.stage >= 2
