@@ -1139,6 +1139,10 @@ def test_bf16_check_grad_overflow_skips_a_nonfinite_step(check, bad):
         ((False, 1, True) if check else (True, 0, bad != "nan input"))
     if check:
         assert all(torch.equal(before[k], after[k]) for k in before)
+        # a skipped step's nan norm reads inf, as DeepSpeed's, so a script
+        # counting overflows with isinf sees it (a DeepSpeed hunt)
+        assert engine.get_global_grad_norm() > 1e30 if bad != "nan input" else \
+            engine.get_global_grad_norm() == float("inf")
         engine.backward(engine(torch.randn(3, 6)).float().sum())
         engine.step()  # the next good batch steps
         assert engine.was_step_applied() and engine.global_steps == 1

@@ -260,7 +260,10 @@ class BoundaryStep:
         # the rest is done. Raised at once, it left the gradients in place,
         # and the next step added them to its own
         self._step_applied = not self.step_was_skipped
-        self._global_grad_norm = norm
+        # an overflow's norm reads inf, as DeepSpeed's (a sum with an inf
+        # and a -inf gradient made it nan, which an isinf count missed)
+        self._global_grad_norm = float("inf") if self.step_was_skipped and norm != norm \
+            else norm
         self.zero_grad()
         self._zero_grad_calls = self._backwards = 0
         if self._backward is not None:
