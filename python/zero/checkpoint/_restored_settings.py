@@ -19,6 +19,7 @@ import torch
 from torch.optim.lr_scheduler import LRScheduler
 
 from zero.config._config import FP32_MAX
+from zero.config._cyclic_schedules import DeepSpeedStateDict
 from zero.step._step_path import check_update_arguments
 
 _OPTIMIZER_HINT = "; pass load_optimizer_states=False to start the optimizer afresh"
@@ -124,8 +125,10 @@ def _scheduler_lrs(scheduler, saved):
     """The learning rates the saved state would set (None if the scheduler
     keeps none): the state is loaded on trial and the scheduler put back."""
     current = scheduler.state_dict()
-    _same_form(saved, current, "lr_scheduler state",
-               _NOT_STATE | frozenset(dir(scheduler)) - set(current))
+    attributes = _NOT_STATE | frozenset(dir(scheduler)) - set(current)
+    if isinstance(scheduler, DeepSpeedStateDict):  # its load_state_dict reads DeepSpeed's
+        attributes -= {"last_batch_iteration"}     # position, a property it does not overwrite
+    _same_form(saved, current, "lr_scheduler state", attributes)
     before = copy.deepcopy(current)
     try:
         # load_state_dict may consume what it is given (LambdaLR pops)
