@@ -67,6 +67,26 @@ def test_csv_monitor_writes_loss_and_lr_at_the_samples_seen(tmp_path):
     assert not (tmp_path / "run" / "Train_Samples_loss_scale.csv").exists()  # fp32
 
 
+def test_a_scripts_own_events_go_to_the_same_writers(tmp_path):
+    """engine.monitor.write_events, DeepSpeed's monitor tutorial's way to
+    log a custom metric (an AttributeError before: a DeepSpeed hunt)."""
+    config = ds_config(tmp_path, csv_monitor={"enabled": True, "output_path": str(tmp_path),
+                                              "job_name": "run"})
+    engine = zero.initialize(Net(), config=config)
+    assert engine.monitor.enabled
+    engine.monitor.write_events([("Train/Samples/my_metric", 0.5, 8),
+                                 ("Train/Samples/my_metric", 2, 16)])
+    with pytest.raises(TypeError, match=r"write_events takes \(tag, value, step\) tuples"):
+        engine.monitor.write_events([("Train/Samples/my_metric", 0.5)])
+    engine.close()
+    assert read_csv(tmp_path / "run" / "Train_Samples_my_metric.csv") == \
+        (["step", "my_metric"], [(8, 0.5), (16, 2.0)])
+    engine = zero.initialize(Net(), config=ds_config(tmp_path))
+    assert not engine.monitor.enabled
+    engine.monitor.write_events([("Train/Samples/my_metric", 1.0, 1)])  # nowhere, as DeepSpeed
+    engine.close()
+
+
 def test_fp16_writes_the_loss_scale(tmp_path):
     config = ds_config(tmp_path, csv_monitor={"enabled": True, "output_path": str(tmp_path),
                                               "job_name": "fp16"},

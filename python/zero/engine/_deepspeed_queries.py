@@ -105,6 +105,14 @@ class DeepSpeedQueries:
             return str(self.config.optimizer.get("type", "")).lower()
         return type(self.optimizer).__name__
 
+    @property
+    def monitor(self):
+        """DeepSpeed's engine.monitor: write_events([(tag, value, step)])
+        into the config's tensorboard/csv/wandb writers (engine/_monitor.py)."""
+        from zero.engine._monitor import WRITERS, MonitorCalls
+        enabled = any(kind in WRITERS for kind in (self.config.monitor or {}))
+        return MonitorCalls(self._monitor, enabled)
+
     def wall_clock_breakdown(self) -> bool:
         """False: zero keeps no per-phase timers (the config's
         wall_clock_breakdown is accepted with a warning)."""

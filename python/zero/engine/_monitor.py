@@ -35,7 +35,7 @@ class Monitor:
             elif kind in _LOGGERS:
                 self.loggers.append(_LOGGERS[kind](block))
             else:
-                self.writers.append(_WRITERS[kind](block))
+                self.writers.append(WRITERS[kind](block))
         self.losses = []
 
     def before_forward(self, engine):
@@ -66,6 +66,31 @@ class Monitor:
     def close(self):
         for writer in self.writers + self.loggers:
             writer.close()
+
+
+class MonitorCalls:
+    """engine.monitor: what scripts call on DeepSpeed's MonitorMaster (its
+    tutorial's custom metrics, `engine.monitor.write_events([(tag, value,
+    step)])`), into the same tensorboard/csv/wandb writers as the
+    engine's own events. Written by global rank 0 (the others hold no
+    writers and write nothing, as DeepSpeed's); `enabled` says whether the
+    config turned a writer on, the same on every rank."""
+
+    def __init__(self, monitor, enabled: bool):
+        self._monitor, self.enabled = monitor, enabled
+
+    def write_events(self, event_list):
+        events = []
+        for event in event_list:
+            if not (isinstance(event, (tuple, list)) and len(event) == 3 and
+                    isinstance(event[0], str)):
+                raise TypeError(f"monitor.write_events takes (tag, value, step) tuples, got "
+                                f"{event!r:.80}")
+            tag, value, step = event
+            events.append((tag, float(value), int(step)))
+        if self._monitor is not None:
+            for writer in self._monitor.writers:
+                writer.write(events)
 
 
 def _log_dir(block):
@@ -140,7 +165,7 @@ class _Wandb:
         self.run.finish()
 
 
-_WRITERS = {"tensorboard": _Tensorboard, "csv_monitor": _Csv, "wandb": _Wandb}
+WRITERS = {"tensorboard": _Tensorboard, "csv_monitor": _Csv, "wandb": _Wandb}
 _LOGGERS = {"comms_logger": CommsLogger, "memory_breakdown": MemoryBreakdown}
 
 
