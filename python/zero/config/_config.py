@@ -9,11 +9,16 @@ import os
 from dataclasses import dataclass, field, fields
 from typing import Optional
 
+import torch
+
 from zero.config._deepspeed_config import read_deepspeed, translate
 from zero.config._deepspeed_keys import check_aio, check_monitor
 from zero.config._values import _enabled, _number, _seconds
 
 PRECISIONS = ("fp32", "bf16", "fp16")
+# each precision's torch dtype (the compute dtype; grad_accum_dtype's and
+# buffer_dtype's names too)
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 # 500M elements is DeepSpeed's default bucket; on the CPU/gloo path a bucket
 # of 25M elements (50 MB in bf16) already amortises the per-call cost of a

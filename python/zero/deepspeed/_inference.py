@@ -14,6 +14,7 @@ import os
 import torch
 
 from zero._warnings import warn_user
+from zero.config._config import DTYPES
 from zero.config._deepspeed_config import dtype_name
 from zero.engine._initialize import inference
 
@@ -49,7 +50,7 @@ _REFUSED = {
 }
 _PARALLEL = {"tensor_parallel", "tp", "mp_size", "mpu", "ep_size", "ep_group", "ep_mp_group",
              "moe_experts", "moe_type", "training_mp_size"}
-_DTYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+_DTYPES = {dtype: name for name, dtype in DTYPES.items()}
 
 
 def init_inference(model, config=None, **kwargs):

@@ -7,6 +7,7 @@ import os
 
 import torch
 
+from zero.config._config import DTYPES
 from zero.config._values import require_bool
 from zero.sharding._step_agreement import agree_on_call
 
@@ -94,9 +95,7 @@ class DeepSpeedQueries:
         """(the compute dtype, the dtype gradients accumulate in): this
         engine's (DeepSpeed's bf16 at stage 0 accumulates in fp32 by
         default; zero in bf16 unless grad_accum_dtype says fp32)."""
-        return self.compute_dtype, \
-            {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[
-                self.config.grad_accum_dtype or self.config.precision]
+        return self.compute_dtype, DTYPES[self.config.grad_accum_dtype or self.config.precision]
 
     def optimizer_name(self) -> str:
         """The config's optimizer type in lower case, or the class name of

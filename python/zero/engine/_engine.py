@@ -64,9 +64,8 @@ from zero.sharding._units import written_in_forward
 from zero.step import _step_path
 from zero.step._delayed import delayed_update_for
 from zero.step._step_path import check_settings_at_initialize, step_path_for
-from zero.config._config import Config
+from zero.config._config import DTYPES, Config
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 _SERIALS = collections.defaultdict(itertools.count)  # Engine.serial by the ranks
 
 
