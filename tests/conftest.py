@@ -23,6 +23,20 @@ def release_the_group_partitioned_init_keeps():
         dist.destroy_process_group()
 
 
+@pytest.fixture
+def deepspeed_script(monkeypatch):
+    """One process with no launcher variables, as a DeepSpeed script run by
+    python alone: the default group deepspeed.initialize (or
+    init_distributed) makes is the script's, which the engine keeps, so it
+    is destroyed here after the test."""
+    from engine_cases import no_launcher
+    no_launcher(monkeypatch)
+    yield
+    import torch.distributed as dist
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
 @pytest.fixture(params=SIMD_PATHS)
 def simd(request):
     previous = zero._C.set_simd(request.param)

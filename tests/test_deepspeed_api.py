@@ -26,7 +26,7 @@ import zero
 import zero.deepspeed as deepspeed
 from deepspeed_runs import ROOT, run_script, script_on_zero
 from conftest import max_rel_error
-from engine_cases import Net, batches, loss_of, no_launcher
+from engine_cases import Net, batches, loss_of
 
 REFERENCE = json.loads((ROOT / "tests" / "data" / "deepspeed_losses.json").read_text())
 
@@ -57,21 +57,12 @@ def test_a_deepspeed_script_matches_deepspeed(on_zero, tmp_path, world, stage):
 
 # ---- the pieces, in one process -------------------------------------------------
 
-@pytest.fixture
-def one_process(monkeypatch):
-    no_launcher(monkeypatch)
-    yield
-    import torch.distributed as dist
-    if dist.is_initialized():  # init_distributed's group is the script's, kept
-        dist.destroy_process_group()
-
-
 CONFIG = {"train_micro_batch_size_per_gpu": 2, "gradient_clipping": 0.5,
           "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
           "zero_optimization": {"stage": 2}}
 
 
-def test_initialize_returns_deepspeeds_four(one_process):
+def test_initialize_returns_deepspeeds_four(deepspeed_script):
     torch.manual_seed(0)
     model = Net()
     dataset = torch.utils.data.TensorDataset(torch.randint(0, 50, (10, 7)),
@@ -97,7 +88,7 @@ def test_initialize_returns_deepspeeds_four(one_process):
     engine.close()
 
 
-def test_a_config_without_a_batch_size_is_refused_as_deepspeed_refuses_it(one_process):
+def test_a_config_without_a_batch_size_is_refused_as_deepspeed_refuses_it(deepspeed_script):
     """Accepted before, the batch-size queries then answering None where
     DeepSpeed asserts one of the two (a DeepSpeed hunt)."""
     for config in ({"gradient_accumulation_steps": 2}, {}):
@@ -115,7 +106,7 @@ def test_a_config_without_a_batch_size_is_refused_as_deepspeed_refuses_it(one_pr
     engine.close()
 
 
-def test_the_optimizer_may_be_a_factory_over_param_groups(one_process):
+def test_the_optimizer_may_be_a_factory_over_param_groups(deepspeed_script):
     torch.manual_seed(0)
     model = Net()
     groups = [{"params": model.head.parameters(), "lr": 0.1},
@@ -130,7 +121,7 @@ def test_the_optimizer_may_be_a_factory_over_param_groups(one_process):
 
 @pytest.mark.parametrize("name,decoupled", [("FusedAdam", True), ("FusedAdam", False),
                                             ("DeepSpeedCPUAdam", True)])
-def test_deepspeed_chats_adam_trains_as_torchs(one_process, name, decoupled):
+def test_deepspeed_chats_adam_trains_as_torchs(deepspeed_script, name, decoupled):
     """`from deepspeed.ops.adam import FusedAdam, DeepSpeedCPUAdam`, as
     DeepSpeed-Chat builds its optimizer (a ModuleNotFoundError before: a
     DeepSpeed hunt): torch's AdamW (adamw mode) or Adam (the decay added to
@@ -168,7 +159,7 @@ def test_deepspeed_chats_adam_trains_as_torchs(one_process, name, decoupled):
     assert deepspeed.__version__ == "0.19.8"  # the API mirrored, which scripts gate on
 
 
-def test_the_config_comes_from_args(one_process, tmp_path):
+def test_the_config_comes_from_args(deepspeed_script, tmp_path):
     path = tmp_path / "ds.json"
     path.write_text(json.dumps(CONFIG))
     parser = deepspeed.add_config_arguments(__import__("argparse").ArgumentParser())
@@ -181,7 +172,7 @@ def test_the_config_comes_from_args(one_process, tmp_path):
     engine.close()
 
 
-def test_the_old_deepscale_config_argument_is_read_with_a_warning(one_process, tmp_path,
+def test_the_old_deepscale_config_argument_is_read_with_a_warning(deepspeed_script, tmp_path,
                                                                  monkeypatch):
     """DeepSpeed reads --deepscale_config and logs that it is deprecated;
     zero read it without a word."""
@@ -209,14 +200,14 @@ def test_the_old_deepscale_config_argument_is_read_with_a_warning(one_process, t
      "get_data_parallel_group"),
     ({"config": CONFIG, "mesh_param": (2, 2)}, NotImplementedError, "mesh_param"),
 ])
-def test_refusals_say_what_deepspeed_does(one_process, arguments, error, match):
+def test_refusals_say_what_deepspeed_does(deepspeed_script, arguments, error, match):
     with pytest.raises(error, match=match):
         deepspeed.initialize(model=Net(), **arguments)
     with pytest.raises(ValueError, match="model is None"):
         deepspeed.initialize(config=CONFIG)
 
 
-def test_zero_init_builds_partitioned_or_whole(one_process):
+def test_zero_init_builds_partitioned_or_whole(deepspeed_script):
     with deepspeed.zero.Init(enabled=False):
         whole = nn.Linear(4, 4)
     assert whole.weight.numel() == 16
@@ -233,7 +224,7 @@ def test_zero_init_builds_partitioned_or_whole(one_process):
         deepspeed.zero.Init(module=Net())
 
 
-def test_zero_to_fp32_reads_zeros_checkpoints(one_process, tmp_path):
+def test_zero_to_fp32_reads_zeros_checkpoints(deepspeed_script, tmp_path):
     torch.manual_seed(0)
     model = Net()
     model.embed.requires_grad_(False)
@@ -264,7 +255,7 @@ def test_zero_to_fp32_reads_zeros_checkpoints(one_process, tmp_path):
     assert torch.equal(fresh.head.weight.detach(), full["head.weight"])
 
 
-def test_the_script_save_checkpoint_leaves_writes_the_model(one_process, tmp_path):
+def test_the_script_save_checkpoint_leaves_writes_the_model(deepspeed_script, tmp_path):
     """DeepSpeed users run <save_dir>/zero_to_fp32.py <save_dir> <out>: the
     one save_checkpoint leaves there writes the checkpoint's fp32 model,
     with DeepSpeed's arguments, and refuses to write into a tag."""
@@ -429,7 +420,7 @@ def test_cpu_offload_is_read_as_deepspeed_reads_it():
     assert cfg.stage == 3
 
 
-def test_the_aio_block_sets_zeros_disk_engine(one_process, tmp_path):
+def test_the_aio_block_sets_zeros_disk_engine(deepspeed_script, tmp_path):
     from zero.offload._aio import io_info, set_io
     cfg = zero.Config.from_deepspeed({
         "aio": {"block_size": 262144, "queue_depth": 8, "thread_count": 1,
@@ -480,7 +471,7 @@ def test_deepspeeds_logging_keys_and_bfloat16_are_read():
         zero.Config.from_deepspeed({"bf16": {"enabled": True}, "bfloat16": {"enabled": True}})
 
 
-def test_dataloader_drop_last(one_process):
+def test_dataloader_drop_last(deepspeed_script):
     dataset = torch.utils.data.TensorDataset(torch.randint(0, 50, (11, 7)),
                                              torch.randint(0, 50, (11, 7)))
     for drop, batches_seen in ((False, 6), (True, 5)):
@@ -495,7 +486,7 @@ def test_dataloader_drop_last(one_process):
         zero.Config.from_deepspeed({"dataloader_drop_last": "yes"})
 
 
-def test_init_distributed_takes_deepspeeds_timeout_from_the_environment(one_process,
+def test_init_distributed_takes_deepspeeds_timeout_from_the_environment(deepspeed_script,
                                                                         monkeypatch):
     import datetime
     import torch.distributed as dist
@@ -615,7 +606,7 @@ def test_set_z3_leaf_modules_marks_what_stage3_gathers_whole():
         set_z3_leaf_modules(Net(), [])
 
 
-def test_a_model_partitioned_by_deepspeeds_own_init_is_refused_by_name(one_process):
+def test_a_model_partitioned_by_deepspeeds_own_init_is_refused_by_name(deepspeed_script):
     """transformers' HfDeepSpeedConfig with deepspeed installed builds the
     model under DeepSpeed's zero.Init: empty parameters whose values sit in
     DeepSpeed's ds_tensor. It failed in the forward ("'weight' must be

@@ -8,16 +8,6 @@ import torch
 from torch import nn
 
 import zero.deepspeed as deepspeed
-from engine_cases import no_launcher
-
-
-@pytest.fixture
-def one_process(monkeypatch):
-    no_launcher(monkeypatch)
-    yield
-    import torch.distributed as dist
-    if dist.is_initialized():  # deepspeed.initialize's group is the script's, kept
-        dist.destroy_process_group()
 
 
 def engine_for(stage=1, accumulation=1, optimizer=None, fp16=False):
@@ -34,7 +24,7 @@ def engine_for(stage=1, accumulation=1, optimizer=None, fp16=False):
     return engine, model
 
 
-def test_queries_and_aliases(one_process, tmp_path):
+def test_queries_and_aliases(deepspeed_script, tmp_path):
     engine, _model = engine_for(stage=2)
     assert engine.get_mom() == [(0.9, 0.999)]
     assert engine.zero_optimization_partition_gradients() is True
@@ -57,14 +47,14 @@ def test_queries_and_aliases(one_process, tmp_path):
     sgd.close()
 
 
-def test_fp16_loss_scale_is_callable_and_a_number(one_process):
+def test_fp16_loss_scale_is_callable_and_a_number(deepspeed_script):
     engine, _ = engine_for(fp16=True)
     assert engine.loss_scale() == float(engine.loss_scale) == 2.0 ** 16
     assert engine.loss_scale * 2 == 2.0 ** 17
     engine.close()
 
 
-def test_set_gradient_accumulation_boundary_decides_the_update(one_process, tmp_path):
+def test_set_gradient_accumulation_boundary_decides_the_update(deepspeed_script, tmp_path):
     """gradient_accumulation_steps 4, boundaries set after 2 and then 3
     micro steps: the updates come there, each from the micro batches since
     the last one, divided by 4 as DeepSpeed divides them (SGD, torch)."""
@@ -98,7 +88,7 @@ def test_set_gradient_accumulation_boundary_decides_the_update(one_process, tmp_
     engine.close()
 
 
-def test_load_checkpoint_takes_deepspeeds_positional_arguments(one_process, tmp_path):
+def test_load_checkpoint_takes_deepspeeds_positional_arguments(deepspeed_script, tmp_path):
     engine, _ = engine_for()
     engine.backward(engine(torch.randn(2, 4)).sum())
     engine.step()
@@ -120,7 +110,7 @@ def _args(local_rank):
     return argparse.Namespace(local_rank=local_rank, deepspeed_config=None)
 
 
-def test_args_local_rank_is_checked_taken_and_aligned(one_process, monkeypatch):
+def test_args_local_rank_is_checked_taken_and_aligned(deepspeed_script, monkeypatch):
     """DeepSpeed's launcher passes --local_rank and sets LOCAL_RANK: a
     disagreement is refused (as DeepSpeed's assert does), an argument
     without the variable is taken into it (the engine reads the variable),
@@ -146,7 +136,7 @@ def test_args_local_rank_is_checked_taken_and_aligned(one_process, monkeypatch):
         deepspeed.initialize(args=_args("0"), model=nn.Linear(4, 2), config=config)
 
 
-def test_global_grad_norm_answers_item_as_deepspeeds_tensor(one_process):
+def test_global_grad_norm_answers_item_as_deepspeeds_tensor(deepspeed_script):
     """DeepSpeed's get_global_grad_norm() gives a 0-dim tensor at stages
     1-3; scripts log .item() of it: a number here, that answers .item()."""
     engine, model = engine_for(stage=2)
@@ -160,7 +150,7 @@ def test_global_grad_norm_answers_item_as_deepspeeds_tensor(one_process):
     engine.close()
 
 
-def test_deepspeed_initialize_refuses_one_of_mpiruns_processes(one_process, monkeypatch):
+def test_deepspeed_initialize_refuses_one_of_mpiruns_processes(deepspeed_script, monkeypatch):
     """deepspeed.initialize makes its own group through init_distributed:
     a process mpirun started two of, without torch's variables, is
     refused there too (it trained alone as a world of one)."""
@@ -178,7 +168,7 @@ def test_deepspeed_initialize_refuses_one_of_mpiruns_processes(one_process, monk
 
 
 
-def test_the_other_queries_scripts_call(one_process):
+def test_the_other_queries_scripts_call(deepspeed_script):
     """Found missing by a DeepSpeed hunt (an AttributeError each)."""
     engine, _model = engine_for(stage=0, accumulation=2)
     assert engine.zero_optimization() is False and engine.wall_clock_breakdown() is False

@@ -128,6 +128,10 @@ def train(rank, world, stage, directory):
         mpu=mpu, config={"train_micro_batch_size_per_gpu": BATCH // 2,
                          "gradient_clipping": MAX_NORM, "zero_optimization": {"stage": stage}})
     assert engine.dp_world_size == 2
+    # DeepSpeed's layout queries answer from the mpu given
+    assert engine.mp_world_size == 2
+    assert engine.get_model_parallel_rank() == engine.get_tensor_parallel_rank() == mpu.mp_rank
+    assert engine.get_data_parallel_rank() == mpu.dp_rank
     rows = slice(mpu.dp_rank * BATCH // 2, (mpu.dp_rank + 1) * BATCH // 2)
 
     def step(x, y):

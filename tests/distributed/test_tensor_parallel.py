@@ -87,6 +87,9 @@ def train(mesh, stage, accumulation=1, clip=None, precision="fp32", opt="sgd", k
     engine = zero.initialize(model, optimizer=make_optimizer(opt, model), stage=stage,
                              mesh=mesh, gradient_accumulation_steps=accumulation,
                              precision=precision, **options)
+    tp = mesh["tp"] if "tp" in mesh.mesh_dim_names else None  # DeepSpeed's layout queries
+    assert engine.mp_world_size == (tp.size() if tp is not None else 1)
+    assert engine.get_model_parallel_rank() == (tp.get_local_rank() if tp is not None else 0)
     if loss_parallel:
         from torch.distributed.tensor.parallel import loss_parallel as context
     else:

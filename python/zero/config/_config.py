@@ -231,6 +231,9 @@ class Config:
     train_batch_size: Optional[int] = None  # checked against micro * accumulation * world
     # engine.deepspeed_io's DataLoader drops a last, partial batch (DeepSpeed's key)
     dataloader_drop_last: bool = False
+    # DeepSpeed's key, answered by engine.steps_per_print() for a script's
+    # own logging; zero prints no periodic progress line of its own
+    steps_per_print: Optional[int] = None
     loss_scaling: LossScaling = field(default_factory=LossScaling)
     offload_optimizer: OffloadOptimizer = field(default_factory=OffloadOptimizer)
     offload_param: OffloadParam = field(default_factory=OffloadParam)  # stage 3 only
@@ -294,7 +297,7 @@ class Config:
         object.__setattr__(self, "stage", int(self.stage))  # 3.0 from a JSON writer
         if self.precision not in PRECISIONS:
             raise ValueError(f"precision must be one of {PRECISIONS}, got {self.precision!r}")
-        for name in ("train_micro_batch_size_per_gpu", "train_batch_size"):
+        for name in ("train_micro_batch_size_per_gpu", "train_batch_size", "steps_per_print"):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int)
                                       or value < 1):

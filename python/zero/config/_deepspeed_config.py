@@ -118,6 +118,17 @@ _ZERO_IGNORED = {
 }
 
 
+def _print_interval(value):
+    """steps_per_print for engine.steps_per_print(): a positive whole number
+    (1e5 from a JSON writer too); anything else is dropped as before it was
+    read (DeepSpeed reads it unchecked, and zero prints nothing by it)."""
+    if isinstance(value, float) and value.is_integer() and value >= 1:
+        return int(value)
+    if isinstance(value, int) and not isinstance(value, bool) and value >= 1:
+        return value
+    return None
+
+
 def _take(block: dict, prefix: str, known: dict, ignored=frozenset()) -> dict:
     """Map block's keys through `known` (DeepSpeed name -> our name, or None
     to drop); raise on any key neither known nor ignored."""
@@ -214,8 +225,10 @@ def translate(ds: dict) -> dict:
         "scheduler": "scheduler",
         "comms_timeout": "timeout",  # ours: DeepSpeed reads DEEPSPEED_TIMEOUT (minutes) only
         "dataloader_drop_last": "dataloader_drop_last",
+        "steps_per_print": "steps_per_print",
         "aio": "aio",
     }, _IGNORED))
+    options["steps_per_print"] = _print_interval(options.get("steps_per_print"))
     zero_opts = _take(zero_block, "zero_optimization.", {
         "stage": "stage", "reduce_bucket_size": "reduce_bucket_size",
         "overlap_comm": "overlap_comm", "contiguous_gradients": "contiguous_gradients",

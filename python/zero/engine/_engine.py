@@ -29,6 +29,7 @@ from zero.engine._batch_calls import BatchCalls
 from zero.engine._boundary_step import BoundaryStep
 from zero.engine._checkpoint_calls import CheckpointCalls
 from zero.engine._deepspeed_queries import DeepSpeedQueries, LossScale
+from zero.engine._deepspeed_settings import DeepSpeedSettings
 from zero.engine._construction import (apply_aio, broadcast_buffer, cast_module,
                                        match_param_groups, offload_files, owners_of,
                                        param_files, units_of, warn_if_narrowed,
@@ -69,8 +70,8 @@ from zero.config._config import DTYPES, Config
 _SERIALS = collections.defaultdict(itertools.count)  # Engine.serial by the ranks
 
 
-class Engine(BoundaryStep, DeepSpeedQueries, BatchCalls, CheckpointCalls, EngineReports,
-             NotCopied, ModuleAttributes, nn.Module):
+class Engine(BoundaryStep, DeepSpeedQueries, DeepSpeedSettings, BatchCalls, CheckpointCalls,
+             EngineReports, NotCopied, ModuleAttributes, nn.Module):
     """What zero.initialize returns: the model wrapped for ZeRO training.
     Call it as the model (inputs are cast to the compute dtype), then
     engine.backward(loss) and engine.step(). Its attributes: module,
