@@ -17,6 +17,7 @@ import numbers
 import torch
 
 from zero._interrupts import interrupts_held
+from zero._warnings import warn_user
 from zero.engine._optimizer_step_hooks import has_post_hooks, run_post_hooks, run_pre_hooks
 from zero.engine._unchanged import check_optimizer_unchanged
 from zero.sharding._buckets import finish_backwards
@@ -63,6 +64,24 @@ class BoundaryStep:
         norm = math.sqrt(sumsq) * base if math.isfinite(sumsq) else abs(sumsq)
         self._prepared = (sumsq, norm, base)
         return self._prepared
+
+    def gradient_marks(self):
+        """What changes when a gradient arrives: at stages 2-3 the count of
+        ended backwards (plain loss.backward() too); at stages 0-1 the
+        version counters of the flat gradient buffers, which every .grad
+        views and autograd adds into in place."""
+        if self._backward is not None:
+            return self._backward.ended
+        return tuple(fg.grad_flat._version for fg in self.groups if fg.grad_flat is not None)
+
+    def _no_gradients_since_update(self, backwards: int) -> bool:
+        """No gradient reached this rank since the last update, or since a
+        zero_grad() that dropped them (None: not known, no zero_grad() yet).
+        engine.backward()s at stages 0-1 are counted in `backwards`."""
+        if backwards and self._backward is None:
+            return False
+        marks = getattr(self, "_gradients_at_zero", None)
+        return marks is not None and marks == self.gradient_marks()
 
     def clip_grad_norm_(self, max_norm: float) -> float:
         """Clip the coming update to max_norm (global L2 norm over all shards)
@@ -162,6 +181,11 @@ class BoundaryStep:
             # other numbers of batches (stages 0-1 reduce only here)
             # (at stages 2-3 every backward, plain loss.backward() too)
             backwards = self._backwards if self._backward is None else self._backward.ended
+            if refusal is None and self._no_gradients_since_update(backwards):
+                warn_user("engine.step() updates with no backward since the last update (or "
+                          "a zero_grad() dropped its gradients): the gradients are zero, so "
+                          "only weight decay and the lr schedule move. Call "
+                          "engine.backward(loss) before step()")
             call = self.call_text(f"step() after {self._zero_grad_calls} zero_grad() calls "
                                   f"and {backwards} backwards")
             take_in_parameter_writes(self.all_groups, call, refusal, settings)
@@ -268,6 +292,7 @@ class BoundaryStep:
         self._zero_grad_calls = self._backwards = 0
         if self._backward is not None:
             self._backward.ended = 0
+            self._gradients_at_zero = 0
         self._last_comm = self._comm.log.summary()
         if self._schedule is not None:
             self._last_comm["stage3_gathers"] = self._schedule.take_counts()

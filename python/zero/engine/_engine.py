@@ -293,6 +293,8 @@ class Engine(BoundaryStep, DeepSpeedQueries, DeepSpeedSettings, BatchCalls, Chec
         if self._schedule is not None and self._comm.world > 1:
             mark_every_rank_runs_every_layer(self)
         record_parameters(self.all_groups)
+        # what a step with no gradient since finds unchanged (a warning)
+        self._gradients_at_zero = self.gradient_marks()
 
     @property
     def all_groups(self) -> list[FlatGroup]:
@@ -455,6 +457,7 @@ class Engine(BoundaryStep, DeepSpeedQueries, DeepSpeedSettings, BatchCalls, Chec
             fg.zero_grads()
             if fg.grad_flat is not None:
                 fg.point_grads_at_flat()
+        self._gradients_at_zero = self.gradient_marks()
 
     def _zero_grads_of(self, params):
         """A submodule's zero_grad(): drop these parameters' gradients."""
