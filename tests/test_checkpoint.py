@@ -857,7 +857,7 @@ def test_pipeline_stages_meta_keeps_each_groups_step_count():
     the merged group took the first stage's count, so a resume restarted
     Adam's bias correction there (review). Each group keeps the count of
     the stages that hold its parameters."""
-    from zero.checkpoint._engine_save import _merged_stages
+    from zero.checkpoint._stage_parts import merged_stages
 
     def part(names, steps, states):
         return {"params": {n: {"shape": [2], "numel": 2, "trainable": True} for n in names},
@@ -868,7 +868,7 @@ def test_pipeline_stages_meta_keeps_each_groups_step_count():
                            for g, s, st in zip(("a", "b"), steps, states)]}
     first = part(["a.0"], [7, 0], [["exp_avg"], []])          # group b: none here
     second = part(["a.1", "b.0"], [7, 7], [["exp_avg"], ["exp_avg"]])
-    merged = _merged_stages([(1, second), (0, first)])
+    merged = merged_stages([(1, second), (0, first)])
     assert [g["step"] for g in merged["groups"]] == [7, 7]
     assert [g["param_names"] for g in merged["groups"]] == [["a.0", "a.1"], ["b.0"]]
     assert [g["states"] for g in merged["groups"]] == [["exp_avg"], ["exp_avg"]]

@@ -149,6 +149,12 @@ def checkpoints(directory):
     import zero
     out["interleaved consolidated"] = zero.checkpoint.consolidate(directory,
                                                                   tag="interleaved")["model"]
+    # the optimizer's states, numbered in the model's order whatever the
+    # layout saved them ([Note: the whole model's order] in
+    # checkpoint/_stage_parts.py): loaded on two stages a rank and saved
+    # again, the same states under the same numbers as saved on one
+    out["optimizers"] = [zero.checkpoint.consolidate(directory, tag=tag)["optimizer"]
+                         for tag in ("pp", "interleaved")]
     return out
 
 
@@ -400,3 +406,10 @@ def test_checkpoints_load_under_other_layouts(results):
         assert set(out["interleaved consolidated"]) == set(whole)
         for name, value in out["interleaved consolidated"].items():
             assert torch.equal(value, whole[name]), name
+        one, two = out["optimizers"]
+        assert one["param_groups"] == two["param_groups"]
+        assert sorted(one["state"]) == sorted(two["state"]) and len(one["state"]) > 8
+        for index, states in one["state"].items():
+            assert states.keys() == two["state"][index].keys()
+            for key, value in states.items():
+                assert torch.equal(value, two["state"][index][key]), (index, key)

@@ -27,6 +27,7 @@ from zero.checkpoint._format import (FORMAT, META_FILE, REPLICATED_GROUP, VERSIO
                                      tag_directory_hint)
 from zero.checkpoint._plain_values import check_plain, plain_numbers
 from zero.checkpoint._recovery_script import leave_recovery_script
+from zero.checkpoint._stage_parts import merged_stages, stage_part, writes_stage_meta
 from zero.checkpoint._writes import (discard_replaced, discard_staging, prepare_staging, publish,
                                      unpublish, write_file, write_latest)
 from zero.offload._mapped import PagesDroppedMeanwhile
@@ -126,54 +127,6 @@ def _meta(engine, client_state, scheduler_state, shard_files) -> dict:
                        "skipped_steps": engine.skipped_steps},
             "loss_scaler": scaler, "lr_scheduler": scheduler_state,
             "client_state": client_state, "shards": shard_files}
-
-
-STAGE_KEYS = ("params", "state_dict", "buffers", "extra_states", "groups")
-
-
-def _writes_stage_meta(engine) -> bool:
-    """Whether this rank gives its pipeline stage's part of the meta: the
-    stage's first data- and tensor-parallel rank."""
-    tp = engine._tensor_parallel
-    return holds_a_part(engine) and engine._comm.everyone.rank == 0 and \
-        (tp is None or tp.rank == 0)
-
-
-def _stage_part(meta) -> dict:
-    return {key: meta[key] for key in STAGE_KEYS}
-
-
-def _merged_stages(parts) -> dict:
-    """The whole model's parameters, state dict entries, buffers and
-    optimizer groups from each pipeline stage's (index, part), stage by
-    stage; a tied copy's entries name the parameter it copies, so they
-    merge into one."""
-    parts = [part for _index, part in sorted(parts, key=lambda p: p[0])]
-    merged = {"params": {}, "state_dict": [], "buffers": {}, "extra_states": {}}
-    groups = [dict(g, param_names=[], states=[]) for g in parts[0]["groups"]]
-    keys, names = set(), [set() for _ in groups]
-    for part in parts:
-        if len(part["groups"]) != len(groups):
-            raise ValueError("the pipeline stages' optimizers have different numbers of param "
-                             f"groups ({len(groups)} and {len(part['groups'])}); give every "
-                             "stage's optimizer the same groups")
-        merged["params"].update(part["params"])
-        merged["buffers"].update(part["buffers"])
-        merged["extra_states"].update(part["extra_states"])
-        for entry in part["state_dict"]:
-            if entry[0] not in keys:
-                keys.add(entry[0])
-                merged["state_dict"].append(entry)
-        for group, seen, stage_group in zip(groups, names, part["groups"]):
-            group["param_names"] += [n for n in stage_group["param_names"] if n not in seen]
-            seen.update(stage_group["param_names"])
-            group["states"] = sorted(set(group["states"]) | set(stage_group["states"]))
-            # the stages holding a group's parameters count its steps alike;
-            # one holding none of them counts 0 (the first stage's count
-            # alone restarted Adam's bias correction of a later stage's group)
-            group["step"] = max(group["step"], stage_group["step"])
-    merged["groups"] = groups
-    return merged
 
 
 def _gradients_pending(engine) -> bool:
@@ -282,7 +235,7 @@ def _save_agreed(engine, save_dir, tag, save_id, client_state, save_latest, erro
                                on_write=progress.update)
         finally:  # offloaded states were read through their mapping
             release_offloaded(engine)
-        if whole.rank == 0 or _writes_stage_meta(engine):
+        if whole.rank == 0 or writes_stage_meta(engine):
             shard_files = [shard_file(r) for r in range(shard_index(engine, count=True))]
             meta = _meta(engine, client_state, scheduler_state, shard_files)
             meta["save_id"] = save_id
@@ -299,14 +252,14 @@ def _save_agreed(engine, save_dir, tag, save_id, client_state, save_latest, erro
         all_ok(engine, error)
     stages = None
     if holds_a_part(engine):  # every stage's parameters, into one meta
-        stages = whole.gather_objects((engine._pipeline.index, _stage_part(meta))
-                                      if _writes_stage_meta(engine) else None)
+        stages = whole.gather_objects((engine._pipeline.index, stage_part(engine, meta))
+                                      if writes_stage_meta(engine) else None)
     # the meta only once every shard is on the disk, then the staging
     # directory replaces the tag whole
     try:
         if whole.rank == 0:
             if stages is not None:
-                meta.update(_merged_stages([part for part in stages if part is not None]))
+                meta.update(merged_stages([part for part in stages if part is not None]))
             _check_shards_seen(staging, meta["shards"] + meta.get("client_states", []))
             write_file(meta, os.path.join(staging, META_FILE))
             publish(save_dir, tag)

@@ -141,6 +141,12 @@ class Engine(BoundaryStep, DeepSpeedQueries, DeepSpeedSettings, BatchCalls, Chec
         self._unit_roots = unit_roots(module, config.units, config.stage3_leaf_modules) \
             if self.policy.partitions_params else None
         owners = owners_of(module, self._unit_roots) if self._unit_roots else None
+        if not any(params for params, _names in groups) and not inference and \
+                getattr(module, "_zero_pipeline", None) is not None:
+            raise ValueError("this pipeline stage has no trainable parameters (every parameter "
+                             "has requires_grad=False): a stage that trains nothing is not "
+                             "supported under a pipeline schedule yet. Keep a parameter of "
+                             "each stage trainable, or freeze less of the model's front")
         if not any(params for params, _names in groups) and not inference:
             raise ValueError("the model has no trainable parameters (every parameter has "
                              "requires_grad=False); nothing to train. To run it partitioned "

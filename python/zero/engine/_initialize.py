@@ -149,7 +149,7 @@ def initialize(model: nn.Module, *, optimizer=None, stage=None, precision=None,
         tensor_parallel = localize(model, optimizer, groups.tp_mesh,
                                    Comm(device, groups.tp_mesh.get_group())
                                    if groups.tp_mesh is not None else None)
-        pipeline = _pipeline_layout(model, groups, device)
+        pipeline = _pipeline_layout(model, optimizer, groups, device)
         if tensor_parallel is None and groups.tp_mesh is not None and groups.tp_mesh.size() > 1:
             raise ValueError(f"mesh has a 'tp' dimension of size {groups.tp_mesh.size()}, but "
                              "no parameter of the model is a DTensor over it: parallelize the "
@@ -309,7 +309,7 @@ def _refused_on_every_rank(comm, problem):
         raise problem
 
 
-def _pipeline_layout(model, groups, device):
+def _pipeline_layout(model, optimizer, groups, device):
     """The engine's PipelineLayout for a mesh with a pp dimension (None
     without): its stage (split_gpt / split_llama say which, and what is
     tied)."""
@@ -325,7 +325,7 @@ def _pipeline_layout(model, groups, device):
                          f"stage {groups.pp_mesh.get_local_rank()} of {groups.pp_mesh.size()} "
                          "on the mesh's pp dimension; split the model over mesh['pp']")
     return PipelineLayout(Comm(device, groups.pp_mesh.get_group()), info,
-                          dict(model.named_parameters()))
+                          dict(model.named_parameters()), optimizer)
 
 
 def _check_not_partitioned_over_the_world(model: nn.Module) -> None:

@@ -344,8 +344,9 @@ class PipelineLayout:
     """The engine's view of its stage: the pp group's Comm, the stage's
     tied copies, and the sizes of the parameters tied across stages."""
 
-    def __init__(self, comm, info: StageInfo | None, params: dict):
-        """params: this stage's parameters by name (local tensors)."""
+    def __init__(self, comm, info: StageInfo | None, params: dict, optimizer=None):
+        """params: this stage's parameters by name (local tensors);
+        optimizer: the stage's, whose groups a tied copy must share."""
         self.comm = comm
         self.index, self.count = comm.rank, comm.world
         self.ties = dict(info.ties) if info is not None else {}
@@ -357,6 +358,8 @@ class PipelineLayout:
             mine[self.tied.index(canonical)] = params[name].numel()
         rows = comm.gather_ints(mine) if self.tied and comm.world > 1 else [mine]
         self.tie_sizes = [max(column) for column in zip(*rows)] if self.tied else []
+        if self.tied and comm.world > 1 and optimizer is not None:
+            _check_ties_trained_alike(comm, self.ties, self.tied, params, optimizer)
 
     def canonical(self, name: str) -> str:
         """The name a checkpoint keeps `name` under (a tied copy: the
@@ -401,3 +404,38 @@ class PipelineLayout:
             self.comm.all_reduce_sum(whole)
             for fg, (_n, lo, hi, offset) in pieces:
                 fg.grad_part[offset:offset + hi - lo] = whole[lo:hi]
+
+
+def _check_ties_trained_alike(comm, ties, tied, params, optimizer):
+    """[Note: tied copies alike] The two stages that hold a tied parameter
+    (the embedding, and the head's copy on the last stage) sum its
+    gradients, and must then apply the same update to it: a copy frozen
+    while the embedding trained, or put in a param group of other settings
+    (a learning rate, no weight decay by name), drifted from the parameter
+    it copies, silently (a head 16% apart from its embedding after 3
+    steps), where torch's one tensor has one setting. Compared over the pp
+    group (every rank decides alike), refused before any step."""
+    import zlib
+    mine, shown = [0] * len(tied), {}
+    for name, canonical in ties.items():
+        p = params[name]
+        group = next((gi for gi, g in enumerate(optimizer.param_groups)
+                      if any(q is p for q in g["params"])), None)
+        hyper = {} if group is None else \
+            {k: v for k, v in optimizer.param_groups[group].items() if k != "params"}
+        setting = (f"requires_grad={p.requires_grad}, param group {group}" +
+                   "".join(f", {k}={v!r}" for k, v in sorted(hyper.items())))
+        # + 1: 0 stands for a stage that does not hold the tie
+        mine[tied.index(canonical)] = zlib.crc32(setting.encode()) + 1
+        shown[canonical] = (name, setting)
+    rows = comm.gather_ints(mine)
+    for i, canonical in enumerate(tied):
+        held = {row[i] for row in rows if row[i]}
+        if len(held) > 1:
+            name, setting = shown.get(canonical, (canonical, "not held on this stage"))
+            raise ValueError(
+                f"the tied parameter '{canonical}' is trained differently on the pipeline "
+                f"stages that hold it (this stage holds it as '{name}', {setting}): frozen on "
+                "one and not the other, or in another param group or group settings. The stages "
+                "sum its gradients and must take the same update, as one tensor would: "
+                "freeze it, or group it, alike on every stage")

@@ -175,16 +175,17 @@ def _check_divides(what, size, tp):
                          "parallelism splits it evenly over the tp ranks")
 
 
-def _apply(model, tp_mesh, plan, ties):
+def _apply(model, tp_mesh, plan, ties, call):
     """parallelize_module with the plan's entries that name modules the
     model has (a pipeline stage holds some of them), a tuple of styles
     applied in order, then each (owner, name) in `ties` tied again to the
     first's parameter."""
     from torch.distributed.tensor.parallel import parallelize_module
     names = [name for name, _ in model.named_modules()]
+    found = {key for key in plan if any(fnmatch.fnmatchcase(name, key) for name in names)}
+    _check_layers_planned(model, plan, found, call)
     plan = {key: style if isinstance(style, tuple) else (style,)
-            for key, style in plan.items()
-            if any(fnmatch.fnmatchcase(name, key) for name in names)}
+            for key, style in plan.items() if key in found}
     tied = [(a, an, b, bn) for a, an, b, bn in ties
             if getattr(a, an, None) is not None and getattr(a, an) is getattr(b, bn, None)]
     for k in range(max((len(styles) for styles in plan.values()), default=0)):
@@ -193,6 +194,23 @@ def _apply(model, tp_mesh, plan, ties):
     for a, an, b, bn in tied:
         setattr(b, bn, getattr(a, an))
     return model
+
+
+def _check_layers_planned(model, plan, found, call):
+    """Every layer entry of the plan (the ones with a '*': each block's
+    modules) names modules of the model: a stage may lack the embedding or
+    the head, never a block's parts. A model laid out otherwise (GPT-2 under
+    the Llama plan, a fused qkv_proj) was split in part without a word: the
+    head alone, its tie to the embedding broken (4.6% off torch after 3
+    steps), or o_proj alone, which torch then failed on mid-forward."""
+    layers = [key for key in plan if "*" in key]
+    missing = [key for key in layers if key not in found]
+    if missing:
+        raise ValueError(f"{call}: {type(model).__name__} has no modules named "
+                         f"{', '.join(repr(k) for k in missing[:4])}"
+                         f"{' ...' if len(missing) > 4 else ''} (the plan's layers); it is "
+                         "not laid out as this plan expects. Write a plan of its own for "
+                         "torch's parallelize_module (docs/parallel.md)")
 
 
 def _mark(model, tp_mesh, loss_parallel, sequence_parallel):
@@ -219,7 +237,8 @@ def parallelize_gpt(model: nn.Module, tp_mesh, loss_parallel: bool = False,
     call backward inside torch.distributed.tensor.parallel.loss_parallel()
     (docs/parallel.md). sequence_parallel=True splits the residual stream
     and the norms by sequence between the tensor-parallel regions ([Note:
-    sequence parallelism]); the sequence length must then divide by tp."""
+    sequence parallelism]); under pipeline parallelism the sequence length must then
+    divide by tp."""
     check_line(tp_mesh, "tp_mesh", "tp")
     check_model(model, ("cfg",), "examples/gpt.py's GPT (or a stage of it)", "parallelize_gpt")
     check_flags(loss_parallel=loss_parallel, sequence_parallel=sequence_parallel)
@@ -230,7 +249,8 @@ def parallelize_gpt(model: nn.Module, tp_mesh, loss_parallel: bool = False,
     ties = [(model.embed, "weight", model.head, "weight")] \
         if hasattr(model, "embed") and hasattr(model, "head") else []
     _mark(model, tp_mesh, loss_parallel, sequence_parallel)
-    return _apply(model, tp_mesh, gpt_plan(loss_parallel, sequence_parallel), ties)
+    return _apply(model, tp_mesh, gpt_plan(loss_parallel, sequence_parallel), ties,
+                  "parallelize_gpt")
 
 
 def parallelize_llama(model: nn.Module, tp_mesh, loss_parallel: bool = False,
@@ -243,7 +263,8 @@ def parallelize_llama(model: nn.Module, tp_mesh, loss_parallel: bool = False,
     torch.distributed.tensor.parallel.loss_parallel() (docs/parallel.md).
     sequence_parallel=True splits the residual stream and the norms by
     sequence between the tensor-parallel regions ([Note: sequence
-    parallelism]); the sequence length must then divide by tp."""
+    parallelism]); under pipeline parallelism the sequence length must then
+    divide by tp."""
     check_line(tp_mesh, "tp_mesh", "tp")
     check_model(model, ("config",), "a HuggingFace Llama causal LM (or a stage of it)",
                 "parallelize_llama")
@@ -259,7 +280,8 @@ def parallelize_llama(model: nn.Module, tp_mesh, loss_parallel: bool = False,
     if getattr(model, "lm_head", None) is not None and hasattr(base, "embed_tokens"):
         ties.append((base.embed_tokens, "weight", model.lm_head, "weight"))
     _mark(model, tp_mesh, loss_parallel, sequence_parallel)
-    return _apply(model, tp_mesh, llama_plan(model, loss_parallel, sequence_parallel), ties)
+    return _apply(model, tp_mesh, llama_plan(model, loss_parallel, sequence_parallel), ties,
+                  "parallelize_llama")
 
 
 def gpt2_plan(model: nn.Module, loss_parallel: bool = False,
@@ -302,7 +324,8 @@ def parallelize_gpt2(model: nn.Module, tp_mesh, loss_parallel: bool = False,
     inside torch.distributed.tensor.parallel.loss_parallel()
     (docs/parallel.md). sequence_parallel=True: as in parallelize_gpt."""
     check_line(tp_mesh, "tp_mesh", "tp")
-    check_model(model, ("config",), "a HuggingFace GPT-2 LM", "parallelize_gpt2")
+    check_model(model, ("config", "config.n_head", "config.n_embd"), "a HuggingFace GPT-2 LM",
+                "parallelize_gpt2")
     check_flags(loss_parallel=loss_parallel, sequence_parallel=sequence_parallel)
     tp = tp_mesh.size()
     cfg = model.config
@@ -317,7 +340,8 @@ def parallelize_gpt2(model: nn.Module, tp_mesh, loss_parallel: bool = False,
     if getattr(model, "lm_head", None) is not None:
         ties.append((base.wte, "weight", model.lm_head, "weight"))
     _mark(model, tp_mesh, loss_parallel, sequence_parallel)
-    _apply(model, tp_mesh, gpt2_plan(model, loss_parallel, sequence_parallel), ties)
+    _apply(model, tp_mesh, gpt2_plan(model, loss_parallel, sequence_parallel), ties,
+           "parallelize_gpt2")
     for block in base.h:
         # c_attn's output is this rank's [q | k | v] heads: split at their width
         block.attn.split_size = cfg.n_embd // tp
