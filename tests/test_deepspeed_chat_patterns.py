@@ -10,7 +10,6 @@ from torch import nn
 
 import zero.deepspeed as deepspeed
 from zero.deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
-from test_deepspeed_api import one_process  # noqa: F401  (fixture)
 
 CONFIG = {"train_batch_size": 2, "train_micro_batch_size_per_gpu": 2,
           "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
@@ -30,7 +29,7 @@ class Critic(nn.Module):
     def forward_value(self, x, scale=1.0):
         return self(x) * scale
 
-def test_a_save_that_gathers_by_deepspeeds_attributes_writes_whole_weights(one_process,
+def test_a_save_that_gathers_by_deepspeeds_attributes_writes_whole_weights(deepspeed_script,
                                                                               tmp_path):
     torch.manual_seed(0)
     model = Critic()
@@ -53,7 +52,7 @@ def test_a_save_that_gathers_by_deepspeeds_attributes_writes_whole_weights(one_p
         assert torch.equal(value, expected[name]), name
     engine.close()
 
-def test_the_engine_answers_for_the_models_own_attributes(one_process):
+def test_the_engine_answers_for_the_models_own_attributes(deepspeed_script):
     torch.manual_seed(0)
     model = Critic()
     engine, *_ = deepspeed.initialize(model=model, config={**CONFIG, "zero_optimization":
@@ -68,7 +67,7 @@ def test_the_engine_answers_for_the_models_own_attributes(one_process):
     assert not hasattr(engine, "_private")  # private names stay the engine's
     engine.close()
 
-def test_initialize_after_init_distributed_with_dist_init_required(one_process):
+def test_initialize_after_init_distributed_with_dist_init_required(deepspeed_script):
     deepspeed.init_distributed(dist_backend="gloo")
     deepspeed.init_distributed(dist_backend="gloo", dist_init_required=True)  # already: used
     engine, *_ = deepspeed.initialize(model=Critic(), config=CONFIG, dist_init_required=True)
