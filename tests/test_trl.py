@@ -194,3 +194,44 @@ def test_grpo_with_every_unit_released_is_trls(tmp_path):
     """The fused LM head reads a released weight at stage 3 ([Note: TRL's
     fused head]): gathered for it, the run is TRL's own."""
     same(grpo(tmp_path / "zero", "3r"), grpo(tmp_path / "trl"))
+
+
+@pytest.mark.parametrize("how", ["dict", "path", "Config", "keyword over config"])
+def test_the_reference_follows_the_stage_a_config_gives(tmp_path, how):
+    """Stage 3 given in zero_options' config (a DeepSpeed dict or JSON path,
+    or a zero.Config) puts the reference under zero.inference with the
+    precision and persistence the engine reads from it, as zero.initialize
+    reads them (the engine built here is the reference of the check); a
+    top-level stage overrides the config's, as in zero.initialize. Before,
+    only a top-level "stage": 3 was read: the reference stayed whole."""
+    import json
+    ds = {"zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
+          "bf16": {"enabled": True}}
+    if how == "path":
+        (tmp_path / "ds.json").write_text(json.dumps(ds))
+    config = {"dict": ds, "path": str(tmp_path / "ds.json"), "keyword over config": ds,
+              "Config": zero.Config(stage=3, precision="bf16",
+                                    stage3_param_persistence_threshold=0)}[how]
+    options = {"config": config, **({"stage": 2} if how == "keyword over config" else {})}
+    g = torch.Generator().manual_seed(0)
+    pairs = Dataset.from_list([{"prompt": words(g, 3), "chosen": " " + words(g, 2),
+                                "rejected": " " + words(g, 3)} for _ in range(4)])
+    model = policy()
+    trainer = ZeroDPOTrainer(model=model, ref_model=copy.deepcopy(model),
+                             args=trl.DPOConfig(per_device_train_batch_size=4, max_steps=1,
+                                                **common(tmp_path)),
+                             train_dataset=pairs, processing_class=tokenizer(),
+                             zero_options=options)
+    trainer.create_optimizer()  # the engine, as zero.initialize makes it of the options
+    engine, reference = trainer.engine, trainer.ref_model
+    assert engine.config.precision == "bf16"
+    if how == "keyword over config":
+        assert engine.config.stage == 2 and not isinstance(reference, zero.Engine)
+    else:
+        assert engine.config.stage == 3
+        assert isinstance(reference, zero.Engine) and reference.inference_only
+        for name in ("stage", "precision", "stage3_param_persistence_threshold",
+                     "offload_param"):
+            assert getattr(reference.config, name) == getattr(engine.config, name), name
+        reference.close()
+    engine.close()

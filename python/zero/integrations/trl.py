@@ -14,7 +14,9 @@ What each adds (docs/hf-trainer.md, "TRL"):
 - DPO and KTO (ref_model=), GRPO and RLOO with a KL term (beta > 0; TRL
   loads the reference from the policy's path): the reference model runs
   frozen under zero.inference at stage 3 (partitioned like the policy)
-  when zero_options' stage is 3, and as TRL prepares it otherwise.
+  when the engine's stage is 3 (zero_options' stage, or its config's:
+  a DeepSpeed dict or JSON path, or a zero.Config, read as
+  zero.initialize reads them), and as TRL prepares it otherwise.
 - GRPO and RLOO: generation samples from the policy's module; at stage 3
   its generate goes through the engine's (its parameters gathered once
   per generation, the hybrid engine), not per module and token, as every
@@ -28,6 +30,7 @@ from __future__ import annotations
 
 from trl import DPOTrainer, GRPOTrainer, KTOTrainer, RLOOTrainer
 
+from zero.engine._arguments import resolve_config
 from zero.engine._initialize import inference
 from zero.integrations._trl_gather import teach_trl_to_gather
 from zero.integrations.hf import ZeroTrainerMixin
@@ -42,12 +45,22 @@ class _ReferenceUnderInference:
 
     def __init__(self, *args, zero_options: dict | None = None, **kwargs):
         super().__init__(*args, zero_options=zero_options, **kwargs)
-        if self.zero_options.get("stage") == 3 and self.ref_model is not None:
-            options = {k: v for k, v in self.zero_options.items()
-                       if k in ("precision", "device", "offload_param", "mesh",
-                                "stage3_param_persistence_threshold",
-                                "stage3_model_persistence_threshold", "units")}
-            self.ref_model = inference(self.ref_model, stage=3, **options)
+        if self.ref_model is None:
+            return
+        # the engine's settings as zero.initialize reads them: the config (a
+        # DeepSpeed dict or path, or a zero.Config), the keywords over it.
+        # Only a top-level "stage" was read before, so a stage 3 given in
+        # the config left the reference whole on every rank
+        options = dict(self.zero_options)
+        config = resolve_config(options.pop("config", None), options.pop("stage", None),
+                                options.pop("precision", None),
+                                {k: v for k, v in options.items() if k not in ("device", "mesh")})
+        if config.stage == 3:
+            shared = {name: getattr(config, name) for name in (
+                "precision", "offload_param", "stage3_param_persistence_threshold",
+                "stage3_model_persistence_threshold", "units")}
+            shared.update({k: options[k] for k in ("device", "mesh") if k in options})
+            self.ref_model = inference(self.ref_model, stage=3, **shared)
 
 
 class ZeroDPOTrainer(_ReferenceUnderInference, ZeroTrainerMixin, DPOTrainer):

@@ -31,10 +31,14 @@ def pairwise_loss(chosen: torch.Tensor, rejected: torch.Tensor) -> torch.Tensor:
 
 
 def token_logprobs(logits: torch.Tensor, sequences: torch.Tensor,
-                   prompt_length: int) -> torch.Tensor:
+                   prompt_length: int, temperature: float = 1.0) -> torch.Tensor:
     """log p(token) of each response token (positions prompt_length...),
-    from the logits of the whole sequence: (batch, response tokens)."""
+    from the logits of the whole sequence: (batch, response tokens). With
+    a temperature, of softmax(logits / temperature): the distribution
+    generation sampled from (as TRL's PPO divides them)."""
     logits = logits[:, prompt_length - 1:-1].float()
+    if temperature != 1.0:  # at 1 the very same float work as before
+        logits = logits / temperature
     tokens = sequences[:, prompt_length:]
     return torch.log_softmax(logits, dim=-1).gather(2, tokens[..., None]).squeeze(-1)
 

@@ -37,7 +37,13 @@ class ScalarHeadModel(nn.Module):
             raise ValueError(f"{type(lm).__name__} has no base_model to put a scalar head "
                              "on; pass a HuggingFace causal LM (GPT2LMHeadModel, "
                              "LlamaForCausalLM, ...)")
-        return cls(backbone, lm.config.hidden_size)
+        # the width the LM's own head reads: OPT's backbone (OPT-350m,
+        # DeepSpeed-Chat's default critic) projects hidden_size down to
+        # word_embed_proj_dim, so a head of hidden_size could not take it
+        lm_head = getattr(lm, "get_output_embeddings", lambda: None)()
+        width = lm_head.in_features if isinstance(lm_head, nn.Linear) else \
+            lm.config.hidden_size
+        return cls(backbone, width)
 
     def forward(self, input_ids, attention_mask=None, position_ids=None):
         extra = {} if position_ids is None else {"position_ids": position_ids}
@@ -57,6 +63,24 @@ def takes_position_ids(model) -> bool:
         return "position_ids" in inspect.signature(model.forward).parameters
     except (TypeError, ValueError, AttributeError):
         return False
+
+
+def position_ids(attention_mask: torch.Tensor) -> torch.Tensor:
+    """Position ids counted over the mask, HuggingFace's rule for padded
+    prompts (prepare_inputs_for_generation): cumsum - 1, a pad at 1. One
+    rule for generation, PPO's scoring and training, and sft_loss and
+    reward_loss: a left-padded row then scores as it does without its pads
+    (counted over the pads, its positions were shifted)."""
+    return (attention_mask.long().cumsum(dim=1) - 1).masked_fill_(attention_mask == 0, 1)
+
+
+def forward_inputs(model, input_ids, attention_mask) -> dict:
+    """A forward's keyword inputs: the ids, the mask and, when a mask is
+    given and the model (an engine's module) takes them, position_ids."""
+    inputs = {"input_ids": input_ids, "attention_mask": attention_mask}
+    if attention_mask is not None and takes_position_ids(getattr(model, "module", model)):
+        inputs["position_ids"] = position_ids(attention_mask)
+    return inputs
 
 
 def last_token_index(attention_mask: torch.Tensor) -> torch.Tensor:

@@ -7,16 +7,19 @@ actor is gathered once per generation, not once per token.
 
 [Note: one PPO iteration]
 1. generation: the actor samples a response of `response_length` tokens
-   for each prompt (ending early at eos_token_id when one is given).
+   for each prompt (ending early at eos_token_id, or any of a list of
+   them, when given), from PPO's sampling settings only (_sampling_only).
    Generation and scoring run with all four models in eval mode (no
    dropout: the same sequence scores the same, and an actor equal to its
    reference has a KL of exactly 0), each put back in its mode after, as
    DeepSpeed-Chat's generate_experience does;
 2. scoring, without gradients: the actor's and the reference's
-   log-probabilities of the sampled tokens, the critic's values of the
-   states before each of them, the reward model's score of the whole
-   sequence; the per-token reward is -kl_coef (log p_actor - log p_ref),
-   with the score (clipped to +-clip_reward) added at the last token;
+   log-probabilities of the sampled tokens (of softmax(logits /
+   temperature), the distribution sampled from; the training forward's
+   too), the critic's values of the states before each of them, the
+   reward model's score of the whole sequence; the per-token reward is
+   -kl_coef (log p_actor - log p_ref), with the score (clipped to
+   +-clip_reward) added at the last token;
    advantages by GAE (gamma, lam), whitened over the batch of every
    data-parallel rank together (before, each rank's own: an iteration on
    2 ranks was not the one on their batches as one, its actor 0.4-0.6
@@ -38,7 +41,7 @@ from dataclasses import dataclass
 import torch
 
 from zero.rlhf._losses import gae, masked_mean, policy_loss, token_logprobs, value_loss, whiten
-from zero.rlhf._models import sequence_scores, takes_position_ids
+from zero.rlhf._models import position_ids, sequence_scores, takes_position_ids
 
 
 @dataclass
@@ -83,7 +86,7 @@ class PPOSettings:
 
 class PPOTrainer:
     def __init__(self, actor, critic, reference, reward, settings: PPOSettings,
-                 pad_token_id: int = 0, eos_token_id: int | None = None):
+                 pad_token_id: int = 0, eos_token_id: int | list | None = None):
         for name, engine in (("actor", actor), ("critic", critic)):
             if getattr(engine, "inference_only", True) or not hasattr(engine, "step"):
                 raise ValueError(f"PPOTrainer: {name} must be a training engine "
@@ -95,6 +98,15 @@ class PPOTrainer:
         self.reference, self.reward = reference, reward
         self.settings = settings
         self.pad_token_id, self.eos_token_id = pad_token_id, eos_token_id
+        # a list of eos ids (as HF's generate takes): any of them ends a
+        # response (a list failed on .long() of a bool after generating)
+        ids = [eos_token_id] if isinstance(eos_token_id, int) else eos_token_id
+        if eos_token_id is not None and (
+                not isinstance(ids, (list, tuple)) or not ids or
+                not all(isinstance(i, int) and not isinstance(i, bool) for i in ids)):
+            raise ValueError(f"PPOTrainer: eos_token_id must be None, a token id or a list of "
+                             f"them, got {eos_token_id!r}")
+        self._eos_ids = None if eos_token_id is None else list(ids)
         self.ema_state = None
         # which models take position ids, read once: a signature a forward
         self._positioned = {id(m): takes_position_ids(getattr(m, "module", m))
@@ -109,11 +121,10 @@ class PPOTrainer:
         GPT-2), so the ratio of the policy loss was not the sampling policy's."""
         inputs = {"input_ids": sequences, "attention_mask": mask}
         if self._positioned[id(model)]:
-            # HF's rule (prepare_inputs_for_generation): a pad's position is 1,
-            # which a right-padded prompt's last pad (whose logits score the
-            # first response token) was sampled at
-            positions = mask.long().cumsum(dim=1) - 1
-            inputs["position_ids"] = positions.masked_fill_(mask == 0, 1)
+            # HF's rule (a pad's position is 1, which a right-padded prompt's
+            # last pad, whose logits score the first response token, was
+            # sampled at), shared with sft_loss and reward_loss
+            inputs["position_ids"] = position_ids(mask)
         return inputs
 
     def _sum_over_ranks(self, tensor):
@@ -128,22 +139,30 @@ class PPOTrainer:
         """(sequences, attention mask): prompts and sampled responses, the
         mask 0 past each response's eos."""
         s = self.settings
+        if not torch.is_tensor(prompts) or prompts.dim() != 2:
+            raise ValueError("PPO: prompts must be a (batch, tokens) tensor of token ids, got "
+                             + (f"shape {tuple(prompts.shape)}" if torch.is_tensor(prompts)
+                                else type(prompts).__name__))
+        if attention_mask is not None and (not torch.is_tensor(attention_mask) or
+                                           attention_mask.shape != prompts.shape):
+            raise ValueError(f"PPO: attention_mask must have the prompts' shape "
+                             f"{tuple(prompts.shape)}, got "
+                             f"{tuple(getattr(attention_mask, 'shape', ())) or attention_mask!r}")
         ones = torch.ones_like(prompts)
         prompt_mask = ones if attention_mask is None else attention_mask
-        sequences = self.actor.generate(
-            input_ids=prompts, attention_mask=prompt_mask, max_new_tokens=s.response_length,
-            min_new_tokens=s.response_length if self.eos_token_id is None else 0,
-            do_sample=True, temperature=s.temperature, top_k=0, top_p=1.0,
-            pad_token_id=self.pad_token_id, eos_token_id=self.eos_token_id)
+        with _sampling_only(self.actor, s, self.pad_token_id, self._eos_ids) as config:
+            sequences = self.actor.generate(input_ids=prompts, attention_mask=prompt_mask,
+                                            generation_config=config)
         response = sequences[:, prompts.shape[1]:]
         if response.shape[1] < s.response_length:  # every row ended early
             pad = torch.full((response.shape[0], s.response_length - response.shape[1]),
                              self.pad_token_id, dtype=response.dtype, device=response.device)
             response = torch.cat([response, pad], dim=1)
         valid = torch.ones_like(response)
-        if self.eos_token_id is not None:  # up to and with the first eos
-            ended = (response == self.eos_token_id).long().cumsum(dim=1)
-            valid = ((ended == 0) | ((ended == 1) & (response == self.eos_token_id))).long()
+        if self._eos_ids is not None:  # up to and with the first eos
+            is_eos = torch.isin(response, torch.tensor(self._eos_ids, device=response.device))
+            ended = is_eos.long().cumsum(dim=1)
+            valid = ((ended == 0) | ((ended == 1) & is_eos)).long()
         return torch.cat([prompts, response], dim=1), torch.cat([prompt_mask, valid], dim=1)
 
     # ---- 2. scoring -----------------------------------------------------------------
@@ -156,13 +175,16 @@ class PPOTrainer:
         s, start = self.settings, time.perf_counter()
         sequences, mask = self.generate(prompts, attention_mask)
         generated = time.perf_counter()
-        p = prompts.shape[1]
+        p, t = prompts.shape[1], s.temperature
+        # the log-probabilities of the policy that sampled: softmax(logits / t)
         logprobs = token_logprobs(
-            self.actor(**self._inputs(self.actor, sequences, mask)).logits, sequences, p)
-        ref_logprobs = token_logprobs(
-            self.reference(**self._inputs(self.reference, sequences, mask)).logits, sequences, p)
-        values = self.critic(**self._inputs(self.critic, sequences, mask))[:, p - 1:-1]
-        scores = sequence_scores(self.reward(**self._inputs(self.reward, sequences, mask)), mask)
+            self.actor(**self._inputs(self.actor, sequences, mask)).logits, sequences, p, t)
+        ref_logprobs = token_logprobs(self.reference(
+            **self._inputs(self.reference, sequences, mask)).logits, sequences, p, t)
+        values = _numbers("critic", self.critic(**self._inputs(self.critic, sequences, mask)),
+                          sequences)[:, p - 1:-1]
+        scores = sequence_scores(_numbers(
+            "reward", self.reward(**self._inputs(self.reward, sequences, mask)), sequences), mask)
         action_mask = mask[:, p:].float()
         kl = (logprobs - ref_logprobs) * action_mask
         rewards = -s.kl_coef * kl
@@ -218,7 +240,8 @@ class PPOTrainer:
     def _actor_loss(self, batch) -> torch.Tensor:
         logits = self.actor(**self._inputs(self.actor, batch["sequences"],
                                       batch["attention_mask"])).logits
-        logprobs = token_logprobs(logits, batch["sequences"], batch["prompt_length"])
+        logprobs = token_logprobs(logits, batch["sequences"], batch["prompt_length"],
+                                  self.settings.temperature)
         return policy_loss(logprobs, batch["logprobs"], batch["advantages"],
                            batch["action_mask"], self.settings.clip_policy)
 
@@ -247,6 +270,55 @@ class PPOTrainer:
                      generation_s=experience["generation_s"],
                      scoring_s=experience["scoring_s"], sequences=experience["sequences"])
         return stats
+
+
+def _numbers(name, out, sequences):
+    """The critic's or reward model's output checked to be a ScalarHeadModel's:
+    a causal LM's output failed on "tuple indices", an HF sequence
+    classifier's on .gather."""
+    if torch.is_tensor(out) and out.shape == sequences.shape:
+        return out
+    what = f"shape {tuple(out.shape)}" if torch.is_tensor(out) else type(out).__name__
+    hint = ""
+    if type(out).__name__.startswith("SequenceClassifier"):
+        # refused, not read: HF pools its last token by pad_token_id, which a
+        # sampled pad id inside a response or another pad id would move
+        hint = (" (a HuggingFace sequence-classification model is not taken: it picks "
+                "the scored token by pad_token_id, not by the attention mask; put its "
+                "transformer under ScalarHeadModel)")
+    raise ValueError(f"PPO: the {name} must be a ScalarHeadModel-like model returning one "
+                     f"number per token, (batch, tokens) = {tuple(sequences.shape)}; it "
+                     f"returned {what}{hint}")
+
+
+@contextlib.contextmanager
+def _sampling_only(actor, settings, pad_token_id, eos_ids):
+    """A GenerationConfig of PPO's sampling settings only, with the actor's
+    model reading it as its generation_config meanwhile. Before, the
+    model's own generation_config (a checkpoint's repetition_penalty,
+    no_repeat_ngram_size, bad_words_ids, ...) filled what PPO left unset,
+    so the samples were not from the policy whose log-probabilities are
+    stored (off-policy). A passed generation_config alone is not enough:
+    transformers 4.57 fills its default-valued fields from the model's
+    (unless use_model_defaults=False), 5.x its unset (None) fields."""
+    from transformers import GenerationConfig
+    config = GenerationConfig(
+        do_sample=True, temperature=settings.temperature, top_k=0, top_p=1.0,
+        max_new_tokens=settings.response_length,
+        min_new_tokens=settings.response_length if eos_ids is None else 0,
+        pad_token_id=pad_token_id, eos_token_id=eos_ids)
+    model = getattr(actor, "module", actor)
+    unwrap = getattr(model, "get_base_model", None)  # PEFT copies the base's over
+    owner = unwrap() if callable(unwrap) else model
+    saved = owner.__dict__.get("generation_config")
+    owner.generation_config = config
+    try:
+        yield config
+    finally:
+        if saved is None:
+            del owner.generation_config
+        else:
+            owner.generation_config = saved
 
 
 @contextlib.contextmanager
