@@ -454,6 +454,27 @@ def test_a_script_that_cannot_be_written_leaves_a_complete_checkpoint(tmp_path, 
     engine.close()
 
 
+def test_the_longest_tag_saves_with_its_script_and_leftovers_are_recovered(tmp_path):
+    """A tag of the longest length a save allows (239 bytes) saved without
+    zero_to_fp32.py: its temporary added 21 bytes to the tag, over the
+    file system's 255 (a RuntimeWarning and no script; docs hunt). Now 15.
+    A killed save's script temporaries, under today's name and the name
+    before, are removed by the next save."""
+    import warnings
+    engine = make_engine(2)
+    train(engine, 0, 1)
+    tag = "t" * 239
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the script's failed write warned
+        engine.save_checkpoint(tmp_path, tag=tag)
+    assert sorted(os.listdir(tmp_path)) == ["latest", tag, "zero_to_fp32.py"]
+    for leftover in (f".zero-fp32.{tag}.tmp", ".zero_to_fp32.py.old.tmp"):
+        (tmp_path / leftover).write_text("a killed save's")
+    engine.save_checkpoint(tmp_path, tag="next")
+    assert sorted(os.listdir(tmp_path)) == ["latest", "next", tag, "zero_to_fp32.py"]
+    engine.close()
+
+
 def test_an_hf_checkpoint_folder_points_to_its_zero_checkpoint(tmp_path):
     """ZeroTrainer's checkpoint-N keeps the engine's checkpoint in
     zero_checkpoint/; given the folder itself (a DeepSpeed user's habit,

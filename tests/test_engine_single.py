@@ -593,6 +593,25 @@ def test_parameters_that_share_memory_are_refused_by_name():
 
 
 @pytest.mark.parametrize("stage", [0, 3])
+def test_an_expanded_buffer_is_refused_in_one_process_before_any_change(stage):
+    """A buffer whose elements share memory (stride 0) was refused on
+    several ranks only; in one process it trained and saved, then
+    load_checkpoint failed on torch's unnamed error after the parameters
+    had taken the checkpoint's values (docs hunt). Now refused by name in
+    one process too, before the model is cast."""
+    model = nn.Linear(4, 4)
+    model.register_buffer("e", torch.ones(1).expand(4))
+    with pytest.raises(ValueError, match=r"buffer 'e' has elements that share memory \(an "
+                                         r"expanded tensor, strides \(0,\)\)"):
+        zero.initialize(model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                        stage=stage, precision="bf16")
+    assert model.weight.dtype == torch.float32 and isinstance(model.weight, nn.Parameter)
+    model.e = model.e.contiguous()
+    zero.initialize(model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                    stage=stage, precision="bf16").close()
+
+
+@pytest.mark.parametrize("stage", [0, 3])
 def test_an_expanded_parameter_is_refused_by_name(stage):
     """A Parameter over an expanded tensor (stride 0): torch's optimizers
     refuse it; laid out flat, its 64 elements trained as 64 values, which

@@ -138,9 +138,18 @@ def _latest_temporary(save_dir, tag) -> str:
     return os.path.join(save_dir, f".{LATEST_FILE}.{tag}.tmp")
 
 
-def script_temporary(save_dir, tag) -> str:
+# zero_to_fp32.py's temporary while a save into <tag> writes it: within
+# the 16 bytes the save's other names add to a tag (format.check_tag's
+# limit). Named .zero_to_fp32.py.<tag>.tmp before 2026-12-07, 21 bytes: a
+# tag of 235-239 bytes saved without its script (ENAMETOOLONG); leftovers
+# under that name are still recovered
+SCRIPT_PREFIX = ".zero-fp32."
+_OLD_SCRIPT_PREFIX = f".{SCRIPT_FILE}."
+
+
+def script_temporary(save_dir, tag, prefix=SCRIPT_PREFIX) -> str:
     """The temporary name of the zero_to_fp32.py a save into `tag` writes."""
-    return os.path.join(save_dir, f".{SCRIPT_FILE}.{tag}.tmp")
+    return os.path.join(save_dir, f"{prefix}{tag}.tmp")
 
 
 class SaveLock:
@@ -192,7 +201,8 @@ def _recover_tag(save_dir, tag) -> bool:
             _remove_tree(replaced)
         changed = True
     for leftover in (staging_directory(save_dir, tag), _latest_temporary(save_dir, tag),
-                     script_temporary(save_dir, tag)):
+                     script_temporary(save_dir, tag),
+                     script_temporary(save_dir, tag, _OLD_SCRIPT_PREFIX)):
         if os.path.lexists(leftover):
             _remove_tree(leftover)
             changed = True
@@ -212,7 +222,8 @@ def recover_interrupted_saves(save_dir, own_tag):
         for suffix in (STAGING_SUFFIX, REPLACED_SUFFIX):
             if name.startswith(".") and name.endswith(suffix) and len(name) > len(suffix) + 1:
                 tags.add(name[1:-len(suffix)])
-        for prefix in (f".{LATEST_FILE}.", f".{SCRIPT_FILE}."):  # the small files' temporaries
+        # the small files' temporaries
+        for prefix in (f".{LATEST_FILE}.", SCRIPT_PREFIX, _OLD_SCRIPT_PREFIX):
             if name.startswith(prefix) and name.endswith(".tmp") and \
                     len(name) > len(prefix) + len(".tmp"):
                 tags.add(name[len(prefix):-len(".tmp")])

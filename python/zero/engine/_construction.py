@@ -116,16 +116,32 @@ def broadcast_buffer(comm, name, buf, kind="buffer"):
     comm = comm.everyone  # the replicas take rank 0's value too
     if comm.world == 1:
         return
-    if torch._debug_has_internal_overlap(buf) == 1:
-        raise ValueError(f"{kind} '{name}' has elements that share memory (an expanded "
-                         f"tensor, strides {tuple(buf.stride())}), so rank 0's value cannot "
-                         "be written into it; register buf.contiguous() (or clone()) instead")
+    _refuse_shared_elements(name, buf, kind)
     if buf.is_contiguous():
         comm.broadcast(buf, src=0)
         return
     staged = buf.contiguous()
     comm.broadcast(staged, src=0)
     buf.copy_(staged)
+
+
+def _refuse_shared_elements(name, tensor, kind):
+    if torch._debug_has_internal_overlap(tensor) == 1:
+        raise ValueError(f"{kind} '{name}' has elements that share memory (an expanded "
+                         f"tensor, strides {tuple(tensor.stride())}), so rank 0's value (or a "
+                         "checkpoint's) cannot be written into it; register its "
+                         ".contiguous() (or .clone()) instead")
+
+
+def refuse_shared_element_buffers(module):
+    """Every buffer whose elements share memory, refused before initialize
+    changes the model, in one process too: a checkpoint's values cannot be
+    written into it either (load_checkpoint failed there on torch's unnamed
+    error, after the parameters had taken the checkpoint's values). With
+    several ranks broadcast_buffer refuses it too, and a frozen parameter
+    of the kind (which one process keeps as it is)."""
+    for name, buf in module.named_buffers():
+        _refuse_shared_elements(name, buf, "buffer")
 
 
 def cast_module(module, dtype, device, policy, buffer_dtype=None):

@@ -33,7 +33,8 @@ from zero.engine._deepspeed_settings import DeepSpeedSettings
 from zero.engine._construction import (apply_aio, broadcast_buffer, cast_module,
                                        match_param_groups, offload_files, owners_of,
                                        param_files, units_of, warn_if_narrowed,
-                                       kept_buffers, note_kept_buffers)
+                                       kept_buffers, note_kept_buffers,
+                                       refuse_shared_element_buffers)
 from zero.engine._generation import route_generate
 from zero.engine._handback import forget_dropped, hand_back, record_dtypes, undo_failed_build
 from zero.engine._reports import EngineReports
@@ -192,6 +193,7 @@ class Engine(BoundaryStep, DeepSpeedQueries, DeepSpeedSettings, BatchCalls, Chec
         for params, _names in groups:
             for p in params:
                 p.grad = None
+        refuse_shared_element_buffers(module)
         self._dtypes_before = record_dtypes(module)  # [Note: dtypes given back]
         warn_if_narrowed(self._dtypes_before, self.compute_dtype)
         cast_module(module, self.compute_dtype, self.device, self.policy,
