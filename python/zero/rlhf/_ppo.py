@@ -127,6 +127,38 @@ class PPOTrainer:
             inputs["position_ids"] = position_ids(mask)
         return inputs
 
+    def _check_batch(self, prompts, attention_mask):
+        """The prompts (and mask) checked before anything is generated, the
+        verdict agreed over the actor's data-parallel ranks: a batch that
+        does not split into an engine's micro-batches was refused by
+        _epoch on its rank alone, after generating and scoring, and the
+        other ranks waited in their next collective."""
+        problem = None
+        if not torch.is_tensor(prompts) or prompts.dim() != 2:
+            problem = ("PPO: prompts must be a (batch, tokens) tensor of token ids, got " +
+                       (f"shape {tuple(prompts.shape)}" if torch.is_tensor(prompts)
+                        else type(prompts).__name__))
+        elif attention_mask is not None and (not torch.is_tensor(attention_mask) or
+                                             attention_mask.shape != prompts.shape):
+            problem = (f"PPO: attention_mask must have the prompts' shape "
+                       f"{tuple(prompts.shape)}, got "
+                       f"{tuple(getattr(attention_mask, 'shape', ())) or attention_mask!r}")
+        else:
+            for name, engine in (("actor", self.actor), ("critic", self.critic)):
+                count = engine.config.gradient_accumulation_steps
+                if prompts.shape[0] % count:
+                    problem = (f"PPO: a batch of {prompts.shape[0]} prompts does not split "
+                               f"into the {name}'s gradient_accumulation_steps={count} "
+                               "micro-batches")
+                    break
+        refused = torch.tensor([float(problem is not None)], device=self.actor.device)
+        self._sum_over_ranks(refused)
+        if problem is not None:
+            raise ValueError(problem)
+        if refused.item():
+            raise ValueError("PPO: another rank's batch was refused (its error says why); no "
+                             "rank generates")
+
     def _sum_over_ranks(self, tensor):
         """tensor summed in place over the actor engine's data-parallel
         ranks (its group; tensor-parallel ranks, which share a batch, are
@@ -139,15 +171,7 @@ class PPOTrainer:
         """(sequences, attention mask): prompts and sampled responses, the
         mask 0 past each response's eos."""
         s = self.settings
-        if not torch.is_tensor(prompts) or prompts.dim() != 2:
-            raise ValueError("PPO: prompts must be a (batch, tokens) tensor of token ids, got "
-                             + (f"shape {tuple(prompts.shape)}" if torch.is_tensor(prompts)
-                                else type(prompts).__name__))
-        if attention_mask is not None and (not torch.is_tensor(attention_mask) or
-                                           attention_mask.shape != prompts.shape):
-            raise ValueError(f"PPO: attention_mask must have the prompts' shape "
-                             f"{tuple(prompts.shape)}, got "
-                             f"{tuple(getattr(attention_mask, 'shape', ())) or attention_mask!r}")
+        self._check_batch(prompts, attention_mask)
         ones = torch.ones_like(prompts)
         prompt_mask = ones if attention_mask is None else attention_mask
         with _sampling_only(self.actor, s, self.pad_token_id, self._eos_ids) as config:
