@@ -928,6 +928,47 @@ def test_close_after_an_interrupted_stage3_forward_gives_back_a_plain_model():
     engine._schedule._pop_saved_tensors_hooks()  # what the next root forward would do
 
 
+def test_an_interrupt_in_a_recomputed_forward_leaves_the_next_forward_working():
+    """Stage 3 under a whole-model activation checkpoint: a KeyboardInterrupt
+    in the forward that backward recomputes. The engine took its saved-
+    tensor hooks off at the next forward, but torch had dropped them with
+    the autograd engine's stack already: the next forward failed on
+    torch's INTERNAL ASSERT (SavedTensorHooks.cpp), a batch lost (lifecycle
+    hunt). Now training goes on as a plain model would after zero_grad()."""
+    from torch.utils.checkpoint import checkpoint
+    model = _model()
+    reference = copy.deepcopy(model)
+    engine = _engine(model, 3)
+    armed = []
+
+    def interrupt(_module, _args, _out):
+        if armed and torch._C._current_graph_task_id() != -1:  # inside backward
+            armed.clear()
+            raise KeyboardInterrupt
+    model[2].register_forward_hook(interrupt)
+    x, y = _batch(0)
+    out = checkpoint(engine, x, use_reentrant=False)
+    armed.append(True)
+    with pytest.raises(KeyboardInterrupt):
+        engine.backward(_loss(out, y))
+    engine.zero_grad()
+    optimizer = torch.optim.AdamW(reference.parameters(), lr=1e-2)
+    for i in (1, 2):
+        x, y = _batch(i)
+        loss = _loss(engine(x), y)
+        engine.backward(loss)
+        engine.step()
+        optimizer.zero_grad()
+        expected = _loss(reference(x), y)
+        expected.backward()
+        optimizer.step()
+        assert abs(loss.item() - expected.item()) <= 1e-6 * expected.item()
+    state = engine.full_state_dict()
+    for name, value in reference.state_dict().items():
+        torch.testing.assert_close(state[name], value, rtol=1e-5, atol=1e-6)
+    engine.close()
+
+
 def test_close_leaves_a_group_the_user_made_after_destroying_ours():
     """An engine's in-memory group destroyed by the user, who then makes
     their own: a second engine on it, then both closed. close() used to

@@ -25,6 +25,7 @@ from zero.config._values import require_bool
 from zero.engine._agreement import check_ranks_agree
 from zero.comm._channel_room import check_channel_room
 from zero.comm._comm import Comm, leave_process_group
+from zero._warnings import warn_user
 from zero.engine._batch_calls import BatchCalls
 from zero.engine._boundary_step import BoundaryStep
 from zero.engine._checkpoint_calls import CheckpointCalls
@@ -498,6 +499,15 @@ class Engine(BoundaryStep, DeepSpeedQueries, DeepSpeedSettings, BatchCalls, Chec
         launcher-less run (an env:// group stays for the next engine in this
         process; see _comm.join_process_group). A second call does nothing."""
         if not self._closed:
+            pending = self.micro_steps % self.config.gradient_accumulation_steps
+            if pending and not self.inference_only and \
+                    getattr(self, "_forced_boundary", None) is None:
+                # the next initialize rounds the count up to a boundary
+                # (_carried_counts.py): these micro-batches' update is lost
+                warn_user(f"close() between an update's micro-batches: the gradients of "
+                          f"{pending} micro-batch(es) of {self.config.gradient_accumulation_steps}"
+                          " are not carried to a next initialize, which starts the next "
+                          "update afresh. Call close() after an update's engine.step()")
             hand_back(self)
             self._closed = True
 

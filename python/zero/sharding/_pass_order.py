@@ -16,7 +16,11 @@ class PassOrder:
     def _start_pass(self, phase):
         if phase == "forward":
             self.release_with = {}  # a forward without a backward leaves entries
-        self.pass_hash = 0
+        # the engine's serial in it: two engines' passes gathering units of
+        # the same places (two models of one architecture) hashed alike, so
+        # ranks that ran the two backwards in other orders mixed their
+        # values unseen
+        self.pass_hash = self.serial + 1
         self.phase = phase
         self.current = []
         self.pos = 0

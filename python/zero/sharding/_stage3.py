@@ -269,8 +269,9 @@ class Stage3Schedule(UnitGathering, SavedParameters, PassOrder):
             raise RuntimeError(
                 f"zero stage 3: the ranks gathered different parameters in this {self.phase} "
                 "pass, so they ran different modules (rank-dependent control flow inside the "
-                "model). Each module's gather is a collective: every rank must run the same "
-                "modules in the same order (a mixture of experts: name its block in "
+                "model), or ran two engines' passes in other orders. Each module's gather is "
+                "a collective: every rank must run the same modules, and the same engines' "
+                "passes, in the same order (a mixture of experts: name its block in "
                 "stage3_leaf_modules; LayerDrop drawn per rank, as BART's, OPT's or "
                 "Whisper's encoder_layerdrop/decoder_layerdrop: set it to 0). The values of "
                 "this pass are not to be trusted.")
@@ -478,6 +479,13 @@ class Stage3Schedule(UnitGathering, SavedParameters, PassOrder):
         button) skipped the post-forward hooks, which torch calls only for
         an Exception: drop what it left, so the next forward is a pass of
         its own and not taken for a recursive call."""
+        if self._saving is not None and \
+                outer_saved_tensors_hooks() != (self._pack, self._unpack):
+            # pushed by a forward that backward recomputed (a whole-model
+            # activation checkpoint): torch dropped them with the autograd
+            # engine's own stack when that backward ended. Popped again here,
+            # the next forward met torch's INTERNAL ASSERT (SavedTensorHooks)
+            self._saving = None
         self._pop_saved_tensors_hooks()
         self.entered = [0] * len(self.entered)
         self.running = []
