@@ -48,7 +48,8 @@ class BoundaryStep:
             # No backward reached this rank's hooks since the last step:
             # still issue the collectives the other ranks issue (this
             # covers one backward per step; see docs/engine.md).
-            finish_backwards([fg.reducer for fg in self.groups if not fg.reduced_since_step])
+            finish_backwards([fg.reducer for fg in self.groups if not fg.reduced_since_step],
+                             self.serial)
         for fg in self.groups:
             fg.reduced_since_step = False
         sum_across_replicas(self.groups)  # the small groups together

@@ -248,7 +248,7 @@ class Engine(BoundaryStep, DeepSpeedQueries, DeepSpeedSettings, BatchCalls, Chec
         if channels is not None:  # [Note: small groups' buckets] in _buckets.py
             channels.defer(self.groups)
         # [Note: backward lifecycle] in _backward.py
-        self._backward = BackwardLifecycle(self.groups) \
+        self._backward = BackwardLifecycle(self.groups, self.serial) \
             if self.policy.reduces_in_backward else None
         if self.policy.partitions_params:
             # integer parameters (indices, counters) are not cast nor

@@ -34,9 +34,11 @@ def _no_backward_running() -> bool:
 
 
 class BackwardLifecycle:
-    def __init__(self, groups):
-        """groups: the flat groups whose bucket reducers a backward fills."""
+    def __init__(self, groups, serial=None):
+        """groups: the flat groups whose bucket reducers a backward fills;
+        serial: the engine's, agreed at each backward's end."""
         self.reducers = [fg.reducer for fg in groups if fg.reducer is not None]
+        self.serial = serial
         self.running = False
         self.ended = 0           # backwards ended since the engine's last update (it resets it)
         self.after_begin = []    # the stage's own start (stage 3: record the pass)
@@ -51,7 +53,7 @@ class BackwardLifecycle:
             torch.autograd.Variable._execution_engine.queue_callback(self._end)
 
     def _end(self):
-        finish_backwards(self.reducers)  # one agreement for every group
+        finish_backwards(self.reducers, self.serial)  # one agreement for every group
         for finish in self.after_end:
             finish()
         # only now: an end that raised leaves the backward to be abandoned

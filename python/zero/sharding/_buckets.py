@@ -380,7 +380,7 @@ class BucketReducer:
     # ---- after the step ------------------------------------------------------
 
 
-def finish_backwards(reducers):
+def finish_backwards(reducers, serial=None):
     """End of a backward for each of `reducers`: reduce what is left, in
     order; agree with the other ranks on which parameters got gradients
     and which buckets got late gradients; reduce the late buckets (zeros
@@ -389,7 +389,9 @@ def finish_backwards(reducers):
     a model with many param groups paid one a group at every backward
     ([Note: small groups reduced together] in comm/_reduce_together.py).
     Every group sends what is left before the agreement, so each group's
-    channel sees its collectives in the order it did with one group."""
+    channel sees its collectives in the order it did with one group.
+    serial: the engine's (Engine.serial), agreed in the same all-reduce
+    ([Note: one engine's backward end])."""
     flags = [r._send_rest() for r in reducers]
     by_comm = {}
     for k, r in enumerate(reducers):
@@ -399,10 +401,25 @@ def finish_backwards(reducers):
         comm = reducers[ks[0]].fg.comm
         # host numbers: on the CPU (gloo) where the group allows, so
         # reading them back does not wait for the GPU
-        joined = torch.tensor([f for k in ks for f in flags[k]], dtype=torch.int32,
+        # [Note: one engine's backward end] the engine's serial and its
+        # square ride along: the reductions of two engines over the same
+        # ranks share channels, and ranks that ran two engines' backwards in
+        # other orders paired one engine's reductions with the other's,
+        # mixing both models' gradients silently at stage 2. The sums say
+        # whether every rank gave the same serial (world x the sum of
+        # squares equals the squared sum only then)
+        tail = [] if serial is None else [serial + 1, (serial + 1) ** 2]
+        joined = torch.tensor([f for k in ks for f in flags[k]] + tail, dtype=torch.int32,
                               device=comm.scalar_device)
         comm.all_reduce_sum(joined)
         joined, at = joined.tolist(), 0
+        if tail and comm.world * joined[-1] != joined[-2] ** 2:
+            raise RuntimeError(
+                "zero: the ranks ended the backwards of two engines in other orders (this "
+                "rank's was engine " f"{serial}'s), so their gradient reductions paired with "
+                "each other's: both engines' gradients are mixed. Run the engines' "
+                "backwards in one order on every rank; call zero_grad() on both before "
+                "going on")
         for k in ks:
             flags[k], at = joined[at:at + len(flags[k])], at + len(flags[k])
     for r, f in zip(reducers, flags):
