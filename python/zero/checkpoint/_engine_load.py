@@ -375,13 +375,18 @@ def _same_checkpoint_everywhere(engine, path, meta):
                          "'latest'. Nothing was loaded")
 
 
+def at_a_boundary(micro_steps: int, accumulation: int) -> int:
+    """micro_steps rounded up to a multiple of `accumulation`: the next
+    micro-step starts an accumulation window of that count."""
+    return -(-micro_steps // accumulation) * accumulation
+
+
 def set_counts(engine, micro_steps, global_steps, skipped_steps):
     """The engine's counters from a save (or a closed engine): saved at a
     boundary, the next micro-step starts an accumulation window also when
     this engine accumulates over another count (a global batch kept at
     another world size)."""
-    accumulation = engine.config.gradient_accumulation_steps
-    engine.micro_steps = -(-micro_steps // accumulation) * accumulation
+    engine.micro_steps = at_a_boundary(micro_steps, engine.config.gradient_accumulation_steps)
     engine.global_steps = global_steps
     engine.skipped_steps = skipped_steps
 

@@ -144,13 +144,12 @@ def _gradients_pending(engine) -> bool:
 
 def save(engine, save_dir, tag=None, client_state=None, save_latest=True) -> str:
     refusal = None
-    # boundaries set by hand (set_gradient_accumulation_boundary) leave the
-    # count's remainder aside: the pending gradients below tell alone
-    counted = getattr(engine, "_forced_boundary", None) is None
-    if counted and engine.micro_steps % engine.config.gradient_accumulation_steps:
+    # boundaries set by hand (set_gradient_accumulation_boundary) count none
+    # pending: the pending gradients below tell alone
+    if engine.pending_micro_batches:
         refusal = RuntimeError(
             "save_checkpoint was called in the middle of an accumulation boundary (micro-step "
-            f"{engine.micro_steps % engine.config.gradient_accumulation_steps} of "
+            f"{engine.pending_micro_batches} of "
             f"{engine.config.gradient_accumulation_steps}); gradients are not saved, so call "
             "it after the boundary's engine.step()")
     elif _gradients_pending(engine):

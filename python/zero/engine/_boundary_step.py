@@ -77,12 +77,12 @@ class BoundaryStep:
 
     def _no_gradients_since_update(self, backwards: int) -> bool:
         """No gradient reached this rank since the last update, or since a
-        zero_grad() that dropped them (None: not known, no zero_grad() yet).
-        engine.backward()s at stages 0-1 are counted in `backwards`."""
+        zero_grad() that dropped them (the marks taken then, and at
+        initialize). engine.backward()s at stages 0-1 are counted in
+        `backwards`."""
         if backwards and self._backward is None:
             return False
-        marks = getattr(self, "_gradients_at_zero", None)
-        return marks is not None and marks == self.gradient_marks()
+        return self._gradients_at_zero == self.gradient_marks()
 
     def clip_grad_norm_(self, max_norm: float) -> float:
         """Clip the coming update to max_norm (global L2 norm over all shards)

@@ -54,6 +54,15 @@ class DeepSpeedQueries:
             return forced
         return (self.micro_steps + 1) % self.config.gradient_accumulation_steps == 0
 
+    @property
+    def pending_micro_batches(self) -> int:
+        """Micro-steps counted toward the coming update (0 at a boundary,
+        and where set_gradient_accumulation_boundary sets the boundaries by
+        hand: the count's remainder says nothing then)."""
+        if getattr(self, "_forced_boundary", None) is not None:
+            return 0
+        return self.micro_steps % self.config.gradient_accumulation_steps
+
     def set_gradient_accumulation_boundary(self, is_boundary):
         """DeepSpeed's override of the boundary: from now on step() updates
         exactly when the last value set was True (a loop whose micro batches

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from zero.config._config import DTYPES
+from zero.checkpoint._engine_load import at_a_boundary
 
 
 class DeepSpeedSettings:
@@ -78,7 +78,7 @@ class DeepSpeedSettings:
     def communication_data_type(self):
         """The dtype gradients are reduced in: the compute dtype (fp32
         gradients under grad_accum_dtype "fp32" are reduced in fp32)."""
-        return DTYPES[self.config.grad_accum_dtype or self.config.precision]
+        return self.get_data_types()[1]
 
     def optimizer_params(self):
         """The config's optimizer block's params, or None without a block."""
@@ -121,7 +121,7 @@ class DeepSpeedSettings:
         # the count of micro-steps at a boundary of the new accumulation (as
         # a checkpoint's load rounds it), so the next update is `accumulation`
         # micro-batches away
-        self.micro_steps = -(-self.micro_steps // accumulation) * accumulation
+        self.micro_steps = at_a_boundary(self.micro_steps, accumulation)
 
     # the model-parallel layout under DeepSpeed's names: tensor parallelism
     # (zero's plans, or a Megatron mpu given to initialize); 1 and rank 0

@@ -499,9 +499,8 @@ class Engine(BoundaryStep, DeepSpeedQueries, DeepSpeedSettings, BatchCalls, Chec
         launcher-less run (an env:// group stays for the next engine in this
         process; see _comm.join_process_group). A second call does nothing."""
         if not self._closed:
-            pending = self.micro_steps % self.config.gradient_accumulation_steps
-            if pending and not self.inference_only and \
-                    getattr(self, "_forced_boundary", None) is None:
+            pending = self.pending_micro_batches
+            if pending and not self.inference_only:
                 # the next initialize rounds the count up to a boundary
                 # (_carried_counts.py): these micro-batches' update is lost
                 warn_user(f"close() between an update's micro-batches: the gradients of "
