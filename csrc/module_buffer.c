@@ -186,6 +186,13 @@ static Buffer *buffer_from_object(module_state *st, PyObject *obj,
         capsule = PyObject_CallNoArgs(method);
         Py_DECREF(method);
         if (!capsule) {
+            /* An interrupt (Ctrl-C lands in torch's Python __dlpack__),
+             * SystemExit or MemoryError is not about the tensor: it goes
+             * on as it is, so `except KeyboardInterrupt` still sees it */
+            if (!PyErr_ExceptionMatches(PyExc_Exception) ||
+                PyErr_ExceptionMatches(PyExc_MemoryError)) {
+                return NULL;
+            }
             raise_from_current(PyExc_TypeError,
                                "could not be exported through DLPack (for a "
                                "parameter, pass param.detach())",

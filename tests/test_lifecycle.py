@@ -896,6 +896,41 @@ def test_ctrl_c_during_the_update_is_delivered_after_a_whole_step(stage, monkeyp
         engine.close()
 
 
+@pytest.mark.parametrize("stage", STAGES)
+def test_ctrl_c_while_the_core_takes_a_tensor_stays_a_keyboard_interrupt(stage, monkeypatch):
+    """Ctrl-C that lands in torch's Tensor.__dlpack__ (Python code the C
+    core calls for every operand it reads) came out as "TypeError: ...
+    could not be exported through DLPack (for a parameter, pass
+    param.detach())": `except KeyboardInterrupt` missed it and the message
+    blamed the tensors (notebook hunt). It now stays a KeyboardInterrupt,
+    and the next step trains as if it had not come."""
+    engines = [_engine(_model(), stage) for _ in range(2)]
+    for engine in engines:
+        _train(engine, 2)
+    real = torch.Tensor.__dlpack__
+    fired = []
+
+    def interrupted(self, *args, **kwargs):
+        if not fired:
+            fired.append(True)
+            raise KeyboardInterrupt
+        return real(self, *args, **kwargs)
+    x, y = _batch(2)
+    engines[0].backward(_loss(engines[0](x), y))
+    monkeypatch.setattr(torch.Tensor, "__dlpack__", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        engines[0].step()
+    monkeypatch.setattr(torch.Tensor, "__dlpack__", real)
+    assert fired
+    engines[0].zero_grad()  # the interrupted batch is dropped
+    for engine in engines:
+        _train(engine, 2, start=3)
+    ours, theirs = (e.full_state_dict() for e in engines)
+    assert all(torch.equal(ours[k], theirs[k]) for k in theirs)
+    for engine in engines:
+        engine.close()
+
+
 def test_close_after_an_interrupted_stage3_forward_gives_back_a_plain_model():
     """A root forward ended by KeyboardInterrupt skips the forward hooks, so
     the engine's saved-tensor hooks stayed on; close() left them there and
