@@ -635,6 +635,33 @@ def test_parameter_missing_from_optimizer_is_named():
                                                      lr=0.1))
 
 
+@pytest.mark.parametrize("stage", [0, 3])
+def test_a_parameter_listed_twice_in_the_groups_is_refused_by_name(stage):
+    """A parameter in two param groups (appended after the optimizer was
+    built), or twice in one: torch.optim updates it once per listing, each
+    with its group's lr; the engine kept the first listing only and
+    trained it with 0.1 where torch applied 0.1 + 0.001, silently
+    (notebook hunt). Refused by name; the model is left as it was."""
+    m = model()
+    opt = torch.optim.SGD([{"params": list(m[0].parameters()), "lr": 0.1},
+                           {"params": list(m[2].parameters()), "lr": 0.001}])
+    opt.param_groups[1]["params"].append(m[0].weight)
+    with pytest.raises(ValueError, match=r"parameter '0.weight' is listed in param groups 0 "
+                                         r"and 1 of the optimizer"):
+        zero.initialize(m, optimizer=opt, stage=stage)
+    assert isinstance(m[0].weight, nn.Parameter) and m[0].weight.shape == (9, 6)
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    opt.param_groups[0]["params"].append(m[2].bias)
+    with pytest.raises(ValueError, match=r"parameter '2.bias' is listed twice in param "
+                                         r"group 0"):
+        zero.initialize(m, optimizer=opt, stage=stage)
+    frozen = model()
+    frozen[2].bias.requires_grad_(False)  # a frozen one listed twice trains in neither
+    opt = torch.optim.SGD(frozen.parameters(), lr=0.1)
+    opt.param_groups[0]["params"].append(frozen[2].bias)
+    zero.initialize(frozen, optimizer=opt, stage=stage).close()
+
+
 def test_no_sync_refused_at_stage_2_with_advice_that_works():
     m, ref = model(), model()
     engine = zero.initialize(m, optimizer=torch.optim.SGD(m.parameters(), lr=0.1), stage=2)

@@ -74,7 +74,7 @@ def match_param_groups(module, optimizer):
     """The optimizer's groups as (params, names), trainable params only,
     each once; every trainable parameter must be in a group."""
     names = parameter_names(module)
-    seen = set()
+    seen = {}  # id(trainable parameter) -> the index of its group
     groups = []
     for gi, group in enumerate(optimizer.param_groups):
         params, pnames = [], []
@@ -82,8 +82,16 @@ def match_param_groups(module, optimizer):
             if id(p) not in names:
                 raise ValueError(f"param group {gi} of the optimizer holds a parameter of "
                                  f"shape {tuple(p.shape)} that is not in the model")
-            if id(p) in seen or not p.requires_grad:
+            if not p.requires_grad:
                 continue
+            if id(p) in seen:
+                # torch.optim updates it once per listing (each with its
+                # group's settings); one flat copy can take one update only
+                where = f"twice in param group {gi}" if seen[id(p)] == gi else \
+                    f"in param groups {seen[id(p)]} and {gi}"
+                raise ValueError(f"parameter '{names[id(p)]}' is listed {where} of the "
+                                 "optimizer (torch.optim would update it once per listing); "
+                                 "list each parameter in one group, once")
             if torch._debug_has_internal_overlap(p) == 1 and sharded_record(p) is None:
                 # torch.optim refuses it (an update would write one memory
                 # location for several elements); a flat buffer gave each
@@ -93,7 +101,7 @@ def match_param_groups(module, optimizer):
                                  "torch's optimizers refuse it too. Register "
                                  "nn.Parameter(t.contiguous()) instead, or expand it in "
                                  "forward")
-            seen.add(id(p))
+            seen[id(p)] = gi
             params.append(p)
             pnames.append(names[id(p)])
         groups.append((params, pnames))
