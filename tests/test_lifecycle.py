@@ -1307,3 +1307,47 @@ def test_an_initialize_that_fails_after_a_group_gives_the_model_back_exactly(sta
     monkeypatch.setattr(engine_module, "FlatGroup", real)
     for name, p in model.named_parameters():
         assert p.dtype == torch.float32 and torch.equal(p.detach(), before[name]), name
+
+
+@pytest.mark.parametrize("where", ["seeding the second unit", "adding the states",
+                                   "building the schedule"])
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_a_stage3_initialize_stopped_in_one_process_gives_the_model_back(where, precision,
+                                                                          monkeypatch):
+    """Ctrl-C (a notebook's stop button) during a stage-3 initialize in one
+    process: the units seeded so far were released, and their parameters
+    were left as empty placeholders for good ("Build the model again"),
+    though every value lay in the engine's shard and master (notebook
+    hunt). Now each parameter has its values and dtype back, exactly, and
+    the model trains under a new engine as if nothing had happened."""
+    import zero.engine._engine as engine_module
+    from zero.sharding._flat_group import FlatGroup
+    model, reference = _model(), _model()
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    calls = []
+
+    def stop(real):
+        def stopped(*args, **kwargs):
+            calls.append(True)
+            if where != "seeding the second unit" or len(calls) == 2:
+                raise KeyboardInterrupt
+            return real(*args, **kwargs)
+        return stopped
+    target = {"seeding the second unit": (FlatGroup, "_seed_unit"),
+              "adding the states": (FlatGroup, "add_state"),
+              "building the schedule": (engine_module, "Stage3Schedule")}[where]
+    monkeypatch.setattr(*target, stop(getattr(*target)))
+    with pytest.raises(KeyboardInterrupt):
+        _engine(model, 3, precision)
+    monkeypatch.undo()
+    assert calls
+    for name, p in model.named_parameters():
+        assert isinstance(p, nn.Parameter) and p.dtype == torch.float32, name
+        assert torch.equal(p.detach(), before[name]), name
+    engines = [_engine(m, 3, precision) for m in (model, reference)]
+    for engine in engines:
+        _train(engine, 2)
+    ours, theirs = (e.full_state_dict() for e in engines)
+    assert all(torch.equal(ours[k], theirs[k]) for k in theirs)
+    for engine in engines:
+        engine.close()

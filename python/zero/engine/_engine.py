@@ -38,6 +38,7 @@ from zero.engine._construction import (apply_aio, broadcast_buffer, cast_module,
                                        refuse_shared_element_buffers)
 from zero.engine._generation import route_generate
 from zero.engine._handback import forget_dropped, hand_back, record_dtypes, undo_failed_build
+from zero.sharding._failed_build import give_back_released
 from zero.engine._reports import EngineReports
 from zero.engine._module_attributes import ModuleAttributes
 from zero.engine._not_copied import NotCopied
@@ -173,12 +174,18 @@ class Engine(BoundaryStep, DeepSpeedQueries, DeepSpeedSettings, BatchCalls, Chec
             if self._schedule is not None:
                 self._schedule.remove()
             if self.policy.releases_params:
-                # released parameters hold no values now: say so to the
+                # [Note: a failed stage-3 build gives back] where the rank
+                # holds every value; the rest hold none now: said to the
                 # next initialize instead of training empty placeholders
-                for p in module.parameters():
+                built = list(getattr(self, "groups", []))
+                if getattr(self, "frozen_group", None) is not None:
+                    built.append(self.frozen_group)
+                for fg in built:
+                    give_back_released(fg)
+            undo_failed_build(self, module, error)
+            for p in module.parameters():
+                if p.numel() == 0 and self.policy.releases_params:
                     mark(p, "_zero_lost", True)
-            else:
-                undo_failed_build(self, module, error)
             raise
         # registered last: a failed __init__ leaves through initialize's
         # error path, not here too. A dropped engine leaves its group (a
@@ -240,10 +247,10 @@ class Engine(BoundaryStep, DeepSpeedQueries, DeepSpeedSettings, BatchCalls, Chec
                            bucket_reduction=config.bucket_reduction,
                            param_files=shard_files(index), copier=self._copier,
                            delayed=self._delayed)
+            self.groups.append(fg)  # first: a failure below gives its values back
             for name, fill in fresh_states(optimizer, self._spec,
                                            optimizer.param_groups[index]).items():
                 fg.add_state(name, fill)
-            self.groups.append(fg)
         self.frozen_group = None
         if channels is not None:  # [Note: small groups' buckets] in _buckets.py
             channels.defer(self.groups)

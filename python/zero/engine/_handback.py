@@ -304,30 +304,38 @@ def _views_more(t) -> bool:
 
 
 def undo_failed_build(engine, module, error):
-    """initialize failed after some flat groups were built (a disk quota
-    met while reserving a later group's files), stages 0-2: their
-    parameters point into the engine's buffers, in the compute dtype. Each
-    gets its dtype back, exactly from an fp32 master this rank holds whole,
-    else cast from the compute dtype's values: those were rounded, which
-    `error` then says by name (a retry trained from the rounded weights,
-    silently)."""
+    """initialize failed part way (a disk quota met while reserving a later
+    group's files; Ctrl-C): the parameters of the groups built point into
+    the engine's buffers, in the compute dtype, and at stage 3 those given
+    back from the shard ([Note: a failed stage-3 build gives back]) are
+    tensors of the shard's dtype. Each gets its dtype back, exactly from
+    an fp32 master this rank holds whole, else cast from the values it
+    has: compute-dtype values were rounded, which `error` then says by
+    name (a retry trained from the rounded weights, silently). A
+    parameter that holds no values (a placeholder) is left as it is."""
     dtypes = getattr(engine, "_dtypes_before", None)
     if not dtypes:
         return
-    names = {id(p): name for name, p in module.named_parameters()}
+    whole = {}  # id(param) -> its values in an fp32 master this rank holds whole
+    for fg in getattr(engine, "groups", []):
+        if fg.num_partitions == 1 and fg.master is not None and fg.master is not fg.shard:
+            for i, p in enumerate(fg.params):
+                whole[id(p)] = fg.view(fg.master, i)
+    in_groups = {id(p) for fg in getattr(engine, "groups", []) for p in fg.params}
     rounded = []
     with torch.no_grad():
-        for fg in getattr(engine, "groups", []):
-            whole = fg.num_partitions == 1 and fg.master is not None and \
-                fg.master is not fg.shard
-            for i, p in enumerate(fg.params):
-                dtype = dtypes.get(("parameter", names.get(id(p))))
-                if dtype is None:
-                    continue
-                values = fg.view(fg.master, i) if whole else p.data
-                if not whole and torch.finfo(p.dtype).bits < torch.finfo(dtype).bits:
-                    rounded.append(names[id(p)])
-                p.data = values.to(dtype=dtype, copy=True)
+        for name, p in module.named_parameters():
+            dtype = dtypes.get(("parameter", name))
+            if dtype is None or p.numel() == 0:
+                continue
+            values = whole.get(id(p))
+            if values is None:
+                if p.dtype == dtype and id(p) not in in_groups:
+                    continue  # its own tensor, as it was (a group not built)
+                values = p.data
+                if torch.finfo(p.dtype).bits < torch.finfo(dtype).bits:
+                    rounded.append(name)
+            p.data = values.to(dtype=dtype, copy=True)
     if rounded and hasattr(error, "add_note"):
         listed = ", ".join(f"'{n}'" for n in rounded[:4]) + (" ..." if len(rounded) > 4 else "")
         error.add_note(f"zero: initialize failed after casting {len(rounded)} parameter(s) "

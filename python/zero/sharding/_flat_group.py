@@ -35,6 +35,7 @@ from zero.offload._nvme import whole_pages
 from zero.offload._param_staging import host_buffer
 from zero.comm._gather_together import gathers_together
 from zero.sharding._buckets import BucketReducer
+from zero.sharding._failed_build import give_back_released
 from zero.sharding._group_grads import GroupGradients
 from zero.sharding._units import Unit, lay_out
 
@@ -128,7 +129,11 @@ class FlatGroup(GroupGradients):
         self._owned_pieces = None  # owned_pieces(), once worked out
         self.part_size = sum(u.part for u in self.units)     # this rank's partition
         self.layout_size = sum(u.total for u in self.units)  # the unsharded layout
-        self._build_buffers(compute_dtype)
+        try:
+            self._build_buffers(compute_dtype)
+        except BaseException:
+            give_back_released(self)  # [Note: a failed stage-3 build gives back]
+            raise
         self.states: dict[str, torch.Tensor] = {}
         # updates made (SGD: those that used the momentum buffer; see
         # counts_as_step in step/_registry.py)
