@@ -19,7 +19,7 @@ from zero.sharding import _flat_group
 from zero.engine._arguments import default_optimizer, resolve_config
 from zero.engine._memory import MemorySummary, zero_formula
 from zero.offload import _param_staging
-from zero.offload._nvme import PAGE_ELEMENTS, SLOTS, whole_pages
+from zero.offload._nvme import PAGE_ELEMENTS, SLOTS, whole_pages, window_elements
 from zero.step._registry import spec_for
 from zero.step._step_path import states_off_device
 from zero.sharding._policy import StagePolicy
@@ -245,7 +245,8 @@ def _optimizer_bytes(part, files, cfg):
         return whole, 0
     chunk = _file_chunk(offload)
     chunks = -(-part // chunk)
-    return min(SLOTS, chunks) * min(chunk, part) * 4 * files, whole_pages(4 * part) * files
+    return min(SLOTS, chunks) * window_elements(min(chunk, part)) * 4 * files, \
+        whole_pages(4 * part) * files
 
 
 def _staging_chunk(cfg):

@@ -65,6 +65,11 @@ import zero.offload._aio as _aio
 from zero.offload._aio import Transfers
 
 PAGE_ELEMENTS = mmap.PAGESIZE // 4  # fp32 elements per page
+
+
+def window_elements(elements: int) -> int:
+    """The fp32 elements a step window of `elements` takes: whole pages."""
+    return -(-elements // PAGE_ELEMENTS) * PAGE_ELEMENTS
 SLOTS = 3  # windows per file: being read, being updated, being written
 # O_DIRECT (0 where the platform has none: the buffered descriptor serves)
 _O_DIRECT = getattr(os, "O_DIRECT", 0)
@@ -176,8 +181,9 @@ class NvmeFiles:
         return min(SLOTS, len(self.chunks(numel)))
 
     def window_bytes(self, numel: int) -> int:
-        """RAM the step holds for these files: the windows."""
-        return self._slots(numel) * min(self.chunk, numel) * 4 * len(self.maps)
+        """RAM the step holds for these files: the windows, each whole pages
+        (_allocate_windows)."""
+        return self._slots(numel) * window_elements(min(self.chunk, numel)) * 4 * len(self.maps)
 
     # ---- the step ([Note: offloaded step]) --------------------------------
 
@@ -237,7 +243,7 @@ class NvmeFiles:
         pages), each in an anonymous mapping: page-aligned, as O_DIRECT
         needs ([Note: direct I/O])."""
         name = next(iter(self.maps))
-        pages = -(-elements // PAGE_ELEMENTS) * PAGE_ELEMENTS
+        pages = window_elements(elements)
         if self._windows is None or len(self._windows) != slots or \
                 self._windows[0][name].numel() != pages:
             self._windows = [{name: torch.frombuffer(mmap.mmap(-1, pages * 4),
