@@ -1351,3 +1351,24 @@ def test_a_stage3_initialize_stopped_in_one_process_gives_the_model_back(where, 
     assert all(torch.equal(ours[k], theirs[k]) for k in theirs)
     for engine in engines:
         engine.close()
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_a_failed_initialize_gives_the_norm_statistics_their_dtype_back(stage, monkeypatch):
+    """A bf16 initialize casts a norm's running statistics to bf16 (torch's
+    kernels want them in the weight's dtype); one that failed after left
+    them in bf16, and the plain model then failed in fp32 ("expected scalar
+    type"). They have their dtype back, as the parameters do."""
+    import zero.engine._engine as engine_module
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.Linear(16, 3))
+
+    def fails(*args, **kwargs):
+        raise OSError(122, "Disk quota exceeded")
+    monkeypatch.setattr(engine_module, "FlatGroup", fails)
+    with pytest.raises(OSError, match="Disk quota exceeded"):
+        zero.initialize(model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                        stage=stage, precision="bf16")
+    assert all(t.dtype == torch.float32 for t in (*model.parameters(), model[1].running_mean,
+                                                  model[1].running_var))
+    model(torch.randn(4, 8)).sum().backward()  # a plain fp32 model again

@@ -336,6 +336,10 @@ def undo_failed_build(engine, module, error):
                 if torch.finfo(p.dtype).bits < torch.finfo(dtype).bits:
                     rounded.append(name)
             p.data = values.to(dtype=dtype, copy=True)
+        for name, b in module.named_buffers():  # a norm's statistics, cast
+            dtype = dtypes.get(("buffer", name))
+            if dtype is not None and b.dtype != dtype:
+                b.data = b.data.to(dtype)
     if rounded and hasattr(error, "add_note"):
         listed = ", ".join(f"'{n}'" for n in rounded[:4]) + (" ..." if len(rounded) > 4 else "")
         error.add_note(f"zero: initialize failed after casting {len(rounded)} parameter(s) "
