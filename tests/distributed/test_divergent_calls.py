@@ -349,6 +349,47 @@ def test_two_engines_backwards_in_other_orders_raise_on_both(stage):
             (rank, error)
 
 
+def _boundary_on_one_rank(rank, world, stage):
+    """Rank 0 alone says the first micro-step is a boundary (2 micro-steps
+    an update); after the refusal both ranks drop the batch, give the count
+    back, and train on."""
+    import torch
+    engine = _engine(stage, gradient_accumulation_steps=2)
+    x = torch.randn(4, 6, generator=torch.Generator().manual_seed(rank))
+
+    def micro_step():
+        engine.backward(engine(x).square().mean())
+        engine.step()
+    if rank == 0:
+        engine.set_gradient_accumulation_boundary(True)
+    error = _attempt(micro_step)
+    engine.zero_grad()
+    engine.set_gradient_accumulation_boundary(None)
+    for _ in range(4):
+        micro_step()
+    state = {k: v.tolist() for k, v in engine.full_state_dict().items()}
+    steps = engine.global_steps
+    engine.close()
+    return error, state, steps
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_a_boundary_set_on_one_rank_raises_on_both(stage):
+    """set_gradient_accumulation_boundary(True) on rank 0 alone: its step
+    went into the update's collectives while rank 1 went on into the next
+    backward's reductions, and at stage 2 gloo aborted both processes
+    without a word (at stage 3 the forward's agreement found it). The end
+    of each backward agrees whether the coming step updates ([Note: one
+    engine's backward end]): a RuntimeError on both, and training goes on
+    alike after zero_grad()."""
+    results = harness.run(2, _boundary_on_one_rank, stage, timeout=120)
+    for rank, (error, _state, steps) in enumerate(results):
+        assert error is not None and "disagree on whether the coming step() updates" in error \
+            and f"it {'does' if rank == 0 else 'does not'})" in error, (rank, error)
+        assert steps == 2, (rank, steps)
+    assert results[0][1] == results[1][1]
+
+
 def _initialize_again_with_its_optimizer(rank, world):
     """zero.initialize(model, optimizer=the live engine's) on 2 ranks after
     an AdamW step (its states are counted steps): refused, the live engine

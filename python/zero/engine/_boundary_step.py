@@ -49,7 +49,7 @@ class BoundaryStep:
             # still issue the collectives the other ranks issue (this
             # covers one backward per step; see docs/engine.md).
             finish_backwards([fg.reducer for fg in self.groups if not fg.reduced_since_step],
-                             self.serial)
+                             self.serial, boundary=True)  # a step that updates: here
         for fg in self.groups:
             fg.reduced_since_step = False
         sum_across_replicas(self.groups)  # the small groups together

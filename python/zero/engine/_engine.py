@@ -255,7 +255,8 @@ class Engine(BoundaryStep, DeepSpeedQueries, DeepSpeedSettings, BatchCalls, Chec
         if channels is not None:  # [Note: small groups' buckets] in _buckets.py
             channels.defer(self.groups)
         # [Note: backward lifecycle] in _backward.py
-        self._backward = BackwardLifecycle(self.groups, self.serial) \
+        self._backward = BackwardLifecycle(self.groups, self.serial,
+                                           _boundary_of(weakref.ref(self))) \
             if self.policy.reduces_in_backward else None
         if self.policy.partitions_params:
             # integer parameters (indices, counters) are not cast nor
@@ -520,3 +521,12 @@ class Engine(BoundaryStep, DeepSpeedQueries, DeepSpeedSettings, BatchCalls, Chec
 
 def _accumulate_grad(_engine, fg, i):
     fg.accumulate_grad(i)
+
+
+def _boundary_of(engine_ref):
+    """Whether the engine's coming step() updates, read at each backward's
+    end (the lifecycle holds the engine weakly, as its hooks do)."""
+    def boundary():
+        engine = engine_ref()
+        return None if engine is None else engine.is_accumulation_boundary
+    return boundary

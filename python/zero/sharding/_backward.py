@@ -34,11 +34,13 @@ def _no_backward_running() -> bool:
 
 
 class BackwardLifecycle:
-    def __init__(self, groups, serial=None):
+    def __init__(self, groups, serial=None, boundary=None):
         """groups: the flat groups whose bucket reducers a backward fills;
-        serial: the engine's, agreed at each backward's end."""
+        serial: the engine's, and boundary(): whether its next step()
+        updates, agreed at each backward's end (finish_backwards)."""
         self.reducers = [fg.reducer for fg in groups if fg.reducer is not None]
         self.serial = serial
+        self.boundary = boundary
         self.running = False
         self.ended = 0           # backwards ended since the engine's last update (it resets it)
         self.after_begin = []    # the stage's own start (stage 3: record the pass)
@@ -53,7 +55,8 @@ class BackwardLifecycle:
             torch.autograd.Variable._execution_engine.queue_callback(self._end)
 
     def _end(self):
-        finish_backwards(self.reducers, self.serial)  # one agreement for every group
+        finish_backwards(self.reducers, self.serial,  # one agreement for every group
+                         None if self.boundary is None else self.boundary())
         for finish in self.after_end:
             finish()
         # only now: an end that raised leaves the backward to be abandoned

@@ -380,7 +380,7 @@ class BucketReducer:
     # ---- after the step ------------------------------------------------------
 
 
-def finish_backwards(reducers, serial=None):
+def finish_backwards(reducers, serial=None, boundary=None):
     """End of a backward for each of `reducers`: reduce what is left, in
     order; agree with the other ranks on which parameters got gradients
     and which buckets got late gradients; reduce the late buckets (zeros
@@ -390,8 +390,9 @@ def finish_backwards(reducers, serial=None):
     ([Note: small groups reduced together] in comm/_reduce_together.py).
     Every group sends what is left before the agreement, so each group's
     channel sees its collectives in the order it did with one group.
-    serial: the engine's (Engine.serial), agreed in the same all-reduce
-    ([Note: one engine's backward end])."""
+    serial: the engine's (Engine.serial), and boundary: whether its next
+    step() updates, both agreed in the same all-reduce ([Note: one
+    engine's backward end])."""
     flags = [r._send_rest() for r in reducers]
     by_comm = {}
     for k, r in enumerate(reducers):
@@ -401,25 +402,42 @@ def finish_backwards(reducers, serial=None):
         comm = reducers[ks[0]].fg.comm
         # host numbers: on the CPU (gloo) where the group allows, so
         # reading them back does not wait for the GPU
-        # [Note: one engine's backward end] the engine's serial and its
-        # square ride along: the reductions of two engines over the same
-        # ranks share channels, and ranks that ran two engines' backwards in
-        # other orders paired one engine's reductions with the other's,
-        # mixing both models' gradients silently at stage 2. The sums say
-        # whether every rank gave the same serial (world x the sum of
-        # squares equals the squared sum only then)
-        tail = [] if serial is None else [serial + 1, (serial + 1) ** 2]
+        # [Note: one engine's backward end] the engine's serial and whether
+        # its next step updates ride along, each with its square:
+        # - the reductions of two engines over the same ranks share
+        #   channels, and ranks that ran two engines' backwards in other
+        #   orders paired one engine's reductions with the other's, mixing
+        #   both models' gradients silently at stage 2;
+        # - a rank whose step updates (set_gradient_accumulation_boundary
+        #   on that rank alone) went into the update's collectives while
+        #   the others went on into the next backward's reductions: gloo
+        #   aborted the processes without a word.
+        # The sums say whether every rank gave the same value (world x the
+        # sum of squares equals the squared sum only then)
+        agreed = ([] if serial is None else [serial + 1]) + \
+            ([] if boundary is None else [int(boundary) + 1])
+        tail = [v for value in agreed for v in (value, value * value)]
         joined = torch.tensor([f for k in ks for f in flags[k]] + tail, dtype=torch.int32,
                               device=comm.scalar_device)
         comm.all_reduce_sum(joined)
         joined, at = joined.tolist(), 0
-        if tail and comm.world * joined[-1] != joined[-2] ** 2:
+        sums = joined[len(joined) - len(tail):]
+        alike = [comm.world * sums[2 * j + 1] == sums[2 * j] ** 2 for j in range(len(agreed))]
+        if serial is not None and not alike[0]:
             raise RuntimeError(
                 "zero: the ranks ended the backwards of two engines in other orders (this "
                 "rank's was engine " f"{serial}'s), so their gradient reductions paired with "
                 "each other's: both engines' gradients are mixed. Run the engines' "
                 "backwards in one order on every rank; call zero_grad() on both before "
                 "going on")
+        if boundary is not None and not alike[-1]:
+            raise RuntimeError(
+                "zero: the ranks disagree on whether the coming step() updates (on this rank "
+                f"it {'does' if boundary else 'does not'}): set_gradient_accumulation_boundary() "
+                "was called on some ranks only, or with other values, or the ranks count "
+                "other micro-steps. Its update's collectives would have met the other ranks' "
+                "next backward. Call it alike on every rank (with uneven data, agree on the "
+                "last batch first); call zero_grad() before going on")
         for k in ks:
             flags[k], at = joined[at:at + len(flags[k])], at + len(flags[k])
     for r, f in zip(reducers, flags):
