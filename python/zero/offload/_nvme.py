@@ -65,11 +65,6 @@ import zero.offload._aio as _aio
 from zero.offload._aio import Transfers
 
 PAGE_ELEMENTS = mmap.PAGESIZE // 4  # fp32 elements per page
-
-
-def window_elements(elements: int) -> int:
-    """The fp32 elements a step window of `elements` takes: whole pages."""
-    return -(-elements // PAGE_ELEMENTS) * PAGE_ELEMENTS
 SLOTS = 3  # windows per file: being read, being updated, being written
 # O_DIRECT (0 where the platform has none: the buffered descriptor serves)
 _O_DIRECT = getattr(os, "O_DIRECT", 0)
@@ -79,6 +74,11 @@ def whole_pages(nbytes: int) -> int:
     """Bytes a file of nbytes takes: whole pages (each file is reserved
     so, and the filesystem gives no less)."""
     return -(-nbytes // mmap.PAGESIZE) * mmap.PAGESIZE
+
+
+def window_elements(elements: int) -> int:
+    """The fp32 elements a step window of `elements` takes: whole pages."""
+    return -(-elements // PAGE_ELEMENTS) * PAGE_ELEMENTS
 
 
 class NvmeFiles:
