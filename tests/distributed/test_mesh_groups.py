@@ -146,6 +146,16 @@ def _halves(rank, world, keep_dir):
         out["crossed"] = None
     except ValueError as error:
         out["crossed"] = str(error)
+    # ranks that pass other meshes: another shape on ranks 2 and 3, None
+    # on rank 3 (each waited in initialize for the group's timeout)
+    row = DeviceMesh("cpu", [[0, 1, 2, 3]], mesh_dim_names=("dp_replicate", "dp_shard"))
+    out["other meshes"] = []
+    for other in (mesh if rank < 2 else row, mesh if rank < 3 else None):
+        try:
+            train_on_group(other, SEEDS[0], 2, 1, hybrid=True)
+            out["other meshes"].append(None)
+        except ValueError as error:
+            out["other meshes"].append(str(error))
     dist.destroy_process_group()
     return out
 
@@ -258,3 +268,19 @@ def test_a_group_without_this_rank_is_refused_by_name(runs):
         group_error, mesh_error = runs[rank]["not a member"]
         assert f"this rank ({rank}) is not one of the group's ranks" in group_error
         assert f"this rank ({rank}) is not in the DeviceMesh [0, 1]" in mesh_error
+
+
+def test_ranks_that_pass_other_meshes_are_refused_on_every_rank(runs):
+    """A 2 x 2 mesh on ranks 0-1 and a 1 x 4 one on ranks 2-3, or None on
+    rank 3: initialize went on into collectives on groups that never pair
+    and every rank waited out the process group's timeout (mesh hunt). The
+    engine's first gather compares the meshes: a ValueError naming `mesh`
+    on every rank, at once."""
+    for rank in range(4):
+        shape, world = runs[rank]["other meshes"]
+        assert shape is not None and shape.startswith("mesh: the ranks passed other meshes") \
+            and f"rank(s) {[2, 3] if rank < 2 else [0, 1]} another" in shape, shape
+        assert world is not None and f"rank(s) {[3] if rank < 3 else [0, 1, 2]} another" in \
+            world, world
+        if rank == 3:
+            assert "passed the whole world (4 ranks; mesh=None)" in world

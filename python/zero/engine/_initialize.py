@@ -4,6 +4,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import weakref
+import zlib
 
 import torch
 from torch import nn
@@ -11,7 +12,7 @@ from torch import nn
 from zero.comm._comm import Comm, join_process_group, leave_process_group
 from zero.sharding._copying import EngineRef
 from zero.sharding._param_marks import mark
-from zero.parallel._mesh import resolve_mesh
+from zero.parallel._mesh import describe_mesh, resolve_mesh
 from zero.parallel._pipeline import PipelineLayout
 from zero.parallel._tensor_parallel import localize
 from zero.sharding._partitioned_init import sharded_record
@@ -137,7 +138,8 @@ def initialize(model: nn.Module, *, optimizer=None, stage=None, precision=None,
     engine = tensor_parallel = None
     try:
         groups = resolve_mesh(mesh)
-        _refused_on_every_rank(Comm(device, groups.whole or groups.everyone), path_problem)
+        _refused_on_every_rank(Comm(device, groups.whole or groups.everyone), path_problem,
+                               describe_mesh(mesh))
         if groups.partial:
             _check_not_partitioned_over_the_world(model)
         comm = Comm(device, groups.shard)
@@ -294,17 +296,27 @@ def _nvme_path_problem(cfg):
     return None
 
 
-def _refused_on_every_rank(comm, problem):
+def _refused_on_every_rank(comm, problem, layout: str):
     """Raise `problem` here and an error naming the ranks that refused on
     every other rank (a collective, the engine's first): a rank that raised
     alone left the others waiting in the engine's first collective until
-    the process group's timeout (30 minutes in a group torch made)."""
+    the process group's timeout (30 minutes in a group torch made). The
+    ranks compare the mesh they passed (`layout`, describe_mesh's) in the
+    same gather: ranks given other meshes (another shape, the dimensions
+    named the other way round, None on one rank) went on into collectives
+    on groups that never pair, and waited out that timeout."""
     if comm.world > 1:
-        refused = [r for r, bad in enumerate(comm.gather_scalars(int(problem is not None)))
-                   if bad]
+        digest = zlib.crc32(layout.encode())
+        every = comm.gather_ints([int(problem is not None), digest])
+        refused = [r for r, (bad, _digest) in enumerate(every) if bad]
         if refused and problem is None:
             raise ValueError(f"zero.initialize: rank(s) {refused} refused their nvme_path (each "
                              "rank checks its own; their errors say why), so no rank goes on")
+        others = [r for r, (_bad, theirs) in enumerate(every) if theirs != digest]
+        if others and problem is None:
+            raise ValueError(f"mesh: the ranks passed other meshes: this rank (rank "
+                             f"{comm.rank} of the group) passed {layout}, rank(s) {others} "
+                             "another. Pass the same mesh (or group, or None) on every rank")
     if problem is not None:
         raise problem
 

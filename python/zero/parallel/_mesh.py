@@ -159,6 +159,18 @@ def _data_parallel(mesh, names) -> MeshGroups:
     return MeshGroups(_default(shard), replicate, group_of_ranks(ranks))
 
 
+def describe_mesh(mesh) -> str:
+    """The layout `mesh` gives, the same text on every rank that passed the
+    same mesh (its whole rank grid and dimension names; a group's ranks;
+    None: the world): initialize compares it over the ranks first."""
+    if mesh is None:
+        return f"the whole world ({dist.get_world_size()} ranks; mesh=None)"
+    if _is_device_mesh(mesh):
+        names = tuple(getattr(mesh, "mesh_dim_names", None) or ())
+        return f"a DeviceMesh {mesh.mesh.tolist()} named {names}"
+    return f"a process group of ranks {dist.get_process_group_ranks(mesh)}"
+
+
 def data_parallel_place(mesh) -> tuple:
     """(this rank's index among the data-parallel ranks, their number) on
     `mesh` (None: the world, a group, or a mesh of named dimensions): the
