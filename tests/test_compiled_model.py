@@ -52,3 +52,29 @@ def test_a_compiled_model_trains_and_checkpoints_as_the_model(tmp_path, stage, w
     full = engine.full_state_dict()
     assert all(torch.equal(full[k], state[k]) for k in state)
     engine.close()
+
+
+@pytest.mark.parametrize("stage, when", [(2, "after"), (3, "before"), (3, "after")])
+def test_a_whole_graph_compile_is_refused_with_a_note_naming_zero(stage, when):
+    """torch.compile(..., fullgraph=True): the engine's hooks must run as
+    Python between graphs, and dynamo's error named torch's `disable` and
+    asked for a torch issue (compile hunt). It now carries a note naming
+    zero's hooks and the way out; at stages 0-1 the model compiles whole."""
+    torch._dynamo.reset()
+    net = model()
+    given = torch.compile(net, backend="eager", fullgraph=True) if when == "before" else net
+    engine = zero.initialize(given, optimizer=torch.optim.SGD(net.parameters(), lr=0.1),
+                             stage=stage)
+    if when == "after":
+        engine.module = torch.compile(engine.module, backend="eager", fullgraph=True)
+    with pytest.raises(RuntimeError) as raised:
+        engine(torch.randn(6, 8))
+    assert any("torch.compile(..., fullgraph=True) cannot take in the engine's module hooks"
+               in note and "fullgraph=False" in note
+               for note in getattr(raised.value, "__notes__", [])), raised.value
+    engine.close()
+    torch._dynamo.reset()
+    whole = zero.initialize(torch.compile(model(), backend="eager", fullgraph=True), stage=1)
+    whole.backward(whole(torch.randn(6, 8)).square().mean())
+    whole.step()
+    whole.close()

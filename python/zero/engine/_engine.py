@@ -46,7 +46,7 @@ from zero.engine._script_grad_hooks import warn_of_script_post_accumulate_hooks
 from zero.engine._routes import (call_alive, guard_optimizer, mark_every_rank_runs_every_layer,
                                  on_each_grad)
 from zero.engine._unchanged import frozen_in_optimizer, group_members
-from zero.sharding._copying import ModuleHook
+from zero.sharding._copying import ModuleHook, note_whole_graph_refused
 from zero.sharding._external import remember_external
 from zero.sharding._flat_group import FlatGroup
 from zero.sharding._groups_together import ReductionChannels
@@ -365,6 +365,7 @@ class Engine(BoundaryStep, DeepSpeedQueries, DeepSpeedSettings, BatchCalls, Chec
             return self.module(*args, **kwargs)
         except RuntimeError as error:
             note_kept_buffers(error, getattr(self, "_kept_buffers", []), self.compute_dtype)
+            note_whole_graph_refused(error)
             raise
 
     @property

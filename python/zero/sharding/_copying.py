@@ -17,6 +17,7 @@ value.
 """
 from __future__ import annotations
 
+import os
 import weakref
 
 import torch
@@ -64,6 +65,20 @@ def _outside_graph():
     if not _OUTSIDE:
         _OUTSIDE.append(torch.compiler.disable(lambda f, *args, **kwargs: f(*args, **kwargs)))
     return _OUTSIDE[0]
+
+
+def note_whole_graph_refused(error):
+    """torch.compile(..., fullgraph=True) met an engine hook: dynamo's error
+    ("function marked as skipped", "disable") named torch, so it gets a note
+    naming zero and the way out. The hooks must run as Python between
+    graphs (_outside_graph), which a whole graph forbids."""
+    if type(error).__module__.startswith("torch._dynamo") and \
+            os.path.join("zero", "sharding", "_copying.py") in str(error):
+        error.add_note(
+            "zero: torch.compile(..., fullgraph=True) cannot take in the engine's module "
+            "hooks (stage 2's start of the backward, stage 3's gathers and releases), which "
+            "run as Python between graphs. Compile with fullgraph=False (the default), or "
+            "train at stage 0-1, whose models compile whole")
 
 
 class ModuleHook:
