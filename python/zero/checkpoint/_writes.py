@@ -59,7 +59,12 @@ class _RecordingFile:
         try:
             written = self.f.write(data)
         except OSError as error:
-            self.error = self.error or error
+            # a copy without the traceback: torch's C++ writer keeps this
+            # file object, which the collector cannot see through, and the
+            # traceback's frames held the save's locals (an offloaded
+            # engine's mapped states: 12 bytes a parameter of disk kept
+            # until the process exited)
+            self.error = self.error or OSError(error.errno, error.strerror, error.filename)
             raise
         if self.on_write is not None:
             self.on_write(len(data))
@@ -93,8 +98,10 @@ def write_through_temporary(path, fill, tmp=None, on_write=None):
         _remove_if_there(tmp)
         if not isinstance(error, (OSError, RuntimeError)):
             raise
-        raise _write_error(path, recording.error if recording and recording.error
-                           else error) from error
+        cause = recording.error if recording and recording.error else error
+        if recording is not None:  # kept by torch's writer: drop what it holds
+            recording.error = recording.on_write = None
+        raise _write_error(path, cause) from error
     sync_directory(os.path.dirname(path))
 
 
