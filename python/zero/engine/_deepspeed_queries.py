@@ -9,6 +9,7 @@ import torch
 
 from zero.config._config import DTYPES
 from zero.config._values import require_bool
+from zero.sharding._param_writes import take_in_parameter_writes
 from zero.sharding._step_agreement import agree_on_call
 
 
@@ -254,7 +255,11 @@ class DeepSpeedQueries:
         gathered on every rank; a failed write raises on every rank).
         Returns True."""
         require_bool(exclude_frozen_parameters, "exclude_frozen_parameters")
-        full = self.full_state_dict()
+        self._check_open()
+        take_in_parameter_writes(self.all_groups, self.call_text("save_16bit_model()"))
+        # in the compute dtype unit by unit, and kept by the writing rank
+        # alone: the whole fp32 state dict on every rank was 4x the file
+        full = self._gathered_state(self.compute_dtype, keep=self._comm.everyone.rank == 0)
         if exclude_frozen_parameters:
             frozen = {name for name, p in self.module.named_parameters(remove_duplicate=False)
                       if not p.requires_grad}
@@ -277,9 +282,9 @@ class DeepSpeedQueries:
         return True
 
     def _state_in_module_dtypes(self, full: dict) -> dict:
-        """full_state_dict's entries (fp32) as the model holds them:
-        parameters in the compute dtype, buffers in their own dtype, one
-        tensor for every name of a tied parameter."""
+        """_gathered_state's entries as the model holds them: parameters in
+        the compute dtype (the flat groups' are already), buffers in their
+        own dtype, one tensor for every name of a tied parameter."""
         dtypes = {name: self.compute_dtype for name, _p
                   in self.module.named_parameters(remove_duplicate=False)}
         dtypes.update((name, b.dtype) for name, b

@@ -43,7 +43,7 @@ from zero.sharding._units import Unit, lay_out
 # fault_around_bytes)
 FAULT_AROUND_BYTES = 64 << 10
 
-# gather_master's slice per rank on a GPU (16M fp32 elements: 64 MiB a rank)
+# gather_unit's slice per rank on a GPU (16M fp32 elements: 64 MiB a rank)
 GATHER_SLICE = 1 << 24
 # [Note: seeding small units together] the most fp32 elements of several
 # units seeded in one broadcast (1 MiB: on 2 gloo ranks about where a
@@ -436,21 +436,13 @@ class FlatGroup(GroupGradients):
             mine = mine.clone()
         self.comm.all_gather_into(unit.full, mine)
 
-    def gather_master(self) -> torch.Tensor:
-        """The full fp32 master in the unsharded layout, on every rank, in
-        host memory. On a GPU it travels in slices of GATHER_SLICE elements
-        per rank: at stages 0-2 a unit is the whole group, which in fp32
-        the GPU may not have room for."""
-        full = torch.empty(self.layout_size, dtype=torch.float32)
-        source = self.master if self.trainable else self.shard
-        for unit in self.units:
-            self.gather_unit(unit, source, full[unit.layout_offset:unit.layout_offset + unit.total])
-        return full
-
     def gather_unit(self, unit, source, out):
         """out (fp32, host, unit.total elements) = the unit's elements of
         `source`, a tensor laid out as the partition (master, shard, a
-        state), from every rank (a collective where partitioned)."""
+        state), from every rank (a collective where partitioned). On a GPU
+        it travels in slices of GATHER_SLICE elements per rank: at stages
+        0-2 a unit is the whole group, which in fp32 the GPU may not have
+        room for."""
         mine = source[unit.shard_slice].detach()
         n = self.num_partitions
         if n == 1:
