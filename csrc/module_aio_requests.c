@@ -8,13 +8,18 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <string.h>
+#include <sys/stat.h>
+#include <unistd.h>
 
 #ifndef O_DIRECT
 #define O_DIRECT 0
 #endif
 
-/* The descriptor is open, in a mode that allows the transfer, and, when
- * opened with O_DIRECT, the transfer is aligned as the kernel needs. */
+/* The descriptor is open, in a mode that allows the transfer, on
+ * something with offsets (not a pipe, socket or terminal: a pipe's read
+ * under io_uring waited for good, and close() with it; a write
+ * to an O_APPEND descriptor went to the end, whatever the offset), and,
+ * when opened with O_DIRECT, the transfer is aligned as the kernel needs. */
 int check_descriptor(const char *function, int fd, int write,
                             const Buffer *b, int64_t offset, int64_t nbytes)
 {
@@ -36,6 +41,23 @@ int check_descriptor(const char *function, int fd, int write,
     if ((write && mode == O_RDONLY) || (!write && mode == O_WRONLY)) {
         PyErr_Format(PyExc_ValueError, "%s: fd %d is open for %s only", function,
                      fd, mode == O_RDONLY ? "reading" : "writing");
+        return -1;
+    }
+    struct stat st;
+    if (fstat(fd, &st) == 0 &&
+        (S_ISFIFO(st.st_mode) || S_ISSOCK(st.st_mode) || isatty(fd))) {
+        PyErr_Format(PyExc_ValueError,
+                     "%s: fd %d is a pipe, socket or terminal, which has no "
+                     "offsets to %s at (and may wait for data for good); "
+                     "pass a file's descriptor",
+                     function, fd, write ? "write" : "read");
+        return -1;
+    }
+    if (write && (flags & O_APPEND)) {
+        PyErr_Format(PyExc_ValueError,
+                     "%s: fd %d is open with O_APPEND, which writes at the "
+                     "file's end whatever the offset; open it without",
+                     function, fd);
         return -1;
     }
     if (O_DIRECT && (flags & O_DIRECT)) {

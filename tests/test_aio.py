@@ -100,6 +100,37 @@ def test_a_closed_descriptor_is_refused_at_submit(data_file):
     assert info.value.errno == errno.EBADF
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_descriptors_without_offsets_are_refused_at_submit(tmp_path, backend):
+    """A pipe has no offsets: under io_uring its read waited for data for
+    good, and close() (and the interpreter's exit) with it, deaf to Ctrl-C;
+    an O_APPEND descriptor wrote at the file's end whatever the offset,
+    and reported success (C hunt). Both are refused by name at submit."""
+    aio = C.Aio(backend=backend)
+    read_end, write_end = os.pipe()
+    try:
+        with pytest.raises(ValueError, match=f"submit_read: fd {read_end} is a pipe, socket "
+                                             "or terminal"):
+            aio.submit_read(read_end, torch.empty(1024), offset=4096)
+        with pytest.raises(ValueError, match=f"submit_write: fd {write_end} is a pipe"):
+            aio.submit_write(write_end, torch.ones(1024))
+    finally:
+        os.close(read_end)
+        os.close(write_end)
+    path = tmp_path / "appended"
+    path.write_bytes(bytes(4096))
+    fd = os.open(path, os.O_RDWR | os.O_APPEND)
+    try:
+        with pytest.raises(ValueError, match=f"submit_write: fd {fd} is open with O_APPEND"):
+            aio.submit_write(fd, torch.ones(1024), offset=0)
+        back = torch.empty(1024)
+        aio.wait(aio.submit_read(fd, back, offset=0))  # reading one is fine
+        assert back.sum() == 0 and path.stat().st_size == 4096
+    finally:
+        os.close(fd)
+    aio.close()
+
+
 def test_a_dropped_tensor_is_held_until_its_request_is_waited(data_file):
     aio = C.Aio(backend="threads")
     os.pwrite(data_file, torch.arange(1 << 18, dtype=torch.float32).numpy().tobytes(), 0)
