@@ -169,6 +169,14 @@ static int zero_gap(void *ctx, int64_t start, int64_t count)
                         "a bucket's unwritten ranges need its owner, which is gone");
         return -1;
     }
+    if (!filling->buffer->tensor) {
+        /* the owner's _zero_range took the buffer itself (a call back
+         * into take_late or the sending) before its gaps were all zeroed */
+        PyErr_SetString(PyExc_RuntimeError,
+                        "a bucket's buffer was taken while its unwritten ranges "
+                        "were being zeroed");
+        return -1;
+    }
     PyObject *result = PyObject_CallMethod(filling->owner, "_zero_range", "OLL",
                                            filling->buffer->tensor,
                                            (long long)start, (long long)count);
@@ -195,6 +203,12 @@ int send_ready(GradBuckets *self, PyObject *owner, int force)
             return -1;
         }
         PyObject *tensor = buffer->tensor;
+        if (!tensor) {  /* taken by a call back from _zero_range */
+            PyErr_SetString(PyExc_RuntimeError,
+                            "a bucket's buffer was taken while its unwritten "
+                            "ranges were being zeroed");
+            return -1;
+        }
         buffer->tensor = NULL;
         buffer->data = NULL;
         PyObject *result = PyObject_CallMethod(owner, "_send_bucket", "LN",

@@ -315,17 +315,26 @@ static PyObject *GradBuckets_take_late(GradBuckets *self, PyObject *arg)
         return NULL;
     }
     PyObject *tensor = self->late[b].tensor;
-    if (tensor) {
-        PyObject *owner = live_owner(self); /* NULL: memset only */
-        int error = fill_gaps(self, owner, (int64_t)b, 1);
-        Py_XDECREF(owner);
-        if (error) {
-            return NULL;
-        }
+    if (!tensor) {
+        return Py_NewRef(Py_None);
     }
-    self->late[b].tensor = NULL;
-    self->late[b].data = NULL;
-    return tensor ? tensor : Py_NewRef(Py_None);
+    /* a reference of our own: fill_gaps calls the owner's Python, which
+     * may take this bucket's buffer itself (a call back in here) and
+     * leave the slot's reference with its caller */
+    Py_INCREF(tensor);
+    PyObject *owner = live_owner(self); /* NULL: memset only */
+    int error = fill_gaps(self, owner, (int64_t)b, 1);
+    Py_XDECREF(owner);
+    if (error) {
+        Py_DECREF(tensor);
+        return NULL;
+    }
+    if (self->late[b].tensor == tensor) {
+        self->late[b].tensor = NULL;
+        self->late[b].data = NULL;
+        Py_DECREF(tensor); /* the slot's */
+    }
+    return tensor;
 }
 
 static PyObject *GradBuckets_late_buckets(GradBuckets *self, PyObject *unused)

@@ -188,6 +188,36 @@ def test_unwritten_ranges_come_back_zero():
         assert strided == bool(owner.zeroed)
 
 
+def test_a_late_buffer_taken_again_from_the_owners_zeroing_is_handed_out_once():
+    """take_late(b) zeroes the buffer's unwritten ranges through the owner's
+    _zero_range (a strided buffer); an owner that took the same bucket from
+    there left the outer call returning a tensor it did not own (C hunt: a
+    use after free, then a segfault). The inner call gets the tensor and
+    the outer one a reference of its own."""
+    import sys
+    owner, core = make(torch.float32, [0, 0], [0, 4], [4, 6], [10], bucket_elements=100,
+                       strided_buckets=True)
+    core.reset(b"\x01\x00")  # p0 alone is waited for
+    p = torch.nn.Parameter(torch.zeros(4))
+    p.grad = torch.ones(4)
+    core.hook(0)(p)  # the bucket leaves
+    p.grad = torch.ones(4)
+    core.hook(0)(p)  # a second gradient: late
+    taken, calls = [], []
+    zero_range = owner._zero_range
+
+    def take_from_inside(bucket, start, count):
+        zero_range(bucket, start, count)
+        calls.append((start, count))
+        if len(calls) == 1:  # once, from the outer call
+            taken.append(core.take_late(0))
+    owner._zero_range = take_from_inside
+    outer = core.take_late(0)
+    assert outer is taken[0] and sys.getrefcount(outer) >= 3
+    assert torch.equal(outer, torch.tensor([1.0] * 4 + [0.0] * 6))
+    assert core.late_buckets() == [] and core.take_late(0) is None
+
+
 def test_buckets_leave_in_order_once_complete():
     owner, core = make(torch.float32, [0, 0, 0], [0, 4, 8], [4, 4, 4], [12],
                        bucket_elements=4)
