@@ -6,6 +6,7 @@
  */
 #include "module.h"
 
+#include <float.h>
 #include <math.h>
 #include <stdio.h>
 #include <string.h>
@@ -104,6 +105,13 @@ static int refuse_double(const char *name, const char *must, double value)
 
 static int check_double(const arg_spec *a, double value)
 {
+    /* the kernels compute in float: a finite double beyond FLT_MAX would
+     * be an infinity there (grad_scale=1e39 turned every parameter NaN) */
+    if (isfinite(value) && (a->check == CHECK_FINITE ? fabs(value) > FLT_MAX
+                            : a->check == CHECK_NONNEGATIVE && value > FLT_MAX)) {
+        return refuse_double(a->name, "at most 3.4e38 in size (the kernels "
+                             "compute in float32)", value);
+    }
     switch (a->check) {
     case CHECK_FINITE:
         return isfinite(value) ? 0 : refuse_double(a->name, "finite", value);

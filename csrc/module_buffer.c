@@ -111,7 +111,11 @@ static int describe_tensor(Buffer *self, const dl_tensor *t, const char *name,
                          name);
             return -1;
         }
-        numel *= t->shape[d];
+        if (__builtin_mul_overflow(numel, t->shape[d], &numel)) {
+            PyErr_Format(PyExc_ValueError,
+                         "%s has more elements than 64 bits count", name);
+            return -1;
+        }
     }
     if (numel > 0 && t->strides) {
         int64_t expected = 1;
@@ -129,6 +133,20 @@ static int describe_tensor(Buffer *self, const dl_tensor *t, const char *name,
         }
     }
     size_t item = zero_dtype_size(self->dtype);
+    int64_t nbytes;
+    if (__builtin_mul_overflow(numel, (int64_t)item, &nbytes)) {
+        PyErr_Format(PyExc_ValueError,
+                     "%s has more bytes than 64 bits count", name);
+        return -1;
+    }
+    if (numel > 0 && !t->data) {
+        /* a producer's capsule with no memory behind its elements: the
+         * core would read or write near address 0 */
+        PyErr_Format(PyExc_ValueError,
+                     "%s has %lld elements but no data (a NULL pointer)",
+                     name, (long long)numel);
+        return -1;
+    }
     char *data = (char *)t->data + t->byte_offset;
     if (numel > 0 && ((uintptr_t)data % item) != 0) {
         PyErr_Format(PyExc_ValueError,

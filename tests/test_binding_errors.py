@@ -31,6 +31,12 @@ def assert_unchanged(tensors, before):
     ("eps", float("inf"), "eps must be a finite number >= 0"),
     ("weight_decay", -0.5, "weight_decay must be"),
     ("step", 0, "step must be >= 1, got 0"),
+    # finite as a double, an infinity in the kernels' float32 (C hunt:
+    # grad_scale=1e39 turned every parameter NaN, with no error)
+    ("grad_scale", 1e39, r"grad_scale must be at most 3.4e38 in size \(the kernels compute "
+                         r"in float32\), got 1e\+39"),
+    ("lr", 1e39, r"lr must be at most 3.4e38 in size"),
+    ("eps", 1e39, r"eps must be at most 3.4e38 in size"),
 ])
 def test_bad_hyperparameters(arg, value, message):
     p, g, m, v = bufs()
@@ -170,6 +176,39 @@ def test_cuda_tensor_where_cpu_is_needed():
     _, g, m, v = bufs(16)
     with pytest.raises(ValueError, match="param is on cuda .* needs a CPU tensor"):
         _C.adam_step(cap, g, m, v, **KW)
+
+
+def test_a_capsule_without_data_is_refused_by_name():
+    """A DLPack producer's capsule of 64 CPU elements at address 0: the
+    core added `start` to the pointer before its own check, and wrote near
+    address 0 (C hunt: a segfault). Refused before anything runs."""
+    from dlpack_fakes import CPU, Fakes
+    fakes = Fakes()
+    _, g, m, v = bufs(64)
+    with pytest.raises(ValueError, match="param has 64 elements but no data"):
+        _C.sgd_step(fakes(64, device_type=CPU, address=0), g, lr=0.1, start=8)
+    with pytest.raises(ValueError, match="param has 64 elements but no data"):
+        _C.adam_step(fakes(64, device_type=CPU, address=0), g, m, v, **KW)
+
+
+def test_a_shape_whose_element_count_overflows_is_refused():
+    """Dimensions of 2**62 + 1 and 4 multiply to 4 in int64: the capsule
+    was taken as 4 elements (undefined behaviour in the count)."""
+    import ctypes
+    from dlpack_fakes import CPU, Fakes
+    fakes = Fakes()
+    capsule = fakes(4, device_type=CPU, address=fakes.address())
+    managed = ctypes.cast(ctypes.pythonapi.PyCapsule_GetPointer(
+        ctypes.py_object(capsule), b"dltensor"), ctypes.POINTER(ctypes.c_int64 * 8))
+    shape = (ctypes.c_int64 * 2)(2 ** 62 + 1, 4)
+    from dlpack_fakes import _DLManaged
+    tensor = ctypes.cast(ctypes.addressof(managed.contents), ctypes.POINTER(_DLManaged))
+    tensor.contents.dl_tensor.ndim = 2
+    tensor.contents.dl_tensor.shape = shape
+    _, g, _m, _v = bufs(4)
+    with pytest.raises(ValueError, match="param has more elements than 64 bits count"):
+        _C.sgd_step(capsule, g, lr=0.1)
+    del shape
 
 
 def test_set_simd_and_threads_errors():
