@@ -76,6 +76,17 @@ def _assert_same(a, b, atol=0.0):
         torch.testing.assert_close(a[k], b[k], atol=atol, rtol=0, msg=k)
 
 
+def _close_alike(engines):
+    """Two engines that trained the same way hold the same values, bit for
+    bit; both closed."""
+    ours, theirs = (e.full_state_dict() for e in engines)
+    assert ours.keys() == theirs.keys()
+    assert all(torch.equal(ours[k], theirs[k]) for k in theirs), \
+        [k for k in theirs if not torch.equal(ours[k], theirs[k])]
+    for engine in engines:
+        engine.close()
+
+
 def _bf16_exact(state):
     """Values a bf16 parameter holds exactly, so a master taken in from it
     has the same bits as one built from the fp32 values."""
@@ -890,10 +901,7 @@ def test_ctrl_c_during_the_update_is_delivered_after_a_whole_step(stage, monkeyp
     for engine in engines:
         _train(engine, 2, start=3)
     assert engines[0].global_steps == engines[1].global_steps == 5
-    ours, theirs = (e.full_state_dict() for e in engines)
-    assert all(torch.equal(ours[k], theirs[k]) for k in theirs)
-    for engine in engines:
-        engine.close()
+    _close_alike(engines)
 
 
 @pytest.mark.parametrize("stage", STAGES)
@@ -925,10 +933,7 @@ def test_ctrl_c_while_the_core_takes_a_tensor_stays_a_keyboard_interrupt(stage, 
     engines[0].zero_grad()  # the interrupted batch is dropped
     for engine in engines:
         _train(engine, 2, start=3)
-    ours, theirs = (e.full_state_dict() for e in engines)
-    assert all(torch.equal(ours[k], theirs[k]) for k in theirs)
-    for engine in engines:
-        engine.close()
+    _close_alike(engines)
 
 
 def test_close_after_an_interrupted_stage3_forward_gives_back_a_plain_model():
@@ -1078,10 +1083,7 @@ def test_ctrl_c_while_a_delayed_update_lands_is_delivered_after_a_whole_step(
     _train(engines[1], 1, start=3)
     for engine in engines:
         _train(engine, 2, start=4)
-    ours, theirs = (e.full_state_dict() for e in engines)
-    assert all(torch.equal(ours[k], theirs[k]) for k in theirs)
-    for engine in engines:
-        engine.close()
+    _close_alike(engines)
 
 
 def test_the_ctrl_c_tests_pass_with_sigint_ignored_on_entry(tmp_path):
@@ -1347,10 +1349,7 @@ def test_a_stage3_initialize_stopped_in_one_process_gives_the_model_back(where, 
     engines = [_engine(m, 3, precision) for m in (model, reference)]
     for engine in engines:
         _train(engine, 2)
-    ours, theirs = (e.full_state_dict() for e in engines)
-    assert all(torch.equal(ours[k], theirs[k]) for k in theirs)
-    for engine in engines:
-        engine.close()
+    _close_alike(engines)
 
 
 @pytest.mark.parametrize("stage", STAGES)
