@@ -155,6 +155,11 @@ typedef struct {
     bucket_buffer *buffer;
 } gap_filling;
 
+/* the owner's _zero_range took the buffer itself (a call back into
+ * take_late or the sending) before its gaps were all zeroed */
+static const char TAKEN_WHILE_ZEROED[] =
+    "a bucket's buffer was taken while its unwritten ranges were being zeroed";
+
 static int zero_gap(void *ctx, int64_t start, int64_t count)
 {
     gap_filling *filling = ctx;
@@ -170,11 +175,7 @@ static int zero_gap(void *ctx, int64_t start, int64_t count)
         return -1;
     }
     if (!filling->buffer->tensor) {
-        /* the owner's _zero_range took the buffer itself (a call back
-         * into take_late or the sending) before its gaps were all zeroed */
-        PyErr_SetString(PyExc_RuntimeError,
-                        "a bucket's buffer was taken while its unwritten ranges "
-                        "were being zeroed");
+        PyErr_SetString(PyExc_RuntimeError, TAKEN_WHILE_ZEROED);
         return -1;
     }
     PyObject *result = PyObject_CallMethod(filling->owner, "_zero_range", "OLL",
@@ -204,9 +205,7 @@ int send_ready(GradBuckets *self, PyObject *owner, int force)
         }
         PyObject *tensor = buffer->tensor;
         if (!tensor) {  /* taken by a call back from _zero_range */
-            PyErr_SetString(PyExc_RuntimeError,
-                            "a bucket's buffer was taken while its unwritten "
-                            "ranges were being zeroed");
+            PyErr_SetString(PyExc_RuntimeError, TAKEN_WHILE_ZEROED);
             return -1;
         }
         buffer->tensor = NULL;

@@ -9,7 +9,6 @@ import torch
 
 from zero.config._config import DTYPES
 from zero.config._values import require_bool
-from zero.sharding._param_writes import take_in_parameter_writes
 from zero.sharding._step_agreement import agree_on_call
 
 
@@ -255,11 +254,10 @@ class DeepSpeedQueries:
         gathered on every rank; a failed write raises on every rank).
         Returns True."""
         require_bool(exclude_frozen_parameters, "exclude_frozen_parameters")
-        self._check_open()
-        take_in_parameter_writes(self.all_groups, self.call_text("save_16bit_model()"))
         # in the compute dtype unit by unit, and kept by the writing rank
         # alone: the whole fp32 state dict on every rank was 4x the file
-        full = self._gathered_state(self.compute_dtype, keep=self._comm.everyone.rank == 0)
+        full = self._gathered_state("save_16bit_model()", self.compute_dtype,
+                                    keep=self._comm.everyone.rank == 0)
         if exclude_frozen_parameters:
             frozen = {name for name, p in self.module.named_parameters(remove_duplicate=False)
                       if not p.requires_grad}

@@ -94,18 +94,20 @@ class EngineReports:
         memory whatever the model's device; a tensor-parallel parameter
         whole (its tp pieces gathered). A collective: every rank must
         call it."""
-        self._check_open()
-        take_in_parameter_writes(self.all_groups, self.call_text("full_state_dict()"))
-        return self._gathered_state()
+        return self._gathered_state("full_state_dict()")
 
-    def _gathered_state(self, param_dtype=torch.float32, keep: bool = True) -> dict:
-        """full_state_dict's entries, the flat groups' parameters cast to
-        param_dtype as each unit arrives (save_16bit_model's: the compute
-        dtype), so the fp32 values held at once are one unit's, not the
-        whole model's twice over (a 0.97B stage-3 model peaked 7.2 GiB
-        over its 1.8 GiB bf16 file). keep=False: the collectives alone, for
-        a rank that writes nothing ({} returned; with tensor parallelism
-        the pieces are still needed for their gathers)."""
+    def _gathered_state(self, call: str, param_dtype=torch.float32, keep: bool = True) -> dict:
+        """full_state_dict's entries for the engine call `call` (agreed over
+        the ranks first, the writes made to parameters taken in), the flat
+        groups' parameters cast to param_dtype as each unit arrives
+        (save_16bit_model's: the compute dtype), so the fp32 values held at
+        once are one unit's, not the whole model's twice over (a 0.97B
+        stage-3 model peaked 7.2 GiB over its 1.8 GiB bf16 file).
+        keep=False: the collectives alone, for a rank that writes nothing
+        ({} returned; with tensor parallelism the pieces are still needed
+        for their gathers)."""
+        self._check_open()
+        take_in_parameter_writes(self.all_groups, self.call_text(call))
         tp = self._tensor_parallel
         hold = keep or tp is not None
         by_id = {}
